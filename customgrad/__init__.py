@@ -1,0 +1,33 @@
+"""customgrad: custom PyTorch ops with validated, split (input/weight) autograd.
+
+Declare an op with :func:`op`, register its kernels, a fake kernel for ``torch.compile``, a
+``save_for_backward`` function and a backward that returns a dict of gradients by argument name.
+The backward splits into an input part and a weight part, so zero-bubble pipeline schedules run
+it with no work done twice.
+"""
+
+from customgrad._autograd import BackwardContext as BackwardContext
+from customgrad._errors import CustomGradError as CustomGradError
+from customgrad._errors import DefinitionError as DefinitionError
+from customgrad._errors import GradientTypeError as GradientTypeError
+from customgrad._errors import GradientValueError as GradientValueError
+from customgrad._errors import MissingRegistrationError as MissingRegistrationError
+from customgrad._op import BackwardFn as BackwardFn
+from customgrad._op import CustomOp as CustomOp
+from customgrad._op import SaveForBackwardFn as SaveForBackwardFn
+from customgrad._op import op as op
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackwardContext",
+    "BackwardFn",
+    "CustomGradError",
+    "CustomOp",
+    "DefinitionError",
+    "GradientTypeError",
+    "GradientValueError",
+    "MissingRegistrationError",
+    "SaveForBackwardFn",
+    "op",
+]

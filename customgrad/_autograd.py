@@ -1,0 +1,465 @@
+"""Autograd for customgrad ops: one ``torch.autograd.Function`` that knows which pass it is in.
+
+The node's backward asks the autograd engine which of its input edges the running graph task
+will use (``torch._C._will_engine_execute_node``). That is what lets torch's split backward
+(``stage_backward_input`` then ``stage_backward_weight``) run the input half of a customgrad op in
+the first pass and the weight half in the second, with nothing computed twice.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import optree
+import torch
+from torch.autograd.graph import GradientEdge
+
+from customgrad._errors import MissingRegistrationError
+from customgrad._signature import ArgKind, Signature
+from customgrad._validate import Meta, TensorMeta, collect_grads
+
+if TYPE_CHECKING:
+    from customgrad._op import CustomOp
+
+__all__ = [
+    "DEFER_RESOLVERS",
+    "FORWARD_TAG",
+    "BackwardContext",
+    "DeferTarget",
+    "Phase",
+    "apply",
+    "engine_needs",
+]
+
+log = logging.getLogger("customgrad")
+
+Phase = Literal["full", "input", "weight"]
+
+FORWARD_TAG: contextvars.ContextVar[object | None] = contextvars.ContextVar(
+    "customgrad_forward_tag", default=None
+)
+"""Read when a customgrad op runs forward and stored on its autograd node as ``node._cg_tag``."""
+
+
+class DeferTarget(Protocol):
+    """Where a customgrad op puts its weight-gradient work when a resolver asks it to."""
+
+    def defer(self, node: Any, run: Callable[[], None]) -> None: ...
+
+
+DEFER_RESOLVERS: list[Callable[[Any], DeferTarget | None]] = []
+"""Consulted by every customgrad backward; the first target returned gets the weight work."""
+
+_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
+_warned_no_engine_query = False
+
+
+def engine_needs(fn: Any) -> bool:
+    """Whether the running graph task will use the gradient sent along an edge to ``fn``.
+
+    Any error (outside a backward, a leaf captured by ``autograd.grad``) means "needed".
+    """
+    global _warned_no_engine_query
+    if _will_execute is None:
+        if not _warned_no_engine_query:
+            _warned_no_engine_query = True
+            log.warning(
+                "customgrad: this torch has no torch._C._will_engine_execute_node; split "
+                "backward falls back to computing every gradient in every pass."
+            )
+        return True
+    try:
+        return _will_execute(fn)
+    except Exception:
+        return True
+
+
+class BackwardContext:
+    """What a customgrad backward function is told about the running pass.
+
+    Attributes:
+        op: the :class:`~customgrad.CustomOp` whose backward runs.
+        phase: ``"full"`` when every argument that requires grad is needed now, ``"input"``
+            when only non-weight arguments are, ``"weight"`` when only weights are.
+    """
+
+    __slots__ = ("_needed", "op", "phase")
+
+    def __init__(self, op: CustomOp[..., Any], phase: Phase, needed: frozenset[str]) -> None:
+        self.op = op
+        self.phase: Phase = phase
+        self._needed = needed
+
+    def needs_input_grad(self, name: str) -> bool:
+        """True if argument ``name`` requires grad and the engine will use its gradient now."""
+        if name not in self.op._sig.index:
+            raise ValueError(
+                f"{self.op.name}: ctx.needs_input_grad({name!r}): no such argument. "
+                f"Arguments: {', '.join(self.op._sig.names)}."
+            )
+        return name in self._needed
+
+    def __repr__(self) -> str:
+        return (
+            f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
+            f"needed={sorted(self._needed)})"
+        )
+
+
+def _meta(t: object) -> TensorMeta:
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.dtype, t.device)
+    return None
+
+
+def _flatten_args(
+    sig: Signature, args: tuple[Any, ...]
+) -> tuple[tuple[int, ...] | None, list[Any]]:
+    if not sig.has_lists:
+        return None, list(args)
+    lens: list[int] = []
+    flat: list[Any] = []
+    for spec, a in zip(sig.args, args):
+        if spec.kind is ArgKind.TENSOR_LIST:
+            items = list(a)
+            lens.append(len(items))
+            flat.extend(items)
+        else:
+            flat.append(a)
+    return tuple(lens), flat
+
+
+def _unflatten_args(sig: Signature, lens: tuple[int, ...], flat: Sequence[Any]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    pos = 0
+    li = 0
+    for spec in sig.args:
+        if spec.kind is ArgKind.TENSOR_LIST:
+            n = lens[li]
+            li += 1
+            out.append(list(flat[pos : pos + n]))
+            pos += n
+        else:
+            out.append(flat[pos])
+            pos += 1
+    return tuple(out)
+
+
+def _slots(sig: Signature, lens: tuple[int, ...] | None) -> dict[str, tuple[int, int | None]]:
+    """Map each argument name to (first flat position, list length or None)."""
+    if lens is None:
+        return sig.flat_slots
+    slots: dict[str, tuple[int, int | None]] = {}
+    pos = 0
+    li = 0
+    for spec in sig.args:
+        if spec.kind is ArgKind.TENSOR_LIST:
+            slots[spec.name] = (pos, lens[li])
+            pos += lens[li]
+            li += 1
+        else:
+            slots[spec.name] = (pos, None)
+            pos += 1
+    return slots
+
+
+class _CustomGradFunction(torch.autograd.Function):
+    """The autograd node of every customgrad op call (ctx is the node)."""
+
+    @staticmethod
+    def forward(ctx: Any, op: CustomOp[..., Any], call: list[Any], *flat: Any) -> Any:
+        sig = op._sig
+        lens: tuple[int, ...] | None = call[0]
+        args = flat if lens is None else _unflatten_args(sig, lens, flat)
+        with torch._C._AutoDispatchBelowAutograd():
+            out = sig.call(op._opoverload, tuple(args))
+        save_fn = op._save_fn
+        if save_fn is None:  # registrations changed between the check and here
+            raise MissingRegistrationError(op._missing_autograd_message())
+        saved = save_fn(sig.inputs_type(*args), out)
+        leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+        tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        if tensor_idx:
+            ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+            for i in tensor_idx:
+                leaves[i] = None
+        ctx._cg_op = op
+        ctx._cg_lens = lens
+        ctx._cg_saved = (leaves, treespec, tensor_idx)
+        ctx._cg_meta = [_meta(a) for a in flat]
+        ctx._cg_tag = FORWARD_TAG.get()
+
+        if sig.output_is_tuple or sig.output_kinds[0] is ArgKind.TENSOR_LIST:
+            outs = out if sig.output_is_tuple else (out,)
+            flat_out: list[torch.Tensor] = []
+            out_lens: list[int | None] = []
+            for kind, o in zip(sig.output_kinds, outs):
+                if kind is ArgKind.TENSOR_LIST:
+                    out_lens.append(len(o))
+                    flat_out.extend(o)
+                else:
+                    out_lens.append(None)
+                    flat_out.append(o)
+            ctx._cg_out_lens = out_lens
+            call[1] = out_lens
+            _mark_outputs(ctx, sig, out_lens, flat_out)
+            return tuple(flat_out)
+        ctx._cg_out_lens = None
+        if sig.output_differentiability is not None and not sig.output_differentiability[0]:
+            ctx.mark_non_differentiable(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return _backward(ctx, grads)
+
+
+def _mark_outputs(
+    ctx: Any, sig: Signature, out_lens: list[int | None], flat_out: list[torch.Tensor]
+) -> None:
+    diff = sig.output_differentiability
+    if diff is None:
+        return
+    pos = 0
+    marked: list[torch.Tensor] = []
+    for d, n in zip(diff, out_lens):
+        k = 1 if n is None else n
+        if not d:
+            marked.extend(flat_out[pos : pos + k])
+        pos += k
+    if marked:
+        ctx.mark_non_differentiable(*marked)
+
+
+def _regroup_grads(
+    sig: Signature, out_lens: list[int | None] | None, grads: tuple[Any, ...]
+) -> Any:
+    if out_lens is None:
+        return grads
+    out: list[Any] = []
+    pos = 0
+    for n in out_lens:
+        if n is None:
+            out.append(grads[pos])
+            pos += 1
+        else:
+            out.append(list(grads[pos : pos + n]))
+            pos += n
+    return tuple(out)
+
+
+def _restore_saved(ctx: Any) -> Any:
+    leaves, treespec, tensor_idx = ctx._cg_saved
+    if tensor_idx:
+        leaves = list(leaves)
+        for i, t in zip(tensor_idx, ctx.saved_tensors):
+            leaves[i] = t
+    return optree.tree_unflatten(treespec, leaves)
+
+
+def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    op: CustomOp[..., Any] = ctx._cg_op
+    sig = op._sig
+    lens = ctx._cg_lens
+    metas_flat: list[TensorMeta] = ctx._cg_meta
+    slots = _slots(sig, lens)
+    req = ctx.needs_input_grad  # (op, call, *flat)
+    next_fns = ctx.next_functions
+
+    # Which tensor arguments require grad, and which of those the engine needs now.
+    edge_of: list[int] = []
+    e = 0
+    for m in metas_flat:
+        edge_of.append(e)
+        if m is not None:
+            e += 1
+    requires: set[str] = set()
+    needed: set[str] = set()
+    for name in sig.tensor_names:
+        start, n = slots[name]
+        for j in range(start, start + (1 if n is None else n)):
+            if req[j + 2]:
+                requires.add(name)
+                if engine_needs(next_fns[edge_of[j]][0]):
+                    needed.add(name)
+                    break
+
+    out_grads = _regroup_grads(sig, ctx._cg_out_lens, grads)
+    result: dict[str, Any] = {}
+    target = _resolve_defer(ctx) if DEFER_RESOLVERS else None
+    deferred_weights = frozenset(requires & sig.weight_set) if target is not None else frozenset()
+    if deferred_weights:
+        needed -= deferred_weights
+    if needed:
+        saved = _restore_saved(ctx)
+        metas = _metas_by_name(sig, slots, metas_flat)
+        result = _run_halves(op, frozenset(requires), frozenset(needed), saved, out_grads, metas)
+    if deferred_weights and target is not None:
+        saved = _restore_saved(ctx)
+        metas = _metas_by_name(sig, slots, metas_flat)
+        target.defer(ctx, _deferred_runner(ctx, op, deferred_weights, saved, out_grads, metas))
+
+    flat_grads: list[Any] = [None] * (len(metas_flat) + 2)
+    for name, g in result.items():
+        start, n = slots[name]
+        if n is None:
+            if req[start + 2]:
+                flat_grads[start + 2] = g
+        elif g is not None:
+            for i, gi in enumerate(g):
+                if req[start + i + 2]:
+                    flat_grads[start + i + 2] = gi
+    return tuple(flat_grads)
+
+
+def _metas_by_name(
+    sig: Signature, slots: dict[str, tuple[int, int | None]], metas_flat: list[TensorMeta]
+) -> dict[str, Meta]:
+    metas: dict[str, Meta] = {}
+    for name in sig.tensor_names:
+        start, n = slots[name]
+        metas[name] = metas_flat[start] if n is None else list(metas_flat[start : start + n])
+    return metas
+
+
+def _phase(op: CustomOp[..., Any], requires: frozenset[str], needed: frozenset[str]) -> Phase:
+    if needed >= requires:
+        return "full"
+    weights = op._sig.weight_set
+    if not (needed & weights):
+        return "input"
+    if needed <= weights:
+        return "weight"
+    return "full"
+
+
+def _run_halves(
+    op: CustomOp[..., Any],
+    requires: frozenset[str],
+    needed: frozenset[str],
+    saved: Any,
+    out_grads: tuple[Any, ...],
+    metas: dict[str, Meta],
+) -> dict[str, Any]:
+    sig = op._sig
+    phase = _phase(op, requires, needed)
+    if op._backward_fn is not None:
+        fn = op._backward_fn
+        ctx = BackwardContext(op, phase, needed)
+        return collect_grads(
+            sig, "full", fn, fn(ctx, saved, *out_grads), sig.tensor_set, needed, metas
+        )
+    bwd_in, bwd_w = op._backward_input_fn, op._backward_weight_fn
+    if bwd_in is None or bwd_w is None:
+        raise MissingRegistrationError(op._missing_autograd_message())
+    result: dict[str, Any] = {}
+    need_in = needed - sig.weight_set
+    need_w = needed & sig.weight_set
+    if need_in:
+        ctx = BackwardContext(op, phase, needed)
+        result.update(
+            collect_grads(
+                sig,
+                "input",
+                bwd_in,
+                bwd_in(ctx, saved, *out_grads),
+                sig.input_set,
+                need_in,
+                metas,
+            )
+        )
+    if need_w:
+        ctx = BackwardContext(op, phase, needed)
+        result.update(
+            collect_grads(
+                sig,
+                "weight",
+                bwd_w,
+                bwd_w(ctx, saved, *out_grads),
+                sig.weight_set,
+                need_w,
+                metas,
+            )
+        )
+    return result
+
+
+def _resolve_defer(node: Any) -> DeferTarget | None:
+    for resolve in DEFER_RESOLVERS:
+        target = resolve(node)
+        if target is not None:
+            return target
+    return None
+
+
+def _deferred_runner(
+    node: Any,
+    op: CustomOp[..., Any],
+    weights: frozenset[str],
+    saved: Any,
+    out_grads: tuple[Any, ...],
+    metas: dict[str, Meta],
+) -> Callable[[], None]:
+    """Weight work for later: compute the weight half, then send it along the weight edges."""
+    sig = op._sig
+    slots = _slots(sig, node._cg_lens)
+    edge_of: list[int] = []
+    e = 0
+    for m in node._cg_meta:
+        edge_of.append(e)
+        if m is not None:
+            e += 1
+    edges: list[tuple[str, int | None, Any, int]] = []
+    req = node.needs_input_grad
+    for name in sorted(weights, key=sig.index.__getitem__):
+        start, n = slots[name]
+        for i in range(1 if n is None else n):
+            j = start + i
+            if req[j + 2]:
+                fn, idx = node.next_functions[edge_of[j]]
+                edges.append((name, None if n is None else i, fn, idx))
+
+    def run() -> None:
+        grads = _run_halves(op, weights, weights, saved, out_grads, metas)
+        roots: list[GradientEdge] = []
+        values: list[torch.Tensor] = []
+        for name, i, fn, idx in edges:
+            g = grads.get(name)
+            if i is not None and g is not None:
+                g = g[i]
+            if g is not None and fn is not None:
+                roots.append(GradientEdge(fn, idx))
+                values.append(g)
+        if roots:
+            torch.autograd.backward(roots, grad_tensors=values)
+
+    return run
+
+
+def apply(op: CustomOp[..., Any], args: tuple[Any, ...]) -> Any:
+    """Run ``op`` under autograd with schema-ordered ``args``; return what the op returns."""
+    sig = op._sig
+    if op._save_fn is None or (
+        op._backward_fn is None
+        and (op._backward_input_fn is None or op._backward_weight_fn is None)
+    ):
+        raise MissingRegistrationError(op._missing_autograd_message())
+    lens, flat = _flatten_args(sig, args)
+    call: list[Any] = [lens, None]
+    out = _CustomGradFunction.apply(op, call, *flat)  # type: ignore[no-untyped-call]
+    if sig.output_is_tuple:
+        return _regroup_outputs(sig, out, call[1])
+    if sig.output_kinds[0] is ArgKind.TENSOR_LIST:
+        return list(out)
+    return out
+
+
+def _regroup_outputs(
+    sig: Signature, flat: tuple[torch.Tensor, ...], out_lens: list[int | None] | None
+) -> tuple[Any, ...]:
+    if out_lens is None or all(n is None for n in out_lens):
+        return tuple(flat)
+    return tuple(_regroup_grads(sig, out_lens, flat))

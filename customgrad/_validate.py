@@ -1,0 +1,176 @@
+"""Validation of what a user's backward returns: a dict of gradients keyed by argument name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, TypeAlias
+
+import torch
+
+from customgrad._errors import GradientTypeError, GradientValueError, where
+from customgrad._signature import ArgKind, Signature
+
+__all__ = ["Meta", "TensorMeta", "collect_grads", "describe"]
+
+TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
+Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
+
+HALF_NAMES = {
+    "full": "backward",
+    "input": "backward_input",
+    "weight": "backward_weight",
+}
+
+
+def describe(value: object) -> str:
+    """A short description of a value for error messages."""
+    if isinstance(value, torch.Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype}, device {value.device}"
+    if value is None:
+        return "None"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _check_tensor(
+    sig: Signature,
+    label: str,
+    where_: str,
+    name: str,
+    index: int | None,
+    grad: object,
+    meta: TensorMeta,
+) -> None:
+    arg = f"'{name}'" if index is None else f"'{name}'[{index}]"
+    if grad is None:
+        return
+    if not isinstance(grad, torch.Tensor):
+        raise GradientTypeError(
+            f"{sig.qualname}: {label} returned {describe(grad)} as the gradient for {arg}. "
+            f"Return a Tensor or None. ({label} defined at {where_})"
+        )
+    if meta is None:
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned a gradient for {arg}, but that input was None. "
+            f"Return None for it. ({label} defined at {where_})"
+        )
+    shape, dtype, device = meta
+    if grad.shape != shape:
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned a gradient for {arg} of shape "
+            f"{tuple(grad.shape)}, but the input has shape {tuple(shape)}. Return a tensor of the "
+            f"input's shape, or None. ({label} defined at {where_})"
+        )
+    if grad.dtype != dtype:
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned a gradient for {arg} of dtype {grad.dtype}, but "
+            f"the input has dtype {dtype}. Cast it explicitly (e.g. grad.to({dtype})); customgrad "
+            f"never casts silently. ({label} defined at {where_})"
+        )
+    if grad.device != device:
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned a gradient for {arg} on device {grad.device}, but "
+            f"the input is on {device}. Return it on the input's device. "
+            f"({label} defined at {where_})"
+        )
+
+
+def collect_grads(
+    sig: Signature,
+    half: str,
+    fn: Callable[..., Any],
+    result: object,
+    allowed: frozenset[str],
+    needed: frozenset[str] | set[str],
+    metas: Mapping[str, Meta],
+) -> dict[str, Any]:
+    """Validate ``result`` and return the gradients of the ``needed`` arguments.
+
+    Args:
+        sig: the op's signature.
+        half: ``"full"``, ``"input"`` or ``"weight"``: which registered function ran.
+        fn: that function, for the error location.
+        result: what it returned.
+        allowed: argument names it may return.
+        needed: argument names whose gradient the running pass needs.
+        metas: shape, dtype and device of each Tensor argument (a list for list arguments).
+
+    Raises:
+        GradientTypeError: for a wrong kind of value.
+        GradientValueError: for wrong keys, shapes, dtypes, devices or list lengths.
+    """
+    label = HALF_NAMES[half]
+    if not isinstance(result, dict):
+        raise GradientTypeError(
+            f"{sig.qualname}: {label} must return a dict of gradients keyed by argument name, "
+            f"e.g. {{'x': grad_x}}, but returned {describe(result)}. "
+            f"({label} defined at {where(fn)})"
+        )
+    out: dict[str, Any] = {}
+    for name, grad in result.items():
+        if name not in allowed:
+            _raise_bad_key(sig, label, fn, name, allowed)
+        meta = metas[name]
+        if isinstance(meta, list):
+            if grad is None:
+                if name in needed:
+                    out[name] = None
+                continue
+            if not isinstance(grad, (list, tuple)):
+                raise GradientTypeError(
+                    f"{sig.qualname}: {label} returned {describe(grad)} as the gradient for "
+                    f"'{name}', a list[Tensor] argument. Return a list with one Tensor or None per "
+                    f"item. ({label} defined at {where(fn)})"
+                )
+            if len(grad) != len(meta):
+                raise GradientValueError(
+                    f"{sig.qualname}: {label} returned {len(grad)} gradients for '{name}', but the "
+                    f"input list has {len(meta)} items. Return one Tensor or None per item. "
+                    f"({label} defined at {where(fn)})"
+                )
+            for i, (g, m) in enumerate(zip(grad, meta)):
+                _check_tensor(sig, label, where(fn), name, i, g, m)
+        else:
+            _check_tensor(sig, label, where(fn), name, None, grad, meta)
+        if name in needed:
+            out[name] = grad
+    if len(out) != len(needed):
+        missing = [n for n in sig.names if n in needed and n not in out]
+        listed = ", ".join(repr(n) for n in missing)
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned no gradient for {listed}, which this backward pass "
+            f"needs. Add {'them' if len(missing) > 1 else 'it'} to the dict (use None for a zero "
+            f"gradient), or check ctx.needs_input_grad(name). Returned keys: "
+            f"{sorted(result)}. ({label} defined at {where(fn)})"
+        )
+    return out
+
+
+def _raise_bad_key(
+    sig: Signature, label: str, fn: Callable[..., Any], name: object, allowed: frozenset[str]
+) -> None:
+    loc = f"({label} defined at {where(fn)})"
+    valid = ", ".join(repr(n) for n in sig.names if n in allowed)
+    if not isinstance(name, str) or name not in sig.index:
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned a gradient for unknown argument {name!r}. "
+            f"Valid keys: {valid}. {loc}"
+        )
+    arg = sig.args[sig.index[name]]
+    if arg.kind is ArgKind.OTHER:
+        raise GradientTypeError(
+            f"{sig.qualname}: {label} returned a gradient for '{name}', a {arg.type_str} "
+            f"argument; only Tensor arguments take gradients. Remove the key. {loc}"
+        )
+    if label == "backward_input":
+        raise GradientValueError(
+            f"{sig.qualname}: backward_input returned a gradient for weight '{name}'. Weight "
+            f"gradients belong in register_backward_weight; return only {valid}. {loc}"
+        )
+    raise GradientValueError(
+        f"{sig.qualname}: backward_weight returned a gradient for '{name}', which is not a "
+        f"weight (weights={sig.weights!r}). Input gradients belong in register_backward_input; "
+        f"return only {valid}. {loc}"
+    )

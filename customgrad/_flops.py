@@ -1,0 +1,66 @@
+"""Count FLOPs with torch's formulas, without breaking autograd.
+
+:class:`torch.utils.flop_counter.FlopCounterMode` tracks modules and, entered before a
+forward, can get in the way of ``torch.autograd.grad`` on leaves. customgrad only needs the
+numbers, so this is a small dispatch mode over the same formula table
+(``torch.utils.flop_counter.flop_registry``). Ops without a formula (opaque kernels: Triton,
+other custom ops) count zero, which is why callers also count backward calls.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["FlopCounter"]
+
+
+class FlopCounter(TorchDispatchMode):
+    """A dispatch mode that adds up FLOPs, attributed to ``self.key`` at the time of the call.
+
+    Attributes:
+        total: FLOPs counted since the mode was created.
+        by_key: FLOPs per key; set :attr:`key` to attribute what follows to something else.
+        key: what the next FLOPs are attributed to (``None`` by default).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.total = 0
+        self.by_key: Counter[Hashable] = Counter()
+        self.key: Hashable = None
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs or {})
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+        if formula is not None:
+            flops = int(formula(*args, **kwargs, out_val=out))
+            self.total += flops
+            self.by_key[self.key] += flops
+        return out
+
+
+def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+    """Call ``fn(*args, **kwargs)`` and return its result and the FLOPs it did.
+
+    Example:
+        >>> import torch
+        >>> a = torch.ones(2, 3)
+        >>> _, flops = count_flops(torch.mm, a, a.mT)
+        >>> flops
+        24
+    """
+    with FlopCounter() as counter:
+        out = fn(*args, **kwargs)
+    return out, counter.total

@@ -1,0 +1,544 @@
+"""Explain how a stage's backward splits into an input pass (I) and a weight pass (W), and draw it.
+
+:func:`explain_split` runs the backward of a stage three ways on the same graph, watching every
+autograd node: once in full, then split the way pipeline schedules split it (I with
+``stage_backward_input``, then W with ``stage_backward_weight``). For every node it reports in
+which pass it ran and the FLOPs it did in each (counted with torch's formulas), and it names the
+nodes that **compute twice**: plain ``torch.autograd.Function``\\ s and ``torch.library.custom_op``\\ s
+run their whole backward in both passes, and any node whose I and W FLOPs add up to more than
+its full-backward FLOPs.
+
+Reading the report:
+
+- ``I``: the node ran in the input pass only; ``W``: in the weight pass only;
+- ``I+W``: it ran in both; fine for native nodes and customgrad ops, which compute only what the
+  pass needs, and flagged ``TWICE`` for nodes that cannot (or measurably did not);
+- FLOPs done outside any node (customgrad's deferred weight work) are listed on their own line.
+"""
+
+from __future__ import annotations
+
+import collections
+import html
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch.autograd.graph import Node
+
+from customgrad._flops import FlopCounter
+
+__all__ = ["NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
+
+NodeKind = Literal["customgrad", "native", "function", "custom_op", "input", "weight", "leaf"]
+"""What an autograd node is: a customgrad op, a native (C++) node, a plain
+``autograd.Function``, a ``torch.library.custom_op``, the leaf of a stage input or weight, or
+another leaf."""
+
+_PHASES = ("full", "input", "weight")
+
+_COLORS = {
+    "input": "#9ecae1",
+    "weight": "#a1d99b",
+    "both": "#fdd49e",
+    "twice": "#fb6a4a",
+    "none": "#e0e0e0",
+}
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One node of the stage's autograd graph and what it did in each pass.
+
+    Attributes:
+        label: a readable name, e.g. ``"mylib::linear"``, ``"MyFn (autograd.Function)"``,
+            ``"AddmmBackward0"``; repeated names get ``#2``, ``#3``, ...
+        kind: see :data:`NodeKind`.
+        phases: the passes of the split it ran in, a subset of ``{"input", "weight"}``.
+        flops: FLOPs it did in the ``"full"`` backward and in the ``"input"`` and ``"weight"``
+            passes.
+        depth: distance from the stage outputs (0 for the node that produced an output).
+        computes_twice: it ran in both passes and cannot restrict itself to what each pass
+            needs (a plain ``autograd.Function`` or ``custom_op``), or its I and W FLOPs add up
+            to more than its full FLOPs.
+    """
+
+    label: str
+    kind: NodeKind
+    phases: frozenset[str]
+    flops: dict[str, int]
+    depth: int
+    computes_twice: bool
+
+    @property
+    def repeated_flops(self) -> int:
+        """FLOPs done in I and W beyond those of the full backward (0 when none)."""
+        return max(0, self.flops["input"] + self.flops["weight"] - self.flops["full"])
+
+    @property
+    def runs_in(self) -> str:
+        """``"I"``, ``"W"``, ``"I+W"`` or ``"-"`` (did not run)."""
+        return {
+            frozenset(): "-",
+            frozenset({"input"}): "I",
+            frozenset({"weight"}): "W",
+        }.get(self.phases, "I+W")
+
+    @property
+    def color_key(self) -> str:
+        if self.computes_twice:
+            return "twice"
+        return {"-": "none", "I": "input", "W": "weight"}.get(self.runs_in, "both")
+
+
+@dataclass
+class SplitExplanation:
+    """What :func:`explain_split` found. ``str()`` gives a table; see also :meth:`to_dot` and
+    :meth:`draw`.
+
+    Attributes:
+        nodes: every node of the graph, outputs first.
+        edges: ``(i, j)`` pairs: node ``i`` sends a gradient to node ``j``.
+        flops: total FLOPs of the ``"full"`` backward and of the ``"input"`` and ``"weight"``
+            passes, including work done outside any node.
+        outside_flops: per pass, FLOPs done outside any node of the graph (customgrad's
+            deferred weight work runs there).
+        splitter: the module whose ``stage_backward_input``/``stage_backward_weight`` ran.
+    """
+
+    nodes: list[NodeInfo]
+    edges: list[tuple[int, int]]
+    flops: dict[str, int]
+    outside_flops: dict[str, int] = field(default_factory=dict)
+    splitter: str = ""
+
+    @property
+    def input_only(self) -> list[NodeInfo]:
+        """Nodes that ran in the input pass only."""
+        return [n for n in self.nodes if n.runs_in == "I"]
+
+    @property
+    def weight_only(self) -> list[NodeInfo]:
+        """Nodes that ran in the weight pass only."""
+        return [n for n in self.nodes if n.runs_in == "W"]
+
+    @property
+    def both(self) -> list[NodeInfo]:
+        """Nodes that ran in both passes."""
+        return [n for n in self.nodes if n.runs_in == "I+W"]
+
+    @property
+    def computes_twice(self) -> list[NodeInfo]:
+        """Nodes that compute (some of) their backward in both passes."""
+        return [n for n in self.nodes if n.computes_twice]
+
+    @property
+    def repeated_flops(self) -> int:
+        """FLOPs of I + W beyond those of the full backward, over the whole stage."""
+        return max(0, self.flops["input"] + self.flops["weight"] - self.flops["full"])
+
+    def __str__(self) -> str:
+        header = ("node", "kind", "runs in", "full", "I", "W", "repeated")
+        rows: list[tuple[str, ...]] = [
+            (
+                n.label,
+                n.kind,
+                n.runs_in,
+                str(n.flops["full"]),
+                str(n.flops["input"]),
+                str(n.flops["weight"]),
+                (f"{n.repeated_flops} TWICE" if n.computes_twice else str(n.repeated_flops)),
+            )
+            for n in self.nodes
+        ]
+        if any(self.outside_flops.values()):
+            o = self.outside_flops
+            rows.append(
+                ("(outside nodes)", "deferred", "", str(o["full"]), str(o["input"]),
+                 str(o["weight"]), "")
+            )  # fmt: skip
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+        def fmt(r: Sequence[str]) -> str:
+            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2])]
+            cells += [c.rjust(w) for c, w in zip(r[3:], widths[3:])]
+            return "  " + "  ".join(cells).rstrip()
+
+        f = self.flops
+        lines = [
+            f"Split backward of a stage ({len(self.nodes)} autograd nodes; split by "
+            f"{self.splitter}; FLOPs by torch's formulas)",
+            fmt(header),
+            *(fmt(r) for r in rows),
+            f"FLOPs: full backward {f['full']}, input pass {f['input']}, weight pass "
+            f"{f['weight']}, repeated {self.repeated_flops}.",
+        ]
+        twice = self.computes_twice
+        if twice:
+            lines.append("Computes twice (runs its whole backward in both I and W):")
+            for n in twice:
+                lines.append(f"  - {n.label} ({n.kind}): {n.repeated_flops} FLOPs repeated")
+            lines.append(
+                "  Make them customgrad ops (register_backward_input/_weight) so each pass "
+                "computes only its own gradients."
+            )
+        else:
+            lines.append("Nothing computes twice.")
+        return "\n".join(lines)
+
+    def to_dot(self) -> str:
+        """The graph in Graphviz DOT: nodes colored by pass, edges in the gradient's direction.
+
+        Returns:
+            DOT source; render it with ``dot -Tsvg`` where Graphviz is installed, or use
+            :meth:`draw`, which needs only matplotlib.
+        """
+        lines = [
+            "digraph split {",
+            "  rankdir=TB;",
+            '  node [shape=box, style="rounded,filled", fontname="Helvetica"];',
+        ]
+        for i, n in enumerate(self.nodes):
+            label = f"{n.label}\\n{n.kind} · {n.runs_in}"
+            if n.computes_twice:
+                label += f"\\nTWICE ({n.repeated_flops} FLOPs repeated)"
+            label = label.replace('"', '\\"')
+            lines.append(f'  n{i} [label="{label}", fillcolor="{_COLORS[n.color_key]}"];')
+        for a, b in self.edges:
+            lines.append(f"  n{a} -> n{b};")
+        lines.append("}")
+        return "\n".join(lines)
+
+    def draw(self, path: str | Path) -> Path:
+        """Draw the graph to a PNG or SVG file, laid out in layers by depth (matplotlib only).
+
+        Args:
+            path: where to write; the suffix picks the format (``.png`` or ``.svg``).
+
+        Returns:
+            The path written.
+
+        Raises:
+            ValueError: the suffix is neither ``.png`` nor ``.svg``.
+        """
+        path = Path(path)
+        fmt = path.suffix.lower().lstrip(".")
+        if fmt not in ("png", "svg"):
+            raise ValueError(
+                f"explain_split(...).draw({str(path)!r}): cannot tell the format from the "
+                f"suffix {path.suffix!r}. Use a path ending in .png or .svg."
+            )
+        from matplotlib.figure import Figure
+        from matplotlib.patches import FancyBboxPatch, Patch
+
+        layers: dict[int, list[int]] = collections.defaultdict(list)
+        for i, n in enumerate(self.nodes):
+            layers[n.depth].append(i)
+        n_rows = max(layers) + 1 if layers else 1
+        n_cols = max((len(v) for v in layers.values()), default=1)
+        box_w, box_h, gap_x, gap_y = 2.6, 0.7, 0.4, 0.6
+        pos: dict[int, tuple[float, float]] = {}
+        for depth, idxs in layers.items():
+            row_w = len(idxs) * box_w + (len(idxs) - 1) * gap_x
+            x0 = (n_cols * (box_w + gap_x) - gap_x - row_w) / 2
+            for k, i in enumerate(idxs):
+                pos[i] = (x0 + k * (box_w + gap_x) + box_w / 2, -depth * (box_h + gap_y))
+
+        width = max(6.0, n_cols * (box_w + gap_x))
+        height = max(3.0, n_rows * (box_h + gap_y) + 1.2)
+        fig = Figure(figsize=(width, height))
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        for a, b in self.edges:
+            (xa, ya), (xb, yb) = pos[a], pos[b]
+            ax.annotate(
+                "",
+                xy=(xb, yb + box_h / 2),
+                xytext=(xa, ya - box_h / 2),
+                arrowprops={"arrowstyle": "->", "color": "#555555", "lw": 1},
+            )
+        for i, n in enumerate(self.nodes):
+            x, y = pos[i]
+            ax.add_patch(
+                FancyBboxPatch(
+                    (x - box_w / 2, y - box_h / 2),
+                    box_w,
+                    box_h,
+                    boxstyle="round,pad=0.02,rounding_size=0.1",
+                    facecolor=_COLORS[n.color_key],
+                    edgecolor="#333333",
+                )
+            )
+            text = f"{_shorten(n.label, 30)}\n{n.kind} · {n.runs_in}"
+            if n.computes_twice:
+                text += f" · TWICE ({n.repeated_flops} FLOPs)"
+            ax.text(x, y, text, ha="center", va="center", fontsize=7)
+        ax.set_xlim(-gap_x, n_cols * (box_w + gap_x))
+        ax.set_ylim(-(n_rows - 1) * (box_h + gap_y) - box_h, box_h + 0.2)
+        legend = [
+            Patch(facecolor=_COLORS["input"], label="input pass only"),
+            Patch(facecolor=_COLORS["weight"], label="weight pass only"),
+            Patch(facecolor=_COLORS["both"], label="both, split"),
+            Patch(facecolor=_COLORS["twice"], label="both, computes twice"),
+            Patch(facecolor=_COLORS["none"], label="did not run"),
+        ]
+        ax.legend(handles=legend, loc="lower center", ncol=5, fontsize=7, frameon=False,
+                  bbox_to_anchor=(0.5, -0.08))  # fmt: skip
+        f = self.flops
+        ax.set_title(
+            f"FLOPs: full {f['full']}, I {f['input']}, W {f['weight']}, "
+            f"repeated {self.repeated_flops}",
+            fontsize=9,
+        )
+        fig.savefig(path, format=fmt, bbox_inches="tight")
+        return path
+
+    def _repr_html_(self) -> str:
+        return f"<pre>{html.escape(str(self))}</pre>"
+
+
+def _shorten(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
+    op = getattr(node, "_cg_op", None)
+    if op is not None:
+        return "customgrad", str(op.name)
+    cls = getattr(node, "_forward_cls", None)
+    if cls is None:
+        return "native", node.name()
+    if cls.__module__ == "torch._library.autograd":
+        for cell in getattr(cls.forward, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if isinstance(value, torch._ops.OpOverload):
+                return "custom_op", str(value._schema.name)
+        return "custom_op", cls.__name__.removeprefix("GeneratedBackwardFor_")
+    return "function", f"{cls.__qualname__} (autograd.Function)"
+
+
+def _grad_node(t: torch.Tensor) -> Node | None:
+    """The node that receives ``t``'s gradient (its grad_fn, or the leaf's accumulator)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if t.requires_grad:
+        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
+    return None
+
+
+def _splitter(name: str | None) -> tuple[str, Any, Any]:
+    if name in (None, "customgrad"):
+        try:
+            from customgrad import pipelining
+
+            return (
+                "customgrad.pipelining",
+                pipelining.stage_backward_input,
+                pipelining.stage_backward_weight,
+            )
+        except (ImportError, AttributeError):
+            if name == "customgrad":
+                raise
+    if name not in (None, "torch"):
+        raise ValueError(
+            f"explain_split: unknown splitter {name!r}. Use 'customgrad' or 'torch' (or None "
+            f"for customgrad's when available)."
+        )
+    from torch.distributed.pipelining import _backward
+
+    return (
+        "torch.distributed.pipelining",
+        _backward.stage_backward_input,
+        _backward.stage_backward_weight,
+    )
+
+
+def explain_split(
+    outputs: torch.Tensor | Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    weights: Iterable[torch.Tensor]
+    | Iterable[tuple[str, torch.Tensor]]
+    | Mapping[str, torch.Tensor],
+    grad_outputs: Sequence[torch.Tensor] | None = None,
+    *,
+    splitter: Literal["customgrad", "torch"] | None = None,
+) -> SplitExplanation:
+    """Explain how a stage's backward splits into the input pass (I) and the weight pass (W).
+
+    Runs the backward three times on the same graph: in full, then I, then W (``.grad`` of
+    ``inputs`` and ``weights`` is restored afterwards), and watches every autograd node. The
+    graph is used up the way a training step uses it; run the forward again to train.
+
+    Args:
+        outputs: the stage outputs (or the loss of the last stage).
+        inputs: the stage inputs, usually leaves that require grad.
+        weights: the stage parameters, e.g. ``module.parameters()``; give
+            ``module.named_parameters()`` (or a dict) to see their names in the report.
+        grad_outputs: gradients of ``outputs`` (ones when omitted).
+        splitter: whose ``stage_backward_input``/``stage_backward_weight`` to run:
+            ``"customgrad"`` (:mod:`customgrad.pipelining`) or ``"torch"``
+            (``torch.distributed.pipelining``). By default customgrad's when it is available.
+
+    Returns:
+        A :class:`SplitExplanation`.
+
+    Example:
+        >>> import torch
+        >>> from customgrad.graph import explain_split
+        >>> class Twice(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x, w):
+        ...         ctx.save_for_backward(x, w)
+        ...         return x @ w
+        ...     @staticmethod
+        ...     def backward(ctx, g):
+        ...         x, w = ctx.saved_tensors
+        ...         return g @ w.T, x.T @ g
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> w = torch.randn(3, 3, requires_grad=True)
+        >>> report = explain_split(Twice.apply(x, w), [x], [w], splitter="torch")
+        >>> [n.label for n in report.computes_twice]
+        ['Twice (autograd.Function)']
+        >>> report.repeated_flops
+        72
+    """
+    outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    inputs = list(inputs)
+    weights, names = _named(weights)
+    keep = [i for i, o in enumerate(outs) if o.requires_grad]
+    outs = [outs[i] for i in keep]
+    if grad_outputs is None:
+        gouts = [torch.ones_like(o) for o in outs]
+    else:
+        gouts = [list(grad_outputs)[i] for i in keep]
+    splitter_name, backward_input, backward_weight = _splitter(splitter)
+
+    # The graph, outputs first.
+    roots = [n for n in (_grad_node(o) for o in outs) if n is not None]
+    order: list[Node] = []
+    index: dict[Node, int] = {}
+    queue = collections.deque(roots)
+    for r in roots:
+        index.setdefault(r, len(index))
+    while queue:
+        node = queue.popleft()
+        order.append(node)
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in index:
+                index[nxt] = len(index)
+                queue.append(nxt)
+    order.sort(key=index.__getitem__)
+    edges = [
+        (index[n], index[nxt]) for n in order for nxt, _ in n.next_functions if nxt is not None
+    ]
+    depth = _depths(len(order), [index[r] for r in roots], edges)
+
+    # Watch every node: which pass it runs in, and the FLOPs done while it runs.
+    phase_of = {"phase": "full"}
+    ran: dict[str, set[int]] = {p: set() for p in _PHASES}
+    counters = {p: FlopCounter() for p in _PHASES}
+    handles: list[Any] = []
+    for i, node in enumerate(order):
+
+        def pre(grad_outputs: Any, i: int = i) -> None:
+            ran[phase_of["phase"]].add(i)
+            counters[phase_of["phase"]].key = i
+
+        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+            counters[phase_of["phase"]].key = None
+
+        handles.append(node.register_prehook(pre))
+        handles.append(node.register_hook(post))
+
+    leaves = [t for t in [*inputs, *weights] if isinstance(t, torch.Tensor)]
+    grads_before = [t.grad for t in leaves]
+    try:
+        with counters["full"]:
+            wanted = [t for t in leaves if t.requires_grad]
+            if outs and wanted:
+                torch.autograd.grad(outs, wanted, gouts, retain_graph=True, allow_unused=True)
+        phase_of["phase"] = "input"
+        with counters["input"]:
+            _, param_groups = backward_input(
+                [o.clone() for o in outs], gouts, inputs, iter(weights)
+            )
+        phase_of["phase"] = "weight"
+        with counters["weight"]:
+            backward_weight(iter(weights), param_groups)
+    finally:
+        for h in handles:
+            h.remove()
+        for t, g in zip(leaves, grads_before):
+            t.grad = g
+
+    input_ids = {id(t) for t in inputs}
+    weight_ids = {id(t) for t in weights}
+    nodes: list[NodeInfo] = []
+    seen: collections.Counter[str] = collections.Counter()
+    for i, node in enumerate(order):
+        flops = {p: int(counters[p].by_key.get(i, 0)) for p in _PHASES}
+        phases = frozenset(p for p in ("input", "weight") if i in ran[p])
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):  # a leaf's gradient accumulator
+            kind: NodeKind = "leaf"
+            phases = frozenset()
+            if id(variable) in input_ids:
+                kind, phases = "input", frozenset({"input"})
+            elif id(variable) in weight_ids:
+                kind, phases = "weight", frozenset({"weight"})
+            label = names.get(id(variable), f"{kind} {tuple(variable.shape)}")
+            twice = False
+        else:
+            kind, label = _node_kind_and_label(node)
+            both = phases == frozenset({"input", "weight"})
+            repeated = flops["input"] + flops["weight"] > flops["full"]
+            twice = both and (kind in ("function", "custom_op") or repeated)
+        seen[label] += 1
+        if seen[label] > 1:
+            label = f"{label} #{seen[label]}"
+        nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice))
+    totals = {p: counters[p].total for p in _PHASES}
+    outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
+    return SplitExplanation(nodes, edges, totals, outside, splitter_name)
+
+
+def _named(
+    weights: Iterable[torch.Tensor]
+    | Iterable[tuple[str, torch.Tensor]]
+    | Mapping[str, torch.Tensor],
+) -> tuple[list[torch.Tensor], dict[int, str]]:
+    items: list[Any] = list(weights.items() if isinstance(weights, Mapping) else weights)
+    tensors: list[torch.Tensor] = []
+    names: dict[int, str] = {}
+    for item in items:
+        if isinstance(item, tuple):
+            name, t = item
+            names[id(t)] = name
+        else:
+            t = item
+        tensors.append(t)
+    return tensors, names
+
+
+def _depths(n: int, roots: list[int], edges: list[tuple[int, int]]) -> list[int]:
+    """Longest distance from a root, so every edge points to a deeper layer."""
+    children: dict[int, list[int]] = collections.defaultdict(list)
+    indegree = [0] * n
+    for a, b in edges:
+        children[a].append(b)
+        indegree[b] += 1
+    depth = [0] * n
+    ready = collections.deque(i for i in range(n) if indegree[i] == 0)
+    while ready:
+        a = ready.popleft()
+        for b in children[a]:
+            depth[b] = max(depth[b], depth[a] + 1)
+            indegree[b] -= 1
+            if indegree[b] == 0:
+                ready.append(b)
+    return depth

@@ -1,0 +1,660 @@
+"""Check a custom op the way a library author needs: one call, every check, every failure listed.
+
+:func:`check_op` runs, on the arguments you give it:
+
+- ``opcheck``: :func:`torch.library.opcheck` (schema, autograd registration, fake tensor,
+  AOT dispatch);
+- ``fake``: the fake kernel against the real one, output by output (shape, dtype, device,
+  strides), under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`;
+- ``gradcheck``: :func:`torch.autograd.gradcheck` on float64 copies of the arguments;
+- ``gradgradcheck``: :func:`torch.autograd.gradgradcheck`, when the backward is differentiable;
+- ``split``: the input pass then the weight pass (``torch.autograd.grad`` restricted to the
+  non-weight arguments, then to the weights) gives the gradients of the full backward;
+- ``flops``: the split does no work twice: FLOPs(input pass) + FLOPs(weight pass) equal
+  FLOPs(full backward), counted with torch's formulas; and, since opaque kernels (Triton, other
+  custom ops) count zero FLOPs, every call of the op's backward functions is watched: a half
+  may only run in its own pass, and a backward may not return a gradient that
+  ``ctx.needs_input_grad`` said is not needed.
+
+It returns a :class:`CheckReport` and raises :class:`CheckFailed` listing every failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import optree
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.autograd.gradcheck import GradcheckError
+
+from customgrad._errors import CustomGradError
+from customgrad._flops import FlopCounter
+from customgrad._op import CustomOp
+
+__all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
+
+CHECKS: tuple[str, ...] = ("opcheck", "fake", "gradcheck", "gradgradcheck", "split", "flops")
+"""The names of the checks :func:`check_op` runs, in order."""
+
+Status = Literal["passed", "failed", "skipped"]
+Pass = Literal["full", "input", "weight"]
+
+FIX_FLOPS = """\
+The split repeats work. Compute each gradient in exactly one pass: either register the pair
+
+    @op.register_backward_input      # non-weight arguments only
+    def _(ctx, saved, grad): ...
+    @op.register_backward_weight     # weights only
+    def _(ctx, saved, grad): ...
+
+or, in a single register_backward, compute a gradient only when asked:
+
+    grads = {}
+    if ctx.needs_input_grad("x"):
+        grads["x"] = grad @ weight       # not computed in the weight pass
+    if ctx.needs_input_grad("weight"):
+        grads["weight"] = grad.mT @ x    # not computed in the input pass
+    return grads"""
+
+FIX_FAKE = (
+    "Make the fake kernel (register_fake) return tensors exactly like the real kernel's: same "
+    "shape, dtype, device and strides (new_empty/empty_like give contiguous tensors; use "
+    "torch.empty_strided for others)."
+)
+
+
+class CheckFailed(CustomGradError, AssertionError):
+    """:func:`check_op` found at least one failure; the message lists all of them.
+
+    Attributes:
+        report: the full :class:`CheckReport`.
+    """
+
+    def __init__(self, report: CheckReport) -> None:
+        super().__init__(report.failure_message())
+        self.report = report
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The outcome of one check.
+
+    Attributes:
+        name: one of :data:`CHECKS`.
+        status: ``"passed"``, ``"failed"`` or ``"skipped"``.
+        detail: why it failed or was skipped (empty when it passed).
+    """
+
+    name: str
+    status: Status
+    detail: str = ""
+
+
+@dataclass
+class CheckReport:
+    """What :func:`check_op` found.
+
+    Attributes:
+        op: the op's name, ``"ns::name"``.
+        results: one :class:`CheckResult` per check, in the order of :data:`CHECKS`.
+        flops: FLOPs of each backward pass: ``"full"``, ``"input"`` and ``"weight"``
+            (empty when the split was not run).
+        calls: how often each backward function ran in each pass, e.g.
+            ``calls["input"]["backward_input"] == 1``.
+    """
+
+    op: str
+    results: list[CheckResult] = field(default_factory=list)
+    flops: dict[str, int] = field(default_factory=dict)
+    calls: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when no check failed (skipped checks do not count as failures)."""
+        return not self.failures
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        """The checks that failed."""
+        return [r for r in self.results if r.status == "failed"]
+
+    def __getitem__(self, name: str) -> CheckResult:
+        for r in self.results:
+            if r.name == name:
+                return r
+        raise KeyError(f"no check named {name!r}; checks: {', '.join(CHECKS)}")
+
+    def failure_message(self) -> str:
+        """The message :class:`CheckFailed` carries: every failure, with its details."""
+        n = len(self.failures)
+        lines = [f"check_op({self.op}): {n} of {len(self.results)} checks failed:"]
+        for r in self.failures:
+            detail = r.detail.replace("\n", "\n      ")
+            lines.append(f"  - {r.name}: {detail}")
+        return "\n".join(lines)
+
+    def raise_if_failed(self) -> CheckReport:
+        """Raise :class:`CheckFailed` if any check failed; return the report otherwise."""
+        if self.failures:
+            raise CheckFailed(self)
+        return self
+
+    def __str__(self) -> str:
+        lines = [f"check_op({self.op}):"]
+        for r in self.results:
+            mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}[r.status]
+            first = r.detail.splitlines()[0] if r.detail else ""
+            lines.append(f"  [{mark}] {r.name}" + (f": {first}" if first else ""))
+        if self.flops:
+            f = self.flops
+            lines.append(
+                f"  FLOPs: full {f['full']}, input pass {f['input']}, weight pass {f['weight']}"
+            )
+        if self.calls:
+            for p in ("input", "weight"):
+                ran = ", ".join(f"{k} x{v}" for k, v in sorted(self.calls.get(p, {}).items()))
+                lines.append(f"  {p} pass ran: {ran or 'nothing'}")
+        return "\n".join(lines)
+
+
+def check_op(
+    op: CustomOp[..., Any],
+    /,
+    *args: Any,
+    checks: Sequence[str] = CHECKS,
+    atol: float | None = None,
+    rtol: float | None = None,
+    raise_on_failure: bool = True,
+    **kwargs: Any,
+) -> CheckReport:
+    """Check a customgrad op on the given arguments: correctness, fake kernel and split.
+
+    The arguments that are differentiated are the tensors (and items of tensor lists) that
+    require grad; when none does, every floating-point tensor argument is. Gradient checks
+    run on float64 copies; the op's own arguments are never modified. Keyword arguments
+    other than the options below go to the op (pass an op argument positionally if its name
+    clashes with an option).
+
+    While it runs, ``check_op`` wraps the op's registered backward functions to count their
+    calls; do not register new ones for this op from another thread meanwhile.
+
+    Args:
+        op: the op to check.
+        *args: positional arguments for the op.
+        checks: the checks to run, a subset of :data:`CHECKS`; the others are reported as
+            skipped.
+        atol: absolute tolerance for the split comparison (float64; default 1e-7).
+        rtol: relative tolerance for the split comparison (float64; default 1e-7).
+        raise_on_failure: raise :class:`CheckFailed` if anything failed (default). When False,
+            return the report and let the caller look at ``report.ok``.
+        **kwargs: keyword arguments for the op.
+
+    Returns:
+        The :class:`CheckReport`.
+
+    Raises:
+        CheckFailed: one or more checks failed; the message lists each, with details.
+        ValueError: ``checks`` names an unknown check.
+
+    Example:
+        >>> import torch, customgrad as cg
+        >>> from customgrad.testing import check_op
+        >>> @cg.op("doc_testing::scale", weights=("w",))
+        ... def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ...     return x * w
+        >>> @scale.register_fake
+        ... def _(x, w):
+        ...     return torch.empty_like(x)
+        >>> @scale.register_save_for_backward
+        ... def _(inputs, output):
+        ...     return inputs.x, inputs.w
+        >>> @scale.register_backward_input
+        ... def _(ctx, saved, grad):
+        ...     return {"x": grad * saved[1]}
+        >>> @scale.register_backward_weight
+        ... def _(ctx, saved, grad):
+        ...     return {"w": grad * saved[0]}
+        >>> report = check_op(scale, torch.randn(3), torch.randn(3))
+        >>> report.ok
+        True
+        >>> report.calls["input"]
+        {'backward_input': 1}
+    """
+    unknown = [c for c in checks if c not in CHECKS]
+    if unknown:
+        raise ValueError(
+            f"check_op: unknown check {unknown[0]!r}. Checks: {', '.join(CHECKS)}."
+        ) from None
+    case = _Case(op, args, kwargs)
+    report = CheckReport(op.name)
+    runners: dict[str, Callable[[], tuple[Status, str]]] = {
+        "opcheck": case.run_opcheck,
+        "fake": case.run_fake,
+        "gradcheck": case.run_gradcheck,
+        "gradgradcheck": case.run_gradgradcheck,
+    }
+    split_results: dict[str, tuple[Status, str]] = {}
+    if "split" in checks or "flops" in checks:
+        split_results = case.run_split(
+            atol=1e-7 if atol is None else atol, rtol=1e-7 if rtol is None else rtol
+        )
+        report.flops = dict(case.flops)
+        report.calls = {p: dict(c) for p, c in case.calls.items()}
+    for name in CHECKS:
+        if name not in checks:
+            report.results.append(CheckResult(name, "skipped", "not requested"))
+            continue
+        if name in split_results:
+            status, detail = split_results[name]
+        else:
+            try:
+                status, detail = runners[name]()
+            except Exception as e:  # a check that crashes is a failure of the op, reported
+                status, detail = "failed", f"raised {_short_exc(e)}"
+        report.results.append(CheckResult(name, status, detail))
+    if raise_on_failure:
+        report.raise_if_failed()
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one differentiable tensor sits in the arguments: name and list index."""
+
+    name: str
+    index: int | None
+    is_weight: bool
+
+    def label(self) -> str:
+        return repr(self.name) if self.index is None else f"{self.name!r}[{self.index}]"
+
+
+def _short_exc(e: BaseException, lines: int = 6) -> str:
+    text = str(e).strip().splitlines()
+    body = "\n".join(text[:lines]) + ("\n..." if len(text) > lines else "")
+    return f"{type(e).__name__}: {body}"
+
+
+class _Case:
+    """The op and its arguments, with helpers to make fresh copies for each check."""
+
+    def __init__(self, op: CustomOp[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.op = op
+        schema = op.opoverload._schema
+        self.names = [a.name for a in schema.arguments]
+        self.kwarg_only = {a.name for a in schema.arguments if a.kwarg_only}
+        bound = inspect.signature(op).bind(*args, **kwargs)
+        bound.apply_defaults()
+        self.values: dict[str, Any] = {n: bound.arguments[n] for n in self.names}
+        weights = set(op.weights)
+
+        slots: list[_Slot] = []
+        for name in self.names:
+            v = self.values[name]
+            if isinstance(v, torch.Tensor):
+                slots.append(_Slot(name, None, name in weights))
+            elif isinstance(v, (list, tuple)):
+                slots.extend(
+                    _Slot(name, i, name in weights)
+                    for i, t in enumerate(v)
+                    if isinstance(t, torch.Tensor)
+                )
+        tensors = [self.get(s) for s in slots]
+        chosen = [s for s, t in zip(slots, tensors) if t.requires_grad]
+        if not chosen:
+            chosen = [s for s, t in zip(slots, tensors) if t.is_floating_point()]
+        self.diff = chosen
+        self.flops: dict[str, int] = {}
+        self.calls: dict[Pass, dict[str, int]] = {}
+
+    def get(self, slot: _Slot, values: dict[str, Any] | None = None) -> torch.Tensor:
+        v = (self.values if values is None else values)[slot.name]
+        t = v if slot.index is None else v[slot.index]
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    def copy(self, *, float64: bool = False, grad: bool = True) -> dict[str, Any]:
+        """Fresh argument values: detached clones; differentiable ones are new leaves."""
+        diff = {(s.name, s.index) for s in self.diff}
+
+        def fresh(t: torch.Tensor, key: tuple[str, int | None]) -> torch.Tensor:
+            c = t.detach().clone()
+            if float64 and c.is_floating_point():
+                c = c.to(torch.float64)
+            if grad and key in diff:
+                c.requires_grad_(True)
+            return c
+
+        out: dict[str, Any] = {}
+        for name, v in self.values.items():
+            if isinstance(v, torch.Tensor):
+                out[name] = fresh(v, (name, None))
+            elif isinstance(v, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in v):
+                items = [
+                    fresh(t, (name, i)) if isinstance(t, torch.Tensor) else t
+                    for i, t in enumerate(v)
+                ]
+                out[name] = type(v)(items) if isinstance(v, tuple) else items
+            else:
+                out[name] = v
+        return out
+
+    def split_call(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args = tuple(values[n] for n in self.names if n not in self.kwarg_only)
+        kwargs = {n: values[n] for n in self.names if n in self.kwarg_only}
+        return args, kwargs
+
+    def call(self, values: dict[str, Any], fn: Callable[..., Any] | None = None) -> Any:
+        args, kwargs = self.split_call(values)
+        return (self.op if fn is None else fn)(*args, **kwargs)
+
+    def with_diff(self, values: dict[str, Any], tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+        """``values`` with the differentiable slots replaced by ``tensors``."""
+        out = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()}
+        for s, t in zip(self.diff, tensors):
+            if s.index is None:
+                out[s.name] = t
+            else:
+                out[s.name][s.index] = t
+        return out
+
+    @staticmethod
+    def outputs(out: Any) -> list[torch.Tensor]:
+        """The differentiable tensors among the op's outputs."""
+        leaves = optree.tree_leaves(out, none_is_leaf=False)
+        return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    # -- opcheck ------------------------------------------------------------------------------
+    def run_opcheck(self) -> tuple[Status, str]:
+        args, kwargs = self.split_call(self.copy())
+        with _quiet():
+            results = torch.library.opcheck(self.op.opoverload, args, kwargs, raise_exception=False)
+        failed = [
+            f"{test}: {_short_exc(r)}" if isinstance(r, BaseException) else f"{test}: {r}"
+            for test, r in results.items()
+            if r != "SUCCESS"
+        ]
+        if failed:
+            return "failed", "torch.library.opcheck:\n" + "\n".join(failed)
+        return "passed", ""
+
+    # -- fake kernel --------------------------------------------------------------------------
+    def run_fake(self) -> tuple[Status, str]:
+        values = self.copy(grad=False)
+        with torch.no_grad():
+            real = optree.tree_leaves(self.call(values, self.op.opoverload))
+        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+            fake_values = {
+                k: [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in v]
+                if isinstance(v, list)
+                else (mode.from_tensor(v) if isinstance(v, torch.Tensor) else v)
+                for k, v in values.items()
+            }
+            try:
+                fake = optree.tree_leaves(self.call(fake_values, self.op.opoverload))
+            except Exception as e:
+                return "failed", f"the fake kernel raised {_short_exc(e)}"
+        if len(real) != len(fake):
+            return "failed", (
+                f"the real kernel returned {len(real)} tensor(s), the fake kernel {len(fake)}. "
+                + FIX_FAKE
+            )
+        problems: list[str] = []
+        for i, (r, f) in enumerate(zip(real, fake)):
+            for what, rv, fv in (
+                ("shape", tuple(r.shape), tuple(f.shape)),
+                ("dtype", r.dtype, f.dtype),
+                ("device", r.device, f.device),
+            ):
+                if rv != fv:
+                    problems.append(f"output {i}: real {what} {rv}, fake {what} {fv}")
+            if r.shape == f.shape and not _same_significant_strides(r, f):
+                problems.append(
+                    f"output {i}: real strides {tuple(r.stride())}, fake strides "
+                    f"{tuple(f.stride())}"
+                )
+        if problems:
+            return "failed", "\n".join([*problems, FIX_FAKE])
+        return "passed", ""
+
+    # -- gradcheck ----------------------------------------------------------------------------
+    def _float64_fn(self) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
+        values = self.copy(float64=True)
+        leaves = [self.get(s, values) for s in self.diff]
+
+        def fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            out = self.call(self.with_diff(values, tensors))
+            return tuple(t for t in optree.tree_leaves(out) if t.is_floating_point())
+
+        return fn, leaves
+
+    def run_gradcheck(self) -> tuple[Status, str]:
+        if not self.diff:
+            return "skipped", "no floating-point tensor argument to differentiate"
+        fn, leaves = self._float64_fn()
+        try:
+            torch.autograd.gradcheck(fn, tuple(leaves))
+        except GradcheckError as e:
+            return "failed", f"the backward disagrees with finite differences: {self._explain(e)}"
+        return "passed", ""
+
+    def run_gradgradcheck(self) -> tuple[Status, str]:
+        if not self.diff:
+            return "skipped", "no floating-point tensor argument to differentiate"
+        fn, leaves = self._float64_fn()
+        outs = [o for o in fn(*leaves) if o.requires_grad]
+        grads = torch.autograd.grad(
+            outs, leaves, [torch.ones_like(o) for o in outs], create_graph=True, allow_unused=True
+        )
+        if not any(g is not None and g.requires_grad for g in grads):
+            return "skipped", (
+                "the backward is not differentiable (its gradients do not require grad), so "
+                "double backward is not supported"
+            )
+        try:
+            torch.autograd.gradgradcheck(fn, tuple(leaves))
+        except GradcheckError as e:
+            return (
+                "failed",
+                f"double backward disagrees with finite differences: {self._explain(e)}",
+            )
+        return "passed", ""
+
+    def _explain(self, e: GradcheckError) -> str:
+        """The first line of a gradcheck error, with input numbers replaced by argument names."""
+        first = str(e).strip().splitlines()[0].rstrip(",")
+        labels = [s.label() for s in self.diff]
+
+        def name(m: re.Match[str]) -> str:
+            i = int(m.group(1))
+            return f"with respect to {labels[i]}" if i < len(labels) else m.group(0)
+
+        return re.sub(r"with respect to input (\d+)", name, first)
+
+    # -- split and FLOPs ----------------------------------------------------------------------
+    def run_split(self, *, atol: float, rtol: float) -> dict[str, tuple[Status, str]]:
+        inputs = [s for s in self.diff if not s.is_weight]
+        weights = [s for s in self.diff if s.is_weight]
+        if not inputs or not weights:
+            what = "no weight" if not weights else "no non-weight argument"
+            reason = f"nothing to split: {what} among the differentiated arguments"
+            return {"split": ("skipped", reason), "flops": ("skipped", reason)}
+
+        gen = torch.Generator().manual_seed(0)
+        watch = _BackwardWatch(self.op)
+
+        def forward() -> tuple[dict[str, Any], list[torch.Tensor]]:
+            values = self.copy(float64=True)
+            return values, self.outputs(self.call(values))
+
+        values, outs = forward()
+        gouts = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
+        passes: dict[Pass, list[torch.Tensor | None]] = {}
+        with watch:
+            leaves = [self.get(s, values) for s in self.diff]
+            full = self._grad("full", watch, outs, leaves, gouts, retain=False)
+            values, outs = forward()
+            x_leaves = [self.get(s, values) for s in inputs]
+            w_leaves = [self.get(s, values) for s in weights]
+            passes["input"] = self._grad("input", watch, outs, x_leaves, gouts, retain=True)
+            passes["weight"] = self._grad("weight", watch, outs, w_leaves, gouts, retain=False)
+        self.calls = {p: dict(c) for p, c in watch.calls.items()}
+
+        # split == full
+        mismatches: list[str] = []
+        split_grads = dict(zip(inputs, passes["input"])) | dict(zip(weights, passes["weight"]))
+        for slot, g_full in zip(self.diff, full):
+            g_split = split_grads[slot]
+            ref = self.get(slot, values)
+            a = torch.zeros_like(ref) if g_full is None else g_full
+            b = torch.zeros_like(ref) if g_split is None else g_split
+            try:
+                torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+            except AssertionError as e:
+                pass_name = "weight" if slot.is_weight else "input"
+                mismatches.append(
+                    f"gradient of {slot.label()} from the {pass_name} pass differs from the "
+                    f"full backward: {_short_exc(e, 3)}"
+                )
+        split: tuple[Status, str] = ("passed", "")
+        if mismatches:
+            split = ("failed", "\n".join(mismatches))
+
+        # nothing twice
+        problems: list[str] = list(watch.problems)
+        f = self.flops
+        if f["input"] + f["weight"] > f["full"]:
+            problems.insert(
+                0,
+                f"the split repeats {f['input'] + f['weight'] - f['full']} FLOPs: input pass "
+                f"{f['input']} + weight pass {f['weight']} > full backward {f['full']}",
+            )
+        flops: tuple[Status, str] = ("passed", "")
+        if problems:
+            flops = ("failed", "\n".join([*problems, FIX_FLOPS]))
+        return {"split": split, "flops": flops}
+
+    def _grad(
+        self,
+        phase: Pass,
+        watch: _BackwardWatch,
+        outs: list[torch.Tensor],
+        leaves: list[torch.Tensor],
+        gouts: list[torch.Tensor],
+        *,
+        retain: bool,
+    ) -> list[torch.Tensor | None]:
+        watch.phase = phase
+        with FlopCounter() as counter:
+            grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain, allow_unused=True)
+        self.flops[phase] = counter.total
+        return list(grads)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence what opcheck prints or warns about failures it reports anyway."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor",)]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Strides agree on every dimension of size > 1 (others do not affect layout)."""
+    if a.numel() == 0:
+        return True
+    return all(
+        sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()) if n > 1
+    ) and math.prod(a.shape) == math.prod(b.shape)
+
+
+class _BackwardWatch:
+    """Wraps an op's registered backward functions to see each call, then restores them.
+
+    Records, per pass, how often each function ran, and flags a half running in the other
+    half's pass and gradients returned although ``ctx.needs_input_grad`` said no.
+    """
+
+    ATTRS = (
+        ("_backward_fn", "backward"),
+        ("_backward_input_fn", "backward_input"),
+        ("_backward_weight_fn", "backward_weight"),
+    )
+
+    def __init__(self, op: CustomOp[..., Any]) -> None:
+        self.op = op
+        self.phase: Pass = "full"
+        self.calls: dict[Pass, dict[str, int]] = {"full": {}, "input": {}, "weight": {}}
+        self.problems: list[str] = []
+        self._saved: list[tuple[str, Any]] = []
+
+    def __enter__(self) -> _BackwardWatch:
+        for attr, label in self.ATTRS:
+            fn = getattr(self.op, attr, None)
+            if fn is not None:
+                self._saved.append((attr, fn))
+                setattr(self.op, attr, self._wrap(fn, label))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for attr, fn in self._saved:
+            setattr(self.op, attr, fn)
+        self._saved.clear()
+
+    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def watched(ctx: Any, saved: Any, *grads: Any) -> Any:
+            phase = self.phase
+            calls = self.calls[phase]
+            calls[label] = calls.get(label, 0) + 1
+            wrong_half = (label == "backward_input" and phase == "weight") or (
+                label == "backward_weight" and phase == "input"
+            )
+            if wrong_half:
+                self.problems.append(f"{label} ran in the {phase} pass")
+            result = fn(ctx, saved, *grads)
+            if phase != "full" and isinstance(result, dict):
+                for name, g in result.items():
+                    if _has_tensor(g) and not _safe_needs(ctx, name):
+                        self.problems.append(
+                            f"{label} computed a gradient for {name!r} in the {phase} pass, "
+                            f"where ctx.needs_input_grad({name!r}) is False (it is thrown away)"
+                        )
+            return result
+
+        return watched
+
+
+def _has_tensor(g: object) -> bool:
+    if isinstance(g, torch.Tensor):
+        return True
+    return isinstance(g, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in g)
+
+
+def _safe_needs(ctx: Any, name: object) -> bool:
+    try:
+        return bool(ctx.needs_input_grad(name))
+    except Exception:  # an unknown key: customgrad's validation reports it
+        return True

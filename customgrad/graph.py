@@ -405,7 +405,7 @@ def explain_split(
         >>> [n.label for n in report.computes_twice]
         ['Twice (autograd.Function)']
         >>> report.repeated_flops
-        72
+        144
     """
     outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
     inputs = list(inputs)

@@ -88,7 +88,9 @@ class BackwardContext:
 
     __slots__ = ("_needed", "op", "phase")
 
-    def __init__(self, op: CustomOp[..., Any], phase: Phase, needed: frozenset[str]) -> None:
+    def __init__(
+        self, op: CustomOp[..., Any], phase: Phase, needed: set[str] | frozenset[str]
+    ) -> None:
         self.op = op
         self.phase: Phase = phase
         self._needed = needed
@@ -174,8 +176,12 @@ class _CustomGradFunction(torch.autograd.Function):
         sig = op._sig
         lens: tuple[int, ...] | None = call[0]
         args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        with torch._C._AutoDispatchBelowAutograd():
-            out = sig.call(op._opoverload, tuple(args))
+        kernel = op._direct_kernel(args)
+        if kernel is not None:
+            out = sig.call(kernel, args)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out = sig.call(op._opoverload, args)
         save_fn = op._save_fn
         if save_fn is None:  # registrations changed between the check and here
             raise MissingRegistrationError(op._missing_autograd_message())
@@ -189,7 +195,9 @@ class _CustomGradFunction(torch.autograd.Function):
         ctx._cg_op = op
         ctx._cg_lens = lens
         ctx._cg_saved = (leaves, treespec, tensor_idx)
-        ctx._cg_meta = [_meta(a) for a in flat]
+        ctx._cg_meta = [
+            (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None for a in flat
+        ]
         ctx._cg_tag = FORWARD_TAG.get()
 
         if sig.output_is_tuple or sig.output_kinds[0] is ArgKind.TENSOR_LIST:
@@ -265,43 +273,61 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     sig = op._sig
     lens = ctx._cg_lens
     metas_flat: list[TensorMeta] = ctx._cg_meta
-    slots = _slots(sig, lens)
     req = ctx.needs_input_grad  # (op, call, *flat)
     next_fns = ctx.next_functions
 
     # Which tensor arguments require grad, and which of those the engine needs now.
-    edge_of: list[int] = []
-    e = 0
-    for m in metas_flat:
-        edge_of.append(e)
-        if m is not None:
-            e += 1
     requires: set[str] = set()
     needed: set[str] = set()
-    for name in sig.tensor_names:
-        start, n = slots[name]
-        for j in range(start, start + (1 if n is None else n)):
-            if req[j + 2]:
+    if lens is None:
+        slots = sig.flat_slots
+        metas: dict[str, Meta] = dict(zip(sig.names, metas_flat))
+        edge = 0
+        for name, m, r in zip(sig.names, metas_flat, req[2:]):
+            if m is None:
+                continue
+            if r:
                 requires.add(name)
-                if engine_needs(next_fns[edge_of[j]][0]):
+                if engine_needs(next_fns[edge][0]):
                     needed.add(name)
-                    break
+            edge += 1
+    else:
+        slots = _slots(sig, lens)
+        metas = _metas_by_name(sig, slots, metas_flat)
+        edge_of: list[int] = []
+        edge = 0
+        for m in metas_flat:
+            edge_of.append(edge)
+            if m is not None:
+                edge += 1
+        for name in sig.tensor_names:
+            start, n = slots[name]
+            for j in range(start, start + (1 if n is None else n)):
+                if req[j + 2]:
+                    requires.add(name)
+                    if engine_needs(next_fns[edge_of[j]][0]):
+                        needed.add(name)
+                        break
 
-    out_grads = _regroup_grads(sig, ctx._cg_out_lens, grads)
+    out_lens = ctx._cg_out_lens
+    out_grads = grads if out_lens is None else _regroup_grads(sig, out_lens, grads)
     result: dict[str, Any] = {}
     target = _resolve_defer(ctx) if DEFER_RESOLVERS else None
-    deferred_weights = frozenset(requires & sig.weight_set) if target is not None else frozenset()
-    if deferred_weights:
-        needed -= deferred_weights
-    if needed:
+    deferred = requires & sig.weight_set if target is not None else set()
+    if deferred:
+        needed -= deferred
+    if needed or deferred:
         saved = _restore_saved(ctx)
-        metas = _metas_by_name(sig, slots, metas_flat)
-        result = _run_halves(op, frozenset(requires), frozenset(needed), saved, out_grads, metas)
-    if deferred_weights and target is not None:
-        saved = _restore_saved(ctx)
-        metas = _metas_by_name(sig, slots, metas_flat)
-        target.defer(ctx, _deferred_runner(ctx, op, deferred_weights, saved, out_grads, metas))
+        if needed:
+            result = _run_halves(op, requires, needed, saved, out_grads, metas)
+        if deferred and target is not None:
+            target.defer(
+                ctx, _deferred_runner(ctx, op, requires, deferred, saved, out_grads, metas)
+            )
 
+    if lens is None:
+        get = result.get
+        return (None, None, *[get(n) if r else None for n, r in zip(sig.names, req[2:])])
     flat_grads: list[Any] = [None] * (len(metas_flat) + 2)
     for name, g in result.items():
         start, n = slots[name]
@@ -325,66 +351,40 @@ def _metas_by_name(
     return metas
 
 
-def _phase(op: CustomOp[..., Any], requires: frozenset[str], needed: frozenset[str]) -> Phase:
-    if needed >= requires:
-        return "full"
-    weights = op._sig.weight_set
-    if not (needed & weights):
-        return "input"
-    if needed <= weights:
-        return "weight"
-    return "full"
-
-
 def _run_halves(
     op: CustomOp[..., Any],
-    requires: frozenset[str],
-    needed: frozenset[str],
+    requires: set[str] | frozenset[str],
+    needed: set[str] | frozenset[str],
     saved: Any,
     out_grads: tuple[Any, ...],
     metas: dict[str, Meta],
 ) -> dict[str, Any]:
     sig = op._sig
-    phase = _phase(op, requires, needed)
-    if op._backward_fn is not None:
-        fn = op._backward_fn
+    weights = sig.weight_set
+    need_w = needed & weights
+    need_in = needed - weights
+    if needed >= requires or (need_w and need_in):
+        phase: Phase = "full"
+    else:
+        phase = "weight" if need_w else "input"
+    bwd = op._backward_fn
+    if bwd is not None:
         ctx = BackwardContext(op, phase, needed)
-        return collect_grads(
-            sig, "full", fn, fn(ctx, saved, *out_grads), sig.tensor_set, needed, metas
-        )
+        result = bwd(ctx, saved, *out_grads)
+        return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas)
     bwd_in, bwd_w = op._backward_input_fn, op._backward_weight_fn
     if bwd_in is None or bwd_w is None:
         raise MissingRegistrationError(op._missing_autograd_message())
-    result: dict[str, Any] = {}
-    need_in = needed - sig.weight_set
-    need_w = needed & sig.weight_set
+    ctx = BackwardContext(op, phase, needed)
     if need_in:
-        ctx = BackwardContext(op, phase, needed)
-        result.update(
-            collect_grads(
-                sig,
-                "input",
-                bwd_in,
-                bwd_in(ctx, saved, *out_grads),
-                sig.input_set,
-                need_in,
-                metas,
-            )
-        )
-    if need_w:
-        ctx = BackwardContext(op, phase, needed)
-        result.update(
-            collect_grads(
-                sig,
-                "weight",
-                bwd_w,
-                bwd_w(ctx, saved, *out_grads),
-                sig.weight_set,
-                need_w,
-                metas,
-            )
-        )
-    return result
+        result = bwd_in(ctx, saved, *out_grads)
+        grads = collect_grads(sig, "input", bwd_in, result, sig.input_set, need_in, metas)
+        if need_w:
+            result = bwd_w(ctx, saved, *out_grads)
+            grads.update(collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas))
+        return grads
+    result = bwd_w(ctx, saved, *out_grads)
+    return collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas)
 
 
 def _resolve_defer(node: Any) -> DeferTarget | None:
@@ -398,7 +398,8 @@ def _resolve_defer(node: Any) -> DeferTarget | None:
 def _deferred_runner(
     node: Any,
     op: CustomOp[..., Any],
-    weights: frozenset[str],
+    requires: set[str],
+    weights: set[str],
     saved: Any,
     out_grads: tuple[Any, ...],
     metas: dict[str, Meta],
@@ -423,7 +424,7 @@ def _deferred_runner(
                 edges.append((name, None if n is None else i, fn, idx))
 
     def run() -> None:
-        grads = _run_halves(op, weights, weights, saved, out_grads, metas)
+        grads = _run_halves(op, requires, weights, saved, out_grads, metas)
         roots: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for name, i, fn, idx in edges:

@@ -24,6 +24,22 @@ R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _OPS: dict[str, CustomOp[..., Any]] = {}
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_tls_include = getattr(torch._C, "_dispatch_tls_local_include_set", None)
+_tf_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_PLAIN_INCLUDE = _tls_include().raw_repr() if _tls_include is not None else None
+_profiler = torch.autograd.profiler
+
+
+def _plain_dispatch() -> bool:
+    """True when nothing but the backend kernel would see a dispatcher call made now.
+
+    No dispatch or function mode, no functorch transform, no profiler: calling the kernel
+    directly then gives exactly what the dispatcher would, minus its overhead.
+    """
+    if _tls_include is None or _tf_mode_enabled is None or _profiler._is_profiler_enabled:
+        return False
+    return _tls_include().raw_repr() == _PLAIN_INCLUDE and not _tf_mode_enabled()
 
 
 class SaveForBackwardFn(Protocol):
@@ -164,7 +180,10 @@ class CustomOp(Generic[P, R]):
         sig = self._sig
         if kwargs or len(args) != len(sig.names):
             args = sig.bind(args, kwargs)  # type: ignore[assignment]
-        if not torch.compiler.is_compiling() and torch.is_grad_enabled():
+        if torch.compiler.is_compiling():
+            # Dynamo records the OpOverload; its Autograd kernel below handles gradients.
+            return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
+        if torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, torch.Tensor):
                     if a.requires_grad:
@@ -173,7 +192,11 @@ class CustomOp(Generic[P, R]):
                     isinstance(t, torch.Tensor) and t.requires_grad for t in a
                 ):
                     return _autograd.apply(self, args)  # type: ignore[no-any-return]
-        return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
+        kernel = self._direct_kernel(args)
+        if kernel is not None:
+            return sig.call(kernel, args)  # type: ignore[no-any-return]
+        with _below_autograd():
+            return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
 
     def _autograd_kernel(self, *args: Any, **kwargs: Any) -> Any:
         args = self._sig.normalize(args, kwargs)
@@ -213,6 +236,33 @@ class CustomOp(Generic[P, R]):
                     f"(op defined at {where(self._fn)})"
                 )
 
+    def _direct_kernel(self, args: tuple[Any, ...]) -> Callable[..., Any] | None:
+        """The kernel to call without the dispatcher, or None when the dispatcher must run.
+
+        Used in eager mode below autograd: only for plain tensors on a device with a
+        registered kernel, with no mode or transform active, and for ops that mutate nothing.
+        """
+        if self._mutates or not _plain_dispatch():
+            return None
+        device = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                if type(a) is not torch.Tensor:
+                    return None
+                if device is None:
+                    device = a.device.type
+            elif isinstance(a, (list, tuple)):
+                for t in a:
+                    if isinstance(t, torch.Tensor):
+                        if type(t) is not torch.Tensor:
+                            return None
+                        if device is None:
+                            device = t.device.type
+        if device is None:
+            return None
+        kernels = self._kernels
+        return kernels.get(device) or kernels.get(None)
+
     def _kernel_for(self, args: tuple[Any, ...]) -> Callable[..., Any]:
         kernels = self._kernels
         if len(kernels) > 1 or None not in kernels:
@@ -237,8 +287,10 @@ class CustomOp(Generic[P, R]):
         return k
 
     def _composite_kernel(self, *args: Any, **kwargs: Any) -> Any:
-        full = self._sig.normalize(args, kwargs)
-        return self._sig.call(self._kernel_for(full), full)
+        kernel = self._kernels.get(None)
+        if kernel is None:
+            kernel = self._kernel_for(self._sig.normalize(args, kwargs))
+        return kernel(*args, **kwargs)
 
     def _device_kernel(self, device_type: str) -> Callable[..., Any]:
         def kernel(*args: Any, **kwargs: Any) -> Any:

@@ -37,15 +37,24 @@ def describe(value: object) -> str:
 def _check_tensor(
     sig: Signature,
     label: str,
-    where_: str,
+    fn: Callable[..., Any],
     name: str,
     index: int | None,
     grad: object,
     meta: TensorMeta,
 ) -> None:
-    arg = f"'{name}'" if index is None else f"'{name}'[{index}]"
     if grad is None:
         return
+    if (
+        isinstance(grad, torch.Tensor)
+        and meta is not None
+        and grad.shape == meta[0]
+        and grad.dtype == meta[1]
+        and grad.device == meta[2]
+    ):
+        return
+    arg = f"'{name}'" if index is None else f"'{name}'[{index}]"
+    where_ = where(fn)
     if not isinstance(grad, torch.Tensor):
         raise GradientTypeError(
             f"{sig.qualname}: {label} returned {describe(grad)} as the gradient for {arg}. "
@@ -131,9 +140,9 @@ def collect_grads(
                     f"({label} defined at {where(fn)})"
                 )
             for i, (g, m) in enumerate(zip(grad, meta)):
-                _check_tensor(sig, label, where(fn), name, i, g, m)
+                _check_tensor(sig, label, fn, name, i, g, m)
         else:
-            _check_tensor(sig, label, where(fn), name, None, grad, meta)
+            _check_tensor(sig, label, fn, name, None, grad, meta)
         if name in needed:
             out[name] = grad
     if len(out) != len(needed):

@@ -403,7 +403,7 @@ def _deferred_runner(
     saved: Any,
     out_grads: tuple[Any, ...],
     metas: dict[str, Meta],
-) -> Callable[[], None]:
+) -> DeferredWork:
     """Weight work for later: compute the weight half, then send it along the weight edges."""
     sig = op._sig
     slots = _slots(sig, node._cg_lens)
@@ -423,7 +423,7 @@ def _deferred_runner(
                 fn, idx = node.next_functions[edge_of[j]]
                 edges.append((name, None if n is None else i, fn, idx))
 
-    def run() -> None:
+    def gradients() -> tuple[list[GradientEdge], list[torch.Tensor]]:
         grads = _run_halves(op, requires, weights, saved, out_grads, metas)
         roots: list[GradientEdge] = []
         values: list[torch.Tensor] = []
@@ -434,10 +434,28 @@ def _deferred_runner(
             if g is not None and fn is not None:
                 roots.append(GradientEdge(fn, idx))
                 values.append(g)
+        return roots, values
+
+    return DeferredWork(gradients)
+
+
+class DeferredWork:
+    """A customgrad op's deferred weight half, as handed to :meth:`DeferTarget.defer`.
+
+    Calling it computes the weight gradients and sends them along the op's weight edges through
+    the engine; :meth:`gradients` only computes them, so that a caller can send the work of many
+    ops in one engine call (one accumulation per weight, as in a full backward).
+    """
+
+    __slots__ = ("gradients",)
+
+    def __init__(self, gradients: Callable[[], tuple[list[GradientEdge], list[torch.Tensor]]]):
+        self.gradients = gradients
+
+    def __call__(self) -> None:
+        roots, values = self.gradients()
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
-
-    return run
 
 
 def apply(op: CustomOp[..., Any], args: tuple[Any, ...]) -> Any:

@@ -1,0 +1,299 @@
+"""customgrad.testing.check_op: passes good ops, and catches each planted fault."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import customgrad as cg
+from customgrad.testing import CHECKS, CheckFailed, check_op
+
+
+def _linear_op(name: str) -> cg.CustomOp[..., Tensor]:
+    @cg.op(f"test_testing::{name}", weights=("weight",))
+    def op(x: Tensor, weight: Tensor) -> Tensor:
+        return x @ weight.mT
+
+    @op.register_fake
+    def _(x: Tensor, weight: Tensor) -> Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))
+
+    @op.register_save_for_backward
+    def _(inputs: Any, output: Tensor) -> Any:
+        return inputs.x, inputs.weight
+
+    return op
+
+
+def _args() -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, generator=g), torch.randn(5, 3, generator=g)
+
+
+def _good_pair(op: cg.CustomOp[..., Tensor]) -> None:
+    @op.register_backward_input
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        return {"x": grad @ saved[1]}
+
+    @op.register_backward_weight
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        return {"weight": grad.mT @ saved[0]}
+
+
+good = _linear_op("good")
+_good_pair(good)
+
+
+def test_good_op_passes_every_check() -> None:
+    report = check_op(good, *_args())
+    assert report.ok
+    assert [r.name for r in report.results] == list(CHECKS)
+    assert all(r.status == "passed" for r in report.results)
+    assert report.flops == {"full": 240, "input": 120, "weight": 120}
+    assert report.calls["input"] == {"backward_input": 1}
+    assert report.calls["weight"] == {"backward_weight": 1}
+    text = str(report)
+    assert "[ok  ] flops" in text
+    assert "FLOPs: full 240, input pass 120, weight pass 120" in text
+
+
+def test_arguments_are_left_untouched() -> None:
+    x, w = _args()
+    w.requires_grad_(True)
+    before = (x.clone(), w.detach().clone())
+    check_op(good, x, w)
+    assert not x.requires_grad and x.grad is None and w.grad is None
+    torch.testing.assert_close((x, w.detach()), before)
+
+
+wrong_backward = _linear_op("wrong_backward")
+
+
+@wrong_backward.register_backward_input
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    return {"x": 2 * grad @ saved[1]}  # planted: twice the true gradient
+
+
+@wrong_backward.register_backward_weight
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    return {"weight": grad.mT @ saved[0]}
+
+
+def test_catches_wrong_backward() -> None:
+    with pytest.raises(CheckFailed) as info:
+        check_op(wrong_backward, *_args())
+    msg = str(info.value)
+    assert msg.startswith("check_op(test_testing::wrong_backward): ")
+    assert (
+        "- gradcheck: the backward disagrees with finite differences: Jacobian mismatch for "
+        "output 0 with respect to 'x'"
+    ) in msg
+    assert info.value.report["split"].status == "passed"  # consistent, just wrong
+    assert isinstance(info.value, AssertionError)
+    assert isinstance(info.value, cg.CustomGradError)
+
+
+wrong_fake_shape = _linear_op("wrong_fake_shape")
+_good_pair(wrong_fake_shape)
+
+
+@wrong_fake_shape.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0] + 1))  # planted: one column too many
+
+
+def test_catches_wrong_fake_kernel_shape() -> None:
+    fix = "Make the fake kernel (register_fake) return tensors exactly like the real kernel's"
+    with pytest.raises(
+        CheckFailed,
+        match=re.escape(f"- fake: output 0: real shape (4, 5), fake shape (4, 6)\n      {fix}"),
+    ) as info:
+        check_op(wrong_fake_shape, *_args())
+    assert info.value.report["opcheck"].status == "failed"
+    assert "test_faketensor" in info.value.report["opcheck"].detail
+
+
+wrong_fake_dtype_strides = _linear_op("wrong_fake_dtype_strides")
+_good_pair(wrong_fake_dtype_strides)
+
+
+@wrong_fake_dtype_strides.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    # planted: float64 and column-major
+    return x.new_empty((weight.shape[0], x.shape[0]), dtype=torch.float64).mT
+
+
+def test_catches_wrong_fake_kernel_dtype_and_strides() -> None:
+    with pytest.raises(CheckFailed) as info:
+        check_op(wrong_fake_dtype_strides, *_args())
+    detail = info.value.report["fake"].detail
+    assert "output 0: real dtype torch.float32, fake dtype torch.float64" in detail
+    assert "output 0: real strides (5, 1), fake strides (1, 4)" in detail
+
+
+greedy = _linear_op("greedy")
+
+
+@greedy.register_backward
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    x, w = saved  # planted: ignores ctx.needs_input_grad, computes everything every pass
+    return {"x": grad @ w, "weight": grad.mT @ x}
+
+
+def test_catches_backward_that_ignores_needs_input_grad() -> None:
+    with pytest.raises(
+        CheckFailed,
+        match=re.escape(
+            "- flops: the split repeats 240 FLOPs: input pass 240 + weight pass 240 > full "
+            "backward 240\n"
+            "      backward computed a gradient for 'weight' in the input pass, where "
+            "ctx.needs_input_grad('weight') is False (it is thrown away)\n"
+            "      backward computed a gradient for 'x' in the weight pass, where "
+            "ctx.needs_input_grad('x') is False (it is thrown away)\n"
+            "      The split repeats work."
+        ),
+    ) as info:
+        check_op(greedy, *_args())
+    report = info.value.report
+    assert [r.name for r in report.failures] == ["flops"]  # gradients are right
+    assert report.calls["input"] == {"backward": 1}
+
+
+@cg.op("test_testing::opaque_mm")
+def opaque_mm(a: Tensor, b: Tensor) -> Tensor:
+    return a @ b
+
+
+opaque_greedy = _linear_op("opaque_greedy")
+
+
+@opaque_greedy.register_backward
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    x, w = saved  # planted, through an opaque kernel that FLOP counters see as 0 FLOPs
+    return {"x": opaque_mm(grad, w), "weight": opaque_mm(grad.mT, x)}
+
+
+def test_catches_repeated_work_in_opaque_kernels() -> None:
+    report = check_op(opaque_greedy, *_args(), checks=["split", "flops"], raise_on_failure=False)
+    assert report.flops == {"full": 0, "input": 0, "weight": 0}
+    assert not report.ok
+    assert report["flops"].detail.startswith(
+        "backward computed a gradient for 'weight' in the input pass"
+    )
+
+
+phase_dependent = _linear_op("phase_dependent")
+
+
+@phase_dependent.register_backward
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    x, w = saved
+    out: dict[str, Any] = {}
+    if ctx.needs_input_grad("x"):
+        out["x"] = grad @ w
+    if ctx.needs_input_grad("weight"):
+        scale = 2.0 if ctx.phase == "weight" else 1.0  # planted: wrong only when split
+        out["weight"] = scale * grad.mT @ x
+    return out
+
+
+def test_catches_split_that_differs_from_full_backward() -> None:
+    with pytest.raises(
+        CheckFailed,
+        match=re.escape(
+            "- split: gradient of 'weight' from the weight pass differs from the full backward"
+        ),
+    ) as info:
+        check_op(phase_dependent, *_args())
+    assert [r.name for r in info.value.report.failures] == ["split"]
+
+
+def test_every_failure_is_listed_in_one_error() -> None:
+    @cg.op("test_testing::everything_wrong", weights=("weight",))
+    def op(x: Tensor, weight: Tensor) -> Tensor:
+        return x @ weight.mT
+
+    @op.register_fake
+    def _(x: Tensor, weight: Tensor) -> Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0] + 1))
+
+    @op.register_save_for_backward
+    def _(inputs: Any, output: Tensor) -> Any:
+        return inputs.x, inputs.weight
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        x, w = saved
+        return {"x": 3 * grad @ w, "weight": grad.mT @ x}
+
+    with pytest.raises(CheckFailed, match=re.escape("4 of 6 checks failed:")) as info:
+        check_op(op, *_args())
+    names = [r.name for r in info.value.report.failures]
+    assert names == ["opcheck", "fake", "gradcheck", "flops"]
+    for name in names:
+        assert f"\n  - {name}: " in str(info.value)
+
+
+def test_options() -> None:
+    report = check_op(good, *_args(), checks=("split",))
+    assert report["split"].status == "passed"
+    assert report["opcheck"] == report["opcheck"].__class__("opcheck", "skipped", "not requested")
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "check_op: unknown check 'gradchek'. Checks: opcheck, fake, gradcheck, "
+            "gradgradcheck, split, flops."
+        ),
+    ):
+        check_op(good, *_args(), checks=["gradchek"])
+    with pytest.raises(KeyError, match=re.escape("no check named 'nope'")):
+        report["nope"]
+
+
+def test_requires_grad_picks_what_is_differentiated() -> None:
+    x, w = _args()
+    report = check_op(good, x, w.requires_grad_(True))  # only the weight
+    assert report["split"].status == "skipped"
+    assert report["split"].detail == (
+        "nothing to split: no non-weight argument among the differentiated arguments"
+    )
+    assert report["gradcheck"].status == "passed"
+
+
+@cg.op("test_testing::weighted_sum", weights=("scales",))
+def weighted_sum(xs: list[Tensor], scales: list[Tensor], *, bias: float = 0.0) -> Tensor:
+    return sum((x * s for x, s in zip(xs, scales)), torch.zeros_like(xs[0])) + bias
+
+
+@weighted_sum.register_fake
+def _(xs: list[Tensor], scales: list[Tensor], *, bias: float = 0.0) -> Tensor:
+    return torch.empty_like(xs[0])
+
+
+@weighted_sum.register_save_for_backward
+def _(inputs: Any, output: Tensor) -> Any:
+    return inputs.xs, inputs.scales
+
+
+@weighted_sum.register_backward
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    xs, scales = saved
+    out: dict[str, Any] = {}
+    if ctx.needs_input_grad("xs"):
+        out["xs"] = [grad * s for s in scales]
+    if ctx.needs_input_grad("scales"):
+        out["scales"] = [grad * x for x in xs]
+    return out
+
+
+def test_list_and_keyword_only_arguments() -> None:
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, generator=g) for _ in range(2)]
+    scales = [torch.randn(3, generator=g) for _ in range(2)]
+    report = check_op(weighted_sum, xs, scales, bias=0.5)
+    assert report.ok
+    assert report.calls["input"] == {"backward": 1}

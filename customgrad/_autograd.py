@@ -17,7 +17,7 @@ import optree
 import torch
 from torch.autograd.graph import GradientEdge
 
-from customgrad._errors import MissingRegistrationError
+from customgrad._errors import GradientValueError, MissingRegistrationError
 from customgrad._signature import ArgKind, Signature
 from customgrad._validate import Meta, TensorMeta, collect_grads
 
@@ -98,7 +98,7 @@ class BackwardContext:
     def needs_input_grad(self, name: str) -> bool:
         """True if argument ``name`` requires grad and the engine will use its gradient now."""
         if name not in self.op._sig.index:
-            raise ValueError(
+            raise GradientValueError(
                 f"{self.op.name}: ctx.needs_input_grad({name!r}): no such argument. "
                 f"Arguments: {', '.join(self.op._sig.names)}."
             )

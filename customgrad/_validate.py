@@ -28,7 +28,9 @@ def describe(value: object) -> str:
         return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype}, device {value.device}"
     if value is None:
         return "None"
-    text = repr(value)
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = " ".join(repr(value).split())
     if len(text) > 60:
         text = text[:57] + "..."
     return f"{type(value).__name__} {text}"

@@ -7,7 +7,7 @@ import gc
 import itertools
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
@@ -25,7 +25,7 @@ def unique(name: str) -> str:
 def make_linear(name: str | None = None, *, pair: bool = True) -> cg.CustomOp[..., torch.Tensor]:
     @cg.op(name or unique("linear"), weights=("weight", "bias"))
     def linear(
-        x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None
+        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         out = x @ weight.mT
         return out if bias is None else out + bias
@@ -39,7 +39,7 @@ def make_linear(name: str | None = None, *, pair: bool = True) -> cg.CustomOp[..
         return inputs.x, inputs.weight, inputs.bias is not None
 
     def bwd_input(ctx, saved, grad):
-        x, weight, _ = saved
+        _x, weight, _ = saved
         return {"x": grad @ weight}
 
     def bwd_weight(ctx, saved, grad):

@@ -63,6 +63,9 @@ class NodeInfo:
         computes_twice: it ran in both passes and cannot restrict itself to what each pass
             needs (a plain ``autograd.Function`` or ``custom_op``), or its I and W FLOPs add up
             to more than its full FLOPs.
+        deferred: a customgrad op whose weight half the I pass set aside for W (customgrad's
+            split); that work runs outside the node, so its W FLOPs are counted in
+            :attr:`SplitExplanation.outside_flops`.
     """
 
     label: str
@@ -71,6 +74,7 @@ class NodeInfo:
     flops: dict[str, int]
     depth: int
     computes_twice: bool
+    deferred: bool = False
 
     @property
     def repeated_flops(self) -> int:
@@ -84,13 +88,28 @@ class NodeInfo:
             frozenset(): "-",
             frozenset({"input"}): "I",
             frozenset({"weight"}): "W",
-        }.get(self.phases, "I+W")
+        }.get(self.phases, "I+W (W deferred)" if self.deferred else "I+W")
 
     @property
     def color_key(self) -> str:
         if self.computes_twice:
             return "twice"
         return {"-": "none", "I": "input", "W": "weight"}.get(self.runs_in, "both")
+
+    def advice(self) -> str:
+        """What to do about a node that computes twice."""
+        if self.kind == "customgrad":
+            return (
+                "a customgrad op re-entered by the weight pass (shared weights under torch's "
+                "split: use customgrad.pipelining's split) or whose backward ignores "
+                "ctx.needs_input_grad (check it with customgrad.testing.check_op)"
+            )
+        if self.kind in ("function", "custom_op"):
+            return (
+                "its backward runs whole in both passes; make it a customgrad op "
+                "(register_backward_input/_weight)"
+            )
+        return "it does more work split than in a full backward"
 
 
 @dataclass
@@ -156,7 +175,7 @@ class SplitExplanation:
         if any(self.outside_flops.values()):
             o = self.outside_flops
             rows.append(
-                ("(outside nodes)", "deferred", "", str(o["full"]), str(o["input"]),
+                ("(outside nodes)", "deferred", "W", str(o["full"]), str(o["input"]),
                  str(o["weight"]), "")
             )  # fmt: skip
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -177,13 +196,11 @@ class SplitExplanation:
         ]
         twice = self.computes_twice
         if twice:
-            lines.append("Computes twice (runs its whole backward in both I and W):")
+            lines.append("Computes twice (does backward work in both I and W):")
             for n in twice:
-                lines.append(f"  - {n.label} ({n.kind}): {n.repeated_flops} FLOPs repeated")
-            lines.append(
-                "  Make them customgrad ops (register_backward_input/_weight) so each pass "
-                "computes only its own gradients."
-            )
+                lines.append(
+                    f"  - {n.label} ({n.kind}): {n.repeated_flops} FLOPs repeated; {n.advice()}."
+                )
         else:
             lines.append("Nothing computes twice.")
         return "\n".join(lines)
@@ -467,6 +484,7 @@ def explain_split(
             _, param_groups = backward_input(
                 [o.clone() for o in outs], gouts, inputs, iter(weights)
             )
+        deferred_nodes = _deferred_nodes(param_groups)
         phase_of["phase"] = "weight"
         with counters["weight"]:
             backward_weight(iter(weights), param_groups)
@@ -478,6 +496,9 @@ def explain_split(
 
     input_ids = {id(t) for t in inputs}
     weight_ids = {id(t) for t in weights}
+    reaches_weight = _reaching(
+        [i for i, n in enumerate(order) if id(getattr(n, "variable", None)) in weight_ids], edges
+    )
     nodes: list[NodeInfo] = []
     seen: collections.Counter[str] = collections.Counter()
     for i, node in enumerate(order):
@@ -501,10 +522,44 @@ def explain_split(
         seen[label] += 1
         if seen[label] > 1:
             label = f"{label} #{seen[label]}"
-        nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice))
+        deferred = node in deferred_nodes or (
+            kind == "customgrad"
+            and splitter_name == "customgrad.pipelining"
+            and phases == frozenset({"input"})
+            and i in reaches_weight
+        )
+        if deferred:
+            phases = frozenset({"input", "weight"})
+        nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice, deferred))
     totals = {p: counters[p].total for p in _PHASES}
     outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
     return SplitExplanation(nodes, edges, totals, outside, splitter_name)
+
+
+def _reaching(targets: list[int], edges: list[tuple[int, int]]) -> set[int]:
+    """Nodes from which some target can be reached along ``edges`` (targets included)."""
+    parents: dict[int, list[int]] = collections.defaultdict(list)
+    for a, b in edges:
+        parents[b].append(a)
+    seen = set(targets)
+    todo = list(targets)
+    while todo:
+        for p in parents[todo.pop()]:
+            if p not in seen:
+                seen.add(p)
+                todo.append(p)
+    return seen
+
+
+def _deferred_nodes(param_groups: Any) -> set[Any]:
+    """The customgrad nodes whose weight half customgrad's split set aside (empty for torch's)."""
+    found: set[Any] = set()
+    for group in param_groups if isinstance(param_groups, list) else ():
+        for value in group.values() if isinstance(group, dict) else ():
+            nodes = getattr(value, "deferred_nodes", None)
+            if isinstance(nodes, set):
+                found |= nodes
+    return found
 
 
 def _named(

@@ -177,11 +177,13 @@ class _CustomGradFunction(torch.autograd.Function):
         lens: tuple[int, ...] | None = call[0]
         args = flat if lens is None else _unflatten_args(sig, lens, flat)
         kernel = op._direct_kernel(args)
-        if kernel is not None:
-            out = sig.call(kernel, args)
-        else:
+        if kernel is None:
             with torch._C._AutoDispatchBelowAutograd():
                 out = sig.call(op._opoverload, args)
+        elif sig.kwonly_names:
+            out = sig.call(kernel, args)
+        else:
+            out = kernel(*args)
         save_fn = op._save_fn
         if save_fn is None:  # registrations changed between the check and here
             raise MissingRegistrationError(op._missing_autograd_message())
@@ -283,13 +285,21 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         slots = sig.flat_slots
         metas: dict[str, Meta] = dict(zip(sig.names, metas_flat))
         edge = 0
+        will_execute = _will_execute
         for name, m, r in zip(sig.names, metas_flat, req[2:]):
             if m is None:
                 continue
             if r:
                 requires.add(name)
-                if engine_needs(next_fns[edge][0]):
+                if will_execute is None:
+                    engine_needs(None)  # warns once that the split falls back to full work
                     needed.add(name)
+                else:
+                    try:
+                        if will_execute(next_fns[edge][0]):
+                            needed.add(name)
+                    except Exception:  # a leaf captured by autograd.grad: needed
+                        needed.add(name)
             edge += 1
     else:
         slots = _slots(sig, lens)
@@ -466,9 +476,13 @@ def apply(op: CustomOp[..., Any], args: tuple[Any, ...]) -> Any:
         and (op._backward_input_fn is None or op._backward_weight_fn is None)
     ):
         raise MissingRegistrationError(op._missing_autograd_message())
-    lens, flat = _flatten_args(sig, args)
-    call: list[Any] = [lens, None]
-    out = _CustomGradFunction.apply(op, call, *flat)  # type: ignore[no-untyped-call]
+    if sig.has_lists:
+        lens, flat = _flatten_args(sig, args)
+        call: list[Any] = [lens, None]
+        out = _CustomGradFunction.apply(op, call, *flat)  # type: ignore[no-untyped-call]
+    else:
+        call = [None, None]
+        out = _CustomGradFunction.apply(op, call, *args)  # type: ignore[no-untyped-call]
     if sig.output_is_tuple:
         return _regroup_outputs(sig, out, call[1])
     if sig.output_kinds[0] is ArgKind.TENSOR_LIST:

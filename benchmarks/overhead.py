@@ -1,0 +1,212 @@
+"""Per-call overhead of customgrad ops against the anchors, measured in the same run.
+
+Run: ``.venv/bin/python benchmarks/overhead.py`` (``--quick`` for a short run).
+
+For a 16-element ``x * 2`` and an 8x16 linear, times (median of repeats, microseconds per call):
+forward under ``no_grad``, forward with grad, and forward + backward, for
+
+- eager torch,
+- a plain ``torch.autograd.Function``,
+- a ``torch.autograd.Function`` around a ``Library.define``/``impl`` op,
+- ``torch.library.custom_op`` + ``register_autograd``,
+- customgrad, called as the ``CustomOp`` and through ``torch.ops``.
+
+It prints the table and the ratios the project targets: customgrad forward+backward against
+the plain Function (<= 1.15) and against custom_op (<= 0.7), and customgrad forward under
+no_grad against the define/impl op (<= 1.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import timeit
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import customgrad as cg
+
+torch.set_num_threads(1)
+
+# --- x * 2 -------------------------------------------------------------------------------
+
+
+class DoubleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+class LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.mT
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w, g.mT @ x
+
+
+_lib = torch.library.Library("cg_bench_lib", "FRAGMENT")
+_lib.define("double(Tensor x) -> Tensor")
+_lib.define("linear(Tensor x, Tensor w) -> Tensor")
+_lib.impl("double", lambda x: x * 2, "CompositeExplicitAutograd")
+_lib.impl("linear", lambda x, w: x @ w.mT, "CompositeExplicitAutograd")
+lib_double = torch.ops.cg_bench_lib.double.default
+lib_linear = torch.ops.cg_bench_lib.linear.default
+
+
+class LibDoubleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return lib_double(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g * 2
+
+
+class LibLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        return lib_linear(x, w)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w, g.mT @ x
+
+
+@torch.library.custom_op("cg_bench_co::double", mutates_args=())
+def co_double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+co_double.register_fake(lambda x: torch.empty_like(x))
+co_double.register_autograd(lambda ctx, g: g * 2)
+
+
+@torch.library.custom_op("cg_bench_co::linear", mutates_args=())
+def co_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.mT
+
+
+def _co_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _co_bwd(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x, w = ctx.saved_tensors
+    return g @ w, g.mT @ x
+
+
+co_linear.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+co_linear.register_autograd(_co_bwd, setup_context=_co_setup)
+
+
+@cg.op("cg_bench::double")
+def cg_double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+cg_double.register_fake(lambda x: torch.empty_like(x))
+cg_double.register_save_for_backward(lambda inputs, output: None)
+cg_double.register_backward(lambda ctx, saved, g: {"x": g * 2})
+
+
+@cg.op("cg_bench::linear", weights=("w",))
+def cg_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.mT
+
+
+cg_linear.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+cg_linear.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+cg_linear.register_backward_input(lambda ctx, saved, g: {"x": g @ saved[1]})
+cg_linear.register_backward_weight(lambda ctx, saved, g: {"w": g.mT @ saved[0]})
+
+
+def _time(fn: Callable[[], Any], number: int, repeat: int) -> float:
+    fn()
+    times = timeit.repeat(fn, number=number, repeat=repeat)
+    return statistics.median(times) / number * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (for CI smoke runs)")
+    args = parser.parse_args()
+    number, repeat = (200, 3) if args.quick else (2000, 7)
+
+    x16 = torch.randn(16, requires_grad=True)
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    cases: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
+        "x*2": {
+            "eager": lambda: x16 * 2,
+            "autograd.Function": lambda: DoubleFn.apply(x16),
+            "Function(define/impl)": lambda: LibDoubleFn.apply(x16),
+            "define/impl op": lambda: lib_double(x16),
+            "custom_op": lambda: co_double(x16),
+            "customgrad": lambda: cg_double(x16),
+            "customgrad torch.ops": lambda: torch.ops.cg_bench.double.default(x16),
+        },
+        "linear 8x16": {
+            "eager": lambda: x @ w.mT,
+            "autograd.Function": lambda: LinearFn.apply(x, w),
+            "Function(define/impl)": lambda: LibLinearFn.apply(x, w),
+            "define/impl op": lambda: lib_linear(x, w),
+            "custom_op": lambda: co_linear(x, w),
+            "customgrad": lambda: cg_linear(x, w),
+            "customgrad torch.ops": lambda: torch.ops.cg_bench.linear.default(x, w),
+        },
+    }
+    results: dict[tuple[str, str, str], float] = {}
+    for case, impls in cases.items():
+        print(f"\n{case}: microseconds per call (median of {repeat} x {number})")
+        print(f"  {'implementation':24s} {'fwd no_grad':>12s} {'fwd grad':>10s} {'fwd+bwd':>10s}")
+        for impl, f in impls.items():
+
+            def no_grad(f: Callable[[], torch.Tensor] = f) -> None:
+                with torch.no_grad():
+                    f()
+
+            def fwd(f: Callable[[], torch.Tensor] = f) -> None:
+                f()
+
+            def fwd_bwd(f: Callable[[], torch.Tensor] = f) -> None:
+                f().sum().backward()
+
+            row = []
+            for mode, g in (("no_grad", no_grad), ("fwd", fwd), ("fwd+bwd", fwd_bwd)):
+                if impl == "define/impl op" and mode != "no_grad":
+                    row.append(float("nan"))
+                    continue
+                t = _time(g, number, repeat)
+                results[(case, impl, mode)] = t
+                row.append(t)
+            print(f"  {impl:24s} {row[0]:12.1f} {row[1]:10.1f} {row[2]:10.1f}")
+    print("\nratios (targets in brackets)")
+    for case in cases:
+        r = results
+        print(
+            f"  {case:12s} customgrad fwd+bwd / autograd.Function = "
+            f"{r[(case, 'customgrad', 'fwd+bwd')] / r[(case, 'autograd.Function', 'fwd+bwd')]:.2f}"
+            f" [<= 1.15];  / custom_op = "
+            f"{r[(case, 'customgrad', 'fwd+bwd')] / r[(case, 'custom_op', 'fwd+bwd')]:.2f} [<= 0.70];"
+            f"  no_grad fwd / define-impl op = "
+            f"{r[(case, 'customgrad', 'no_grad')] / r[(case, 'define/impl op', 'no_grad')]:.2f}"
+            f" [<= 1.50]"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,10 @@
 
 - :func:`stage_backward`, :func:`stage_backward_input`, :func:`stage_backward_weight`: drop-ins
   for ``torch.distributed.pipelining``'s split backward functions.
+- :class:`PipelineStage`: torch's ``PipelineStage`` with those as its backward, for torch's
+  schedules (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``).
+- :class:`WeightGradQueue`: customgrad weight-gradient work kept per stage and microbatch, run
+  by a hand-written loop or as a ``PipelineStage`` ``dw_builder``.
 """
 
 from customgrad.pipelining._backward import stage_backward as stage_backward
@@ -14,13 +18,17 @@ from customgrad.pipelining._errors import SplitStateError as SplitStateError
 from customgrad.pipelining._errors import StreamSyncError as StreamSyncError
 from customgrad.pipelining._errors import WeightGradQueueError as WeightGradQueueError
 from customgrad.pipelining._errors import WeightPassTwiceError as WeightPassTwiceError
+from customgrad.pipelining._queue import WeightGradQueue as WeightGradQueue
+from customgrad.pipelining._stage import PipelineStage as PipelineStage
 
 __all__ = [
     "MissingInputPassError",
     "PendingWeightWorkError",
+    "PipelineStage",
     "PipeliningError",
     "SplitStateError",
     "StreamSyncError",
+    "WeightGradQueue",
     "WeightGradQueueError",
     "WeightPassTwiceError",
     "stage_backward",

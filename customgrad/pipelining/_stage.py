@@ -1,0 +1,119 @@
+"""``PipelineStage``: torch's pipeline stage, with customgrad's split backward as its core.
+
+torch's schedules (``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``, ...) call a stage's ``backward_maybe_with_nosync`` for every full (B),
+input (I) and weight (W) backward. This subclass overrides that one method so those calls go to
+:func:`~customgrad.pipelining.stage_backward`, :func:`~customgrad.pipelining.stage_backward_input`
+and :func:`~customgrad.pipelining.stage_backward_weight`; nothing in torch is patched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
+from torch.nn.parallel import DistributedDataParallel
+
+from customgrad.pipelining._backward import (
+    stage_backward,
+    stage_backward_input,
+    stage_backward_weight,
+)
+from customgrad.pipelining._queue import WeightGradQueue
+
+__all__ = ["PipelineStage"]
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - older torch
+    FSDPModule = ()  # type: ignore[assignment,misc]
+
+
+class PipelineStage(_TorchPipelineStage):
+    """A ``torch.distributed.pipelining.PipelineStage`` whose backward is customgrad's split.
+
+    Takes the arguments of torch's ``PipelineStage`` (pass ``dw_builder`` by keyword), plus:
+
+    Args:
+        queue: a :class:`~customgrad.pipelining.WeightGradQueue`. Each microbatch's forward
+            runs under ``queue.microbatch(stage_index, chunk_id)``; the stage's ``dw_builder``
+            becomes the queue's, so I runs a backward with customgrad weight halves queued and
+            W runs them. The queue is checked empty for this stage when the schedule reduces
+            the stage's gradients (end of step).
+
+    Example:
+        Build stages as with torch and hand them to a torch schedule::
+
+            stage = customgrad.pipelining.PipelineStage(module, rank, world, device)
+            schedule = ScheduleZBVZeroBubble([stage0, stage1], n_microbatches, loss_fn=...)
+    """
+
+    def __init__(self, *args: Any, queue: WeightGradQueue | None = None, **kwargs: Any) -> None:
+        if queue is not None:
+            if kwargs.get("dw_builder") is not None:
+                raise ValueError(
+                    "customgrad.pipelining.PipelineStage: pass either queue= or dw_builder=, "
+                    "not both (a queue brings its own dw_builder)."
+                )
+            kwargs["dw_builder"] = self._build_dw
+        self.queue = queue
+        super().__init__(*args, **kwargs)
+
+    def _build_dw(self) -> Any:
+        queue = self.queue
+        return queue.dw_builder(self.stage_index) if queue is not None else (lambda: None)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        if self.queue is None:
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        with self.queue.microbatch(self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.queue is not None:
+            self.queue.finish(self.stage_index)
+        super().perform_reduce_grad(grad_scale_factor)
+
+    def backward_maybe_with_nosync(
+        self,
+        backward_type: str,
+        bwd_kwargs: dict[str, Any],
+        last_backward: bool = False,
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+        def perform() -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+            if backward_type == "full":
+                grads = stage_backward(
+                    bwd_kwargs["stage_output"],
+                    bwd_kwargs["output_grads"],
+                    bwd_kwargs["input_values"],
+                )
+                return grads, None
+            if backward_type == "input":
+                return stage_backward_input(
+                    bwd_kwargs["stage_output"],
+                    bwd_kwargs["output_grads"],
+                    bwd_kwargs["input_values"],
+                    self.submod.parameters(),
+                )
+            if backward_type == "weight":
+                grads = stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])
+                return grads, None
+            raise ValueError(f"Unknown backward type: {backward_type!r}")
+
+        submod = self.submod
+        if isinstance(submod, DistributedDataParallel):
+            if last_backward:
+                # As torch's stage does: tell DDP's reducer which outputs this backward starts at.
+                outputs = bwd_kwargs["stage_output"]
+                submod.reducer.prepare_for_backward(
+                    list(torch.nn.parallel.distributed._find_tensors(outputs))
+                )
+                return perform()
+            with submod.no_sync():
+                return perform()
+        if isinstance(submod, FSDPModule):
+            submod.set_is_last_backward(False)
+            submod.set_reshard_after_backward(False)
+            submod.set_requires_gradient_sync(False)
+        return perform()

@@ -1,0 +1,244 @@
+"""torch's zero-bubble schedules on customgrad.pipelining.PipelineStage (one process, gloo)."""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage as TorchPipelineStage,
+)
+from torch.distributed.pipelining import (
+    ScheduleDualPipeV,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+import customgrad as cg
+from customgrad.pipelining import PendingWeightWorkError, PipelineStage, WeightGradQueue
+
+CALLS: Counter[tuple[str, str]] = Counter()
+STEP_CALLS: Counter[tuple[str, str]] = Counter()
+
+
+@cg.op("stage_bw::linear", weights=("weight",))
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    return x @ weight.mT
+
+
+@linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@linear.register_save_for_backward
+def _(inputs: Any, output: Tensor) -> Any:
+    return inputs.x, inputs.weight
+
+
+@linear.register_backward_input
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    CALLS["input", ctx.phase] += 1
+    return {"x": grad @ saved[1]}
+
+
+@linear.register_backward_weight
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    CALLS["weight", ctx.phase] += 1
+    return {"weight": grad.mT @ saved[0]}
+
+
+class FnLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.mT
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        CALLS["fn", "backward"] += 1
+        return grad @ weight, grad.mT @ x
+
+
+class SharedOnly(nn.Module):
+    """``op(relu(op(x, w)), w)``: torch's W re-runs the outer op's input half."""
+
+    def __init__(self, kind: str, width: int = 8) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(torch.relu(linear(x, self.w)), self.w)
+
+
+class Block(nn.Module):
+    """Two layers sharing nothing, then a layer reusing the first weight."""
+
+    def __init__(self, kind: str, width: int = 8) -> None:
+        super().__init__()
+        self.kind = kind
+        self.w1 = nn.Parameter(torch.randn(width, width) / width**0.5)
+        self.w2 = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def _lin(self, x: Tensor, w: Tensor) -> Tensor:
+        if self.kind == "cg":
+            return linear(x, w)
+        if self.kind == "fn":
+            return FnLinear.apply(x, w)  # type: ignore[no-any-return]
+        return nn.functional.linear(x, w)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self._lin(x, self.w1))
+        return torch.tanh(self._lin(torch.relu(self._lin(h, self.w2)), self.w1))
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).sum()
+
+
+SCHEDULES = [ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, ScheduleDualPipeV]
+N_MB = 4
+
+
+def _run(
+    schedule_cls: Any,
+    kind: str,
+    stage_cls: Any = PipelineStage,
+    module_cls: Any = None,
+    **stage_kwargs: Any,
+) -> tuple[list[nn.Module], nn.Module]:
+    torch.manual_seed(0)
+    module_cls = module_cls or Block
+    mods = [module_cls(kind), module_cls(kind)]
+    ref = nn.Sequential(*copy.deepcopy(mods))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    stages = [stage_cls(m, i, 2, torch.device("cpu"), **stage_kwargs) for i, m in enumerate(mods)]
+    schedule = schedule_cls(stages, n_microbatches=N_MB, loss_fn=_loss)
+    schedule.step(x, target=y)  # the first step also infers shapes (with a backward of its own)
+    for m in mods:
+        m.zero_grad()
+    CALLS.clear()
+    schedule.step(x, target=y)
+    STEP_CALLS.clear()
+    STEP_CALLS.update(CALLS)
+    for xi, yi in zip(x.chunk(N_MB), y.chunk(N_MB)):
+        (_loss(ref(xi), yi) / N_MB).backward()
+    return mods, ref
+
+
+def _calls(half: str) -> int:
+    return sum(n for (h, _), n in STEP_CALLS.items() if h == half)
+
+
+def _check(mods: list[nn.Module], ref: nn.Module) -> None:
+    got = [p.grad for m in mods for p in m.parameters()]
+    for g, p in zip(got, ref.parameters()):
+        torch.testing.assert_close(g, p.grad)
+
+
+@pytest.mark.parametrize("kind", ["cg", "fn", "native"])
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_schedules_match_full_backward(group: None, schedule_cls: Any, kind: str) -> None:
+    _check(*_run(schedule_cls, kind))
+
+
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_each_backward_half_runs_once_per_microbatch(group: None, schedule_cls: Any) -> None:
+    _check(*_run(schedule_cls, "cg"))
+    # 2 stages x 3 op calls x microbatches; the very first op's input (the batch) needs no grad
+    assert _calls("weight") == 2 * 3 * N_MB
+    assert _calls("input") == (2 * 3 - 1) * N_MB
+
+
+@pytest.mark.parametrize("schedule_cls", [ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble])
+def test_torch_stage_repeats_work_that_customgrad_stage_does_not(
+    group: None, schedule_cls: Any
+) -> None:
+    # torch's own stage and split: in the last stage's W, the shared weight makes torch re-run
+    # the outer op's input half; customgrad's stage runs each half once.
+    _check(*_run(schedule_cls, "cg", module_cls=SharedOnly))
+    assert _calls("input") == (2 * 2 - 1) * N_MB
+    _check(*_run(schedule_cls, "cg", stage_cls=TorchPipelineStage, module_cls=SharedOnly))
+    assert _calls("input") > (2 * 2 - 1) * N_MB
+    assert _calls("weight") == 2 * 2 * N_MB
+
+
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_stage_with_queue(group: None, schedule_cls: Any) -> None:
+    queue = WeightGradQueue()
+    _check(*_run(schedule_cls, "cg", queue=queue))
+    assert queue.pending() == []
+    assert _calls("weight") == 2 * 3 * N_MB
+    assert _calls("input") == (2 * 3 - 1) * N_MB
+
+
+def test_torch_stage_with_queue_dw_builder(group: None) -> None:
+    queue = WeightGradQueue()
+    torch.manual_seed(0)
+    mods = [Block("cg"), Block("cg")]
+    ref = nn.Sequential(*copy.deepcopy(mods))
+    handles = [queue.attach(m, i) for i, m in enumerate(mods)]
+    stages = [
+        TorchPipelineStage(m, i, 2, torch.device("cpu"), dw_builder=queue.dw_builder)
+        for i, m in enumerate(mods)
+    ]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=N_MB, loss_fn=_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    schedule.step(x, target=y)  # the first step also infers shapes
+    queue.finish()
+    for m in mods:
+        m.zero_grad()
+    CALLS.clear()
+    schedule.step(x, target=y)
+    assert sum(n for (h, _), n in CALLS.items() if h == "weight") == 2 * 3 * N_MB
+    assert sum(n for (h, _), n in CALLS.items() if h == "input") == (2 * 3 - 1) * N_MB
+    queue.finish()
+    for h in handles:
+        h.remove()
+    for xi, yi in zip(x.chunk(N_MB), y.chunk(N_MB)):
+        (_loss(ref(xi), yi) / N_MB).backward()
+    _check(mods, ref)
+
+
+def test_stage_queue_and_dw_builder_exclusive(group: None) -> None:
+    with pytest.raises(ValueError, match=re.escape("pass either queue= or dw_builder=")):
+        PipelineStage(
+            Block("cg"),
+            0,
+            2,
+            torch.device("cpu"),
+            queue=WeightGradQueue(),
+            dw_builder=lambda: lambda: None,
+        )
+
+
+def test_stage_reports_work_left_at_step_end(group: None) -> None:
+    queue = WeightGradQueue()
+    stage = PipelineStage(Block("cg"), 0, 2, torch.device("cpu"), queue=queue)
+    with queue.microbatch(0, 7):
+        out = stage.submod(torch.randn(2, 8, requires_grad=True))
+    out.sum().backward()
+    with pytest.raises(PendingWeightWorkError, match=re.escape("(0, 7): their W never ran")):
+        stage.perform_reduce_grad(1)
+    queue.run(0, 7)
+    stage.perform_reduce_grad(1)

@@ -1,0 +1,359 @@
+"""WeightGradQueue: per (stage, microbatch) weight-gradient work, run later like autograd would."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import customgrad as cg
+from customgrad.pipelining import (
+    MissingInputPassError,
+    PendingWeightWorkError,
+    StreamSyncError,
+    WeightGradQueue,
+    WeightPassTwiceError,
+    _queue,
+)
+
+WEIGHT_CALLS: list[str] = []
+
+
+@cg.op("queue_t::linear", weights=("weight",))
+def linear(x: Tensor, weight: Tensor) -> Tensor:
+    return x @ weight.mT
+
+
+@linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@linear.register_save_for_backward
+def _(inputs: Any, output: Tensor) -> Any:
+    return inputs.x, inputs.weight
+
+
+@linear.register_backward
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    x, weight = saved
+    out: dict[str, Any] = {}
+    if ctx.needs_input_grad("x"):
+        out["x"] = grad @ weight
+    if ctx.needs_input_grad("weight"):
+        WEIGHT_CALLS.append(ctx.phase)
+        out["weight"] = grad.mT @ x
+    return out
+
+
+class Net(nn.Module):
+    """customgrad layers (one weight shared) and a native layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(torch.tanh(self.lin(torch.relu(linear(x, self.w)))), self.w)
+
+
+def _data(n: int) -> list[tuple[Tensor, Tensor]]:
+    torch.manual_seed(1)
+    return [(torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)) for _ in range(n)]
+
+
+def _reference(net: Net, data: list[tuple[Tensor, Tensor]]) -> tuple[Net, list[Tensor]]:
+    ref = copy.deepcopy(net)
+    grads = []
+    for x, g in data:
+        rx = x.detach().clone().requires_grad_()
+        ref(rx).backward(g)
+        assert rx.grad is not None
+        grads.append(rx.grad)
+    return ref, grads
+
+
+def test_hand_written_loop_matches_autograd() -> None:
+    net = Net()
+    data = _data(3)
+    ref, ref_dx = _reference(net, data)
+    queue = WeightGradQueue()
+    for mb, (x, g) in enumerate(data):
+        with queue.microbatch(stage=0, microbatch=mb):
+            out = net(x)
+        out.backward(g)  # I: customgrad weight halves are queued
+        torch.testing.assert_close(x.grad, ref_dx[mb])
+    assert net.w.grad is None
+    assert net.lin.weight.grad is not None  # native weights: computed in the backward itself
+    assert queue.pending() == [(0, 0), (0, 1), (0, 2)]
+    for mb in (2, 0, 1):  # any order
+        queue.run(0, mb)
+    queue.finish()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_weight_halves_run_once_each_in_weight_phase() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    ((x, g),) = _data(1)
+    with queue.microbatch(0, 0):
+        out = net(x)
+    WEIGHT_CALLS.clear()
+    out.backward(g)
+    assert WEIGHT_CALLS == []
+    queue.run(0, 0)
+    assert WEIGHT_CALLS == ["weight", "weight"]
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_microbatch_for_a_shared_weight() -> None:
+    net = Net()
+    data = _data(2)
+    ref, _ = _reference(net, data)
+    seen: list[Tensor] = []
+    net.w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    queue = WeightGradQueue()
+    for mb, (x, g) in enumerate(data):
+        with queue.microbatch(0, mb):
+            out = net(x)
+        out.backward(g)
+    assert seen == []
+    queue.run(0, 0)
+    assert len(seen) == 1
+    queue.run(0, 1)
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[-1], ref.w.grad)
+
+
+def test_keys_are_per_stage() -> None:
+    a, b = Net(), Net()
+    queue = WeightGradQueue()
+    ((x, g),) = _data(1)
+    with queue.microbatch(0, 0):
+        h = a(x)
+    with queue.microbatch(1, 0):
+        out = b(h)
+    out.backward(g)
+    assert queue.pending() == [(1, 0), (0, 0)]
+    queue.run(1, 0)
+    assert b.w.grad is not None and a.w.grad is None
+    with pytest.raises(PendingWeightWorkError, match=re.escape("(0, 0): their W never ran")):
+        queue.finish()
+    queue.finish(stage=1)
+    queue.run(0, 0)
+    queue.finish()
+
+
+def test_input_only_backward_queues_nothing() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    ((x, g),) = _data(1)
+    with queue.microbatch(0, 0):
+        out = net(x)
+    (dx,) = torch.autograd.grad(out, x, g)
+    assert queue.pending() == []
+
+
+def test_attach_numbers_forwards() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    handle = queue.attach(net, stage=3)
+    data = _data(2)
+    for x, g in data:
+        net(x).backward(g)
+    assert queue.pending() == [(3, 0), (3, 1)]
+    runner = queue.dw_builder()
+    runner()
+    queue.finish()
+    handle.remove()
+    net(data[0][0]).backward(data[0][1])
+    assert queue.pending() == []
+
+
+def test_dw_builder_takes_the_microbatch_just_backwarded() -> None:
+    net = Net()
+    data = _data(2)
+    ref, _ = _reference(net, data)
+    queue = WeightGradQueue()
+    runners = []
+    for mb, (x, g) in enumerate(data):
+        with queue.microbatch(0, mb):
+            out = net(x)
+        out.backward(g)
+        runners.append(queue.dw_builder())
+    assert queue.pending() == [(0, 0), (0, 1)]
+    runners[1]()
+    assert queue.pending() == [(0, 0)]
+    runners[0]()
+    queue.finish()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_weight_pass_without_input_pass() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    with queue.microbatch(0, 0):
+        net(torch.randn(4, 8))
+    with pytest.raises(
+        MissingInputPassError,
+        match=re.escape(
+            "WeightGradQueue.run(stage=0, microbatch=0): nothing was queued for this "
+            "microbatch: its input pass (I) never ran"
+        ),
+    ):
+        queue.run(0, 0)
+    assert isinstance(MissingInputPassError("x"), (RuntimeError, cg.CustomGradError))
+
+
+def test_weight_pass_twice() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    ((x, g),) = _data(1)
+    with queue.microbatch(0, 5):
+        out = net(x)
+    out.backward(g)
+    queue.run(0, 5)
+    with pytest.raises(
+        WeightPassTwiceError,
+        match=re.escape(
+            "WeightGradQueue.run(stage=0, microbatch=5): W already ran for this microbatch"
+        ),
+    ):
+        queue.run(0, 5)
+    queue.finish()
+    with pytest.raises(MissingInputPassError):
+        queue.run(0, 5)  # a new step: the key is fresh again
+
+
+def test_work_left_at_step_end() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    ((x, g),) = _data(1)
+    with queue.microbatch(2, 1):
+        out = net(x)
+    out.backward(g)
+    with pytest.raises(
+        PendingWeightWorkError,
+        match=re.escape(
+            "WeightGradQueue.finish(): weight-gradient work is still queued for "
+            "(stage, microbatch) (2, 1): their W never ran"
+        ),
+    ):
+        queue.finish()
+
+
+# ---------------------------------------------------------------- streams (fakes on CPU)
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+class FakeStream:
+    device = torch.device("cpu")
+
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name = name
+        self.log = log
+        self.events: list[FakeEvent] = []
+
+    def record_event(self) -> FakeEvent:
+        self.events.append(FakeEvent())
+        return self.events[-1]
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+@pytest.fixture
+def streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeStream, FakeStream, list[str]]]:
+    log: list[str] = []
+    s1, s2 = FakeStream("s1", log), FakeStream("s2", log)
+    current = [s1]
+
+    @contextlib.contextmanager
+    def use(stream: FakeStream) -> Iterator[None]:
+        log.append(f"run on {stream.name}")
+        prev, current[0] = current[0], stream
+        try:
+            yield
+        finally:
+            current[0] = prev
+
+    monkeypatch.setattr(_queue, "_current_stream", lambda device: current[0])
+    monkeypatch.setattr(_queue, "_use_stream", use)
+    yield s1, s2, log
+    current[0] = s1
+
+
+def _queued_on_s1(queue: WeightGradQueue) -> None:
+    net = Net()
+    ((x, g),) = _data(1)
+    with queue.microbatch(0, 0):
+        out = net(x)
+    out.backward(g)
+
+
+def test_stream_work_runs_on_its_stream_and_current_waits(
+    streams: tuple[FakeStream, FakeStream, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s1, s2, log = streams
+    queue = WeightGradQueue()
+    _queued_on_s1(queue)
+    monkeypatch.setattr(_queue, "_current_stream", lambda device: s2)
+    queue.run(0, 0)
+    assert log == [
+        "s1 waits s2",
+        "run on s1",
+        "s2 waits s1",
+        "s1 waits s2",
+        "run on s1",
+        "s2 waits s1",
+    ]
+
+
+def test_stream_without_sync_raises(
+    streams: tuple[FakeStream, FakeStream, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    s1, s2, log = streams
+    queue = WeightGradQueue(sync_streams=False)
+    _queued_on_s1(queue)
+    monkeypatch.setattr(_queue, "_current_stream", lambda device: s2)
+    with pytest.raises(
+        StreamSyncError,
+        match=re.escape(
+            "WeightGradQueue.run(stage=0, microbatch=0): its work was queued on stream s1 and "
+            "is run from stream s2, which has not waited for it."
+        ),
+    ):
+        queue.run(0, 0)
+    for event in s1.events:
+        event.done = True  # the caller synchronised
+    queue.run(0, 0)
+    assert log == []
+
+
+def test_same_stream_runs_in_place(streams: tuple[FakeStream, FakeStream, list[str]]) -> None:
+    _, _, log = streams
+    queue = WeightGradQueue(sync_streams=False)
+    _queued_on_s1(queue)
+    queue.run(0, 0)
+    assert log == []

@@ -117,14 +117,19 @@ def test_post_accumulate_grad_hooks_fire_once_per_microbatch_for_a_shared_weight
     net = Net()
     data = _data(2)
     ref, _ = _reference(net, data)
-    seen: list[Tensor] = []
-    net.w.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    seen: list[Tensor | None] = []
+    net.w.register_post_accumulate_grad_hook(
+        lambda p: seen.append(None if p.grad is None else p.grad.clone())
+    )
     queue = WeightGradQueue()
     for mb, (x, g) in enumerate(data):
         with queue.microbatch(0, mb):
             out = net(x)
         out.backward(g)
-    assert seen == []
+        # A full backward runs w's accumulator with a None gradient (what autograd does for
+        # any None gradient, e.g. a plain Function returning None): .grad stays None.
+        assert seen == [None] and net.w.grad is None
+        seen.clear()
     queue.run(0, 0)
     assert len(seen) == 1
     queue.run(0, 1)
@@ -157,7 +162,7 @@ def test_input_only_backward_queues_nothing() -> None:
     ((x, g),) = _data(1)
     with queue.microbatch(0, 0):
         out = net(x)
-    (dx,) = torch.autograd.grad(out, x, g)
+    torch.autograd.grad(out, x, g)
     assert queue.pending() == []
 
 
@@ -315,7 +320,7 @@ def _queued_on_s1(queue: WeightGradQueue) -> None:
 def test_stream_work_runs_on_its_stream_and_current_waits(
     streams: tuple[FakeStream, FakeStream, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    s1, s2, log = streams
+    _, s2, log = streams
     queue = WeightGradQueue()
     _queued_on_s1(queue)
     monkeypatch.setattr(_queue, "_current_stream", lambda device: s2)

@@ -54,7 +54,7 @@ class FlopCounter(TorchDispatchMode):
 def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     """Call ``fn(*args, **kwargs)`` and return its result and the FLOPs it did.
 
-    Example:
+    Examples:
         >>> import torch
         >>> a = torch.ones(2, 3)
         >>> _, flops = count_flops(torch.mm, a, a.mT)

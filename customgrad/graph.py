@@ -288,7 +288,7 @@ class SplitExplanation:
                     edgecolor="#333333",
                 )
             )
-            text = f"{_shorten(n.label, 30)}\n{n.kind} · {n.runs_in}"
+            text = f"{_shorten(n.label, 36)}\n{n.kind} · {n.runs_in}"
             if n.computes_twice:
                 text += f" · TWICE ({n.repeated_flops} FLOPs)"
             ax.text(x, y, text, ha="center", va="center", fontsize=7)
@@ -404,7 +404,7 @@ def explain_split(
     Returns:
         A :class:`SplitExplanation`.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from customgrad.graph import explain_split
         >>> class Twice(torch.autograd.Function):

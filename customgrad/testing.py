@@ -206,7 +206,7 @@ def check_op(
         CheckFailed: one or more checks failed; the message lists each, with details.
         ValueError: ``checks`` names an unknown check.
 
-    Example:
+    Examples:
         >>> import torch, customgrad as cg
         >>> from customgrad.testing import check_op
         >>> @cg.op("doc_testing::scale", weights=("w",))

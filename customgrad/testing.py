@@ -245,9 +245,13 @@ def check_op(
     }
     split_results: dict[str, tuple[Status, str]] = {}
     if "split" in checks or "flops" in checks:
-        split_results = case.run_split(
-            atol=1e-7 if atol is None else atol, rtol=1e-7 if rtol is None else rtol
-        )
+        try:
+            split_results = case.run_split(
+                atol=1e-7 if atol is None else atol, rtol=1e-7 if rtol is None else rtol
+            )
+        except Exception as e:  # e.g. no autograd registered: a failure of both checks
+            failed: tuple[Status, str] = ("failed", f"raised {_short_exc(e)}")
+            split_results = {"split": failed, "flops": failed}
         report.flops = dict(case.flops)
         report.calls = {p: dict(c) for p, c in case.calls.items()}
     for name in CHECKS:

@@ -297,3 +297,14 @@ def test_list_and_keyword_only_arguments() -> None:
     report = check_op(weighted_sum, xs, scales, bias=0.5)
     assert report.ok
     assert report.calls["input"] == {"backward": 1}
+
+
+no_autograd = _linear_op("no_autograd")  # fake and save_for_backward, but no backward
+
+
+def test_missing_autograd_is_reported_not_crashed() -> None:
+    report = check_op(no_autograd, *_args(), raise_on_failure=False)
+    assert report["fake"].status == "passed"
+    for name in ("gradcheck", "split", "flops"):
+        assert report[name].status == "failed"
+        assert report[name].detail.startswith("raised MissingRegistrationError: ")

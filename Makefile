@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# A zero-bubble pipeline (ScheduleZBVZeroBubble) of customgrad ops on 2 local processes:
+# gradient check, per-rank table, and the measured schedule in out/zero_bubble.png.
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/zero_bubble.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check customgrad tests examples benchmarks
@@ -31,11 +33,18 @@ pytest: $(STAMP)
 
 examples: $(STAMP)
 	$(PY) examples/quickstart.py
+	$(PY) -m examples.ops
+	$(PY) examples/zero_bubble.py --check
 
 docs: $(STAMP)
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir .site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .site
 
 test: lint typecheck pytest examples docs
+
+# On a GPU machine: the CUDA tests, then the pipeline benchmark as one table.
+gpu-check: $(STAMP)
+	$(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
+	$(PY) benchmarks/pipeline.py --device auto
 
 clean:
 	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache

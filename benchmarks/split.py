@@ -1,0 +1,185 @@
+"""Per-pass FLOPs and times of a split backward (I then W) against a full backward.
+
+An MLP of width 1024 made of customgrad ops, of plain ``autograd.Function``\\ s and of
+``nn.Linear``, split by torch's ``stage_backward_input`` / ``stage_backward_weight`` and by
+customgrad's. Targets: customgrad (I+W)/full FLOPs = 1.00 (plain Function: about 2), time
+(I+W)/full <= 1.15.
+
+Run: ``python benchmarks/split.py [--width 1024] [--batch 512] [--depth 4] [--reps 5]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import _backward as torch_split
+
+import customgrad as cg
+from customgrad import pipelining as cg_split
+from customgrad._flops import FlopCounter
+
+
+@cg.op("bench_split::linear", weights=("weight",))
+def cg_linear(x: Tensor, weight: Tensor) -> Tensor:
+    return x @ weight.mT
+
+
+@cg_linear.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@cg_linear.register_save_for_backward
+def _(inputs: Any, output: Tensor) -> Any:
+    return inputs.x, inputs.weight
+
+
+@cg_linear.register_backward_input
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    return {"x": grad @ saved[1]}
+
+
+@cg_linear.register_backward_weight
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    return {"weight": grad.mT @ saved[0]}
+
+
+class FnLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.mT
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        gx = grad @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.mT @ x if ctx.needs_input_grad[1] else None
+        return gx, gw
+
+
+LAYERS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "customgrad op": cg_linear,
+    "autograd.Function": FnLinear.apply,
+    "nn.Linear": lambda x, w: nn.functional.linear(x, w),
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, kind: str, width: int, depth: int) -> None:
+        super().__init__()
+        self.layer = LAYERS[kind]
+        self.ws = nn.ParameterList(
+            nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(depth)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        for w in self.ws:
+            x = torch.relu(self.layer(x, w))
+        return x
+
+
+def _passes(model: nn.Module, x: Tensor, g: Tensor, split: Any, clock: Any) -> None:
+    """Forward, then I and W with ``split``'s functions; ``clock(name)`` marks pass starts."""
+    x = x.detach().requires_grad_()
+    out = model(x)
+    clock("I")
+    _, groups = split.stage_backward_input([out], [g], [x], model.parameters())
+    clock("W")
+    split.stage_backward_weight(model.parameters(), groups)
+    clock(None)
+
+
+def _full(model: nn.Module, x: Tensor, g: Tensor, clock: Any) -> None:
+    x = x.detach().requires_grad_()
+    out = model(x)
+    clock("full")
+    out.backward(g)
+    clock(None)
+
+
+def measure(kind: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """FLOPs and best times per pass, for each split; runs are interleaved against noise."""
+    torch.manual_seed(0)
+    model = MLP(kind, args.width, args.depth)
+    x = torch.randn(args.batch, args.width)
+    g = torch.randn(args.batch, args.width)
+    splits = {"torch": torch_split, "customgrad": cg_split}
+
+    def run(which: str, clock: Any) -> None:
+        if which == "full":
+            _full(model, x, g, clock)
+        else:
+            _passes(model, x, g, splits[which], clock)
+        model.zero_grad(set_to_none=True)
+
+    flops: dict[str, dict[str, float]] = {}
+    times: dict[str, dict[str, list[float]]] = {}
+    for which in ("full", *splits):
+        with FlopCounter() as counter:
+
+            def mark(name: str | None, c: FlopCounter = counter) -> None:
+                c.key = name
+
+            run(which, mark)
+        flops[which] = {k: v for k, v in counter.by_key.items() if k is not None}
+        times[which] = {}
+    for rep in range(args.reps + 1):  # the first round warms up
+        for which in ("full", *splits):
+            marks: list[tuple[str | None, float]] = []
+
+            def clock(name: str | None, marks: list[tuple[str | None, float]] = marks) -> None:
+                marks.append((name, time.perf_counter()))
+
+            run(which, clock)
+            for (name, t0), (_, t1) in itertools.pairwise(marks):
+                if rep and name is not None:
+                    times[which].setdefault(name, []).append(t1 - t0)
+    result: dict[str, dict[str, float]] = {}
+    for name in splits:
+        r = {f"flops_{k}": v for k, v in flops[name].items()}
+        r["flops_full"] = flops["full"]["full"]
+        r.update({f"time_{k}": min(v) for k, v in times[name].items()})
+        r["time_full"] = min(times["full"]["full"])
+        result[name] = r
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(
+        f"MLP width {args.width}, depth {args.depth}, batch {args.batch}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}"
+    )
+    header = (
+        f"{'layers':18} {'split':10} {'full GF':>8} {'I GF':>7} {'W GF':>7} {'(I+W)/full':>10}"
+        f" {'full ms':>8} {'I ms':>7} {'W ms':>7} {'(I+W)/full':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for kind in LAYERS:
+        for split_name, r in measure(kind, args).items():
+            f_ratio = (r["flops_I"] + r["flops_W"]) / r["flops_full"]
+            t_ratio = (r["time_I"] + r["time_W"]) / r["time_full"]
+            print(
+                f"{kind:18} {split_name:10} {r['flops_full'] / 1e9:8.2f} {r['flops_I'] / 1e9:7.2f}"
+                f" {r['flops_W'] / 1e9:7.2f} {f_ratio:10.2f} {r['time_full'] * 1e3:8.1f}"
+                f" {r['time_I'] * 1e3:7.1f} {r['time_W'] * 1e3:7.1f} {t_ratio:10.2f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

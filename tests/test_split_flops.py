@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import _backward as torch_backward
 
 import customgrad as cg
+from customgrad import _autograd
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
@@ -190,3 +191,16 @@ def test_plain_function_repeats_its_whole_backward(split: Callable[..., Any]) ->
     # Its needs_input_grad is fixed at forward time: each pass computes both gradients.
     assert flops["I"] + flops["W"] == 2 * flops["full"]
     assert split_halves["fn", "both"] == 2 * full_halves["fn", "both"]
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_customgrad_split_needs_no_engine_query(
+    monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    # Without torch._C._will_engine_execute_node every customgrad backward computes all it can;
+    # customgrad's split still hands weight halves from I to W, so nothing is repeated.
+    monkeypatch.setattr(_autograd, "_will_execute", None)
+    monkeypatch.setattr(_autograd, "_warned_no_engine_query", True)
+    flops, full_halves, split_halves = _measure("pair", shared, _customgrad_split)
+    assert flops["I"] + flops["W"] == flops["full"]
+    assert sum(split_halves.values()) == sum(full_halves.values())

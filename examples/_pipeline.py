@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import math
 import multiprocessing.connection
 import multiprocessing.process
@@ -265,22 +266,28 @@ def loss_fn(output: Tensor, target: Tensor) -> Tensor:
 
 
 def reference_grads(
-    cfg: ModelConfig, impl: str, step: int, device: torch.device
+    cfg: ModelConfig,
+    impl: str,
+    step: int,
+    device: torch.device,
+    flop_counter: TorchDispatchMode | None = None,
 ) -> dict[str, Tensor]:
     """Gradients of one step on one process, microbatched like the schedules do it.
 
     The schedules call ``loss_fn`` per microbatch and (``scale_grads=True``) divide the
     summed gradients by the number of microbatches: the mean of the microbatch losses.
+    ``flop_counter``, when given, is entered around the forward and backward.
     """
     blocks = build_blocks(cfg, impl).to(device)
     x, target = make_batch(cfg, step, device)
-    loss = torch.zeros((), device=device, dtype=cfg.dtype)
-    for xm, tm in zip(x.tensor_split(cfg.microbatches), target.tensor_split(cfg.microbatches)):
-        h = xm
-        for block in blocks:
-            h = block(h)
-        loss = loss + loss_fn(h, tm)
-    (loss / cfg.microbatches).backward()
+    with flop_counter or contextlib.nullcontext():
+        loss = torch.zeros((), device=device, dtype=cfg.dtype)
+        for xm, tm in zip(x.tensor_split(cfg.microbatches), target.tensor_split(cfg.microbatches)):
+            h = xm
+            for block in blocks:
+                h = block(h)
+            loss = loss + loss_fn(h, tm)
+        (loss / cfg.microbatches).backward()
     return {name: p.grad for name, p in blocks.named_parameters() if p.grad is not None}
 
 
@@ -400,25 +407,41 @@ def timed(stage_cls: type) -> type:
 # Stages and schedules
 # --------------------------------------------------------------------------------------
 
-STAGE_KINDS = ("torch", "customgrad", "queue")
+STAGE_KINDS = ("customgrad", "torch", "queue", "customgrad+queue")
+STAGE_HELP = """\
+customgrad: customgrad.pipelining.PipelineStage (torch's stage, customgrad's split backward);
+torch: torch's own PipelineStage (torch's split, which calls each customgrad op half per phase);
+queue: torch's PipelineStage with a customgrad WeightGradQueue as dw_builder;
+customgrad+queue: customgrad's PipelineStage(queue=WeightGradQueue())"""
 
 
-def stage_class(kind: str) -> tuple[type, Callable[[], Any] | None]:
-    """The stage class for ``kind`` and a factory of ``dw_builder`` (None: no builder).
-
-    ``torch``: torch's own ``PipelineStage`` (its split calls customgrad's ops per phase);
-    ``customgrad``: ``customgrad.pipelining.PipelineStage`` (customgrad's split core);
-    ``queue``: torch's stage with customgrad's weight-gradient queue as ``dw_builder``.
-    """
+def make_stages(
+    kind: str,
+    submods: dict[int, nn.Module],
+    n_stages: int,
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[Any], Any]:
+    """Timed pipeline stages of ``kind`` (see :data:`STAGE_HELP`) and their queue, if any."""
+    if kind not in STAGE_KINDS:
+        raise ValueError(f"unknown stage kind {kind!r}; expected one of {STAGE_KINDS}")
     if kind == "torch":
-        return PipelineStage, None
+        cls = timed(PipelineStage)
+        return [cls(m, s, n_stages, device, group=group) for s, m in submods.items()], None
     import customgrad.pipelining as cgp
 
-    if kind == "customgrad":
-        return cgp.PipelineStage, None
+    queue = cgp.WeightGradQueue() if "queue" in kind else None
     if kind == "queue":
-        return PipelineStage, cgp.WeightGradQueue
-    raise ValueError(f"unknown stage kind {kind!r}; expected one of {STAGE_KINDS}")
+        cls, stages = timed(PipelineStage), []
+        for s, m in submods.items():
+            queue.attach(m, s)  # tags each forward with (stage, microbatch)
+            builder = functools.partial(queue.dw_builder, s)
+            stages.append(cls(m, s, n_stages, device, group=group, dw_builder=builder))
+        return stages, queue
+    cls = timed(cgp.PipelineStage)
+    return [
+        cls(m, s, n_stages, device, group=group, queue=queue) for s, m in submods.items()
+    ], queue
 
 
 @dataclass
@@ -429,12 +452,15 @@ class Pipeline:
     recorder: Recorder
     has_first: bool
     has_last: bool
+    queue: Any = None  # a customgrad WeightGradQueue used as dw_builder, if any
 
     def step(self, x: Tensor, target: Tensor) -> list[Tensor]:
         losses: list[Tensor] = []
         args = (x,) if self.has_first else ()
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         self.schedule.step(*args, **kwargs)
+        if self.queue is not None:
+            self.queue.finish()  # every W ran; number the next step's microbatches from 0
         return losses
 
     def named_grads(self) -> dict[str, Tensor]:
@@ -461,44 +487,43 @@ def build_pipeline(
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     n_stages = num_stages(schedule, world)
     blocks = build_blocks(cfg, impl).to(device)
-    base, dw_factory = stage_class(stage_kind)
-    stage_cls = timed(base)
-    recorder = Recorder(device)
-    stages, modules = [], {}
+    submods, modules = {}, {}
     for s in stages_of_rank(schedule, rank, world):
         idx = stage_blocks(cfg, s, n_stages)
-        submod = nn.Sequential(*(blocks[i] for i in idx))
+        submods[s] = nn.Sequential(*(blocks[i] for i in idx))
         modules.update({i: blocks[i] for i in idx})
-        kwargs: dict[str, Any] = {"group": group}
-        if dw_factory is not None:
-            kwargs["dw_builder"] = dw_factory(submod)
-        stage = stage_cls(submod, s, n_stages, device, **kwargs)
+    stages, queue = make_stages(stage_kind, submods, n_stages, device, group)
+    recorder = Recorder(device)
+    for stage in stages:
         stage.recorder = recorder
-        stages.append(stage)
     cls = SCHEDULES[schedule]
     if schedule in _SINGLE_STAGE:
         sched = cls(stages[0], cfg.microbatches, loss_fn=loss_fn)
     else:
         sched = cls(stages, cfg.microbatches, loss_fn=loss_fn)
-    ids = [st.stage_index for st in stages]
-    return Pipeline(sched, stages, modules, recorder, 0 in ids, n_stages - 1 in ids)
+    return Pipeline(sched, stages, modules, recorder, 0 in submods, n_stages - 1 in submods, queue)
 
 
 def expected_backward_flops(
-    cfg: ModelConfig, pipe: Pipeline, device: torch.device
+    cfg: ModelConfig, schedule: str, impl: str, device: torch.device
 ) -> dict[int, int]:
-    """FLOPs of one plain full backward of each local stage, times the microbatch count."""
+    """FLOPs of one plain full backward of each of this rank's stages, times the microbatches.
+
+    Runs on a fresh copy of the stages, so nothing touches the pipeline's (or its queue's)
+    state.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n_stages = num_stages(schedule, world)
+    blocks = build_blocks(cfg, impl).to(device)
     out = {}
-    rows = cfg.batch // cfg.microbatches
-    for stage in pipe.stages:
-        x = torch.randn(rows, cfg.dim, device=device, dtype=cfg.dtype)
-        x.requires_grad_(not stage.is_first)
-        y = stage.submod(x)
+    for s in stages_of_rank(schedule, rank, world):
+        submod = nn.Sequential(*(blocks[i] for i in stage_blocks(cfg, s, n_stages)))
+        x = torch.randn(cfg.batch // cfg.microbatches, cfg.dim, device=device, dtype=cfg.dtype)
+        y = submod(x.requires_grad_(s != 0))
         counter = FlopCounter()
         with counter:
             torch.autograd.backward(y, torch.ones_like(y))
-        stage.submod.zero_grad(set_to_none=True)
-        out[stage.stage_index] = counter.total * cfg.microbatches
+        out[s] = counter.total * cfg.microbatches
     return out
 
 
@@ -520,10 +545,10 @@ def compare_grads(got: dict[str, Tensor], want: dict[str, Tensor], rtol: float, 
 # --------------------------------------------------------------------------------------
 
 
-def pick_device(local_rank: int, world: int, want: str = "auto") -> tuple[torch.device, str]:
+def pick_device(local_rank: int, local_world: int, want: str = "auto") -> tuple[torch.device, str]:
     """(device, backend): a GPU each with NCCL when there are enough, else CPU with gloo."""
     if want == "cuda" or (
-        want == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= world
+        want == "auto" and torch.cuda.is_available() and torch.cuda.device_count() >= local_world
     ):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
@@ -541,7 +566,13 @@ def free_port() -> int:
 
 
 def _child(
-    rank: int, world: int, port: int, want_device: str, worker: Callable[..., None], args: tuple
+    rank: int,
+    world: int,
+    port: int,
+    want_device: str,
+    worker: Callable[..., None],
+    args: tuple,
+    failures: Any,
 ) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -551,27 +582,45 @@ def _child(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
+    reported = []
+
+    def report(e: BaseException) -> None:
+        # Tell the parent when and why, at once (before leaving the process group), so it
+        # can name the rank that failed first: the others then fail on a closed connection.
+        if not reported and not isinstance(e, KeyboardInterrupt):
+            failures.put((time.time(), rank, f"{type(e).__name__}: {e}".splitlines()[0]))
+            reported.append(e)
+
     try:
-        run_worker(worker, args, want_device)
+        run_worker(worker, args, want_device, on_error=report)
     except KeyboardInterrupt:
         sys.exit(130)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        sys.exit(1)
+    except BaseException as e:
+        report(e)
+        if isinstance(e, UserError):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        else:
+            traceback.print_exc()
+            sys.stderr.flush()
+        sys.exit(2 if isinstance(e, UserError) else 1)
 
 
-def run_worker(worker: Callable[..., None], args: tuple, want_device: str = "auto") -> None:
-    """Join the process group from the environment, call ``worker(device, *args)``, leave."""
+def run_worker(
+    worker: Callable[..., None],
+    args: tuple,
+    want_device: str = "auto",
+    on_error: Callable[[BaseException], None] | None = None,
+) -> None:
+    """Join the process group from the environment, call ``worker(device, *args)``, leave.
+
+    The process group comes from torchrun's variables (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ...), set by :func:`spawn` for local runs.
+    """
     world = int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    device, backend = pick_device(local_rank, world, want_device)
-    torch.set_num_threads(
-        max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-    )
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device, backend = pick_device(local_rank, local_world, want_device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group(
         backend,
         timeout=datetime.timedelta(seconds=120),
@@ -580,6 +629,10 @@ def run_worker(worker: Callable[..., None], args: tuple, want_device: str = "aut
     try:
         worker(device, *args)
         dist.barrier()
+    except BaseException as e:
+        if on_error is not None:
+            on_error(e)
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -603,11 +656,17 @@ def spawn(
 
     Waits at most ``timeout`` seconds; on a failure, a timeout or Ctrl-C every process
     still alive is terminated, then killed, and all are joined before returning.
+
+    Raises:
+        WorkerFailed: naming the rank that failed first and its error.
     """
     ctx = mp.get_context("spawn")
     port = free_port()
+    failures = ctx.SimpleQueue()
     procs = [
-        ctx.Process(target=_child, args=(r, world, port, device, worker, args), daemon=True)
+        ctx.Process(
+            target=_child, args=(r, world, port, device, worker, args, failures), daemon=True
+        )
         for r in range(world)
     ]
     try:
@@ -616,18 +675,29 @@ def spawn(
         deadline = time.monotonic() + timeout
         while True:
             codes = [p.exitcode for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                r, c = failed[0]
-                how = f"signal {-c}" if c < 0 else f"exit code {c}"
-                raise WorkerFailed(f"rank {r} failed ({how}); its error is printed above")
+            if any(c not in (None, 0) for c in codes):
+                raise WorkerFailed(_first_failure(codes, failures))
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
                 raise WorkerFailed(f"workers still running after {timeout:.0f}s; stopped them")
-            multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None], 0.2)
+            alive = [p.sentinel for p in procs if p.exitcode is None]
+            multiprocessing.connection.wait(alive, 0.5)
     finally:
         _stop(procs)
+        failures.close()
+
+
+def _first_failure(codes: list[int | None], failures: Any) -> str:
+    reports = []
+    while not failures.empty():
+        reports.append(failures.get())
+    if reports:
+        _, rank, what = min(reports)
+        return f"rank {rank} failed first: {what} (its output is above); stopped the others"
+    rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0))
+    how = f"signal {-code}" if code < 0 else f"exit code {code}"
+    return f"rank {rank} died ({how}); stopped the others"
 
 
 def _stop(procs: list[multiprocessing.process.BaseProcess]) -> None:

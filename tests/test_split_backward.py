@@ -226,7 +226,7 @@ def test_split_matches_full_backward(kind: str, model_fn: Callable[[str], nn.Mod
     ref = _reference(ref_model, x, g)
     before = list(_autograd.DEFER_RESOLVERS)
     _check(model, _split(model, x, g), ref)
-    assert _autograd.DEFER_RESOLVERS == before
+    assert before == _autograd.DEFER_RESOLVERS
 
 
 def test_split_mixed_kinds_with_weight_shared_across_kinds() -> None:
@@ -505,7 +505,7 @@ def test_resolvers_restored_after_an_error_in_backward() -> None:
     before = list(_autograd.DEFER_RESOLVERS)
     with pytest.raises(ZeroDivisionError, match="boom"):
         stage_backward_input([out.sum()], None, [x], [w])
-    assert _autograd.DEFER_RESOLVERS == before
+    assert before == _autograd.DEFER_RESOLVERS
 
 
 # ---------------------------------------------------------------- hooks and memory

@@ -563,3 +563,26 @@ def test_customgrad_split_frees_what_weight_pass_does_not_need() -> None:
         finish()
     finally:
         gc.enable()
+
+
+class OddRoles(nn.Module):
+    """Arguments in unexpected roles: a weight as ``x``, a "weight" computed from the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.v = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = linear(self.v, self.w)  # its non-weight argument only leads to weights
+        h = linear(x, a)  # its weight is computed from weights
+        k = linear1(h, self.w)
+        y = linear(torch.relu(k), h.T @ h)  # its "weight" depends on the stage input: I needs it
+        return y + linear(x, self.v.double().float())
+
+
+def test_split_with_arguments_in_unexpected_roles() -> None:
+    model = OddRoles()
+    ref_model, x, g = _pair(model)
+    ref = _reference(ref_model, x, g)
+    _check(model, _split(model, x, g), ref)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ import torch.distributed as dist
 SHORT_NAMES = {name.removeprefix("Schedule"): name for name in pp.SCHEDULES}
 IMPL_ORDER = ("customgrad", "function")
 COLORS = {"F": "#4C72B0", "I": "#DD8452", "W": "#55A868", "B": "#8172B3"}
+BUBBLE = "#e4e4e4"
 LABELS = {"F": "forward", "I": "backward, input", "W": "backward, weight", "B": "full backward"}
 
 
@@ -42,11 +44,11 @@ class GradientMismatch(pp.UserError):
 class RankResult:
     rank: int
     stages: list[int]
-    step_times: list[float]  # seconds, every step
+    step_times: list[float]  # seconds, every step, from the barrier before it
     summary: dict[str, tuple[int, float]]  # kind -> (count per step, mean seconds per step)
     flops: dict[str, int]  # kind -> FLOPs of step 0
-    expected_backward_flops: int
-    events: list[pp.Event]  # of the last step
+    expected_backward_flops: int  # one plain full backward of the rank's stages, per step
+    events: list[list[pp.Event]]  # per step
     losses: list[float]
 
 
@@ -100,7 +102,7 @@ def train(device: torch.device, args: argparse.Namespace, impl: str) -> RankResu
     expected = pp.expected_backward_flops(cfg, args.schedule, impl, device)
     opt = torch.optim.SGD(pipe.parameters(), lr=args.lr)
     rec = pipe.recorder
-    step_times, losses, flops = [], [], {}
+    step_times, losses, flops, events = [], [], {}, []
     totals: dict[str, list[float]] = {}
     for step in range(args.steps):
         x, target = pp.make_batch(cfg, step, device)
@@ -110,6 +112,7 @@ def train(device: torch.device, args: argparse.Namespace, impl: str) -> RankResu
         mb_losses = pipe.step(x, target)
         rec._sync()
         step_times.append(time.perf_counter() - rec.t0)
+        events.append(list(rec.events))
         if step == 0:
             flops = dict(rec.flops)
             check_gradients(pipe, cfg, impl, device)
@@ -135,7 +138,7 @@ def train(device: torch.device, args: argparse.Namespace, impl: str) -> RankResu
         summary={k: (int(n), secs / timed_steps) for k, (n, secs) in totals.items()},
         flops=flops,
         expected_backward_flops=sum(expected.values()),
-        events=list(rec.events),
+        events=events,
         losses=losses,
     )
 
@@ -192,25 +195,48 @@ def demo_worker(device: torch.device, args: argparse.Namespace) -> None:
         verify_flops(by_impl, args)
 
 
-def bubble_fraction(results: list[RankResult]) -> float:
-    span = max(r.step_times[-1] for r in results)
-    busy = sum(e.end - e.start for r in results for e in r.events)
-    return 1.0 - busy / (span * len(results))
+def timed_steps(results: list[RankResult]) -> list[int]:
+    """Steps that count for times: all but the first (FLOP counting, shape inference)."""
+    n = len(results[0].step_times)
+    return list(range(1, n)) if n > 1 else [0]
+
+
+def step_span(results: list[RankResult], step: int) -> float:
+    """A step's time: from the barrier before it to the end of the slowest rank."""
+    return max(r.step_times[step] for r in results)
+
+
+def median_step(results: list[RankResult]) -> int:
+    """The timed step of median length: the one to draw."""
+    steps = sorted(timed_steps(results), key=lambda s: step_span(results, s))
+    return steps[len(steps) // 2]
+
+
+def bubble_fraction(results: list[RankResult], step: int) -> float:
+    """Share of (ranks x step time) in which no F, I, W or B action ran."""
+    busy = sum(e.end - e.start for r in results for e in r.events[step])
+    return 1.0 - busy / (step_span(results, step) * len(results))
 
 
 def repeated_flops(r: RankResult) -> int:
+    """Backward FLOPs (I + W + B) beyond one plain full backward of the same stages."""
     return sum(r.flops.get(k, 0) for k in "IWB") - r.expected_backward_flops
 
 
 def format_table(by_impl: dict[str, list[RankResult]], args: argparse.Namespace) -> str:
-    timed = f"steps 2-{args.steps}" if args.steps > 2 else f"step {args.steps}"
+    all_results = [r for rs in by_impl.values() for r in rs]
+    steps = timed_steps(all_results)
+    biggest = max(max(r.flops.values(), default=0) for r in all_results)
+    scale, unit = (1e9, "GFLOP") if biggest >= 1e9 else (1e6, "MFLOP")
     head = (
         f"{'ops':<17} {'rank':>4} {'stages':>6} |"
         + "".join(f" {k + ' n':>4} {k + ' ms':>7}" for k in "FIWB")
-        + f" | {'GFLOP F':>7} {'I':>6} {'W':>6} {'B':>6} {'repeated':>8} | {'step ms':>7}"
+        + f" | {unit + ' F':>8} {'I':>7} {'W':>7} {'B':>7} {'repeated':>8} | {'step ms':>7}"
     )
+    which = f"steps 2-{args.steps}" if len(steps) > 1 else "step 1"
     lines = [
-        f"Per rank, per step ({timed} averaged; FLOPs of step 1):",
+        f"Per rank and step: actions run and their time (mean of {which}), FLOPs (step 1),"
+        " step time (median)",
         head,
         "-" * len(head),
     ]
@@ -220,33 +246,34 @@ def format_table(by_impl: dict[str, list[RankResult]], args: argparse.Namespace)
                 f" {r.summary.get(k, (0, 0.0))[0]:>4} {1e3 * r.summary.get(k, (0, 0.0))[1]:>7.1f}"
                 for k in "FIWB"
             )
-            g = {k: r.flops.get(k, 0) / 1e9 for k in "FIWB"}
-            mean_step = sum(r.step_times[1:] or r.step_times) / len(
-                r.step_times[1:] or r.step_times
-            )
+            f = {k: r.flops.get(k, 0) / scale for k in "FIWB"}
+            step_ms = 1e3 * statistics.median(r.step_times[s] for s in steps)
             lines.append(
                 f"{pp.IMPLS[impl].name:<17} {r.rank:>4} {','.join(map(str, r.stages)):>6} |{acts}"
-                f" | {g['F']:>7.3f} {g['I']:>6.3f} {g['W']:>6.3f} {g['B']:>6.3f}"
-                f" {repeated_flops(r) / 1e9:>8.3f} | {1e3 * mean_step:>7.1f}"
+                f" | {f['F']:>8.2f} {f['I']:>7.2f} {f['W']:>7.2f} {f['B']:>7.2f}"
+                f" {repeated_flops(r) / scale:>8.2f} | {step_ms:>7.1f}"
             )
-    lines.append("")
+    lines += [
+        "F forward, I input-gradient backward, W weight-gradient backward, B full backward;"
+        " repeated: I + W + B",
+        "minus one plain backward of the same stages. Stage 0 has no input gradient to send,"
+        " so torch runs its whole",
+        "backward in W.",
+        "",
+    ]
     base: float | None = None
     for impl, results in by_impl.items():
-        step = max(_mean(r.step_times[1:] or r.step_times) for r in results)
+        step = statistics.median(step_span(results, s) for s in steps)
         rep = sum(repeated_flops(r) for r in results)
         bwd = sum(r.expected_backward_flops for r in results)
         rel = "" if base is None else f" ({step / base:.2f}x customgrad's)"
         base = step if base is None else base
         lines.append(
             f"{pp.IMPLS[impl].name:>17}: step {1e3 * step:.1f} ms{rel}, bubble"
-            f" {bubble_fraction(results):.0%} (last step), repeated backward work"
-            f" {rep / 1e9:.3f} GFLOP = {rep / bwd:.0%} of the backward"
+            f" {bubble_fraction(results, median_step(results)):.0%}, repeated backward work"
+            f" {rep / scale:.2f} {unit} = {rep / bwd:.0%} of the backward"
         )
     return "\n".join(lines)
-
-
-def _mean(xs: list[float]) -> float:
-    return sum(xs) / len(xs)
 
 
 def verify_flops(by_impl: dict[str, list[RankResult]], args: argparse.Namespace) -> None:
@@ -264,7 +291,11 @@ def verify_flops(by_impl: dict[str, list[RankResult]], args: argparse.Namespace)
 def draw_timeline(
     by_impl: dict[str, list[RankResult]], args: argparse.Namespace, path: Path
 ) -> None:
-    """One panel per ops flavour, one row per rank, one bar per measured action."""
+    """One panel per ops flavour, one row per rank, one bar per measured action.
+
+    Each panel draws its step of median length; the x axes are shared, so the panels'
+    lengths compare directly.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -273,29 +304,34 @@ def draw_timeline(
 
     world = len(next(iter(by_impl.values())))
     fig, axes = plt.subplots(
-        len(by_impl), 1, figsize=(14, 1.0 + 1.2 * world * len(by_impl)), sharex=True, squeeze=False
+        len(by_impl), 1, figsize=(14, 1.2 + 1.2 * world * len(by_impl)), sharex=True, squeeze=False
     )
+    longest = 0.0
+    kinds: set[str] = set()
     for ax, (impl, results) in zip(axes[:, 0], by_impl.items()):
-        span = max(r.step_times[-1] for r in results)
+        step = median_step(results)
+        span = 1e3 * step_span(results, step)
+        longest = max(longest, span)
         for r in results:
             y = world - 1 - r.rank
-            ax.barh(y, span, left=0, height=0.8, color="#f2f2f2", edgecolor="#bbbbbb", lw=0.5)
+            ax.barh(y, span, height=0.8, color=BUBBLE, lw=0)
             second = r.stages[-1] if len(r.stages) > 1 else None
-            for e in r.events:
+            for e in r.events[step]:
+                kinds.add(e.kind)
+                start, width = 1e3 * e.start, 1e3 * (e.end - e.start)
                 ax.barh(
                     y,
-                    1e3 * (e.end - e.start),
-                    left=1e3 * e.start,
+                    width,
+                    left=start,
                     height=0.8,
                     color=COLORS[e.kind],
                     edgecolor="white",
                     lw=0.6,
                     hatch="//" if e.stage == second else None,
                 )
-                width_ms = 1e3 * (e.end - e.start)
-                if width_ms > 0.012 * 1e3 * span:
+                if width > 0.012 * span:
                     ax.text(
-                        1e3 * (e.start + e.end) / 2,
+                        start + width / 2,
                         y,
                         str(e.microbatch),
                         ha="center",
@@ -303,34 +339,31 @@ def draw_timeline(
                         fontsize=7,
                         color="white",
                     )
-            ax.barh(y, 0, left=0)  # keep limits
-        ax.set_xlim(0, 1e3 * span)
         ax.set_yticks(
             [world - 1 - r.rank for r in results],
             [f"rank {r.rank}\nstages {','.join(map(str, r.stages))}" for r in results],
         )
         ax.set_title(
-            f"{pp.IMPLS[impl].name} ops: step {1e3 * span:.1f} ms,"
-            f" bubble {bubble_fraction(results):.0%}",
+            f"{pp.IMPLS[impl].name} ops: step {step + 1}, {span:.1f} ms,"
+            f" bubble {bubble_fraction(results, step):.0%}",
             fontsize=10,
         )
-    axes[-1, 0].set_xlabel(
-        "time since the step started (ms); the microbatch is written in each bar"
-    )
-    kinds = sorted(
-        {e.kind for rs in by_impl.values() for r in rs for e in r.events}, key="FIWB".index
-    )
-    handles = [Patch(color=COLORS[k], label=f"{k}: {LABELS[k]}") for k in kinds]
+    axes[-1, 0].set_xlim(0, longest)
+    axes[-1, 0].set_xlabel("ms since the step started; each bar shows its microbatch")
+    handles = [
+        Patch(color=COLORS[k], label=f"{k}: {LABELS[k]}") for k in sorted(kinds, key="FIWB".index)
+    ]
     handles.append(
-        Patch(facecolor="white", edgecolor="gray", hatch="//", label="second stage of the rank")
+        Patch(facecolor="white", edgecolor="gray", hatch="//", label="the rank's second stage")
     )
-    handles.append(Patch(facecolor="#f2f2f2", edgecolor="#bbbbbb", label="bubble (idle)"))
+    handles.append(Patch(facecolor=BUBBLE, label="bubble (idle)"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
     fig.suptitle(
-        f"{args.schedule}, measured: last of {args.steps} steps, {args.microbatches} microbatches",
+        f"{args.schedule} on {world} ranks, measured (stage: {args.stage},"
+        f" {args.microbatches} microbatches; the step of median length of {args.steps})",
         fontsize=11,
     )
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

@@ -12,6 +12,7 @@ has its own GPU, else CPU with gloo.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import functools
 import math
@@ -573,7 +574,9 @@ def _child(
     worker: Callable[..., None],
     args: tuple,
     failures: Any,
+    parent: int,
 ) -> None:
+    _die_with_parent(parent)
     os.environ.update(
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -603,6 +606,18 @@ def _child(
             traceback.print_exc()
             sys.stderr.flush()
         sys.exit(2 if isinstance(e, UserError) else 1)
+
+
+PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have Linux kill this process when its parent dies, even by SIGKILL (no orphans)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before prctl
+        os._exit(1)
 
 
 def run_worker(
@@ -665,7 +680,9 @@ def spawn(
     failures = ctx.SimpleQueue()
     procs = [
         ctx.Process(
-            target=_child, args=(r, world, port, device, worker, args, failures), daemon=True
+            target=_child,
+            args=(r, world, port, device, worker, args, failures, os.getpid()),
+            daemon=True,
         )
         for r in range(world)
     ]

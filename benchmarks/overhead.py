@@ -2,24 +2,31 @@
 
 Run: ``.venv/bin/python benchmarks/overhead.py`` (``--quick`` for a short run).
 
-For a 16-element ``x * 2`` and an 8x16 linear, times (median of repeats, microseconds per call):
-forward under ``no_grad``, forward with grad, and forward + backward, for
+For a 16-element ``x * 2`` and an 8x16 linear, times in microseconds per call: forward under
+``no_grad``, forward with grad, and forward + backward (``out.backward(grad)``, so that only the
+op's own node runs in the backward), for
 
 - eager torch,
 - a plain ``torch.autograd.Function``,
 - a ``torch.autograd.Function`` around a ``Library.define``/``impl`` op,
+- the ``Library.define``/``impl`` op alone (forward under ``no_grad`` only),
 - ``torch.library.custom_op`` + ``register_autograd``,
 - customgrad, called as the ``CustomOp`` and through ``torch.ops``.
 
-It prints the table and the ratios the project targets: customgrad forward+backward against
-the plain Function (<= 1.15) and against custom_op (<= 0.7), and customgrad forward under
-no_grad against the define/impl op (<= 1.5).
+Times are **CPU time of this process** (``timeit`` with ``timer=time.process_time``), the
+minimum over repeats, with ``torch.set_num_threads(1)``: other load on a shared machine then
+moves the figures little, and the ratios stay stable. They are per-call overheads, not
+throughput.
+
+It prints a markdown table, and the ratios the project targets: customgrad forward+backward
+against the plain Function (<= 1.15) and against custom_op (<= 0.7), and customgrad forward
+under no_grad against the define/impl op (<= 1.5).
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
+import time
 import timeit
 from collections.abc import Callable
 from typing import Any
@@ -135,9 +142,13 @@ cg_linear.register_backward_weight(lambda ctx, saved, g: {"w": g.mT @ saved[0]})
 
 
 def _time(fn: Callable[[], Any], number: int, repeat: int) -> float:
+    """CPU microseconds per call: the minimum over ``repeat`` runs of ``number`` calls."""
     fn()
-    times = timeit.repeat(fn, number=number, repeat=repeat)
-    return statistics.median(times) / number * 1e6
+    times = timeit.repeat(fn, number=number, repeat=repeat, timer=time.process_time)
+    return min(times) / number * 1e6
+
+
+MODES = ("fwd no_grad", "fwd grad", "fwd+bwd")
 
 
 def main() -> None:
@@ -147,32 +158,38 @@ def main() -> None:
     number, repeat = (200, 3) if args.quick else (2000, 7)
 
     x16 = torch.randn(16, requires_grad=True)
+    g16 = torch.ones(16)
     x = torch.randn(8, 16, requires_grad=True)
     w = torch.randn(16, 16, requires_grad=True)
-    cases: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
-        "x*2": {
-            "eager": lambda: x16 * 2,
-            "autograd.Function": lambda: DoubleFn.apply(x16),
-            "Function(define/impl)": lambda: LibDoubleFn.apply(x16),
-            "define/impl op": lambda: lib_double(x16),
-            "custom_op": lambda: co_double(x16),
-            "customgrad": lambda: cg_double(x16),
-            "customgrad torch.ops": lambda: torch.ops.cg_bench.double.default(x16),
-        },
-        "linear 8x16": {
-            "eager": lambda: x @ w.mT,
-            "autograd.Function": lambda: LinearFn.apply(x, w),
-            "Function(define/impl)": lambda: LibLinearFn.apply(x, w),
-            "define/impl op": lambda: lib_linear(x, w),
-            "custom_op": lambda: co_linear(x, w),
-            "customgrad": lambda: cg_linear(x, w),
-            "customgrad torch.ops": lambda: torch.ops.cg_bench.linear.default(x, w),
-        },
+    g8 = torch.ones(8, 16)
+    cases: dict[str, tuple[torch.Tensor, dict[str, Callable[[], torch.Tensor]]]] = {
+        "x*2": (
+            g16,
+            {
+                "eager": lambda: x16 * 2,
+                "autograd.Function": lambda: DoubleFn.apply(x16),
+                "Function(define/impl)": lambda: LibDoubleFn.apply(x16),
+                "define/impl op": lambda: lib_double(x16),
+                "custom_op": lambda: co_double(x16),
+                "customgrad": lambda: cg_double(x16),
+                "customgrad torch.ops": lambda: torch.ops.cg_bench.double.default(x16),
+            },
+        ),
+        "linear 8x16": (
+            g8,
+            {
+                "eager": lambda: x @ w.mT,
+                "autograd.Function": lambda: LinearFn.apply(x, w),
+                "Function(define/impl)": lambda: LibLinearFn.apply(x, w),
+                "define/impl op": lambda: lib_linear(x, w),
+                "custom_op": lambda: co_linear(x, w),
+                "customgrad": lambda: cg_linear(x, w),
+                "customgrad torch.ops": lambda: torch.ops.cg_bench.linear.default(x, w),
+            },
+        ),
     }
     results: dict[tuple[str, str, str], float] = {}
-    for case, impls in cases.items():
-        print(f"\n{case}: microseconds per call (median of {repeat} x {number})")
-        print(f"  {'implementation':24s} {'fwd no_grad':>12s} {'fwd grad':>10s} {'fwd+bwd':>10s}")
+    for case, (grad, impls) in cases.items():
         for impl, f in impls.items():
 
             def no_grad(f: Callable[[], torch.Tensor] = f) -> None:
@@ -182,29 +199,38 @@ def main() -> None:
             def fwd(f: Callable[[], torch.Tensor] = f) -> None:
                 f()
 
-            def fwd_bwd(f: Callable[[], torch.Tensor] = f) -> None:
-                f().sum().backward()
+            def fwd_bwd(f: Callable[[], torch.Tensor] = f, grad: torch.Tensor = grad) -> None:
+                f().backward(grad)
 
-            row = []
-            for mode, g in (("no_grad", no_grad), ("fwd", fwd), ("fwd+bwd", fwd_bwd)):
-                if impl == "define/impl op" and mode != "no_grad":
-                    row.append(float("nan"))
+            for mode, g in zip(MODES, (no_grad, fwd, fwd_bwd)):
+                if impl == "define/impl op" and mode != "fwd no_grad":
                     continue
-                t = _time(g, number, repeat)
-                results[(case, impl, mode)] = t
-                row.append(t)
-            print(f"  {impl:24s} {row[0]:12.1f} {row[1]:10.1f} {row[2]:10.1f}")
-    print("\nratios (targets in brackets)")
+                results[(case, impl, mode)] = _time(g, number, repeat)
+
+    print(
+        f"CPU time per call in µs (process_time, min of {repeat} x {number}, 1 thread; "
+        f"torch {torch.__version__})\n"
+    )
+    print("| op | implementation | " + " | ".join(MODES) + " |")
+    print("|---|---|" + "---:|" * len(MODES))
+    for case, (_, impls) in cases.items():
+        for impl in impls:
+            cells = [results.get((case, impl, m)) for m in MODES]
+            shown = " | ".join("-" if c is None else f"{c:.1f}" for c in cells)
+            print(f"| {case} | {impl} | {shown} |")
+
+    print(
+        "\n| op | cg fwd+bwd / Function [<= 1.15] | cg fwd+bwd / custom_op [<= 0.70] | "
+        "cg no_grad / define-impl [<= 1.50] |"
+    )
+    print("|---|---:|---:|---:|")
+    r = results
     for case in cases:
-        r = results
+        cg_fb = r[(case, "customgrad", "fwd+bwd")]
         print(
-            f"  {case:12s} customgrad fwd+bwd / autograd.Function = "
-            f"{r[(case, 'customgrad', 'fwd+bwd')] / r[(case, 'autograd.Function', 'fwd+bwd')]:.2f}"
-            f" [<= 1.15];  / custom_op = "
-            f"{r[(case, 'customgrad', 'fwd+bwd')] / r[(case, 'custom_op', 'fwd+bwd')]:.2f} [<= 0.70];"
-            f"  no_grad fwd / define-impl op = "
-            f"{r[(case, 'customgrad', 'no_grad')] / r[(case, 'define/impl op', 'no_grad')]:.2f}"
-            f" [<= 1.50]"
+            f"| {case} | {cg_fb / r[(case, 'autograd.Function', 'fwd+bwd')]:.2f} "
+            f"| {cg_fb / r[(case, 'custom_op', 'fwd+bwd')]:.2f} "
+            f"| {r[(case, 'customgrad', 'fwd no_grad')] / r[(case, 'define/impl op', 'fwd no_grad')]:.2f} |"
         )
 
 

@@ -70,7 +70,7 @@ def bench_worker(device: torch.device, args: argparse.Namespace) -> None:
         dist.barrier()
         pipe.recorder.start_step(count_flops=count_flops)
         pipe.step(x, target)
-        pipe.recorder._sync()
+        pipe.recorder.sync()
         elapsed = torch.tensor([time.perf_counter() - pipe.recorder.t0], dtype=torch.float64)
         busy = torch.tensor(
             [sum(e.end - e.start for e in pipe.recorder.events)], dtype=torch.float64

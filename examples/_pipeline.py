@@ -342,16 +342,16 @@ class Recorder:
         self.events.clear()
         self.flops.clear()
         self.count_flops = count_flops
-        self._sync()
+        self.sync()
         self.t0 = time.perf_counter()
 
-    def _sync(self) -> None:
+    def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @contextlib.contextmanager
     def action(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
-        self._sync()
+        self.sync()
         start = time.perf_counter()
         if self.count_flops:
             counter = FlopCounter()
@@ -360,7 +360,7 @@ class Recorder:
             self.flops[kind] += counter.total
         else:
             yield
-        self._sync()
+        self.sync()
         self.events.append(
             Event(kind, stage, microbatch, start - self.t0, time.perf_counter() - self.t0)
         )

@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"one of {', '.join(SHORT_NAMES)} (default ZBVZeroBubble)",
     )
     p.add_argument("--stage", choices=pp.STAGE_KINDS, default="customgrad", help=pp.STAGE_HELP)
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=2048)
@@ -110,7 +110,7 @@ def train(device: torch.device, args: argparse.Namespace, impl: str) -> RankResu
         dist.barrier()
         rec.start_step(count_flops=step == 0)
         mb_losses = pipe.step(x, target)
-        rec._sync()
+        rec.sync()
         step_times.append(time.perf_counter() - rec.t0)
         events.append(list(rec.events))
         if step == 0:

@@ -41,10 +41,11 @@ docs: $(STAMP)
 
 test: lint typecheck pytest examples docs
 
-# On a GPU machine: the CUDA tests, then the pipeline benchmark as one table.
+# On a GPU machine: the CUDA tests (pipelines on 1 or 2 GPUs with NCCL), then the pipeline
+# benchmark on the GPUs as one table, with a model big enough for a GPU.
 gpu-check: $(STAMP)
 	$(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
-	$(PY) benchmarks/pipeline.py --device auto
+	$(PY) benchmarks/pipeline.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
 
 clean:
 	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache

@@ -42,7 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes to spawn (default 2; with --device cuda, one per GPU up to 2)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--timeout", type=float, default=500.0)
     return p.parse_args(argv)
@@ -140,7 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             pp.run_worker(bench_worker, (args,), args.device)
         else:
             pp.spawn(
-                bench_worker, (args,), world=args.nproc, timeout=args.timeout, device=args.device
+                bench_worker,
+                (args,),
+                world=args.nproc or pp.default_nproc(args.device),
+                timeout=args.timeout,
+                device=args.device,
             )
     except pp.WorkerFailed as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,16 +31,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 import torch.multiprocessing as mp
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, register_flop_formula
 
@@ -50,17 +44,22 @@ import customgrad as cg
 # Schedules
 # --------------------------------------------------------------------------------------
 
-SCHEDULES: dict[str, type] = {
-    cls.__name__: cls
-    for cls in (
-        ScheduleZBVZeroBubble,
-        ScheduleInterleavedZeroBubble,
-        ScheduleDualPipeV,
-        Schedule1F1B,
-        ScheduleInterleaved1F1B,
+SCHEDULES: dict[str, type] = {  # those this torch has (DualPipeV is recent)
+    name: getattr(pipelining, name)
+    for name in (
+        "ScheduleZBVZeroBubble",
+        "ScheduleInterleavedZeroBubble",
+        "ScheduleDualPipeV",
+        "Schedule1F1B",
+        "ScheduleInterleaved1F1B",
     )
+    if hasattr(pipelining, name)
 }
-ZERO_BUBBLE = ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble", "ScheduleDualPipeV")
+ZERO_BUBBLE = tuple(
+    s
+    for s in ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble", "ScheduleDualPipeV")
+    if s in SCHEDULES
+)
 _V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
 _SINGLE_STAGE = ("Schedule1F1B",)
 
@@ -554,6 +553,13 @@ def pick_device(local_rank: int, local_world: int, want: str = "auto") -> tuple[
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"
     return torch.device("cpu"), "gloo"
+
+
+def default_nproc(want_device: str) -> int:
+    """2 local processes; with ``--device cuda`` as many as there are GPUs, at most 2."""
+    if want_device == "cuda" and torch.cuda.is_available():
+        return max(1, min(2, torch.cuda.device_count()))
+    return 2
 
 
 def launched_by_torchrun() -> bool:

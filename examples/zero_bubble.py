@@ -68,7 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--batch", type=int, default=256, help="rows per step")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--nproc", type=int, default=2, help="local processes to spawn")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes to spawn (default 2; with --device cuda, one per GPU up to 2)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--no-plain", action="store_true", help="skip the autograd.Function run")
     p.add_argument("--out", type=Path, default=Path("out"))
@@ -376,7 +381,11 @@ def main(argv: list[str] | None = None) -> int:
             pp.run_worker(demo_worker, (args,), args.device)
         else:
             pp.spawn(
-                demo_worker, (args,), world=args.nproc, timeout=args.timeout, device=args.device
+                demo_worker,
+                (args,),
+                world=args.nproc or pp.default_nproc(args.device),
+                timeout=args.timeout,
+                device=args.device,
             )
     except pp.WorkerFailed as e:
         print(f"error: {e}", file=sys.stderr)

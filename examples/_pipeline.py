@@ -717,7 +717,7 @@ def _first_failure(codes: list[int | None], failures: Any) -> str:
         reports.append(failures.get())
     if reports:
         _, rank, what = min(reports)
-        return f"rank {rank} failed first: {what} (its output is above); stopped the others"
+        return f"rank {rank} failed first: {what.rstrip(':')} (details above); stopped the others"
     rank, code = next((r, c) for r, c in enumerate(codes) if c not in (None, 0))
     how = f"signal {-code}" if code < 0 else f"exit code {code}"
     return f"rank {rank} died ({how}); stopped the others"

@@ -155,21 +155,20 @@ def check_gradients(
     want = pp.reference_grads(cfg, impl, 0, device)
     got = pipe.named_grads()
     report = pp.compare_grads(got, want, rtol=1e-4, atol=1e-5)
-    missing = sorted(
-        f"{i}.{name}"
+    missing = [
+        f"{i}.{name}: no gradient"
         for i, block in pipe.modules.items()
         for name, _ in block.named_parameters()
         if f"{i}.{name}" not in got
-    )
-    if missing:
-        report += "\n" + "\n".join(f"{name}: no gradient" for name in missing)
+    ]
+    report = "\n".join(filter(None, [report, *missing]))
     bad = torch.tensor([int(bool(report))], device=device)
     dist.all_reduce(bad)
     if bad.item():
+        where = f"on rank {dist.get_rank()}:\n{report}" if report else "on another rank"
         raise GradientMismatch(
-            f"rank {dist.get_rank()} ({pp.IMPLS[impl].name} ops, {pipe.schedule.__class__.__name__}):"
-            " the first step's gradients differ from the single-process reference"
-            + (f":\n{report}" if report else " on another rank (see its report)")
+            f"{pp.IMPLS[impl].name} ops under {pipe.schedule.__class__.__name__}: the first"
+            f" step's gradients differ from the single-process reference {where}"
         )
 
 

@@ -19,7 +19,7 @@ from torch.autograd.graph import GradientEdge
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
 from customgrad._signature import ArgKind, Signature
-from customgrad._validate import Meta, TensorMeta, collect_grads
+from customgrad._validate import Meta, TensorMeta, collect_flat, collect_grads
 
 if TYPE_CHECKING:
     from customgrad._op import CustomOp
@@ -55,6 +55,24 @@ DEFER_RESOLVERS: list[Callable[[Any], DeferTarget | None]] = []
 
 _will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 _warned_no_engine_query = False
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_functorch_active: Callable[[], bool] | None = getattr(
+    torch._C, "_are_functorch_transforms_active", None
+)
+_unwrap_if_dead: Callable[[Any], Any] | None = getattr(
+    getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
+)
+_OPAQUE_LEAVES = (type(None), bool, int, float, str)
+
+FIND_KERNEL: Any = object()
+"""Passed as ``apply``'s kernel when the caller has not looked for a direct kernel."""
+
+# What ``node._cg_saved`` holds when ``save_for_backward`` returned something simple.
+_SAVED_NONE: Any = object()  # None
+_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
+_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
 
 
 def engine_needs(fn: Any) -> bool:
@@ -176,7 +194,9 @@ class _CustomGradFunction(torch.autograd.Function):
         sig = op._sig
         lens: tuple[int, ...] | None = call[0]
         args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        kernel = op._direct_kernel(args)
+        kernel = call[2]
+        if kernel is FIND_KERNEL:
+            kernel = op._direct_kernel(args)
         if kernel is None:
             with torch._C._AutoDispatchBelowAutograd():
                 out = sig.call(op._opoverload, args)
@@ -187,20 +207,17 @@ class _CustomGradFunction(torch.autograd.Function):
         save_fn = op._save_fn
         if save_fn is None:  # registrations changed between the check and here
             raise MissingRegistrationError(op._missing_autograd_message())
-        saved = save_fn(sig.inputs_type(*args), out)
-        leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-        tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        if tensor_idx:
-            ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-            for i in tensor_idx:
-                leaves[i] = None
+        saved = save_fn(tuple.__new__(sig.inputs_type, args), out)
+        _save(ctx, saved)
         ctx._cg_op = op
         ctx._cg_lens = lens
-        ctx._cg_saved = (leaves, treespec, tensor_idx)
         ctx._cg_meta = [
-            (a.shape, a.dtype, a.device) if isinstance(a, torch.Tensor) else None for a in flat
+            (a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat
         ]
         ctx._cg_tag = FORWARD_TAG.get()
+        ctx._cg_out_lens = None
+        if sig.plain_output:
+            return out
 
         if sig.output_is_tuple or sig.output_kinds[0] is ArgKind.TENSOR_LIST:
             outs = out if sig.output_is_tuple else (out,)
@@ -217,7 +234,6 @@ class _CustomGradFunction(torch.autograd.Function):
             call[1] = out_lens
             _mark_outputs(ctx, sig, out_lens, flat_out)
             return tuple(flat_out)
-        ctx._cg_out_lens = None
         if sig.output_differentiability is not None and not sig.output_differentiability[0]:
             ctx.mark_non_differentiable(out)
         return out
@@ -225,6 +241,60 @@ class _CustomGradFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         return _backward(ctx, grads)
+
+
+def _node_apply(node: Any, *grads: Any) -> Any:
+    """What the engine calls to run a customgrad node (``BackwardCFunction.apply``, inlined)."""
+    return _backward(node, grads)
+
+
+# The engine runs a node by calling its ``apply``; torch's calls ``backward`` through two more
+# Python frames. The class is this Function's own node class, made by its metaclass.
+_CustomGradFunction._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
+
+_Function_apply: Callable[..., Any] = _CustomGradFunction.apply
+# What ``Function.apply`` ends in when no functorch transform is active.
+_c_apply: Callable[..., Any] = super(torch.autograd.Function, _CustomGradFunction).apply
+
+
+def _save(ctx: Any, saved: Any) -> None:
+    """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
+    if saved is None:
+        ctx._cg_saved = _SAVED_NONE
+        return
+    kind = type(saved)
+    if kind is _Tensor or kind is _Parameter:
+        ctx.save_for_backward(saved)
+        ctx._cg_saved = _SAVED_TENSOR
+        return
+    if kind is tuple:
+        tensor_idx: list[int] = []
+        for i, v in enumerate(saved):
+            k = type(v)
+            if k is _Tensor or k is _Parameter:
+                tensor_idx.append(i)
+            elif k not in _OPAQUE_LEAVES:
+                break
+        else:
+            # A flat tuple of leaves: no pytree needed.
+            if len(tensor_idx) == len(saved):
+                ctx.save_for_backward(*saved)
+                ctx._cg_saved = _SAVED_TENSORS
+                return
+            leaves = list(saved)
+            if tensor_idx:
+                ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+                for i in tensor_idx:
+                    leaves[i] = None
+            ctx._cg_saved = (leaves, None, tensor_idx)
+            return
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    if tensor_idx:
+        ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+        for i in tensor_idx:
+            leaves[i] = None
+    ctx._cg_saved = (leaves, treespec, tensor_idx)
 
 
 def _mark_outputs(
@@ -262,15 +332,103 @@ def _regroup_grads(
 
 
 def _restore_saved(ctx: Any) -> Any:
-    leaves, treespec, tensor_idx = ctx._cg_saved
+    kept = ctx._cg_saved
+    if kept is _SAVED_TENSORS:
+        return ctx.saved_tensors
+    if kept is _SAVED_TENSOR:
+        return ctx.saved_tensors[0]
+    if kept is _SAVED_NONE:
+        return None
+    leaves, treespec, tensor_idx = kept
     if tensor_idx:
         leaves = list(leaves)
         for i, t in zip(tensor_idx, ctx.saved_tensors):
             leaves[i] = t
+    if treespec is None:
+        return tuple(leaves)
     return optree.tree_unflatten(treespec, leaves)
 
 
+_NO_TARGET: Any = object()
+
+
 def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    op: CustomOp[..., Any] = ctx._cg_op
+    sig = op._sig
+    will_execute = _will_execute
+    if ctx._cg_lens is not None or ctx._cg_out_lens is not None or will_execute is None:
+        return _backward_general(ctx, grads, _NO_TARGET)
+    if DEFER_RESOLVERS:
+        target = _resolve_defer(ctx)
+        if target is not None:
+            return _backward_general(ctx, grads, target)
+
+    # No list arguments or outputs: one bit pair per argument (requires grad, needed now)
+    # indexes a cached plan of the pass.
+    metas: list[TensorMeta] = ctx._cg_meta
+    req = ctx.needs_input_grad  # (op, call, *args)
+    next_fns = None
+    mask = 0
+    bit = 1
+    edge = 0
+    for m, r in zip(metas, req[2:]):
+        if m is not None:
+            if r:
+                if next_fns is None:
+                    next_fns = ctx.next_functions
+                try:
+                    mask |= bit * 3 if will_execute(next_fns[edge][0]) else bit
+                except Exception:  # a leaf captured by autograd.grad: needed
+                    mask |= bit * 3
+            edge += 1
+        bit <<= 2
+    plan = sig.backward_plans.get(mask)
+    if plan is None:
+        plan = _plan(sig, mask)
+    phase, needed, need_in, need_w = plan
+    out: list[Any] = [None] * (len(metas) + 2)
+    if not needed:
+        return tuple(out)
+
+    kept = ctx._cg_saved
+    saved = ctx.saved_tensors if kept is _SAVED_TENSORS else _restore_saved(ctx)
+    bwd = op._backward_fn
+    if bwd is not None:
+        result = bwd(BackwardContext(op, phase, needed), saved, *grads)
+        collect_flat(sig, "full", bwd, result, sig.tensor_set, needed, metas, out)
+        return tuple(out)
+    bwd_in, bwd_w = op._backward_input_fn, op._backward_weight_fn
+    if bwd_in is None or bwd_w is None:
+        raise MissingRegistrationError(op._missing_autograd_message())
+    bctx = BackwardContext(op, phase, needed)
+    if need_in:
+        result = bwd_in(bctx, saved, *grads)
+        collect_flat(sig, "input", bwd_in, result, sig.input_set, need_in, metas, out)
+    if need_w:
+        result = bwd_w(bctx, saved, *grads)
+        collect_flat(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas, out)
+    return tuple(out)
+
+
+def _plan(
+    sig: Signature, mask: int
+) -> tuple[Phase, frozenset[str], frozenset[str], frozenset[str]]:
+    """``(phase, needed, needed inputs, needed weights)`` for one (requires, needed) mask."""
+    requires = frozenset(n for i, n in enumerate(sig.names) if mask >> (2 * i) & 1)
+    needed = frozenset(n for i, n in enumerate(sig.names) if mask >> (2 * i + 1) & 1)
+    need_w = needed & sig.weight_set
+    need_in = needed - sig.weight_set
+    if needed >= requires or (need_w and need_in):
+        phase: Phase = "full"
+    else:
+        phase = "weight" if need_w else "input"
+    plan = (phase, needed, need_in, need_w)
+    sig.backward_plans[mask] = plan
+    return plan
+
+
+def _backward_general(ctx: Any, grads: tuple[Any, ...], target: Any) -> tuple[Any, ...]:
+    """Any op: list arguments and outputs, deferred weight work, no engine query."""
     op: CustomOp[..., Any] = ctx._cg_op
     sig = op._sig
     lens = ctx._cg_lens
@@ -322,7 +480,8 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     out_lens = ctx._cg_out_lens
     out_grads = grads if out_lens is None else _regroup_grads(sig, out_lens, grads)
     result: dict[str, Any] = {}
-    target = _resolve_defer(ctx) if DEFER_RESOLVERS else None
+    if target is _NO_TARGET:
+        target = _resolve_defer(ctx) if DEFER_RESOLVERS else None
     deferred = requires & sig.weight_set if target is not None else set()
     if deferred:
         needed -= deferred
@@ -468,8 +627,11 @@ class DeferredWork:
             torch.autograd.backward(roots, grad_tensors=values)
 
 
-def apply(op: CustomOp[..., Any], args: tuple[Any, ...]) -> Any:
-    """Run ``op`` under autograd with schema-ordered ``args``; return what the op returns."""
+def apply(op: CustomOp[..., Any], args: tuple[Any, ...], kernel: Any = FIND_KERNEL) -> Any:
+    """Run ``op`` under autograd with schema-ordered ``args``; return what the op returns.
+
+    ``kernel`` is what ``op._direct_kernel(args)`` gives, when the caller already knows it.
+    """
     sig = op._sig
     if op._save_fn is None or (
         op._backward_fn is None
@@ -478,11 +640,18 @@ def apply(op: CustomOp[..., Any], args: tuple[Any, ...]) -> Any:
         raise MissingRegistrationError(op._missing_autograd_message())
     if sig.has_lists:
         lens, flat = _flatten_args(sig, args)
-        call: list[Any] = [lens, None]
+        call: list[Any] = [lens, None, kernel]
         out = _CustomGradFunction.apply(op, call, *flat)  # type: ignore[no-untyped-call]
     else:
-        call = [None, None]
-        out = _CustomGradFunction.apply(op, call, *args)  # type: ignore[no-untyped-call]
+        call = [None, None, kernel]
+        if _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
+            out = _Function_apply(op, call, *args)
+        else:
+            # Function.apply without a functorch transform: unwrap dead wrappers, then apply.
+            unwrap = _unwrap_if_dead
+            out = _c_apply(op, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in args])
+        if sig.plain_output:
+            return out
     if sig.output_is_tuple:
         return _regroup_outputs(sig, out, call[1])
     if sig.output_kinds[0] is ArgKind.TENSOR_LIST:

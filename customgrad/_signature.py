@@ -98,6 +98,7 @@ class Signature:
             for a in parsed.arguments
         )
         self.names: tuple[str, ...] = tuple(a.name for a in self.args)
+        self.nargs = len(self.names)
         self.index: dict[str, int] = {a.name: i for i, a in enumerate(self.args)}
         self.num_positional = sum(1 for a in self.args if not a.kwarg_only)
         self.kwonly_names: tuple[str, ...] = tuple(a.name for a in self.args if a.kwarg_only)
@@ -148,6 +149,14 @@ class Signature:
                 f"entries but the op has {n_out} output(s). Give one bool per output."
             )
         self.output_differentiability = output_differentiability
+        self.plain_output = (
+            not self.output_is_tuple
+            and self.output_kinds[0] is ArgKind.TENSOR
+            and (output_differentiability is None or output_differentiability[0])
+        )
+        """One differentiable Tensor output: the autograd node returns it as it is."""
+        self.backward_plans: dict[int, Any] = {}
+        """Per-pass backward plans of ops without list arguments, cached by ``_autograd``."""
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """Return all arguments positionally, in schema order, with defaults filled in."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -10,7 +10,7 @@ import torch
 from customgrad._errors import GradientTypeError, GradientValueError, where
 from customgrad._signature import ArgKind, Signature
 
-__all__ = ["Meta", "TensorMeta", "collect_grads", "describe"]
+__all__ = ["Meta", "TensorMeta", "collect_flat", "collect_grads", "describe"]
 
 TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
 Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
@@ -194,3 +194,48 @@ def _raise_bad_key(
         f"weight (weights={sig.weights!r}). Input gradients belong in register_backward_input; "
         f"return only {valid}. {loc}"
     )
+
+
+def collect_flat(
+    sig: Signature,
+    half: str,
+    fn: Callable[..., Any],
+    result: object,
+    allowed: frozenset[str],
+    needed: frozenset[str] | set[str],
+    metas: Sequence[TensorMeta],
+    out: list[Any],
+) -> None:
+    """:func:`collect_grads` for an op without list arguments, on the autograd node's layout.
+
+    ``metas`` holds one entry per argument, in schema order; the gradient of the argument at
+    position ``i`` goes to ``out[i + 2]`` (the node's first two inputs are customgrad's own).
+    The common case (a plain dict of valid gradients) is checked inline; anything else goes
+    through :func:`collect_grads`, which accepts exactly the same results and raises its errors.
+    """
+    if type(result) is dict:
+        index = sig.index
+        found = 0
+        for name, grad in result.items():
+            if name not in allowed:
+                break
+            i = index[name]
+            if grad is not None:
+                meta = metas[i]
+                if not (
+                    type(grad) is torch.Tensor
+                    and meta is not None
+                    and grad.shape == meta[0]
+                    and grad.dtype is meta[1]
+                    and grad.device == meta[2]
+                ):
+                    break
+            if name in needed:
+                out[i + 2] = grad
+                found += 1
+        else:
+            if found == len(needed):
+                return
+    by_name = {name: metas[i] for name, i in sig.index.items()}
+    for name, grad in collect_grads(sig, half, fn, result, allowed, needed, by_name).items():
+        out[sig.index[name] + 2] = grad

@@ -193,8 +193,11 @@ def demo_worker(device: torch.device, args: argparse.Namespace) -> None:
     print(format_table(by_impl, args))
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.out / "zero_bubble.png"
-    draw_timeline(by_impl, args, png)
-    print(f"\nschedule picture: {png}")
+    try:
+        draw_timeline(by_impl, args, png)
+        print(f"\nschedule picture: {png}")
+    except ImportError as e:  # matplotlib is a dev dependency, not a customgrad one
+        print(f"\nno schedule picture ({e}); `pip install matplotlib` to get one")
     if args.check:
         verify_flops(by_impl, args)
 

@@ -45,7 +45,7 @@ class RankResult:
     rank: int
     stages: list[int]
     step_times: list[float]  # seconds, every step, from the barrier before it
-    summary: dict[str, tuple[int, float]]  # kind -> (count per step, mean seconds per step)
+    summary: dict[str, tuple[int, float]]  # kind -> (count per step, median seconds per step)
     flops: dict[str, int]  # kind -> FLOPs of step 0
     expected_backward_flops: int  # one plain full backward of the rank's stages, per step
     events: list[list[pp.Event]]  # per step
@@ -99,53 +99,60 @@ def model_config(args: argparse.Namespace, world: int) -> pp.ModelConfig:
     )
 
 
-def train(device: torch.device, args: argparse.Namespace, impl: str) -> RankResult:
-    """Train this rank's stages for ``args.steps`` steps; check step 0's gradients."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = model_config(args, world)
-    pipe = pp.build_pipeline(cfg, args.schedule, impl, args.stage, device)
-    expected = pp.expected_backward_flops(cfg, args.schedule, impl, device)
-    opt = torch.optim.SGD(pipe.parameters(), lr=args.lr)
-    rec = pipe.recorder
-    step_times, losses, flops, events = [], [], {}, []
-    totals: dict[str, list[float]] = {}
-    for step in range(args.steps):
-        x, target = pp.make_batch(cfg, step, device)
-        opt.zero_grad(set_to_none=True)
+class Run:
+    """One ops flavour's pipeline on this rank, trained a step at a time."""
+
+    def __init__(self, device: torch.device, args: argparse.Namespace, impl: str) -> None:
+        self.device, self.args, self.impl = device, args, impl
+        self.cfg = model_config(args, dist.get_world_size())
+        self.pipe = pp.build_pipeline(self.cfg, args.schedule, impl, args.stage, device)
+        self.expected = pp.expected_backward_flops(self.cfg, args.schedule, impl, device)
+        self.opt = torch.optim.SGD(self.pipe.parameters(), lr=args.lr)
+        self.step_times: list[float] = []
+        self.losses: list[float] = []
+        self.events: list[list[pp.Event]] = []
+        self.flops: dict[str, int] = {}
+
+    def step(self, step: int) -> None:
+        """Train one step; step 0 also counts FLOPs and checks the gradients."""
+        rec, device = self.pipe.recorder, self.device
+        x, target = pp.make_batch(self.cfg, step, device)
+        self.opt.zero_grad(set_to_none=True)
         dist.barrier()
         rec.start_step(count_flops=step == 0)
-        mb_losses = pipe.step(x, target)
+        mb_losses = self.pipe.step(x, target)
         rec.sync()
-        step_times.append(time.perf_counter() - rec.t0)
-        events.append(list(rec.events))
+        self.step_times.append(time.perf_counter() - rec.t0)
+        self.events.append(list(rec.events))
         if step == 0:
-            flops = dict(rec.flops)
-            check_gradients(pipe, cfg, impl, device)
-        else:
-            for kind, (n, secs) in pp.summarize(rec.events).items():
-                totals.setdefault(kind, [n, 0.0])[1] += secs
+            self.flops = dict(rec.flops)
+            check_gradients(self.pipe, self.cfg, self.impl, device)
         loss = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=device)
-        dist.all_reduce(loss)
-        losses.append(loss.item())
-        opt.step()
-        if rank == 0:
-            ms = 1e3 * step_times[-1]
-            print(
-                f"  [{pp.IMPLS[impl].name:>17}] step {step + 1:>2}/{args.steps}"
-                f"  loss {losses[-1]:.4f}  {ms:7.1f} ms",
-                flush=True,
+        dist.all_reduce(loss)  # only the rank with the last stage has the losses
+        self.losses.append(loss.item())
+        self.opt.step()
+
+    def result(self) -> RankResult:
+        timed = self.events[1:] or self.events
+        summary = {
+            kind: (
+                sum(e.kind == kind for e in timed[0]),
+                statistics.median(
+                    sum(e.end - e.start for e in ev if e.kind == kind) for ev in timed
+                ),
             )
-    timed_steps = max(1, args.steps - 1)
-    return RankResult(
-        rank=rank,
-        stages=[s.stage_index for s in pipe.stages],
-        step_times=step_times,
-        summary={k: (int(n), secs / timed_steps) for k, (n, secs) in totals.items()},
-        flops=flops,
-        expected_backward_flops=sum(expected.values()),
-        events=events,
-        losses=losses,
-    )
+            for kind in {e.kind for e in timed[0]}
+        }
+        return RankResult(
+            rank=dist.get_rank(),
+            stages=[s.stage_index for s in self.pipe.stages],
+            step_times=self.step_times,
+            summary=summary,
+            flops=self.flops,
+            expected_backward_flops=sum(self.expected.values()),
+            events=self.events,
+            losses=self.losses,
+        )
 
 
 def check_gradients(
@@ -184,7 +191,22 @@ def demo_worker(device: torch.device, args: argparse.Namespace) -> None:
             f" dim {args.dim}/{args.hidden}, {device.type}/{backend}, stage: {args.stage}",
             flush=True,
         )
-    results = {impl: train(device, args, impl) for impl in impls}
+    # The flavours take turns, step by step, so that both see the same machine.
+    runs = [Run(device, args, impl) for impl in impls]
+    for step in range(args.steps):
+        for run in runs:
+            run.step(step)
+        if rank == 0:
+            print(
+                f"  step {step + 1:>2}/{args.steps} "
+                + " | ".join(
+                    f" {pp.IMPLS[run.impl].name}: loss {run.losses[-1]:.4f},"
+                    f" {1e3 * run.step_times[-1]:6.1f} ms"
+                    for run in runs
+                ),
+                flush=True,
+            )
+    results = {run.impl: run.result() for run in runs}
     gathered = pp.gather_to_rank0(results)
     if gathered is None:
         return
@@ -242,7 +264,7 @@ def format_table(by_impl: dict[str, list[RankResult]], args: argparse.Namespace)
     )
     which = f"steps 2-{args.steps}" if len(steps) > 1 else "step 1"
     lines = [
-        f"Per rank and step: actions run and their time (mean of {which}), FLOPs (step 1),"
+        f"Per rank and step: actions run and their time (median of {which}), FLOPs (step 1),"
         " step time (median)",
         head,
         "-" * len(head),

@@ -268,6 +268,14 @@ def _save(ctx: Any, saved: Any) -> None:
         ctx._cg_saved = _SAVED_TENSOR
         return
     if kind is tuple:
+        for v in saved:
+            k = type(v)
+            if k is not _Tensor and k is not _Parameter:
+                break
+        else:  # a tuple of Tensors: saved_tensors as it is
+            ctx.save_for_backward(*saved)
+            ctx._cg_saved = _SAVED_TENSORS
+            return
         tensor_idx: list[int] = []
         for i, v in enumerate(saved):
             k = type(v)
@@ -275,12 +283,7 @@ def _save(ctx: Any, saved: Any) -> None:
                 tensor_idx.append(i)
             elif k not in _OPAQUE_LEAVES:
                 break
-        else:
-            # A flat tuple of leaves: no pytree needed.
-            if len(tensor_idx) == len(saved):
-                ctx.save_for_backward(*saved)
-                ctx._cg_saved = _SAVED_TENSORS
-                return
+        else:  # a flat tuple of leaves: no pytree needed
             leaves = list(saved)
             if tensor_idx:
                 ctx.save_for_backward(*[leaves[i] for i in tensor_idx])

@@ -29,6 +29,9 @@ _tls_include = getattr(torch._C, "_dispatch_tls_local_include_set", None)
 _tf_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _PLAIN_INCLUDE = _tls_include().raw_repr() if _tls_include is not None else None
 _profiler = torch.autograd.profiler
+_Tensor = torch.Tensor
+_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
 def _plain_dispatch() -> bool:
@@ -178,25 +181,58 @@ class CustomOp(Generic[P, R]):
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         sig = self._sig
-        if kwargs or len(args) != len(sig.names):
+        if kwargs or len(args) != sig.nargs:
             args = sig.bind(args, kwargs)  # type: ignore[assignment]
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             # Dynamo records the OpOverload; its Autograd kernel below handles gradients.
             return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
+        if not sig.has_lists:
+            # One pass over the arguments: does any require grad, and can the kernel be
+            # called directly (what _direct_kernel decides)?
+            grad = _grad_enabled()
+            requires = False
+            exact = True
+            device = None
+            for a in args:
+                if isinstance(a, _Tensor):
+                    if grad and a.requires_grad:
+                        requires = True
+                    if type(a) is not _Tensor:
+                        exact = False
+                    elif device is None and exact:
+                        device = a.device.type
+                elif isinstance(a, (list, tuple)) and any(isinstance(t, _Tensor) for t in a):
+                    return self._call_general(args)  # type: ignore[no-any-return]
+            kernel = None
+            if exact and device is not None and not self._mutates and _plain_dispatch():
+                kernels = self._kernels
+                kernel = kernels.get(device) or kernels.get(None)
+            if requires:
+                return _autograd.apply(self, args, kernel)  # type: ignore[no-any-return]
+            if kernel is not None:
+                if sig.kwonly_names:
+                    return sig.call(kernel, args)  # type: ignore[no-any-return]
+                return kernel(*args)  # type: ignore[no-any-return]
+            with _below_autograd():
+                return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
+        return self._call_general(args)  # type: ignore[no-any-return]
+
+    def _call_general(self, args: tuple[Any, ...]) -> Any:
+        sig = self._sig
         if torch.is_grad_enabled():
             for a in args:
                 if isinstance(a, torch.Tensor):
                     if a.requires_grad:
-                        return _autograd.apply(self, args)  # type: ignore[no-any-return]
+                        return _autograd.apply(self, args)
                 elif isinstance(a, (list, tuple)) and any(
                     isinstance(t, torch.Tensor) and t.requires_grad for t in a
                 ):
-                    return _autograd.apply(self, args)  # type: ignore[no-any-return]
+                    return _autograd.apply(self, args)
         kernel = self._direct_kernel(args)
         if kernel is not None:
-            return sig.call(kernel, args)  # type: ignore[no-any-return]
+            return sig.call(kernel, args)
         with _below_autograd():
-            return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
+            return sig.call(self._opoverload, args)
 
     def _autograd_kernel(self, *args: Any, **kwargs: Any) -> Any:
         args = self._sig.normalize(args, kwargs)

@@ -210,12 +210,14 @@ class _CustomGradFunction(torch.autograd.Function):
         saved = save_fn(tuple.__new__(sig.inputs_type, args), out)
         _save(ctx, saved)
         ctx._cg_op = op
-        ctx._cg_lens = lens
+        if lens is not None:
+            ctx._cg_lens = lens
         ctx._cg_meta = [
             (a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat
         ]
-        ctx._cg_tag = FORWARD_TAG.get()
-        ctx._cg_out_lens = None
+        tag = FORWARD_TAG.get()
+        if tag is not None:
+            ctx._cg_tag = tag
         if sig.plain_output:
             return out
 
@@ -248,9 +250,15 @@ def _node_apply(node: Any, *grads: Any) -> Any:
     return _backward(node, grads)
 
 
+# Node attributes that are None unless the forward sets them (one store less per call).
+_node_cls: Any = _CustomGradFunction._backward_cls
+_node_cls._cg_lens = None
+_node_cls._cg_tag = None
+_node_cls._cg_out_lens = None
+
 # The engine runs a node by calling its ``apply``; torch's calls ``backward`` through two more
 # Python frames. The class is this Function's own node class, made by its metaclass.
-_CustomGradFunction._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
+_node_cls.apply = _node_apply
 
 _Function_apply: Callable[..., Any] = _CustomGradFunction.apply
 # What ``Function.apply`` ends in when no functorch transform is active.
@@ -359,7 +367,7 @@ def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
     op: CustomOp[..., Any] = ctx._cg_op
     sig = op._sig
     will_execute = _will_execute
-    if ctx._cg_lens is not None or ctx._cg_out_lens is not None or will_execute is None:
+    if not sig.flat_node or will_execute is None:
         return _backward_general(ctx, grads, _NO_TARGET)
     if DEFER_RESOLVERS:
         target = _resolve_defer(ctx)

@@ -155,6 +155,12 @@ class Signature:
             and (output_differentiability is None or output_differentiability[0])
         )
         """One differentiable Tensor output: the autograd node returns it as it is."""
+        self.flat_node = (
+            not self.has_lists
+            and not self.output_is_tuple
+            and (self.output_kinds[0] is ArgKind.TENSOR)
+        )
+        """The autograd node's inputs are the arguments and its output is the op's one Tensor."""
         self.backward_plans: dict[int, Any] = {}
         """Per-pass backward plans of ops without list arguments, cached by ``_autograd``."""
 

@@ -14,9 +14,9 @@ op's own node runs in the backward), for
 - customgrad, called as the ``CustomOp`` and through ``torch.ops``.
 
 Times are **CPU time of this process** (``timeit`` with ``timer=time.process_time``), the
-minimum over repeats, with ``torch.set_num_threads(1)``: other load on a shared machine then
-moves the figures little, and the ratios stay stable. They are per-call overheads, not
-throughput.
+minimum over rounds that each time every implementation in turn, with
+``torch.set_num_threads(1)``: other load on a shared machine then moves the figures little, and
+the ratios stay stable. They are per-call overheads, not throughput.
 
 It prints a markdown table, and the ratios the project targets: customgrad forward+backward
 against the plain Function (<= 1.15) and against custom_op (<= 0.7), and customgrad forward
@@ -141,11 +141,22 @@ cg_linear.register_backward_input(lambda ctx, saved, g: {"x": g @ saved[1]})
 cg_linear.register_backward_weight(lambda ctx, saved, g: {"w": g.mT @ saved[0]})
 
 
-def _time(fn: Callable[[], Any], number: int, repeat: int) -> float:
-    """CPU microseconds per call: the minimum over ``repeat`` runs of ``number`` calls."""
-    fn()
-    times = timeit.repeat(fn, number=number, repeat=repeat, timer=time.process_time)
-    return min(times) / number * 1e6
+def _time_all(
+    fns: dict[tuple[str, str, str], Callable[[], Any]], number: int, repeat: int
+) -> dict[tuple[str, str, str], float]:
+    """CPU microseconds per call of each function: the minimum over ``repeat`` rounds.
+
+    Each round times ``number`` calls of every function in turn, so that load that comes and
+    goes on a shared machine touches all of them alike.
+    """
+    best = {key: float("inf") for key in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(repeat):
+        for key, fn in fns.items():
+            t = timeit.timeit(fn, number=number, timer=time.process_time)
+            best[key] = min(best[key], t / number * 1e6)
+    return best
 
 
 MODES = ("fwd no_grad", "fwd grad", "fwd+bwd")
@@ -155,7 +166,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (for CI smoke runs)")
     args = parser.parse_args()
-    number, repeat = (200, 3) if args.quick else (2000, 7)
+    number, repeat = (200, 3) if args.quick else (1000, 15)
 
     x16 = torch.randn(16, requires_grad=True)
     g16 = torch.ones(16)
@@ -188,7 +199,7 @@ def main() -> None:
             },
         ),
     }
-    results: dict[tuple[str, str, str], float] = {}
+    fns: dict[tuple[str, str, str], Callable[[], Any]] = {}
     for case, (grad, impls) in cases.items():
         for impl, f in impls.items():
 
@@ -205,10 +216,11 @@ def main() -> None:
             for mode, g in zip(MODES, (no_grad, fwd, fwd_bwd)):
                 if impl == "define/impl op" and mode != "fwd no_grad":
                     continue
-                results[(case, impl, mode)] = _time(g, number, repeat)
+                fns[(case, impl, mode)] = g
+    results = _time_all(fns, number, repeat)
 
     print(
-        f"CPU time per call in µs (process_time, min of {repeat} x {number}, 1 thread; "
+        f"CPU time per call in µs (process_time, min of {repeat} rounds x {number}, 1 thread; "
         f"torch {torch.__version__})\n"
     )
     print("| op | implementation | " + " | ".join(MODES) + " |")

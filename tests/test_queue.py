@@ -16,6 +16,7 @@ import customgrad as cg
 from customgrad.pipelining import (
     MissingInputPassError,
     PendingWeightWorkError,
+    StrayWeightWorkError,
     StreamSyncError,
     WeightGradQueue,
     WeightPassTwiceError,
@@ -80,7 +81,8 @@ def _reference(net: Net, data: list[tuple[Tensor, Tensor]]) -> tuple[Net, list[T
     return ref, grads
 
 
-def test_hand_written_loop_matches_autograd() -> None:
+@pytest.mark.parametrize("input_pass", ["queue.backward", "Tensor.backward"])
+def test_hand_written_loop_matches_autograd(input_pass: str) -> None:
     net = Net()
     data = _data(3)
     ref, ref_dx = _reference(net, data)
@@ -88,7 +90,10 @@ def test_hand_written_loop_matches_autograd() -> None:
     for mb, (x, g) in enumerate(data):
         with queue.microbatch(stage=0, microbatch=mb):
             out = net(x)
-        out.backward(g)  # I: customgrad weight halves are queued
+        if input_pass == "queue.backward":
+            queue.backward(out, g, inputs=[x])  # I: customgrad weight halves are queued
+        else:
+            out.backward(g)  # also queues them (hooks see an extra, empty accumulation)
         torch.testing.assert_close(x.grad, ref_dx[mb])
     assert net.w.grad is None
     assert net.lin.weight.grad is not None  # native weights: computed in the backward itself
@@ -107,34 +112,63 @@ def test_weight_halves_run_once_each_in_weight_phase() -> None:
     with queue.microbatch(0, 0):
         out = net(x)
     WEIGHT_CALLS.clear()
-    out.backward(g)
+    queue.backward(out, g, inputs=[x])
     assert WEIGHT_CALLS == []
     queue.run(0, 0)
     assert WEIGHT_CALLS == ["weight", "weight"]
 
 
-def test_post_accumulate_grad_hooks_fire_once_per_microbatch_for_a_shared_weight() -> None:
+def _record_hooks(net: nn.Module) -> list[tuple[str, Tensor | None]]:
+    seen: list[tuple[str, Tensor | None]] = []
+    for name, p in net.named_parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: seen.append((name, None if p.grad is None else p.grad.clone()))
+        )
+    return seen
+
+
+def test_post_accumulate_grad_hooks_fire_once_per_microbatch_in_weight_pass() -> None:
     net = Net()
     data = _data(2)
-    ref, _ = _reference(net, data)
-    seen: list[Tensor | None] = []
-    net.w.register_post_accumulate_grad_hook(
-        lambda p: seen.append(None if p.grad is None else p.grad.clone())
-    )
+    ref = copy.deepcopy(net)
+    ref_seen = _record_hooks(ref)
+    for x, g in data:
+        ref(x.detach().requires_grad_()).backward(g)
+    seen = _record_hooks(net)
     queue = WeightGradQueue()
     for mb, (x, g) in enumerate(data):
         with queue.microbatch(0, mb):
             out = net(x)
-        out.backward(g)
-        # A full backward runs w's accumulator with a None gradient (what autograd does for
-        # any None gradient, e.g. a plain Function returning None): .grad stays None.
-        assert seen == [None] and net.w.grad is None
+        queue.backward(out, g, inputs=[x])
+        # I: the native layer's weights accumulate now; the queued weight is not touched.
+        assert sorted(name for name, _ in seen) == ["lin.bias", "lin.weight"]
+        assert all(grad is not None for _, grad in seen)
+        assert net.w.grad is None
         seen.clear()
     queue.run(0, 0)
-    assert len(seen) == 1
+    assert [name for name, _ in seen] == ["w"]
     queue.run(0, 1)
-    assert len(seen) == 2
-    torch.testing.assert_close(seen[-1], ref.w.grad)
+    assert [name for name, _ in seen] == ["w", "w"]
+    queue.finish()
+    ref_w = [grad for name, grad in ref_seen if name == "w"]
+    for (_, got), want in zip(seen, ref_w):
+        torch.testing.assert_close(got, want)
+
+
+def test_plain_backward_also_fires_deferred_hooks_in_input_pass() -> None:
+    # The documented limit of a plain backward (what torch's own PipelineStage runs): the engine
+    # runs the queued weight's accumulator in I with no gradient. queue.backward does not.
+    net = Net()
+    ((x, g),) = _data(1)
+    seen = _record_hooks(net)
+    queue = WeightGradQueue()
+    with queue.microbatch(0, 0):
+        out = net(x)
+    out.backward(g)
+    assert ("w", None) in seen and net.w.grad is None
+    seen.clear()
+    queue.run(0, 0)
+    assert [name for name, _ in seen] == ["w"]
 
 
 def test_keys_are_per_stage() -> None:
@@ -145,7 +179,7 @@ def test_keys_are_per_stage() -> None:
         h = a(x)
     with queue.microbatch(1, 0):
         out = b(h)
-    out.backward(g)
+    queue.backward(out, g, inputs=[x])
     assert queue.pending() == [(1, 0), (0, 0)]
     queue.run(1, 0)
     assert b.w.grad is not None and a.w.grad is None
@@ -173,13 +207,36 @@ def test_attach_numbers_forwards() -> None:
     data = _data(2)
     for x, g in data:
         net(x).backward(g)
-    assert queue.pending() == [(3, 0), (3, 1)]
-    runner = queue.dw_builder()
-    runner()
+        queue.dw_builder(3)()  # as torch's stage does, right after each backward
+    assert queue.pending() == []
     queue.finish()
     handle.remove()
     net(data[0][0]).backward(data[0][1])
     assert queue.pending() == []
+
+
+def test_attached_module_run_outside_the_schedule_is_an_error() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    queue.attach(net, stage=3)
+    data = _data(2)
+    net(data[0][0]).backward(data[0][1])  # outside the schedule: queued as (3, 0)
+    net(data[1][0]).backward(data[1][1])  # the schedule's microbatch
+    with pytest.raises(
+        StrayWeightWorkError,
+        match=re.escape(
+            "WeightGradQueue.dw_builder(stage=3): expected the weight work of the one "
+            "microbatch whose backward just ran, but work of 2 microbatches was queued since "
+            "the last dw_builder call: (stage, microbatch) (3, 0), (3, 1). A forward and "
+            "backward of a module attached with queue.attach() ran outside the pipeline "
+            "schedule"
+        ),
+    ):
+        queue.dw_builder(3)
+    assert isinstance(StrayWeightWorkError("x"), (RuntimeError, cg.CustomGradError))
+    queue.run(3, 0)
+    queue.run(3, 1)
+    queue.finish()
 
 
 def test_dw_builder_takes_the_microbatch_just_backwarded() -> None:
@@ -191,7 +248,7 @@ def test_dw_builder_takes_the_microbatch_just_backwarded() -> None:
     for mb, (x, g) in enumerate(data):
         with queue.microbatch(0, mb):
             out = net(x)
-        out.backward(g)
+        queue.backward(out, g, inputs=[x])
         runners.append(queue.dw_builder())
     assert queue.pending() == [(0, 0), (0, 1)]
     runners[1]()

@@ -15,6 +15,7 @@ from customgrad.pipelining._errors import MissingInputPassError as MissingInputP
 from customgrad.pipelining._errors import PendingWeightWorkError as PendingWeightWorkError
 from customgrad.pipelining._errors import PipeliningError as PipeliningError
 from customgrad.pipelining._errors import SplitStateError as SplitStateError
+from customgrad.pipelining._errors import StrayWeightWorkError as StrayWeightWorkError
 from customgrad.pipelining._errors import StreamSyncError as StreamSyncError
 from customgrad.pipelining._errors import WeightGradQueueError as WeightGradQueueError
 from customgrad.pipelining._errors import WeightPassTwiceError as WeightPassTwiceError
@@ -27,6 +28,7 @@ __all__ = [
     "PipelineStage",
     "PipeliningError",
     "SplitStateError",
+    "StrayWeightWorkError",
     "StreamSyncError",
     "WeightGradQueue",
     "WeightGradQueueError",

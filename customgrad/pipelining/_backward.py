@@ -402,12 +402,26 @@ def stage_backward(
         >>> dx.shape, x.grad
         (torch.Size([2, 3]), None)
     """
+    return _stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs)
+
+
+def _stage_backward(
+    stage_output: Any,
+    output_grads: Any,
+    input_values: Sequence[Any],
+    outputs_with_grads_idxs: list[int] | None = None,
+    run: Callable[[list[Any], list[Any]], None] | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """:func:`stage_backward`, with ``run(tensors, grads)`` as the backward (default: torch's)."""
     if outputs_with_grads_idxs is not None:
         stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
         output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
     tensors, grads = _flatten_outputs(stage_output, output_grads)
     if tensors:
-        torch.autograd.backward(tensors, grad_tensors=grads)  # type: ignore[arg-type]
+        if run is None:
+            torch.autograd.backward(tensors, grad_tensors=grads)  # type: ignore[arg-type]
+        else:
+            run(tensors, grads)
     result: list[torch.Tensor | None] = []
     for v in input_values:
         if isinstance(v, torch.Tensor):

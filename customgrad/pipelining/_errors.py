@@ -16,6 +16,7 @@ __all__ = [
     "WeightPassTwiceError",
     "PendingWeightWorkError",
     "StreamSyncError",
+    "StrayWeightWorkError",
 ]
 
 
@@ -45,3 +46,7 @@ class PendingWeightWorkError(WeightGradQueueError):
 
 class StreamSyncError(WeightGradQueueError):
     """Deferred work is run from another stream, before the stream it was queued on finished."""
+
+
+class StrayWeightWorkError(WeightGradQueueError):
+    """A ``dw_builder`` found work of more than one microbatch: some ran outside the schedule."""

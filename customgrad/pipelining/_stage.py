@@ -16,6 +16,7 @@ from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from customgrad.pipelining._backward import (
+    _stage_backward,
     stage_backward,
     stage_backward_input,
     stage_backward_weight,
@@ -37,10 +38,12 @@ class PipelineStage(_TorchPipelineStage):
 
     Args:
         queue: a :class:`~customgrad.pipelining.WeightGradQueue`. Each microbatch's forward
-            runs under ``queue.microbatch(stage_index, chunk_id)``; the stage's ``dw_builder``
-            becomes the queue's, so I runs a backward with customgrad weight halves queued and
-            W runs them. The queue is checked empty for this stage when the schedule reduces
-            the stage's gradients (end of step).
+            runs under ``queue.microbatch(stage_index, chunk_id)``; its backward (I) runs
+            through :meth:`~customgrad.pipelining.WeightGradQueue.backward`, which queues
+            customgrad weight halves and leaves those weights alone until W, and the stage's
+            ``dw_builder`` runs that microbatch's queued work (W). Deferred weights' ``.grad``
+            and post-accumulate-grad hooks see one accumulation, in W. The queue is checked
+            empty for this stage when the schedule reduces the stage's gradients (end of step).
 
     Example:
         Build stages as with torch and hand them to a torch schedule::
@@ -58,11 +61,24 @@ class PipelineStage(_TorchPipelineStage):
                 )
             kwargs["dw_builder"] = self._build_dw
         self.queue = queue
+        self._bwd_chunk: int | None = None
         super().__init__(*args, **kwargs)
 
     def _build_dw(self) -> Any:
         queue = self.queue
-        return queue.dw_builder(self.stage_index) if queue is not None else (lambda: None)
+        if queue is None:
+            return lambda: None
+        if self._bwd_chunk is None:  # called outside backward_one_chunk
+            return queue.dw_builder(self.stage_index)
+        # The microbatch whose backward just ran (a stage without customgrad ops queues none).
+        return queue._runner([(self.stage_index, self._bwd_chunk)], strict=False)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        self._bwd_chunk = bwd_chunk_id
+        try:
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        finally:
+            self._bwd_chunk = None
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.queue is None:
@@ -83,11 +99,19 @@ class PipelineStage(_TorchPipelineStage):
     ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
         def perform() -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
             if backward_type == "full":
-                grads = stage_backward(
-                    bwd_kwargs["stage_output"],
-                    bwd_kwargs["output_grads"],
-                    bwd_kwargs["input_values"],
-                )
+                queue = self.queue
+                inputs = bwd_kwargs["input_values"]
+                if queue is None:
+                    grads = stage_backward(
+                        bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], inputs
+                    )
+                else:
+                    grads = _stage_backward(
+                        bwd_kwargs["stage_output"],
+                        bwd_kwargs["output_grads"],
+                        inputs,
+                        run=lambda t, g: queue.backward(t, g, inputs=inputs),
+                    )
                 return grads, None
             if backward_type == "input":
                 return stage_backward_input(

@@ -419,3 +419,98 @@ def test_same_stream_runs_in_place(streams: tuple[FakeStream, FakeStream, list[s
     _queued_on_s1(queue)
     queue.run(0, 0)
     assert log == []
+
+
+# ---------------------------------------------------------------- queue.backward: graph shapes
+
+
+class Odd(nn.Module):
+    """Weights reached in unusual ways: through a view, through an op with saved tensors, shared
+    with a native op, derived from the input, and a customgrad op on the weight side."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.w = nn.Parameter(torch.randn(8, 8) / 3)
+        self.s = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "view":
+            return linear(x, self.w.mT)
+        if self.kind == "saved":  # MulBackward saves w and s: it must not run (and free) in I
+            return linear(x, self.w * self.s)
+        if self.kind == "native_too":  # w also reaches the output through a native op
+            return linear(x, self.w) + x @ self.w
+        if self.kind == "from_input":  # the "weight" depends on the stage input
+            return linear(x, self.w + x[:1].expand(8, 8))
+        if self.kind == "nested":  # the weight is itself a customgrad op's output
+            return linear(x, linear(self.s, self.w))
+        return linear(torch.relu(linear(x, self.w)), self.s)
+
+
+@pytest.mark.parametrize("kind", ["view", "saved", "native_too", "from_input", "nested", "plain"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["x_grad", "first_stage"])
+def test_queue_backward_matches_autograd_and_fires_hooks_once(kind: str, x_grad: bool) -> None:
+    torch.manual_seed(0)
+    net = Odd(kind)
+    ref = copy.deepcopy(net)
+    x = torch.randn(4, 8, requires_grad=x_grad)
+    g = torch.randn(4, 8)
+    rx = x.detach().clone().requires_grad_(x_grad)
+    ref(rx).backward(g)
+    seen = _record_hooks(net)
+    queue = WeightGradQueue()
+    with queue.microbatch(0, 0):
+        out = net(x)
+    queue.backward(out, g, inputs=[x])
+    in_input_pass = [name for name, _ in seen]
+    if x_grad:
+        torch.testing.assert_close(x.grad, rx.grad)
+    if queue.pending():
+        queue.run(0, 0)
+    queue.finish()
+    used = []
+    for (name, p), rp in zip(net.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+        if rp.grad is not None:
+            used.append(name)
+    # Every hook fires once per backward, with the full gradient.
+    assert sorted(name for name, _ in seen) == sorted(used)
+    for name, grad in seen:
+        torch.testing.assert_close(grad, dict(ref.named_parameters())[name].grad)
+    computed_in_input_pass = kind == "native_too" or (kind == "from_input" and x_grad)
+    # Deferred weights do not accumulate in I; the others do (the input pass needs them there).
+    assert in_input_pass == (["w"] if computed_in_input_pass else [])
+
+
+def test_queue_backward_does_not_requeue_in_weight_pass() -> None:
+    net = Odd("nested")
+    queue = WeightGradQueue()
+    x = torch.randn(4, 8, requires_grad=True)
+    with queue.microbatch(0, 0):
+        out = net(x)
+    queue.backward(out.sum(), inputs=[x])
+    assert queue.pending() == [(0, 0)]
+    queue.run(0, 0)
+    assert queue.pending() == []
+    queue.finish()
+
+
+def test_queue_backward_of_a_non_differentiable_output_raises_as_torch() -> None:
+    queue = WeightGradQueue()
+    with pytest.raises(RuntimeError, match=re.escape("does not require grad")):
+        queue.backward(torch.ones(()))
+
+
+def test_input_only_backward_between_queue_passes_queues_nothing() -> None:
+    net = Net()
+    queue = WeightGradQueue()
+    ((x, g),) = _data(1)
+    with queue.microbatch(0, 0):
+        out = net(x)
+    (dx,) = torch.autograd.grad(out, x, g, retain_graph=True)
+    assert queue.pending() == []
+    queue.backward(out, g, inputs=[x])
+    torch.testing.assert_close(x.grad, dx)
+    queue.run(0, 0)
+    queue.finish()

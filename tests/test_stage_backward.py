@@ -242,3 +242,62 @@ def test_stage_reports_work_left_at_step_end(group: None) -> None:
         stage.perform_reduce_grad(1)
     queue.run(0, 7)
     stage.perform_reduce_grad(1)
+
+
+def _hook_log(mods: list[nn.Module]) -> list[tuple[int, bool]]:
+    """Every post-accumulate-grad hook call: (parameter id, whether .grad was set)."""
+    log: list[tuple[int, bool]] = []
+    for m in mods:
+        for p in m.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: log.append((id(p), p.grad is not None)))
+    return log
+
+
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_stage_with_queue_fires_each_hook_once_per_microbatch(
+    group: None, schedule_cls: Any
+) -> None:
+    torch.manual_seed(0)
+    mods = [Block("cg"), Block("cg")]
+    ref = nn.Sequential(*copy.deepcopy(mods))
+    queue = WeightGradQueue()
+    stages = [PipelineStage(m, i, 2, torch.device("cpu"), queue=queue) for i, m in enumerate(mods)]
+    schedule = schedule_cls(stages, n_microbatches=N_MB, loss_fn=_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    schedule.step(x, target=y)  # the first step also infers shapes
+    for m in mods:
+        m.zero_grad()
+    log = _hook_log(mods)
+    schedule.step(x, target=y)
+    params = [p for m in mods for p in m.parameters()]
+    assert Counter(log) == {(id(p), True): N_MB for p in params}
+    for xi, yi in zip(x.chunk(N_MB), y.chunk(N_MB)):
+        (_loss(ref(xi), yi) / N_MB).backward()
+    _check(mods, ref)
+
+
+def test_torch_stage_with_queue_dw_builder_fires_hooks_in_input_pass_too(group: None) -> None:
+    # The documented limit of torch's own stage: its I is a plain full backward, so the engine
+    # also runs the queued weights' accumulators there, with no gradient.
+    torch.manual_seed(0)
+    mods = [Block("cg"), Block("cg")]
+    queue = WeightGradQueue()
+    for i, m in enumerate(mods):
+        queue.attach(m, i)
+    stages = [
+        TorchPipelineStage(m, i, 2, torch.device("cpu"), dw_builder=queue.dw_builder)
+        for i, m in enumerate(mods)
+    ]
+    schedule = ScheduleZBVZeroBubble(stages, n_microbatches=N_MB, loss_fn=_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    schedule.step(x, target=y)
+    queue.finish()
+    for m in mods:
+        m.zero_grad()
+    log = _hook_log(mods)
+    schedule.step(x, target=y)
+    queue.finish()
+    params = [p for m in mods for p in m.parameters()]
+    assert Counter(pid for pid, _ in log) == {id(p): 2 * N_MB for p in params}
+    # Each weight's first hook call of the step comes in I, before any gradient reached it.
+    assert Counter(pid for pid, has_grad in log if not has_grad) == {id(p): 1 for p in params}

@@ -238,6 +238,8 @@ def _plan_input_pass(
         if n in deferring or (n not in stop and not n.next_functions and hasattr(n, "variable"))
     ]
     return plan, targets
+
+
 def _install() -> None:
     if _resolve not in _autograd.DEFER_RESOLVERS:
         _autograd.DEFER_RESOLVERS.append(_resolve)
@@ -384,11 +386,9 @@ class WeightGradQueue:
             >>> queue.finish()
         """
         _install()
-        outs: list[torch.Tensor | GradientEdge]
         if isinstance(outputs, (torch.Tensor, GradientEdge)):
-            outs = [outputs]
-        else:
-            outs = list(outputs)
+            outputs = [outputs]
+        outs = list(outputs)
         grads: list[torch.Tensor | None] | None
         if grad_outputs is None or isinstance(grad_outputs, torch.Tensor):
             grads = None if grad_outputs is None else [grad_outputs]
@@ -413,7 +413,7 @@ class WeightGradQueue:
         try:
             torch.autograd.backward(
                 outs,  # type: ignore[arg-type]
-                grad_tensors=grads,  # type: ignore[arg-type]
+                grad_tensors=grads,
                 inputs=targets,  # type: ignore[arg-type]
             )
         finally:

@@ -175,18 +175,24 @@ def _resolve(node: Any) -> _autograd.DeferTarget | None:
     return None
 
 
-def _weight_children(node: Node) -> list[Node]:
+def _split_children(node: Node) -> tuple[list[Node], list[Node]]:
+    """A customgrad node's children along its non-weight edges, and along its weight edges."""
     mask = weight_edge_mask(node) or ()
-    return [fn for (fn, _), w in zip(node.next_functions, mask) if w and fn is not None]
+    others: list[Node] = []
+    weights: list[Node] = []
+    for i, (fn, _) in enumerate(node.next_functions):
+        if fn is not None:
+            (weights if i < len(mask) and mask[i] else others).append(fn)
+    return others, weights
 
 
 def _reach(
-    starts: Sequence[Node], stop: set[Node], cut: Callable[[Node], bool] | None = None
+    starts: Sequence[Node], stop: set[Node], cut: dict[Node, list[Node]] | None = None
 ) -> set[Node]:
-    """Nodes reachable from ``starts``, not past ``stop`` nodes, not along ``cut`` nodes' weight
-    edges."""
+    """Nodes reachable from ``starts``, not past ``stop``; a node in ``cut`` leads only to
+    ``cut[node]``."""
     seen: set[Node] = set()
-    stack = [n for n in starts if n is not None]
+    stack = list(starts)
     while stack:
         node = stack.pop()
         if node in seen:
@@ -194,13 +200,8 @@ def _reach(
         seen.add(node)
         if node in stop:
             continue
-        if cut is not None and cut(node):
-            mask = weight_edge_mask(node) or ()
-            stack.extend(
-                fn
-                for i, (fn, _) in enumerate(node.next_functions)
-                if fn is not None and not (i < len(mask) and mask[i])
-            )
+        if cut is not None and node in cut:
+            stack.extend(cut[node])
         else:
             stack.extend(fn for fn, _ in node.next_functions if fn is not None)
     return seen
@@ -223,14 +224,20 @@ def _plan_input_pass(
         tag = getattr(node, "_cg_tag", None)
         if isinstance(tag, _Tag):
             tags[node] = tag
-    deferring = set(tags)
-    weight_side = {n: _reach(_weight_children(n), stop) for n in deferring}
+    cut: dict[Node, list[Node]] = {}
+    weight_side: dict[Node, set[Node]] = {}
+    for node in tags:
+        others, weights = _split_children(node)
+        cut[node] = others
+        weight_side[node] = _reach(weights, stop)
     while True:
-        live = _reach(roots, stop, deferring.__contains__)
-        clash = {n for n in deferring if not weight_side[n].isdisjoint(live | stop)}
+        live = _reach(roots, stop, cut)
+        clash = [n for n in cut if not weight_side[n].isdisjoint(live) or weight_side[n] & stop]
         if not clash:
             break
-        deferring -= clash
+        for n in clash:
+            del cut[n]
+    deferring = cut
     plan: dict[Node, _Tag | None] = {n: (t if n in deferring else None) for n, t in tags.items()}
     targets = [
         n
@@ -316,6 +323,13 @@ class WeightGradQueue:
         For ``torch.distributed.pipelining.PipelineStage(module, ..., dw_builder=...)``, whose
         forwards run microbatches in order; numbering restarts after :meth:`finish`.
         Returns a handle whose ``remove()`` detaches the queue.
+
+        Every forward counts, so remove the handle around a forward and backward of the module
+        outside the schedule: otherwise the schedule's next :meth:`dw_builder` call finds that
+        work too and raises :class:`StrayWeightWorkError`. torch's stage runs its input pass as
+        a plain full backward, so queued weights' post-accumulate-grad hooks fire in I (with no
+        gradient) as well as in W; ``customgrad.pipelining.PipelineStage(..., queue=queue)``
+        needs no ``attach`` and fires them once, in W.
         """
         _install()
         tokens: list[Any] = []

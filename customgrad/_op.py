@@ -30,6 +30,8 @@ _tf_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
 _PLAIN_INCLUDE = _tls_include().raw_repr() if _tls_include is not None else None
 _profiler = torch.autograd.profiler
 _Tensor = torch.Tensor
+# Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 
@@ -197,7 +199,7 @@ class CustomOp(Generic[P, R]):
                 if isinstance(a, _Tensor):
                     if grad and a.requires_grad:
                         requires = True
-                    if type(a) is not _Tensor:
+                    if type(a) not in _PLAIN_TYPES:
                         exact = False
                     elif device is None and exact:
                         device = a.device.type
@@ -283,14 +285,14 @@ class CustomOp(Generic[P, R]):
         device = None
         for a in args:
             if isinstance(a, torch.Tensor):
-                if type(a) is not torch.Tensor:
+                if type(a) not in _PLAIN_TYPES:
                     return None
                 if device is None:
                     device = a.device.type
             elif isinstance(a, (list, tuple)):
                 for t in a:
                     if isinstance(t, torch.Tensor):
-                        if type(t) is not torch.Tensor:
+                        if type(t) not in _PLAIN_TYPES:
                             return None
                         if device is None:
                             device = t.device.type

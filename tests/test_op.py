@@ -453,3 +453,25 @@ def test_definitions_are_real_dispatcher_ops_under_fake_tensor_mode() -> None:
         x, w = torch.empty(5, 3), torch.empty(4, 3)
         out = LINEAR_PAIR(x, w)
     assert out.shape == (5, 4)
+
+
+def test_modes_and_profilers_see_the_op_despite_the_direct_kernel_path() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, w = leaf(2, 3), torch.nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    with Record():
+        LINEAR_PAIR(x.detach(), w.detach())  # no grad needed
+        out = LINEAR_PAIR(x, w)  # under autograd
+    assert seen.count("test_op.linear_pair.default") == 2
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, torch.ones(2, 4, dtype=x.dtype).mT @ x.detach())
+    with torch.profiler.profile() as prof:
+        LINEAR_PAIR(x, w).sum().backward()
+    assert any("test_op::linear_pair" in e.name for e in prof.events())

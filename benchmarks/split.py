@@ -13,76 +13,15 @@ from __future__ import annotations
 import argparse
 import itertools
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
+from _models import LAYERS, MLP
 from torch import Tensor, nn
 from torch.distributed.pipelining import _backward as torch_split
 
-import customgrad as cg
 from customgrad import pipelining as cg_split
 from customgrad._flops import FlopCounter
-
-
-@cg.op("bench_split::linear", weights=("weight",))
-def cg_linear(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.mT
-
-
-@cg_linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@cg_linear.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@cg_linear.register_backward_input
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    return {"x": grad @ saved[1]}
-
-
-@cg_linear.register_backward_weight
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    return {"weight": grad.mT @ saved[0]}
-
-
-class FnLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        gx = grad @ weight if ctx.needs_input_grad[0] else None
-        gw = grad.mT @ x if ctx.needs_input_grad[1] else None
-        return gx, gw
-
-
-LAYERS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "customgrad op": cg_linear,
-    "autograd.Function": FnLinear.apply,
-    "nn.Linear": lambda x, w: nn.functional.linear(x, w),
-}
-
-
-class MLP(nn.Module):
-    def __init__(self, kind: str, width: int, depth: int) -> None:
-        super().__init__()
-        self.layer = LAYERS[kind]
-        self.ws = nn.ParameterList(
-            nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(depth)
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        for w in self.ws:
-            x = torch.relu(self.layer(x, w))
-        return x
 
 
 def _passes(model: nn.Module, x: Tensor, g: Tensor, split: Any, clock: Any) -> None:

@@ -22,73 +22,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from _models import LAYERS, MLP
+from torch import Tensor
 from torch.distributed.pipelining import _backward as torch_split
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import customgrad as cg
 from customgrad import pipelining as cg_split
-
-
-@cg.op("bench_split_memory::linear", weights=("weight",))
-def cg_linear(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.mT
-
-
-@cg_linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@cg_linear.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@cg_linear.register_backward_input
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    return {"x": grad @ saved[1]}
-
-
-@cg_linear.register_backward_weight
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    return {"weight": grad.mT @ saved[0]}
-
-
-class FnLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.mT @ x
-
-
-LAYERS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "customgrad op": cg_linear,
-    "autograd.Function": FnLinear.apply,
-    "nn.Linear": lambda x, w: nn.functional.linear(x, w),
-}
-
-
-class MLP(nn.Module):
-    """Linear layers, each followed by sin (sin saves its input, which W does not need)."""
-
-    def __init__(self, kind: str, width: int, depth: int) -> None:
-        super().__init__()
-        self.layer = LAYERS[kind]
-        self.ws = nn.ParameterList(
-            nn.Parameter(torch.randn(width, width) / width**0.5) for _ in range(depth)
-        )
-
-    def forward(self, x: Tensor) -> Tensor:
-        for w in self.ws:
-            x = torch.sin(self.layer(x, w))
-        return x
 
 
 class Tracker(TorchDispatchMode):
@@ -124,7 +64,8 @@ class Tracker(TorchDispatchMode):
 
 def kept_between_i_and_w(kind: str, mode: str, args: argparse.Namespace) -> int:
     torch.manual_seed(0)
-    model = MLP(kind, args.width, args.depth)
+    # sin saves its input, which W does not need
+    model = MLP(kind, args.width, args.depth, act=torch.sin)
     x = torch.randn(args.batch, args.width, requires_grad=True)
     g = torch.randn(args.batch, args.width)
     queue = cg_split.WeightGradQueue()

@@ -6,7 +6,6 @@ import contextlib
 import copy
 import re
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -22,35 +21,17 @@ from customgrad.pipelining import (
     WeightPassTwiceError,
     _queue,
 )
+from tests._models import linear_op
 
 WEIGHT_CALLS: list[str] = []
 
 
-@cg.op("queue_t::linear", weights=("weight",))
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.mT
+def _spy(half: str, phase: str) -> None:
+    if half == "weight":
+        WEIGHT_CALLS.append(phase)
 
 
-@linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@linear.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@linear.register_backward
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    x, weight = saved
-    out: dict[str, Any] = {}
-    if ctx.needs_input_grad("x"):
-        out["x"] = grad @ weight
-    if ctx.needs_input_grad("weight"):
-        WEIGHT_CALLS.append(ctx.phase)
-        out["weight"] = grad.mT @ x
-    return out
+linear = linear_op("queue_t::linear", backward="single", spy=_spy)
 
 
 class Net(nn.Module):

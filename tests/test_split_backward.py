@@ -23,60 +23,14 @@ from customgrad.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
+from tests._models import function_linear, linear_op
 
 # ---------------------------------------------------------------- ops and models
 
 
-@cg.op("split_bw::linear", weights=("weight",))
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.mT
-
-
-@linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@linear.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@linear.register_backward_input
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    return {"x": grad @ saved[1]}
-
-
-@linear.register_backward_weight
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    x = saved[0]
-    return {"weight": grad.reshape(-1, grad.shape[-1]).mT @ x.reshape(-1, x.shape[-1])}
-
-
-@cg.op("split_bw::linear1", weights=("weight",))
-def linear1(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.mT
-
-
-@linear1.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@linear1.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@linear1.register_backward
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    x, weight = saved
-    out: dict[str, Any] = {}
-    if ctx.needs_input_grad("x"):
-        out["x"] = grad @ weight
-    if ctx.needs_input_grad("weight"):
-        out["weight"] = grad.reshape(-1, grad.shape[-1]).mT @ x.reshape(-1, x.shape[-1])
-    return out
+linear = linear_op("split_bw::linear")
+linear1 = linear_op("split_bw::linear1", backward="single")
+fn_linear = function_linear()
 
 
 @cg.op("split_bw::scale_two", weights=("w",))
@@ -111,29 +65,13 @@ def _(ctx: cg.BackwardContext, saved: Any, g1: Tensor | None, g2: Tensor | None)
     return {"w": None if g1 is None else (g1 * x).sum(0)}
 
 
-class FnLinear(torch.autograd.Function):
-    """A plain autograd.Function: its needs_input_grad is fixed at forward time."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        gx = grad @ weight if ctx.needs_input_grad[0] else None
-        gw = grad.mT @ x if ctx.needs_input_grad[1] else None
-        return gx, gw
-
-
 def _apply(kind: str, x: Tensor, w: Tensor) -> Tensor:
     if kind == "cg":
         return linear(x, w)
     if kind == "cg1":
         return linear1(x, w)
     if kind == "fn":
-        return FnLinear.apply(x, w)  # type: ignore[no-any-return]
+        return fn_linear(x, w)
     return nn.functional.linear(x, w)
 
 
@@ -183,7 +121,7 @@ class Mixed(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.relu(linear(x, self.w))
         h = torch.tanh(self.lin(h))
-        h = FnLinear.apply(h, self.v)
+        h = fn_linear(h, self.v)
         h = nn.functional.linear(torch.relu(h), self.w)
         return linear1(torch.sin(h), self.w.t().contiguous())
 

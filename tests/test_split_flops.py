@@ -18,74 +18,26 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import _backward as torch_backward
 
-import customgrad as cg
 from customgrad import _autograd
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests._models import function_linear, linear_op
 
 HALVES: Counter[tuple[str, str]] = Counter()
 
 
-def _define(name: str, single: bool) -> Any:
-    @cg.op(f"split_flops::{name}", weights=("weight",))
-    def lin(x: Tensor, weight: Tensor) -> Tensor:
-        return x @ weight.mT
-
-    @lin.register_fake
-    def _(x: Tensor, weight: Tensor) -> Tensor:
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @lin.register_save_for_backward
-    def _(inputs: Any, output: Tensor) -> Any:
-        return inputs.x, inputs.weight
-
-    def grad_x(ctx: cg.BackwardContext, x: Tensor, weight: Tensor, grad: Tensor) -> Tensor:
-        HALVES["input", ctx.phase] += 1
-        return grad @ weight
-
-    def grad_w(ctx: cg.BackwardContext, x: Tensor, weight: Tensor, grad: Tensor) -> Tensor:
-        HALVES["weight", ctx.phase] += 1
-        return grad.mT @ x
-
-    if single:
-
-        @lin.register_backward
-        def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-            out = {}
-            if ctx.needs_input_grad("x"):
-                out["x"] = grad_x(ctx, *saved, grad)
-            if ctx.needs_input_grad("weight"):
-                out["weight"] = grad_w(ctx, *saved, grad)
-            return out
-    else:
-        lin.register_backward_input(lambda ctx, s, g: {"x": grad_x(ctx, *s, g)})
-        lin.register_backward_weight(lambda ctx, s, g: {"weight": grad_w(ctx, *s, g)})
-    return lin
+def _count(half: str, phase: str) -> None:
+    HALVES[half, phase] += 1
 
 
-pair_linear = _define("pair_linear", single=False)
-single_linear = _define("single_linear", single=True)
-
-
-class FnLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        HALVES["fn", "both"] += 1
-        gx = grad @ weight if ctx.needs_input_grad[0] else None
-        gw = grad.mT @ x if ctx.needs_input_grad[1] else None
-        return gx, gw
+pair_linear = linear_op("split_flops::pair_linear", spy=_count)
+single_linear = linear_op("split_flops::single_linear", backward="single", spy=_count)
 
 
 LAYERS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "pair": pair_linear,
     "single": single_linear,
-    "fn": FnLinear.apply,
+    "fn": function_linear(spy=_count),
 }
 
 

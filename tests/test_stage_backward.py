@@ -21,51 +21,19 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-import customgrad as cg
 from customgrad.pipelining import PendingWeightWorkError, PipelineStage, WeightGradQueue
+from tests._models import function_linear, linear_op
 
 CALLS: Counter[tuple[str, str]] = Counter()
 STEP_CALLS: Counter[tuple[str, str]] = Counter()
 
 
-@cg.op("stage_bw::linear", weights=("weight",))
-def linear(x: Tensor, weight: Tensor) -> Tensor:
-    return x @ weight.mT
+def _count(half: str, phase: str) -> None:
+    CALLS[half, phase] += 1
 
 
-@linear.register_fake
-def _(x: Tensor, weight: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@linear.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@linear.register_backward_input
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    CALLS["input", ctx.phase] += 1
-    return {"x": grad @ saved[1]}
-
-
-@linear.register_backward_weight
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-    CALLS["weight", ctx.phase] += 1
-    return {"weight": grad.mT @ saved[0]}
-
-
-class FnLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        x, weight = ctx.saved_tensors
-        CALLS["fn", "backward"] += 1
-        return grad @ weight, grad.mT @ x
+linear = linear_op("stage_bw::linear", spy=_count)
+fn_linear = function_linear(spy=_count)
 
 
 class SharedOnly(nn.Module):
@@ -92,7 +60,7 @@ class Block(nn.Module):
         if self.kind == "cg":
             return linear(x, w)
         if self.kind == "fn":
-            return FnLinear.apply(x, w)  # type: ignore[no-any-return]
+            return fn_linear(x, w)
         return nn.functional.linear(x, w)
 
     def forward(self, x: Tensor) -> Tensor:

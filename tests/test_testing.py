@@ -11,22 +11,7 @@ from torch import Tensor
 
 import customgrad as cg
 from customgrad.testing import CHECKS, CheckFailed, check_op
-
-
-def _linear_op(name: str) -> cg.CustomOp[..., Tensor]:
-    @cg.op(f"test_testing::{name}", weights=("weight",))
-    def op(x: Tensor, weight: Tensor) -> Tensor:
-        return x @ weight.mT
-
-    @op.register_fake
-    def _(x: Tensor, weight: Tensor) -> Tensor:
-        return x.new_empty((x.shape[0], weight.shape[0]))
-
-    @op.register_save_for_backward
-    def _(inputs: Any, output: Tensor) -> Any:
-        return inputs.x, inputs.weight
-
-    return op
+from tests._models import linear_op
 
 
 def _args() -> tuple[Tensor, Tensor]:
@@ -34,18 +19,7 @@ def _args() -> tuple[Tensor, Tensor]:
     return torch.randn(4, 3, generator=g), torch.randn(5, 3, generator=g)
 
 
-def _good_pair(op: cg.CustomOp[..., Tensor]) -> None:
-    @op.register_backward_input
-    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-        return {"x": grad @ saved[1]}
-
-    @op.register_backward_weight
-    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
-        return {"weight": grad.mT @ saved[0]}
-
-
-good = _linear_op("good")
-_good_pair(good)
+good = linear_op("test_testing::good")
 
 
 def test_good_op_passes_every_check() -> None:
@@ -70,7 +44,7 @@ def test_arguments_are_left_untouched() -> None:
     torch.testing.assert_close((x, w.detach()), before)
 
 
-wrong_backward = _linear_op("wrong_backward")
+wrong_backward = linear_op("test_testing::wrong_backward", backward=None)
 
 
 @wrong_backward.register_backward_input
@@ -97,8 +71,7 @@ def test_catches_wrong_backward() -> None:
     assert isinstance(info.value, cg.CustomGradError)
 
 
-wrong_fake_shape = _linear_op("wrong_fake_shape")
-_good_pair(wrong_fake_shape)
+wrong_fake_shape = linear_op("test_testing::wrong_fake_shape")
 
 
 @wrong_fake_shape.register_fake
@@ -117,8 +90,7 @@ def test_catches_wrong_fake_kernel_shape() -> None:
     assert "test_faketensor" in info.value.report["opcheck"].detail
 
 
-wrong_fake_dtype_strides = _linear_op("wrong_fake_dtype_strides")
-_good_pair(wrong_fake_dtype_strides)
+wrong_fake_dtype_strides = linear_op("test_testing::wrong_fake_dtype_strides")
 
 
 @wrong_fake_dtype_strides.register_fake
@@ -135,7 +107,7 @@ def test_catches_wrong_fake_kernel_dtype_and_strides() -> None:
     assert "output 0: real strides (5, 1), fake strides (1, 4)" in detail
 
 
-greedy = _linear_op("greedy")
+greedy = linear_op("test_testing::greedy", backward=None)
 
 
 @greedy.register_backward
@@ -168,7 +140,7 @@ def opaque_mm(a: Tensor, b: Tensor) -> Tensor:
     return a @ b
 
 
-opaque_greedy = _linear_op("opaque_greedy")
+opaque_greedy = linear_op("test_testing::opaque_greedy", backward=None)
 
 
 @opaque_greedy.register_backward
@@ -186,7 +158,7 @@ def test_catches_repeated_work_in_opaque_kernels() -> None:
     )
 
 
-phase_dependent = _linear_op("phase_dependent")
+phase_dependent = linear_op("test_testing::phase_dependent", backward=None)
 
 
 @phase_dependent.register_backward
@@ -299,7 +271,8 @@ def test_list_and_keyword_only_arguments() -> None:
     assert report.calls["input"] == {"backward": 1}
 
 
-no_autograd = _linear_op("no_autograd")  # fake and save_for_backward, but no backward
+# fake and save_for_backward, but no backward
+no_autograd = linear_op("test_testing::no_autograd", backward=None)
 
 
 def test_missing_autograd_is_reported_not_crashed() -> None:

@@ -148,25 +148,7 @@ def report(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        if pp.launched_by_torchrun():
-            pp.run_worker(bench_worker, (args,), args.device)
-        else:
-            pp.spawn(
-                bench_worker,
-                (args,),
-                world=args.nproc or pp.default_nproc(args.device),
-                timeout=args.timeout,
-                device=args.device,
-            )
-    except pp.WorkerFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; workers stopped", file=sys.stderr)
-        return 130
-    return 0
+    return pp.launch(bench_worker, parse_args(argv))
 
 
 if __name__ == "__main__":

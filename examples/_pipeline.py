@@ -711,6 +711,33 @@ def spawn(
         failures.close()
 
 
+def launch(worker: Callable[..., None], args: Any) -> int:
+    """A script's ``main``: run ``worker(device, args)`` under torchrun or on local processes.
+
+    ``args`` (parsed command-line options) gives ``device``, ``nproc`` (None: see
+    :func:`default_nproc`) and ``timeout``. Returns the exit status: 0, 1 if a worker failed (reported on stderr),
+    130 on Ctrl-C.
+    """
+    try:
+        if launched_by_torchrun():
+            run_worker(worker, (args,), args.device)
+        else:
+            spawn(
+                worker,
+                (args,),
+                world=args.nproc or default_nproc(args.device),
+                timeout=args.timeout,
+                device=args.device,
+            )
+    except WorkerFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted; workers stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
 def _first_failure(codes: list[int | None], failures: Any) -> str:
     reports = []
     while not failures.empty():

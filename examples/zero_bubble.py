@@ -398,28 +398,11 @@ def draw_timeline(
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     start = time.perf_counter()
-    try:
-        if pp.launched_by_torchrun():
-            pp.run_worker(demo_worker, (args,), args.device)
-        else:
-            pp.spawn(
-                demo_worker,
-                (args,),
-                world=args.nproc or pp.default_nproc(args.device),
-                timeout=args.timeout,
-                device=args.device,
-            )
-    except pp.WorkerFailed as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted; workers stopped", file=sys.stderr)
-        return 130
-    if int(os.environ.get("RANK", "0")) == 0:
+    status = pp.launch(demo_worker, parse_args(argv))
+    if status == 0 and int(os.environ.get("RANK", "0")) == 0:
         print(f"done in {time.perf_counter() - start:.1f} s")
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -43,14 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="local processes to spawn (default 2; with --device cuda, one per GPU up to 2)",
-    )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--timeout", type=float, default=500.0)
+    pp.add_launch_args(p, timeout=500.0)
     return p.parse_args(argv)
 
 

@@ -11,6 +11,7 @@ has its own GPU, else CPU with gloo.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import datetime
@@ -711,12 +712,23 @@ def spawn(
         failures.close()
 
 
-def launch(worker: Callable[..., None], args: Any) -> int:
+def add_launch_args(parser: argparse.ArgumentParser, timeout: float = 300.0) -> None:
+    """Add the options :func:`launch` reads: ``--nproc``, ``--device`` and ``--timeout``."""
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes to spawn (default 2; with --device cuda, one per GPU up to 2)",
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--timeout", type=float, default=timeout, help="seconds before giving up")
+
+
+def launch(worker: Callable[..., None], args: argparse.Namespace) -> int:
     """A script's ``main``: run ``worker(device, args)`` under torchrun or on local processes.
 
-    ``args`` (parsed command-line options) gives ``device``, ``nproc`` (None: see
-    :func:`default_nproc`) and ``timeout``. Returns the exit status: 0, 1 if a worker failed (reported on stderr),
-    130 on Ctrl-C.
+    ``args``: parsed command-line options, with those of :func:`add_launch_args`. Returns
+    the exit status: 0, 1 if a worker failed (reported on stderr), 130 on Ctrl-C.
     """
     try:
         if launched_by_torchrun():

@@ -68,16 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--batch", type=int, default=256, help="rows per step")
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="local processes to spawn (default 2; with --device cuda, one per GPU up to 2)",
-    )
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--no-plain", action="store_true", help="skip the autograd.Function run")
     p.add_argument("--out", type=Path, default=Path("out"))
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up")
+    pp.add_launch_args(p, timeout=300.0)
     p.add_argument("--check", action="store_true", help="tiny and fast: for CI")
     args = p.parse_args(argv)
     name = SHORT_NAMES.get(args.schedule.removeprefix("Schedule"))

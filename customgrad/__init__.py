@@ -7,11 +7,14 @@ it with no work done twice.
 """
 
 from customgrad._autograd import BackwardContext as BackwardContext
+from customgrad._errors import ArgumentTypeError as ArgumentTypeError
+from customgrad._errors import ArgumentValueError as ArgumentValueError
 from customgrad._errors import CustomGradError as CustomGradError
 from customgrad._errors import DefinitionError as DefinitionError
 from customgrad._errors import GradientTypeError as GradientTypeError
 from customgrad._errors import GradientValueError as GradientValueError
 from customgrad._errors import MissingRegistrationError as MissingRegistrationError
+from customgrad._errors import MutationError as MutationError
 from customgrad._op import BackwardFn as BackwardFn
 from customgrad._op import CustomOp as CustomOp
 from customgrad._op import SaveForBackwardFn as SaveForBackwardFn
@@ -20,6 +23,8 @@ from customgrad._op import op as op
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "BackwardContext",
     "BackwardFn",
     "CustomGradError",
@@ -28,6 +33,7 @@ __all__ = [
     "GradientTypeError",
     "GradientValueError",
     "MissingRegistrationError",
+    "MutationError",
     "SaveForBackwardFn",
     "op",
 ]

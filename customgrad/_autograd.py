@@ -649,6 +649,8 @@ def apply(op: CustomOp[..., Any], args: tuple[Any, ...], kernel: Any = FIND_KERN
         and (op._backward_input_fn is None or op._backward_weight_fn is None)
     ):
         raise MissingRegistrationError(op._missing_autograd_message())
+    if op._mutates:
+        op._check_mutated_no_grad(args)
     if sig.has_lists:
         lens, flat = _flatten_args(sig, args)
         call: list[Any] = [lens, None, kernel]

@@ -11,11 +11,14 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "CustomGradError",
     "DefinitionError",
     "GradientTypeError",
     "GradientValueError",
     "MissingRegistrationError",
+    "MutationError",
     "where",
 ]
 
@@ -38,6 +41,18 @@ class DefinitionError(CustomGradError, ValueError):
 
 class MissingRegistrationError(CustomGradError, RuntimeError):
     """An op was used in a way that needs a registration it does not have."""
+
+
+class ArgumentTypeError(CustomGradError, TypeError):
+    """A customgrad call got arguments of the wrong kind or number (e.g. an op call)."""
+
+
+class ArgumentValueError(CustomGradError, ValueError):
+    """A customgrad call got an argument with a wrong value (e.g. gradients that don't fit)."""
+
+
+class MutationError(CustomGradError, RuntimeError):
+    """An op would mutate in place an argument that requires grad."""
 
 
 def where(fn: Callable[..., Any] | None) -> str:

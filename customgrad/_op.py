@@ -9,7 +9,7 @@ import torch
 from typing_extensions import ParamSpec
 
 from customgrad import _autograd
-from customgrad._errors import DefinitionError, MissingRegistrationError, where
+from customgrad._errors import DefinitionError, MissingRegistrationError, MutationError, where
 from customgrad._signature import Signature, parse_name
 
 __all__ = [
@@ -206,7 +206,13 @@ class CustomOp(Generic[P, R]):
                 elif isinstance(a, (list, tuple)) and any(isinstance(t, _Tensor) for t in a):
                     return self._call_general(args)  # type: ignore[no-any-return]
             kernel = None
-            if exact and device is not None and not self._mutates and _plain_dispatch():
+            if (
+                exact
+                and device is not None
+                and device != "meta"
+                and not self._mutates
+                and _plain_dispatch()
+            ):
                 kernels = self._kernels
                 kernel = kernels.get(device) or kernels.get(None)
             if requires:
@@ -239,8 +245,6 @@ class CustomOp(Generic[P, R]):
     def _autograd_kernel(self, *args: Any, **kwargs: Any) -> Any:
         args = self._sig.normalize(args, kwargs)
         if torch.is_grad_enabled() and _any_requires_grad(args):
-            if self._mutates:
-                self._check_mutated_no_grad(args)
             return _autograd.apply(self, args)
         with torch._C._AutoDispatchBelowAutograd():
             return self._sig.call(self._opoverload, args)
@@ -267,7 +271,7 @@ class CustomOp(Generic[P, R]):
             a = args[self._sig.index[name]]
             items = a if isinstance(a, (list, tuple)) else [a]
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in items):
-                raise DefinitionError(
+                raise MutationError(
                     f"{self.name}: argument {name!r} is in mutates_args and requires grad; "
                     f"customgrad does not differentiate through in-place mutation. Pass "
                     f"{name}.detach() or a buffer that does not require grad. "
@@ -296,7 +300,7 @@ class CustomOp(Generic[P, R]):
                             return None
                         if device is None:
                             device = t.device.type
-        if device is None:
+        if device is None or device == "meta":  # meta tensors go to the fake kernel
             return None
         kernels = self._kernels
         return kernels.get(device) or kernels.get(None)

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from customgrad._errors import DefinitionError, where
+from customgrad._errors import ArgumentTypeError, DefinitionError, where
 
 __all__ = ["ArgKind", "ArgSpec", "Signature", "parse_name", "RESERVED_NAMESPACES"]
 
@@ -93,6 +93,7 @@ class Signature:
     ) -> None:
         parsed = torch._C.parse_schema("_cg_probe" + schema)
         self.qualname = qualname
+        self.schema = schema
         self.args: tuple[ArgSpec, ...] = tuple(
             ArgSpec(a.name, _arg_kind(a.type), bool(a.kwarg_only), str(a.type))
             for a in parsed.arguments
@@ -169,7 +170,7 @@ class Signature:
         try:
             bound = self.pysig.bind(*args, **kwargs)
         except TypeError as e:
-            raise TypeError(f"{self.qualname}: {e}") from None
+            raise ArgumentTypeError(f"{self.qualname}: {e}. The op takes {self.schema}.") from None
         bound.apply_defaults()
         return tuple(bound.arguments[n] for n in self.names)
 

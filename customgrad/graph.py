@@ -28,6 +28,7 @@ from typing import Any, Literal
 import torch
 from torch.autograd.graph import Node
 
+from customgrad._errors import ArgumentValueError
 from customgrad._flops import FlopCounter
 
 __all__ = ["NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
@@ -243,7 +244,7 @@ class SplitExplanation:
         path = Path(path)
         fmt = path.suffix.lower().lstrip(".")
         if fmt not in ("png", "svg"):
-            raise ValueError(
+            raise ArgumentValueError(
                 f"explain_split(...).draw({str(path)!r}): cannot tell the format from the "
                 f"suffix {path.suffix!r}. Use a path ending in .png or .svg."
             )
@@ -362,7 +363,7 @@ def _splitter(name: str | None) -> tuple[str, Any, Any]:
             if name == "customgrad":
                 raise
     if name not in (None, "torch"):
-        raise ValueError(
+        raise ArgumentValueError(
             f"explain_split: unknown splitter {name!r}. Use 'customgrad' or 'torch' (or None "
             f"for customgrad's when available)."
         )

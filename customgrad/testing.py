@@ -37,7 +37,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.gradcheck import GradcheckError
 
-from customgrad._errors import CustomGradError
+from customgrad._errors import ArgumentValueError, CustomGradError
 from customgrad._flops import FlopCounter
 from customgrad._op import CustomOp
 
@@ -232,7 +232,7 @@ def check_op(
     """
     unknown = [c for c in checks if c not in CHECKS]
     if unknown:
-        raise ValueError(
+        raise ArgumentValueError(
             f"check_op: unknown check {unknown[0]!r}. Checks: {', '.join(CHECKS)}."
         ) from None
     case = _Case(op, args, kwargs)

@@ -270,14 +270,35 @@ def test_mutated_argument_requiring_grad() -> None:
 
     add_.register_save_for_backward(lambda inputs, output: None)
     add_.register_backward(lambda ctx, saved: {})
+    msg = re.escape(
+        "argument 'buf' is in mutates_args and requires grad; customgrad does not differentiate "
+        "through in-place mutation. Pass buf.detach() or a buffer that does not require grad."
+    )
+    buf = torch.zeros(2, requires_grad=True)
+    with pytest.raises(cg.MutationError, match=msg):
+        add_.opoverload(buf, torch.ones(2))
+    with pytest.raises(cg.MutationError, match=msg):
+        add_(buf, torch.ones(2))
+    with pytest.raises(RuntimeError, match=msg):
+        add_(buf, torch.ones(2, requires_grad=True))
+    assert buf.detach().tolist() == [0.0, 0.0]
+
+
+def test_call_with_wrong_arguments() -> None:
+    op = linear_op()
+    x, w = torch.randn(2, 3), torch.randn(4, 3)
+    schema = "(Tensor x, Tensor weight, Tensor? bias=None, SymInt scale=1) -> Tensor"
     with pytest.raises(
-        cg.DefinitionError,
+        cg.ArgumentTypeError,
         match=re.escape(
-            "argument 'buf' is in mutates_args and requires grad; customgrad does not differentiate "
-            "through in-place mutation. Pass buf.detach() or a buffer that does not require grad."
+            f"{op.name}: missing a required argument: 'weight'. The op takes {schema}."
         ),
     ):
-        add_.opoverload(torch.zeros(2, requires_grad=True), torch.ones(2))
+        op(x)
+    with pytest.raises(
+        TypeError, match=re.escape(f"{op.name}: got an unexpected keyword argument 'bogus'.")
+    ):
+        op(x, w, bogus=1)
 
 
 # -- validation of returned gradients --------------------------------------------------------
@@ -534,7 +555,13 @@ def test_errors_are_the_matching_builtins() -> None:
     assert issubclass(cg.GradientValueError, ValueError)
     assert issubclass(cg.DefinitionError, ValueError)
     assert issubclass(cg.MissingRegistrationError, RuntimeError)
+    assert issubclass(cg.ArgumentTypeError, TypeError)
+    assert issubclass(cg.ArgumentValueError, ValueError)
+    assert issubclass(cg.MutationError, RuntimeError)
     for cls in (
+        cg.ArgumentTypeError,
+        cg.ArgumentValueError,
+        cg.MutationError,
         cg.GradientTypeError,
         cg.GradientValueError,
         cg.DefinitionError,

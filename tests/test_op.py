@@ -128,6 +128,25 @@ def test_attributes_schema_and_call_binding() -> None:
         op(x)
 
 
+def test_meta_tensors_go_to_the_fake_kernel_on_both_call_paths() -> None:
+    ran: list[str] = []
+
+    @cg.op(unique("needs_data"))
+    def needs_data(x: torch.Tensor) -> torch.Tensor:
+        ran.append("kernel")
+        return x * x.sum().item()
+
+    @needs_data.register_fake
+    def _(x):
+        ran.append("fake")
+        return torch.empty_like(x)
+
+    x = torch.empty(3, device="meta")
+    assert needs_data(x).device.type == "meta"
+    assert needs_data.opoverload(x).device.type == "meta"
+    assert ran == ["fake", "fake"]
+
+
 def test_op_as_function_call_and_device_kernels() -> None:
     calls: list[str] = []
 

@@ -27,6 +27,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad import _autograd
+from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad.pipelining._errors import SplitStateError
 from customgrad.pipelining._graph import analyse, grad_node
 
@@ -139,7 +140,7 @@ def stage_backward_input(
     for i, out in enumerate(stage_outputs_or_loss):
         if isinstance(out, GradientEdge):
             if output_grads is None:
-                raise ValueError(
+                raise ArgumentValueError(
                     f"stage_backward_input: output {i} is a GradientEdge, which requires "
                     "output gradients; pass output_grads."
                 )
@@ -253,12 +254,15 @@ def stage_backward_weight(
         retain_graph: keep the graph's buffers for another backward through it.
 
     Returns:
-        Each weight's ``.grad`` after W.
+        Each weight's ``.grad`` as it was when W started, as torch 2.13's
+        ``stage_backward_weight`` returns it: ``None`` for a weight without a gradient yet,
+        else the tensor W then accumulates into in place.
 
     Raises:
         SplitStateError: ``param_groups`` were already used, or came from somewhere else.
     """
     weight_list = [w for w in weights if isinstance(w, torch.Tensor)]
+    grads_before = tuple(w.grad for w in weight_list)
     state = _state_of(param_groups)
     state.done = True
     try:
@@ -281,7 +285,7 @@ def stage_backward_weight(
             torch.autograd.backward(roots, grad_tensors=values, retain_graph=retain_graph)
     finally:
         state.clear()
-    return tuple(w.grad for w in weight_list)
+    return grads_before
 
 
 def _run_groups(state: _SplitState, roots: list[GradientEdge], values: list[torch.Tensor]) -> None:
@@ -341,7 +345,7 @@ def _flatten_outputs(
         out, grad = stack.pop()
         if isinstance(out, GradientEdge):
             if grad is None:
-                raise ValueError(
+                raise ArgumentValueError(
                     "stage_backward: a GradientEdge output requires an output gradient."
                 )
             tensors.append(out)
@@ -350,7 +354,7 @@ def _flatten_outputs(
             if not out.requires_grad and out.grad_fn is None:
                 continue
             if not isinstance(grad, (torch.Tensor, type(None))):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"stage_backward: expected a Tensor or None gradient, got {type(grad).__name__}."
                 )
             tensors.append(out)
@@ -359,7 +363,7 @@ def _flatten_outputs(
             if grad is None:
                 continue
             if not isinstance(grad, (tuple, list)) or len(grad) != len(out):
-                raise ValueError(
+                raise ArgumentValueError(
                     f"stage_backward: gradients for a {type(out).__name__} of {len(out)} outputs "
                     f"must be a tuple or list of the same length, got {grad!r:.80}."
                 )
@@ -368,7 +372,7 @@ def _flatten_outputs(
             if grad is None:
                 continue
             if not isinstance(grad, dict) or set(grad) != set(out):
-                raise ValueError(
+                raise ArgumentValueError(
                     f"stage_backward: gradients for a dict of outputs must be a dict with keys "
                     f"{sorted(map(str, out))}, got {grad!r:.80}."
                 )

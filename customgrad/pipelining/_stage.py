@@ -15,6 +15,7 @@ import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
+from customgrad._errors import ArgumentValueError
 from customgrad.pipelining._backward import (
     _stage_backward,
     stage_backward,
@@ -55,7 +56,7 @@ class PipelineStage(_TorchPipelineStage):
     def __init__(self, *args: Any, queue: WeightGradQueue | None = None, **kwargs: Any) -> None:
         if queue is not None:
             if kwargs.get("dw_builder") is not None:
-                raise ValueError(
+                raise ArgumentValueError(
                     "customgrad.pipelining.PipelineStage: pass either queue= or dw_builder=, "
                     "not both (a queue brings its own dw_builder)."
                 )
@@ -123,7 +124,7 @@ class PipelineStage(_TorchPipelineStage):
             if backward_type == "weight":
                 grads = stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])
                 return grads, None
-            raise ValueError(f"Unknown backward type: {backward_type!r}")
+            raise ArgumentValueError(f"Unknown backward type: {backward_type!r}")
 
         submod = self.submod
         if isinstance(submod, DistributedDataParallel):

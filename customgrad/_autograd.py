@@ -100,8 +100,9 @@ class BackwardContext:
 
     Attributes:
         op: the :class:`~customgrad.CustomOp` whose backward runs.
-        phase: ``"full"`` when every argument that requires grad is needed now, ``"input"``
-            when only non-weight arguments are, ``"weight"`` when only weights are.
+        phase: ``"input"`` when the pass needs only non-weight arguments' gradients,
+            ``"weight"`` when it needs only weights', ``"full"`` otherwise (every argument that
+            requires grad is needed, or some of each kind are).
     """
 
     __slots__ = ("_needed", "op", "phase")
@@ -450,6 +451,7 @@ def _backward_general(ctx: Any, grads: tuple[Any, ...], target: Any) -> tuple[An
     # Which tensor arguments require grad, and which of those the engine needs now.
     requires: set[str] = set()
     needed: set[str] = set()
+    needed_items: set[int] = set()  # flat positions of list items the engine needs now
     if lens is None:
         slots = sig.flat_slots
         metas: dict[str, Meta] = dict(zip(sig.names, metas_flat))
@@ -486,7 +488,7 @@ def _backward_general(ctx: Any, grads: tuple[Any, ...], target: Any) -> tuple[An
                     requires.add(name)
                     if engine_needs(next_fns[edge_of[j]][0]):
                         needed.add(name)
-                        break
+                        needed_items.add(j)
 
     out_lens = ctx._cg_out_lens
     out_grads = grads if out_lens is None else _regroup_grads(sig, out_lens, grads)
@@ -514,9 +516,9 @@ def _backward_general(ctx: Any, grads: tuple[Any, ...], target: Any) -> tuple[An
         if n is None:
             if req[start + 2]:
                 flat_grads[start + 2] = g
-        elif g is not None:
+        elif g is not None:  # a list: only the items this pass needs
             for i, gi in enumerate(g):
-                if req[start + i + 2]:
+                if start + i in needed_items:
                     flat_grads[start + i + 2] = gi
     return tuple(flat_grads)
 

@@ -363,11 +363,13 @@ def test_ctx_phase_and_needs_input_grad_follow_the_running_pass() -> None:
     torch.autograd.grad(out.sum(), [h], retain_graph=True)
     torch.autograd.grad(out.sum(), [w, b], retain_graph=True)
     torch.autograd.grad(out.sum(), [w], retain_graph=True)
+    torch.autograd.grad(out.sum(), [h, w], retain_graph=True)
     out.sum().backward()
     assert seen == [
         ("input", True, False, False),
         ("weight", False, True, True),
         ("weight", False, True, False),
+        ("full", True, True, False),  # some of each kind: "full", with the flags exact
         ("full", True, True, True),
     ]
 

@@ -130,17 +130,8 @@ class BackwardContext:
         )
 
 
-def _meta(t: object) -> TensorMeta:
-    if isinstance(t, torch.Tensor):
-        return (t.shape, t.dtype, t.device)
-    return None
-
-
-def _flatten_args(
-    sig: Signature, args: tuple[Any, ...]
-) -> tuple[tuple[int, ...] | None, list[Any]]:
-    if not sig.has_lists:
-        return None, list(args)
+def _flatten_args(sig: Signature, args: tuple[Any, ...]) -> tuple[tuple[int, ...], list[Any]]:
+    """List arguments' items inline, with each list's length."""
     lens: list[int] = []
     flat: list[Any] = []
     for spec, a in zip(sig.args, args):

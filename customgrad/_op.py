@@ -76,7 +76,8 @@ Register a save_for_backward function and either one backward or the input/weigh
 
     @{var}.register_backward_weight          # gradients of {weights}
     def _(ctx, saved, grad):
-        ...
+        x, weight = saved
+        return {{"weight": grad.mT @ x}}
 
 (or @{var}.register_backward for a single backward returning every gradient).
 Call the op under torch.no_grad() or on inputs that don't require grad if you need no gradients.
@@ -189,8 +190,8 @@ class CustomOp(Generic[P, R]):
             # Dynamo records the OpOverload; its Autograd kernel below handles gradients.
             return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
         if not sig.has_lists:
-            # One pass over the arguments: does any require grad, and can the kernel be
-            # called directly (what _direct_kernel decides)?
+            # One pass over the arguments: does any require grad, and are they plain tensors
+            # on one device (for _kernel_on)?
             grad = _grad_enabled()
             requires = False
             exact = True
@@ -205,16 +206,7 @@ class CustomOp(Generic[P, R]):
                         device = a.device.type
                 elif isinstance(a, (list, tuple)) and any(isinstance(t, _Tensor) for t in a):
                     return self._call_general(args)  # type: ignore[no-any-return]
-            kernel = None
-            if (
-                exact
-                and device is not None
-                and device != "meta"
-                and not self._mutates
-                and _plain_dispatch()
-            ):
-                kernels = self._kernels
-                kernel = kernels.get(device) or kernels.get(None)
+            kernel = self._kernel_on(device) if exact else None
             if requires:
                 return _autograd.apply(self, args, kernel)  # type: ignore[no-any-return]
             if kernel is not None:
@@ -227,15 +219,8 @@ class CustomOp(Generic[P, R]):
 
     def _call_general(self, args: tuple[Any, ...]) -> Any:
         sig = self._sig
-        if torch.is_grad_enabled():
-            for a in args:
-                if isinstance(a, torch.Tensor):
-                    if a.requires_grad:
-                        return _autograd.apply(self, args)
-                elif isinstance(a, (list, tuple)) and any(
-                    isinstance(t, torch.Tensor) and t.requires_grad for t in a
-                ):
-                    return _autograd.apply(self, args)
+        if torch.is_grad_enabled() and _any_requires_grad(args):
+            return _autograd.apply(self, args)
         kernel = self._direct_kernel(args)
         if kernel is not None:
             return sig.call(kernel, args)
@@ -284,8 +269,6 @@ class CustomOp(Generic[P, R]):
         Used in eager mode below autograd: only for plain tensors on a device with a
         registered kernel, with no mode or transform active, and for ops that mutate nothing.
         """
-        if self._mutates or not _plain_dispatch():
-            return None
         device = None
         for a in args:
             if isinstance(a, torch.Tensor):
@@ -300,7 +283,15 @@ class CustomOp(Generic[P, R]):
                             return None
                         if device is None:
                             device = t.device.type
-        if device is None or device == "meta":  # meta tensors go to the fake kernel
+        return self._kernel_on(device)
+
+    def _kernel_on(self, device: str | None) -> Callable[..., Any] | None:
+        """The kernel for plain tensors on ``device``, or None when the dispatcher must run.
+
+        The dispatcher runs for ops that mutate, while a mode, transform or profiler is active,
+        and for meta tensors (they go to the fake kernel).
+        """
+        if device is None or device == "meta" or self._mutates or not _plain_dispatch():
             return None
         kernels = self._kernels
         return kernels.get(device) or kernels.get(None)

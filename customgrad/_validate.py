@@ -143,16 +143,7 @@ def collect_grads(
                 )
             for i, (g, m) in enumerate(zip(grad, meta)):
                 _check_tensor(sig, label, fn, name, i, g, m)
-        elif not (
-            grad is None
-            or (
-                type(grad) is torch.Tensor
-                and meta is not None
-                and grad.shape == meta[0]
-                and grad.dtype == meta[1]
-                and grad.device == meta[2]
-            )
-        ):
+        else:
             _check_tensor(sig, label, fn, name, None, grad, meta)
         if name in needed:
             out[name] = grad

@@ -7,17 +7,22 @@ it with no work done twice.
 """
 
 from customgrad._autograd import BackwardContext as BackwardContext
+from customgrad._autograd import SaveError as SaveError
 from customgrad._errors import ArgumentTypeError as ArgumentTypeError
 from customgrad._errors import ArgumentValueError as ArgumentValueError
 from customgrad._errors import CustomGradError as CustomGradError
 from customgrad._errors import DefinitionError as DefinitionError
 from customgrad._errors import GradientTypeError as GradientTypeError
 from customgrad._errors import GradientValueError as GradientValueError
+from customgrad._errors import KernelOutputError as KernelOutputError
 from customgrad._errors import MissingRegistrationError as MissingRegistrationError
 from customgrad._errors import MutationError as MutationError
+from customgrad._errors import UnsupportedError as UnsupportedError
 from customgrad._op import BackwardFn as BackwardFn
 from customgrad._op import CustomOp as CustomOp
+from customgrad._op import JvpFn as JvpFn
 from customgrad._op import SaveForBackwardFn as SaveForBackwardFn
+from customgrad._op import SharedFn as SharedFn
 from customgrad._op import op as op
 
 __version__ = "0.1.0"
@@ -32,8 +37,13 @@ __all__ = [
     "DefinitionError",
     "GradientTypeError",
     "GradientValueError",
+    "JvpFn",
+    "KernelOutputError",
     "MissingRegistrationError",
     "MutationError",
+    "SaveError",
     "SaveForBackwardFn",
+    "SharedFn",
+    "UnsupportedError",
     "op",
 ]

@@ -1,57 +1,55 @@
 """Autograd for customgrad ops: one ``torch.autograd.Function`` that knows which pass it is in.
 
-The node's backward asks the autograd engine which of its input edges the running graph task
-will use (``torch._C._will_engine_execute_node``). That is what lets torch's split backward
-(``stage_backward_input`` then ``stage_backward_weight``) run the input half of a customgrad op in
-the first pass and the weight half in the second, with nothing computed twice.
+The node's backward finds out which of its input edges the running pass uses: from the route a
+planned split backward installed (:mod:`customgrad._routing`), else by asking the autograd
+engine (``torch._C._will_engine_execute_node``). That is what lets a split backward (torch's
+``stage_backward_input`` then ``stage_backward_weight``, or customgrad's) run the input half of
+a customgrad op in the first pass and the weight half in the second, with nothing computed
+twice. Work both halves share is computed once and handed from the earlier pass to the later.
+
+This module depends on an op only through :class:`customgrad._rules.OpSpec`.
 """
 
 from __future__ import annotations
 
-import contextvars
+import contextlib
+import dataclasses
 import logging
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
+import torch.autograd.forward_ad as _fwad
 from torch.autograd.graph import GradientEdge
 
-from customgrad._errors import GradientValueError, MissingRegistrationError
+from customgrad._errors import (
+    GradientTypeError,
+    GradientValueError,
+    MissingRegistrationError,
+    MutationError,
+    UnsupportedError,
+    where,
+)
+from customgrad._record import NO_HANDOFF, NodeRecord, attach
+from customgrad._routing import current_tag, route_for
+from customgrad._rules import AutogradRules, Half, OpSpec
 from customgrad._signature import ArgKind, Signature
-from customgrad._validate import Meta, TensorMeta, collect_flat, collect_grads
-
-if TYPE_CHECKING:
-    from customgrad._op import CustomOp
+from customgrad._validate import HALF_NAMES, Meta, collect_grads, describe
 
 __all__ = [
-    "DEFER_RESOLVERS",
-    "FORWARD_TAG",
+    "AutogradImpl",
     "BackwardContext",
-    "DeferTarget",
+    "BackwardObserver",
+    "DeferredWork",
     "Phase",
-    "apply",
+    "SaveError",
     "engine_needs",
 ]
 
 log = logging.getLogger("customgrad")
 
 Phase = Literal["full", "input", "weight"]
-
-FORWARD_TAG: contextvars.ContextVar[object | None] = contextvars.ContextVar(
-    "customgrad_forward_tag", default=None
-)
-"""Read when a customgrad op runs forward and stored on its autograd node as ``node._cg_tag``."""
-
-
-class DeferTarget(Protocol):
-    """Where a customgrad op puts its weight-gradient work when a resolver asks it to."""
-
-    def defer(self, node: Any, run: Callable[[], None]) -> None: ...
-
-
-DEFER_RESOLVERS: list[Callable[[Any], DeferTarget | None]] = []
-"""Consulted by every customgrad backward; the first target returned gets the weight work."""
 
 _will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 _warned_no_engine_query = False
@@ -64,15 +62,28 @@ _functorch_active: Callable[[], bool] | None = getattr(
 _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
-_OPAQUE_LEAVES = (type(None), bool, int, float, str)
+_DelayedError: Any = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
 
-FIND_KERNEL: Any = object()
-"""Passed as ``apply``'s kernel when the caller has not looked for a direct kernel."""
+BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
+"""Called as ``observer(label, phase, ctx, result)`` after each registered backward function
+runs (``label``: ``"backward"``, ``"backward_input"``, ``"backward_weight"``,
+``"backward_shared"``, or ``"backward (traced input part)"`` and the like for an automatic
+split)."""
 
-# What ``node._cg_saved`` holds when ``save_for_backward`` returned something simple.
-_SAVED_NONE: Any = object()  # None
-_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
-_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
+
+class SaveError(GradientTypeError):
+    """``save_for_backward`` returned a value customgrad cannot keep safely."""
+
+
+MSG_HIDDEN_TENSORS = """\
+{op}: save_for_backward returned {what}, which holds Tensors customgrad cannot see. Tensors \
+must be saved through autograd (so in-place changes before backward are caught and no \
+reference cycle keeps outputs alive), which customgrad does for Tensors inside tuples, lists, \
+dicts and NamedTuples. Return those instead:
+
+    return inputs.x, inputs.weight, rstd            # or a dict / a NamedTuple
+
+(save_for_backward defined at {loc})"""
 
 
 def engine_needs(fn: Any) -> bool:
@@ -95,6 +106,40 @@ def engine_needs(fn: Any) -> bool:
         return True
 
 
+# --------------------------------------------------------------------------------------------
+# What a backward function sees
+
+
+class _Shared:
+    """``ctx.shared`` of one backward call: computed at most once, kept for a later pass."""
+
+    __slots__ = ("grads", "keep", "record", "saved", "value")
+
+    def __init__(self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], keep: bool):
+        self.record = record
+        self.saved = saved
+        self.grads = grads
+        self.keep = keep
+        self.value: Any = record.handoff
+
+    def get(self, ctx: BackwardContext) -> Any:
+        if self.value is NO_HANDOFF:
+            spec = self.record.op
+            fn = spec.rules.backward_shared
+            if fn is None:
+                raise MissingRegistrationError(
+                    f"{spec.name}: ctx.shared was read, but no shared work is registered. "
+                    f"Register the work both halves need:\n\n"
+                    f"    @{spec.name.split('::')[1]}.register_backward_shared\n"
+                    f"    def _(ctx, saved, grad):\n"
+                    f"        return grad @ saved.w_down      # read as ctx.shared\n"
+                )
+            self.value = _call_user(ctx, "shared", fn, self.saved, self.grads)
+            if self.keep:
+                self.record.handoff = self.value
+        return self.value
+
+
 class BackwardContext:
     """What a customgrad backward function is told about the running pass.
 
@@ -105,29 +150,683 @@ class BackwardContext:
             requires grad is needed, or some of each kind are).
     """
 
-    __slots__ = ("_needed", "op", "phase")
+    __slots__ = ("_needed", "_shared", "op", "phase")
 
     def __init__(
-        self, op: CustomOp[..., Any], phase: Phase, needed: set[str] | frozenset[str]
+        self,
+        op: Any,
+        phase: Phase,
+        needed: frozenset[str],
+        shared: _Shared | None = None,
     ) -> None:
         self.op = op
         self.phase: Phase = phase
         self._needed = needed
+        self._shared = shared
 
     def needs_input_grad(self, name: str) -> bool:
         """True if argument ``name`` requires grad and the engine will use its gradient now."""
-        if name not in self.op._sig.index:
+        if name not in self.op.signature.index:
             raise GradientValueError(
                 f"{self.op.name}: ctx.needs_input_grad({name!r}): no such argument. "
-                f"Arguments: {', '.join(self.op._sig.names)}."
+                f"Arguments: {', '.join(self.op.signature.names)}."
             )
         return name in self._needed
+
+    @property
+    def shared(self) -> Any:
+        """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
+        split, kept for the later one and freed after it."""
+        if self._shared is None:
+            raise MissingRegistrationError(
+                f"{self.op.name}: ctx.shared is only available inside the backward halves of "
+                f"an op with register_backward_shared."
+            )
+        return self._shared.get(self)
 
     def __repr__(self) -> str:
         return (
             f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
             f"needed={sorted(self._needed)})"
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Running the user's backward functions
+
+
+def _versions(saved: Any, grads: tuple[Any, ...]) -> list[tuple[str, torch.Tensor, int]]:
+    out = [(f"the gradient of output {i}", g, g._version) for i, g in enumerate(grads) if
+           type(g) is _Tensor]  # fmt: skip
+    if isinstance(saved, _Tensor):
+        out.append(("the saved tensor", saved, saved._version))
+    elif isinstance(saved, tuple):
+        out.extend((f"saved[{i}]", t, t._version) for i, t in enumerate(saved)
+                   if isinstance(t, _Tensor))  # fmt: skip
+    else:
+        for i, t in enumerate(optree.tree_leaves(saved, none_is_leaf=True)):
+            if isinstance(t, _Tensor):
+                out.append((f"saved tensor {i}", t, t._version))
+    return out
+
+
+def _call_user(
+    ctx: BackwardContext, half: Half, fn: Callable[..., Any], saved: Any, grads: tuple[Any, ...]
+) -> Any:
+    """Call one registered backward function; refuse in-place writes to grads or saved values."""
+    before = _versions(saved, grads)
+    spec: OpSpec = ctx.op
+    nondiff = half in spec.rules.nondifferentiable and torch.is_grad_enabled()
+    if nondiff:
+        with torch.no_grad():
+            result = fn(ctx, saved, *grads)
+    else:
+        result = fn(ctx, saved, *grads)
+    for what, t, version in before:
+        if t._version != version:
+            label = HALF_NAMES[half]
+            raise MutationError(
+                f"{spec.name}: {label} modified {what} in place (its version went from "
+                f"{version} to {t._version}). The other half of a split backward may still "
+                f"need it, and autograd may share it with other nodes. Compute out of place "
+                f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
+            )
+    if nondiff and any(_requires_grad(v) for v in (*grads, saved)):
+        result = _delay_error(spec, half, fn, result)
+    return result
+
+
+def _requires_grad(value: Any) -> bool:
+    if isinstance(value, _Tensor):
+        return value.requires_grad
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(t, _Tensor) and t.requires_grad for t in value)
+    return False
+
+
+def _delay_error(spec: OpSpec, half: Half, fn: Callable[..., Any], result: Any) -> Any:
+    """Make the gradients in ``result`` raise if anyone differentiates them (double backward)."""
+    if _DelayedError is None or not isinstance(result, dict):
+        return result
+    label = HALF_NAMES[half]
+    msg = (
+        f"{spec.name}: {label} was registered with differentiable=False, so its gradients "
+        f"cannot be differentiated again (double backward, gradient penalties). Register a "
+        f"differentiable {label}, written with differentiable torch ops. ({label} defined at "
+        f"{where(fn)})"
+    ).encode()
+    out: dict[Any, Any] = {}
+    for name, g in result.items():
+        if isinstance(g, _Tensor):
+            g = _DelayedError(msg, 1)(g)
+        elif isinstance(g, (list, tuple)):
+            g = [_DelayedError(msg, 1)(t) if isinstance(t, _Tensor) else t for t in g]
+        out[name] = g
+    return out
+
+
+class PassPlan(NamedTuple):
+    """What one backward call of a node computes, from which arguments require grad and which
+    the pass needs (argument names)."""
+
+    phase: Phase
+    needed: frozenset[str]
+    need_in: frozenset[str]
+    need_w: frozenset[str]
+    later_w: frozenset[str]
+    """Weights that require grad but that this pass does not compute (a later pass will, or a
+    route takes them)."""
+    later_in: frozenset[str]
+    """Non-weight arguments that require grad but that this pass does not compute."""
+
+
+def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> PassPlan:
+    need_w = needed & sig.weight_set
+    need_in = needed - sig.weight_set
+    if needed >= requires or (need_w and need_in):
+        phase: Phase = "full"
+    else:
+        phase = "weight" if need_w else "input"
+    later = requires - needed
+    return PassPlan(phase, needed, need_in, need_w, later & sig.weight_set, later - sig.weight_set)
+
+
+class AutogradImpl:
+    """The autograd of one op: applies its node in forward and runs its backward.
+
+    Args:
+        spec: the op (anything that satisfies :class:`~customgrad._rules.OpSpec`).
+    """
+
+    def __init__(self, spec: OpSpec) -> None:
+        self.spec = spec
+        sig = spec.signature
+        self._plans: dict[tuple[int, int], PassPlan] = {}
+        self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
+        self._ready_for: AutogradRules | None = None
+        self._has_inputs = bool(sig.input_names)
+        self._has_weights = bool(sig.weights)
+        self.observers: tuple[BackwardObserver, ...] = ()
+
+    @contextlib.contextmanager
+    def observing(self, observer: BackwardObserver) -> Iterator[None]:
+        """Call ``observer`` after each registered backward function of this op runs, inside
+        the block (see :data:`BackwardObserver`)."""
+        self.observers = (*self.observers, observer)
+        try:
+            yield
+        finally:
+            self.observers = tuple(o for o in self.observers if o is not observer)
+
+    # -- forward -------------------------------------------------------------------------------
+    def ready(self) -> bool:
+        """Whether the registrations are complete (cached per rules object)."""
+        rules = self.spec.rules
+        if rules is self._ready_for:
+            return True
+        if rules.missing(has_inputs=self._has_inputs, has_weights=self._has_weights):
+            return False
+        self._ready_for = rules
+        return True
+
+    def apply(self, args: tuple[Any, ...], kernel: Any, backward: bool = True) -> Any:
+        """Run the op under autograd with schema-ordered ``args``; return what the op returns.
+
+        ``kernel`` is the kernel to call directly, or None to call it through the dispatcher.
+        ``backward=False``: only forward-mode AD needs the node (nothing requires grad), so
+        the backward registrations may be missing.
+        """
+        if backward and not self.ready():
+            raise MissingRegistrationError(self.spec.missing_autograd_message())
+        sig = self.spec.signature
+        call = _Call(kernel)
+        if sig.has_lists:
+            lens, flat = _flatten_args(sig, args)
+            call.lens = lens
+            out = _Function_apply(self, call, *flat)
+        elif _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
+            out = _Function_apply(self, call, *args)
+        else:
+            # Function.apply without a functorch transform: unwrap dead wrappers, then apply.
+            unwrap = _unwrap_if_dead
+            out = _c_apply(self, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in args])
+        if sig.plain_output:
+            return out
+        if sig.output_is_tuple:
+            return _regroup(call.out_lens, out)
+        if sig.output_kinds[0] is ArgKind.TENSOR_LIST:
+            return list(out)
+        return out
+
+    def forward(self, call: _Call, flat: tuple[Any, ...]) -> Any:
+        spec = self.spec
+        sig = spec.signature
+        lens = call.lens
+        args = flat if lens is None else _unflatten_args(sig, lens, flat)
+        outputs, residuals = spec.run_kernel(args, call.kernel)
+        save = spec.rules.save
+        inputs = tuple.__new__(sig.inputs_type, args)
+        if save is None:
+            if any(isinstance(a, _Tensor) and a.requires_grad for a in flat):
+                # registrations changed since apply checked them
+                raise MissingRegistrationError(spec.missing_autograd_message())
+        elif sig.residuals_type is None:
+            call.saved = save(inputs, outputs)
+        else:
+            call.saved = save(inputs, outputs, tuple.__new__(sig.residuals_type, residuals))
+        if _fwad._current_level >= 0:
+            call.forward_ad = (inputs, outputs)
+        if sig.plain_output:
+            return outputs
+        outs = outputs if sig.output_is_tuple else (outputs,)
+        flat_out: list[Any] = []
+        out_lens: list[int | None] = []
+        for kind, o in zip(sig.output_kinds, outs):
+            if kind is ArgKind.TENSOR_LIST:
+                out_lens.append(len(o))
+                flat_out.extend(o)
+            else:
+                out_lens.append(None)
+                flat_out.append(o)
+        call.out_lens = out_lens
+        return tuple(flat_out) if (sig.output_is_tuple or out_lens[0] is not None) else outputs
+
+    def setup_context(self, ctx: Any, call: _Call, flat: Sequence[Any], output: Any) -> None:
+        sig = self.spec.signature
+        record = NodeRecord(
+            self,
+            [(a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat],
+            call.lens,
+            current_tag(),
+        )
+        if not sig.plain_output:
+            record.out_lens = call.out_lens
+            _mark_outputs(ctx, sig, call.out_lens, output)
+        _save(ctx, record, self.spec, call.saved)
+        call.saved = None
+        if call.forward_ad is not None:
+            record.forward_ad = call.forward_ad
+            call.forward_ad = None
+        attach(ctx, record)
+
+    # -- backward ------------------------------------------------------------------------------
+    def plan(self, requires_mask: int, needed_mask: int) -> PassPlan:
+        """The cached :class:`PassPlan` for argument bit masks (bit ``i``: argument ``i``)."""
+        key = (requires_mask, needed_mask)
+        plan = self._plans.get(key)
+        if plan is None:
+            names = self.spec.signature.names
+            requires = frozenset(n for i, n in enumerate(names) if requires_mask >> i & 1)
+            needed = frozenset(n for i, n in enumerate(names) if needed_mask >> i & 1)
+            plan = self._plans[key] = _pass_plan(self.spec.signature, requires, needed)
+        return plan
+
+    def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
+        """For each flat input position, the index of its argument."""
+        arg_of = self._arg_of.get(lens)
+        if arg_of is None:
+            out: list[int] = []
+            it = iter(lens or ())
+            for i, spec in enumerate(self.spec.signature.args):
+                out.extend([i] * (next(it) if spec.kind is ArgKind.TENSOR_LIST else 1))
+            arg_of = self._arg_of[lens] = tuple(out)
+        return arg_of
+
+    def compute(
+        self,
+        record: NodeRecord,
+        plan: PassPlan,
+        needed: frozenset[str],
+        saved: Any,
+        grads: tuple[Any, ...],
+        keep: bool,
+    ) -> dict[str, Any]:
+        """Run the registered backward for the gradients of ``needed`` and validate them.
+
+        ``keep``: a later pass of this node will compute the rest, so keep what the halves
+        share (``record.handoff``) for it; else the hand-off is freed.
+        """
+        spec = self.spec
+        sig = spec.signature
+        rules = spec.rules
+        metas = record.metas if record.lens is None else None
+        by_name = _metas_by_name(sig, record) if metas is None else None
+        phase = plan.phase if needed == plan.needed else _pass_plan(sig, needed, needed).phase
+        observers = self.observers
+        bwd = rules.backward
+        if bwd is not None:
+            split = self._auto_split(record, rules, saved, grads, plan)
+            if split is not None:
+                handoff = None if record.handoff is NO_HANDOFF else record.handoff
+                result, kept = split.run(saved, grads, needed, handoff, keep)
+                record.handoff = NO_HANDOFF if kept is None else kept
+                if observers:
+                    ctx = BackwardContext(spec, phase, needed)
+                    for o in observers:
+                        o(f"backward (traced {phase} part)", phase, ctx, result)
+                return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas,
+                                     by_name)  # fmt: skip
+            ctx = BackwardContext(spec, phase, needed)
+            result = _call_user(ctx, "full", bwd, saved, grads)
+            for o in observers:
+                o("backward", phase, ctx, result)
+            return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, by_name)
+        bwd_in, bwd_w = rules.backward_input, rules.backward_weight
+        need_in = needed - sig.weight_set
+        need_w = needed & sig.weight_set
+        shared = None
+        if rules.backward_shared is not None:
+            shared = _Shared(record, saved, grads, keep and bool(need_in) and not need_w)
+        ctx = BackwardContext(spec, phase, needed, shared)
+        grads_out: dict[str, Any] = {}
+        if need_in:
+            if bwd_in is None:
+                raise MissingRegistrationError(spec.missing_autograd_message())
+            result = _call_user(ctx, "input", bwd_in, saved, grads)
+            for o in observers:
+                o("backward_input", phase, ctx, result)
+            grads_out = collect_grads(sig, "input", bwd_in, result, sig.input_set, need_in, metas,
+                                      by_name)  # fmt: skip
+        if need_w:
+            if bwd_w is None:
+                raise MissingRegistrationError(spec.missing_autograd_message())
+            result = _call_user(ctx, "weight", bwd_w, saved, grads)
+            for o in observers:
+                o("backward_weight", phase, ctx, result)
+            got = collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas,
+                                by_name)  # fmt: skip
+            if grads_out:
+                grads_out.update(got)
+            else:
+                grads_out = got
+            record.handoff = NO_HANDOFF  # the later pass ran: free what was kept for it
+        if shared is not None and shared.value is not NO_HANDOFF and observers:
+            for o in observers:
+                o("backward_shared", phase, ctx, shared.value)
+        return grads_out
+
+    def _auto_split(
+        self,
+        record: NodeRecord,
+        rules: AutogradRules,
+        saved: Any,
+        grads: tuple[Any, ...],
+        plan: PassPlan,
+    ) -> Any:
+        """The node's automatic-split plan, or None to call the single backward as it is."""
+        auto = rules.auto
+        if auto is None:
+            return None
+        split = record.split
+        if split is None:
+            requires = plan.needed | plan.later_w | plan.later_in
+            spec = self.spec
+
+            def make_ctx(needed: frozenset[str]) -> BackwardContext:
+                return BackwardContext(spec, "full", needed)
+
+            split = auto.plan(make_ctx, saved, grads, requires)
+            record.split = split if split is not None else False
+        return split or None
+
+    def backward(self, node: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The node's backward: compute what the pass needs, hand over what the route defers."""
+        record: NodeRecord = node._cg
+        route = None if record.route is None else route_for(record)
+        flags = None if route is None else route.needed
+        metas = record.metas
+        lens = record.lens
+        arg_of = self.arg_of(lens)
+        req = node.needs_input_grad  # (impl, call, *flat)
+        next_fns = None
+        requires_mask = 0
+        needed_mask = 0
+        needed_items: set[int] | None = None if lens is None else set()
+        edge = 0
+        for j, m in enumerate(metas):
+            if m is None:
+                continue
+            if req[j + 2]:
+                bit = 1 << arg_of[j]
+                requires_mask |= bit
+                need = None if flags is None else flags[edge]
+                if need is None:
+                    if next_fns is None:
+                        next_fns = node.next_functions
+                    need = engine_needs(next_fns[edge][0])
+                if need:
+                    needed_mask |= bit
+                    if needed_items is not None:
+                        needed_items.add(j)
+            edge += 1
+        plan = self.plan(requires_mask, needed_mask)
+        target = None if route is None else route.defer
+        deferred = plan.later_w if target is not None else frozenset()
+        out: list[Any] = [None] * (len(metas) + 2)
+        if not plan.needed and not deferred:
+            return tuple(out)
+
+        saved = _restore(node, record)
+        out_lens = record.out_lens
+        out_grads = grads if out_lens is None else _regroup(out_lens, grads)
+        keep = bool(plan.later_w) and bool(plan.need_in)
+        result = (
+            self.compute(record, plan, plan.needed, saved, out_grads, keep) if plan.needed else {}
+        )
+        if deferred and target is not None:
+            target.defer(record, _deferred(self, node, record, plan, deferred, saved, out_grads))
+        if lens is None:
+            index = self.spec.signature.index
+            for name, g in result.items():
+                out[index[name] + 2] = g
+            return tuple(out)
+        slots = _slots(self.spec.signature, lens)
+        for name, g in result.items():
+            start, n = slots[name]
+            if n is None:
+                out[start + 2] = g
+            elif g is not None:  # a list: only the items this pass needs
+                for i, gi in enumerate(g):
+                    if start + i in needed_items:  # type: ignore[operator]
+                        out[start + i + 2] = gi
+        return tuple(out)
+
+    def jvp(self, ctx: Any, tangents: tuple[Any, ...]) -> Any:
+        record: NodeRecord = ctx._cg
+        spec = self.spec
+        sig = spec.signature
+        rule = spec.rules.jvp
+        kept, record.forward_ad = record.forward_ad, None
+        if rule is None:
+            raise MissingRegistrationError(
+                f"{spec.name}: forward-mode AD (torch.func.jvp, jacfwd, dual tensors) reached "
+                f"this op, which has no jvp rule. Register one (customgrad never differentiates "
+                f"the kernel behind your registered backward):\n\n"
+                f"    @{spec.name.split('::')[1]}.register_jvp\n"
+                f"    def _(inputs, output, tangents):     # tangents.x is None without one\n"
+                f"        return tangents.x * 2              # the output's tangent\n"
+            )
+        if kept is None:  # pragma: no cover - jvp without forward AD active at forward
+            raise UnsupportedError(f"{spec.name}: jvp called without a forward-AD forward.")
+        inputs, outputs = kept
+        flat = tangents[2:]
+        by_arg = flat if record.lens is None else _unflatten_args(sig, record.lens, flat)
+        result = rule(inputs, outputs, tuple.__new__(sig.inputs_type, by_arg))
+        return _check_tangents(spec, rule, outputs, result, record.out_lens)
+
+
+def _check_tangents(
+    spec: OpSpec, rule: Callable[..., Any], outputs: Any, result: Any, out_lens: Any
+) -> Any:
+    sig = spec.signature
+    outs = outputs if sig.output_is_tuple else (outputs,)
+    got = result if sig.output_is_tuple else (result,)
+    loc = f"(jvp defined at {where(rule)})"
+    if not isinstance(got, (tuple, list)) or len(got) != len(outs):
+        raise GradientTypeError(
+            f"{spec.name}: jvp returned {describe(result)}; return one tangent per output "
+            f"({len(outs)}), shaped like the output. {loc}"
+        )
+    flat: list[Any] = []
+    for i, (o, t) in enumerate(zip(outs, got)):
+        pairs = list(zip(o, t)) if isinstance(o, (list, tuple)) else [(o, t)]
+        if isinstance(o, (list, tuple)) and (not isinstance(t, (list, tuple)) or len(t) != len(o)):
+            raise GradientTypeError(
+                f"{spec.name}: jvp returned {describe(t)} as the tangent of output {i}, a list of "
+                f"{len(o)} tensors; return a list of the same length. {loc}"
+            )
+        for oi, ti in pairs:
+            if ti is not None and not (
+                isinstance(ti, _Tensor)
+                and ti.shape == oi.shape
+                and ti.dtype == oi.dtype
+                and ti.device == oi.device
+            ):
+                raise GradientValueError(
+                    f"{spec.name}: jvp returned {describe(ti)} as the tangent of output {i}, "
+                    f"but the output is {describe(oi)}. Return a tangent of the output's shape, "
+                    f"dtype and device (or None). {loc}"
+                )
+            flat.append(ti)
+    if sig.plain_output:
+        return flat[0]
+    return tuple(flat) if (sig.output_is_tuple or out_lens[0] is not None) else flat[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The autograd.Function
+
+
+class _Call:
+    """What one op call passes through ``Function.apply`` (the node's second input)."""
+
+    __slots__ = ("forward_ad", "kernel", "lens", "out_lens", "saved")
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.lens: tuple[int, ...] | None = None
+        self.out_lens: list[int | None] | None = None
+        self.saved: Any = None
+        self.forward_ad: Any = None
+
+
+class _CustomGradNode(torch.autograd.Function):
+    """The autograd node of every customgrad op call (ctx is the node)."""
+
+    @staticmethod
+    def forward(impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
+        return impl.forward(call, flat)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        impl: AutogradImpl = inputs[0]
+        impl.setup_context(ctx, inputs[1], inputs[2:], output)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        impl: AutogradImpl = ctx._cg.impl
+        return impl.backward(ctx, grads)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        impl: AutogradImpl = ctx._cg.impl
+        return impl.jvp(ctx, tangents)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
+        raise UnsupportedError(
+            f"{impl.spec.name}: torch.vmap over a customgrad op that takes part in autograd is "
+            f"not supported (customgrad has no batching rule for your kernel and backward). "
+            f"Call the op on the whole batch, or loop over the batch yourself."
+        )
+
+
+def _node_apply(node: Any, *grads: Any) -> Any:
+    """What the engine calls to run a customgrad node (``BackwardCFunction.apply``, inlined)."""
+    impl: AutogradImpl = node._cg.impl
+    return impl.backward(node, grads)
+
+
+# The engine runs a node by calling its ``apply``; torch's calls ``backward`` through two more
+# Python frames. The class is this Function's own node class, made by its metaclass.
+_CustomGradNode._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
+
+_Function_apply: Callable[..., Any] = _CustomGradNode.apply
+# What ``Function.apply`` ends in when no functorch transform is active.
+_c_apply: Callable[..., Any] = super(torch.autograd.Function, _CustomGradNode).apply
+
+
+def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
+    diff = sig.output_differentiability
+    if diff is None:
+        return
+    flat_out = output if isinstance(output, tuple) else (output,)
+    pos = 0
+    marked: list[torch.Tensor] = []
+    for d, n in zip(diff, out_lens):
+        k = 1 if n is None else n
+        if not d:
+            marked.extend(t for t in flat_out[pos : pos + k] if isinstance(t, _Tensor))
+        pos += k
+    if marked:
+        ctx.mark_non_differentiable(*marked)
+
+
+# --------------------------------------------------------------------------------------------
+# Saving and restoring what save_for_backward returned
+
+# What ``record.kept`` holds when ``save_for_backward`` returned something simple.
+_SAVED_NONE: Any = object()  # None
+_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
+_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
+_OPAQUE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
+    """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
+    if saved is None:
+        record.kept = _SAVED_NONE
+        return
+    kind = type(saved)
+    if kind is _Tensor or kind is _Parameter:
+        ctx.save_for_backward(saved)
+        record.kept = _SAVED_TENSOR
+        return
+    if kind is tuple:
+        for v in saved:
+            k = type(v)
+            if k is not _Tensor and k is not _Parameter:
+                break
+        else:  # a tuple of Tensors: saved_tensors as it is
+            ctx.save_for_backward(*saved)
+            record.kept = _SAVED_TENSORS
+            return
+        tensor_idx: list[int] = []
+        for i, v in enumerate(saved):
+            k = type(v)
+            if k is _Tensor or k is _Parameter:
+                tensor_idx.append(i)
+            elif k not in _OPAQUE_LEAVES:
+                break
+        else:  # a flat tuple of leaves: no pytree needed
+            leaves = list(saved)
+            if tensor_idx:
+                ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+                for i in tensor_idx:
+                    leaves[i] = None
+            record.kept = (leaves, None, tensor_idx)
+            return
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    tensor_idx = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Tensor):
+            tensor_idx.append(i)
+        elif not isinstance(leaf, _OPAQUE_LEAVES):
+            _check_opaque_leaf(spec, leaf)
+    if tensor_idx:
+        ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+        for i in tensor_idx:
+            leaves[i] = None
+    record.kept = (leaves, treespec, tensor_idx)
+
+
+def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
+    """Refuse a saved leaf that hides tensors from autograd (a dataclass, an object with Tensor
+    attributes)."""
+    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+        what = f"a dataclass ({type(leaf).__qualname__})"
+    else:
+        attrs = getattr(leaf, "__dict__", None)
+        values = list(attrs.values()) if isinstance(attrs, dict) else []
+        for name in getattr(type(leaf), "__slots__", ()):
+            values.append(getattr(leaf, name, None))
+        if not any(isinstance(v, _Tensor) for v in values):
+            return
+        what = f"a {type(leaf).__qualname__} object with Tensor attributes"
+    save = spec.rules.save
+    raise SaveError(MSG_HIDDEN_TENSORS.format(op=spec.name, what=what, loc=where(save)))
+
+
+def _restore(node: Any, record: NodeRecord) -> Any:
+    kept = record.kept
+    if kept is _SAVED_TENSORS:
+        return node.saved_tensors
+    if kept is _SAVED_TENSOR:
+        return node.saved_tensors[0]
+    if kept is _SAVED_NONE:
+        return None
+    leaves, treespec, tensor_idx = kept
+    if tensor_idx:
+        leaves = list(leaves)
+        for i, t in zip(tensor_idx, node.saved_tensors):
+            leaves[i] = t
+    if treespec is None:
+        return tuple(leaves)
+    return optree.tree_unflatten(treespec, leaves)
+
+
+# --------------------------------------------------------------------------------------------
+# Lists: flattening arguments and outputs
 
 
 def _flatten_args(sig: Signature, args: tuple[Any, ...]) -> tuple[tuple[int, ...], list[Any]]:
@@ -147,11 +846,10 @@ def _flatten_args(sig: Signature, args: tuple[Any, ...]) -> tuple[tuple[int, ...
 def _unflatten_args(sig: Signature, lens: tuple[int, ...], flat: Sequence[Any]) -> tuple[Any, ...]:
     out: list[Any] = []
     pos = 0
-    li = 0
+    it = iter(lens)
     for spec in sig.args:
         if spec.kind is ArgKind.TENSOR_LIST:
-            n = lens[li]
-            li += 1
+            n = next(it)
             out.append(list(flat[pos : pos + n]))
             pos += n
         else:
@@ -160,470 +858,78 @@ def _unflatten_args(sig: Signature, lens: tuple[int, ...], flat: Sequence[Any]) 
     return tuple(out)
 
 
-def _slots(sig: Signature, lens: tuple[int, ...] | None) -> dict[str, tuple[int, int | None]]:
+def _slots(sig: Signature, lens: tuple[int, ...]) -> dict[str, tuple[int, int | None]]:
     """Map each argument name to (first flat position, list length or None)."""
-    if lens is None:
-        return sig.flat_slots
     slots: dict[str, tuple[int, int | None]] = {}
     pos = 0
-    li = 0
+    it = iter(lens)
     for spec in sig.args:
         if spec.kind is ArgKind.TENSOR_LIST:
-            slots[spec.name] = (pos, lens[li])
-            pos += lens[li]
-            li += 1
+            n = next(it)
+            slots[spec.name] = (pos, n)
+            pos += n
         else:
             slots[spec.name] = (pos, None)
             pos += 1
     return slots
 
 
-class _CustomGradFunction(torch.autograd.Function):
-    """The autograd node of every customgrad op call (ctx is the node)."""
-
-    @staticmethod
-    def forward(ctx: Any, op: CustomOp[..., Any], call: list[Any], *flat: Any) -> Any:
-        sig = op._sig
-        lens: tuple[int, ...] | None = call[0]
-        args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        kernel = call[2]
-        if kernel is FIND_KERNEL:
-            kernel = op._direct_kernel(args)
-        if kernel is None:
-            with torch._C._AutoDispatchBelowAutograd():
-                out = sig.call(op._opoverload, args)
-        elif sig.kwonly_names:
-            out = sig.call(kernel, args)
-        else:
-            out = kernel(*args)
-        save_fn = op._save_fn
-        if save_fn is None:  # registrations changed between the check and here
-            raise MissingRegistrationError(op._missing_autograd_message())
-        saved = save_fn(tuple.__new__(sig.inputs_type, args), out)
-        _save(ctx, saved)
-        ctx._cg_op = op
-        if lens is not None:
-            ctx._cg_lens = lens
-        ctx._cg_meta = [
-            (a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat
-        ]
-        tag = FORWARD_TAG.get()
-        if tag is not None:
-            ctx._cg_tag = tag
-        if sig.plain_output:
-            return out
-
-        if sig.output_is_tuple or sig.output_kinds[0] is ArgKind.TENSOR_LIST:
-            outs = out if sig.output_is_tuple else (out,)
-            flat_out: list[torch.Tensor] = []
-            out_lens: list[int | None] = []
-            for kind, o in zip(sig.output_kinds, outs):
-                if kind is ArgKind.TENSOR_LIST:
-                    out_lens.append(len(o))
-                    flat_out.extend(o)
-                else:
-                    out_lens.append(None)
-                    flat_out.append(o)
-            ctx._cg_out_lens = out_lens
-            call[1] = out_lens
-            _mark_outputs(ctx, sig, out_lens, flat_out)
-            return tuple(flat_out)
-        if sig.output_differentiability is not None and not sig.output_differentiability[0]:
-            ctx.mark_non_differentiable(out)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        return _backward(ctx, grads)
+def _metas_by_name(sig: Signature, record: NodeRecord) -> dict[str, Meta]:
+    metas: dict[str, Meta] = {}
+    assert record.lens is not None
+    for name, (start, n) in _slots(sig, record.lens).items():
+        if sig.args[sig.index[name]].is_tensor:
+            m = record.metas
+            metas[name] = m[start] if n is None else list(m[start : start + n])
+    return metas
 
 
-def _node_apply(node: Any, *grads: Any) -> Any:
-    """What the engine calls to run a customgrad node (``BackwardCFunction.apply``, inlined)."""
-    return _backward(node, grads)
-
-
-# Node attributes that are None unless the forward sets them (one store less per call).
-_node_cls: Any = _CustomGradFunction._backward_cls
-_node_cls._cg_lens = None
-_node_cls._cg_tag = None
-_node_cls._cg_out_lens = None
-
-# The engine runs a node by calling its ``apply``; torch's calls ``backward`` through two more
-# Python frames. The class is this Function's own node class, made by its metaclass.
-_node_cls.apply = _node_apply
-
-_Function_apply: Callable[..., Any] = _CustomGradFunction.apply
-# What ``Function.apply`` ends in when no functorch transform is active.
-_c_apply: Callable[..., Any] = super(torch.autograd.Function, _CustomGradFunction).apply
-
-
-def _save(ctx: Any, saved: Any) -> None:
-    """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
-    if saved is None:
-        ctx._cg_saved = _SAVED_NONE
-        return
-    kind = type(saved)
-    if kind is _Tensor or kind is _Parameter:
-        ctx.save_for_backward(saved)
-        ctx._cg_saved = _SAVED_TENSOR
-        return
-    if kind is tuple:
-        for v in saved:
-            k = type(v)
-            if k is not _Tensor and k is not _Parameter:
-                break
-        else:  # a tuple of Tensors: saved_tensors as it is
-            ctx.save_for_backward(*saved)
-            ctx._cg_saved = _SAVED_TENSORS
-            return
-        tensor_idx: list[int] = []
-        for i, v in enumerate(saved):
-            k = type(v)
-            if k is _Tensor or k is _Parameter:
-                tensor_idx.append(i)
-            elif k not in _OPAQUE_LEAVES:
-                break
-        else:  # a flat tuple of leaves: no pytree needed
-            leaves = list(saved)
-            if tensor_idx:
-                ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-                for i in tensor_idx:
-                    leaves[i] = None
-            ctx._cg_saved = (leaves, None, tensor_idx)
-            return
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-    tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    if tensor_idx:
-        ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-        for i in tensor_idx:
-            leaves[i] = None
-    ctx._cg_saved = (leaves, treespec, tensor_idx)
-
-
-def _mark_outputs(
-    ctx: Any, sig: Signature, out_lens: list[int | None], flat_out: list[torch.Tensor]
-) -> None:
-    diff = sig.output_differentiability
-    if diff is None:
-        return
-    pos = 0
-    marked: list[torch.Tensor] = []
-    for d, n in zip(diff, out_lens):
-        k = 1 if n is None else n
-        if not d:
-            marked.extend(flat_out[pos : pos + k])
-        pos += k
-    if marked:
-        ctx.mark_non_differentiable(*marked)
-
-
-def _regroup_grads(
-    sig: Signature, out_lens: list[int | None] | None, grads: tuple[Any, ...]
-) -> Any:
-    if out_lens is None:
-        return grads
+def _regroup(out_lens: list[int | None] | None, flat: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Group a node's flat outputs (or their gradients) back into the op's outputs."""
+    if out_lens is None or all(n is None for n in out_lens):
+        return tuple(flat)
     out: list[Any] = []
     pos = 0
     for n in out_lens:
         if n is None:
-            out.append(grads[pos])
+            out.append(flat[pos])
             pos += 1
         else:
-            out.append(list(grads[pos : pos + n]))
+            out.append(list(flat[pos : pos + n]))
             pos += n
     return tuple(out)
 
 
-def _restore_saved(ctx: Any) -> Any:
-    kept = ctx._cg_saved
-    if kept is _SAVED_TENSORS:
-        return ctx.saved_tensors
-    if kept is _SAVED_TENSOR:
-        return ctx.saved_tensors[0]
-    if kept is _SAVED_NONE:
-        return None
-    leaves, treespec, tensor_idx = kept
-    if tensor_idx:
-        leaves = list(leaves)
-        for i, t in zip(tensor_idx, ctx.saved_tensors):
-            leaves[i] = t
-    if treespec is None:
-        return tuple(leaves)
-    return optree.tree_unflatten(treespec, leaves)
-
-
-_NO_TARGET: Any = object()
-
-
-def _backward(ctx: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-    op: CustomOp[..., Any] = ctx._cg_op
-    sig = op._sig
-    will_execute = _will_execute
-    if not sig.flat_node or will_execute is None:
-        return _backward_general(ctx, grads, _NO_TARGET)
-    if DEFER_RESOLVERS:
-        target = _resolve_defer(ctx)
-        if target is not None:
-            return _backward_general(ctx, grads, target)
-
-    # No list arguments or outputs: one bit pair per argument (requires grad, needed now)
-    # indexes a cached plan of the pass.
-    metas: list[TensorMeta] = ctx._cg_meta
-    req = ctx.needs_input_grad  # (op, call, *args)
-    next_fns = None
-    mask = 0
-    bit = 1
-    edge = 0
-    for m, r in zip(metas, req[2:]):
-        if m is not None:
-            if r:
-                if next_fns is None:
-                    next_fns = ctx.next_functions
-                try:
-                    mask |= bit * 3 if will_execute(next_fns[edge][0]) else bit
-                except Exception:  # a leaf captured by autograd.grad: needed
-                    mask |= bit * 3
-            edge += 1
-        bit <<= 2
-    plan = sig.backward_plans.get(mask)
-    if plan is None:
-        plan = _plan(sig, mask)
-    phase, needed, need_in, need_w = plan
-    out: list[Any] = [None] * (len(metas) + 2)
-    if not needed:
-        return tuple(out)
-
-    kept = ctx._cg_saved
-    saved = ctx.saved_tensors if kept is _SAVED_TENSORS else _restore_saved(ctx)
-    bwd = op._backward_fn
-    if bwd is not None:
-        result = bwd(BackwardContext(op, phase, needed), saved, *grads)
-        collect_flat(sig, "full", bwd, result, sig.tensor_set, needed, metas, out)
-        return tuple(out)
-    bwd_in, bwd_w = op._backward_input_fn, op._backward_weight_fn
-    if bwd_in is None or bwd_w is None:
-        raise MissingRegistrationError(op._missing_autograd_message())
-    bctx = BackwardContext(op, phase, needed)
-    if need_in:
-        result = bwd_in(bctx, saved, *grads)
-        collect_flat(sig, "input", bwd_in, result, sig.input_set, need_in, metas, out)
-    if need_w:
-        result = bwd_w(bctx, saved, *grads)
-        collect_flat(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas, out)
-    return tuple(out)
-
-
-def _plan(
-    sig: Signature, mask: int
-) -> tuple[Phase, frozenset[str], frozenset[str], frozenset[str]]:
-    """``(phase, needed, needed inputs, needed weights)`` for one (requires, needed) mask."""
-    requires = frozenset(n for i, n in enumerate(sig.names) if mask >> (2 * i) & 1)
-    needed = frozenset(n for i, n in enumerate(sig.names) if mask >> (2 * i + 1) & 1)
-    need_w = needed & sig.weight_set
-    need_in = needed - sig.weight_set
-    if needed >= requires or (need_w and need_in):
-        phase: Phase = "full"
-    else:
-        phase = "weight" if need_w else "input"
-    plan = (phase, needed, need_in, need_w)
-    sig.backward_plans[mask] = plan
-    return plan
-
-
-def _backward_general(ctx: Any, grads: tuple[Any, ...], target: Any) -> tuple[Any, ...]:
-    """Any op: list arguments and outputs, deferred weight work, no engine query."""
-    op: CustomOp[..., Any] = ctx._cg_op
-    sig = op._sig
-    lens = ctx._cg_lens
-    metas_flat: list[TensorMeta] = ctx._cg_meta
-    req = ctx.needs_input_grad  # (op, call, *flat)
-    next_fns = ctx.next_functions
-
-    # Which tensor arguments require grad, and which of those the engine needs now.
-    requires: set[str] = set()
-    needed: set[str] = set()
-    needed_items: set[int] = set()  # flat positions of list items the engine needs now
-    if lens is None:
-        slots = sig.flat_slots
-        metas: dict[str, Meta] = dict(zip(sig.names, metas_flat))
-        edge = 0
-        will_execute = _will_execute
-        for name, m, r in zip(sig.names, metas_flat, req[2:]):
-            if m is None:
-                continue
-            if r:
-                requires.add(name)
-                if will_execute is None:
-                    engine_needs(None)  # warns once that the split falls back to full work
-                    needed.add(name)
-                else:
-                    try:
-                        if will_execute(next_fns[edge][0]):
-                            needed.add(name)
-                    except Exception:  # a leaf captured by autograd.grad: needed
-                        needed.add(name)
-            edge += 1
-    else:
-        slots = _slots(sig, lens)
-        metas = _metas_by_name(sig, slots, metas_flat)
-        edge_of: list[int] = []
-        edge = 0
-        for m in metas_flat:
-            edge_of.append(edge)
-            if m is not None:
-                edge += 1
-        for name in sig.tensor_names:
-            start, n = slots[name]
-            for j in range(start, start + (1 if n is None else n)):
-                if req[j + 2]:
-                    requires.add(name)
-                    if engine_needs(next_fns[edge_of[j]][0]):
-                        needed.add(name)
-                        needed_items.add(j)
-
-    out_lens = ctx._cg_out_lens
-    out_grads = grads if out_lens is None else _regroup_grads(sig, out_lens, grads)
-    result: dict[str, Any] = {}
-    if target is _NO_TARGET:
-        target = _resolve_defer(ctx) if DEFER_RESOLVERS else None
-    deferred = requires & sig.weight_set if target is not None else set()
-    if deferred:
-        needed -= deferred
-    if needed or deferred:
-        saved = _restore_saved(ctx)
-        if needed:
-            result = _run_halves(op, requires, needed, saved, out_grads, metas)
-        if deferred and target is not None:
-            target.defer(
-                ctx, _deferred_runner(ctx, op, requires, deferred, saved, out_grads, metas)
-            )
-
-    if lens is None:
-        get = result.get
-        return (None, None, *[get(n) if r else None for n, r in zip(sig.names, req[2:])])
-    flat_grads: list[Any] = [None] * (len(metas_flat) + 2)
-    for name, g in result.items():
-        start, n = slots[name]
-        if n is None:
-            if req[start + 2]:
-                flat_grads[start + 2] = g
-        elif g is not None:  # a list: only the items this pass needs
-            for i, gi in enumerate(g):
-                if start + i in needed_items:
-                    flat_grads[start + i + 2] = gi
-    return tuple(flat_grads)
-
-
-def _metas_by_name(
-    sig: Signature, slots: dict[str, tuple[int, int | None]], metas_flat: list[TensorMeta]
-) -> dict[str, Meta]:
-    metas: dict[str, Meta] = {}
-    for name in sig.tensor_names:
-        start, n = slots[name]
-        metas[name] = metas_flat[start] if n is None else list(metas_flat[start : start + n])
-    return metas
-
-
-def _run_halves(
-    op: CustomOp[..., Any],
-    requires: set[str] | frozenset[str],
-    needed: set[str] | frozenset[str],
-    saved: Any,
-    out_grads: tuple[Any, ...],
-    metas: dict[str, Meta],
-) -> dict[str, Any]:
-    sig = op._sig
-    weights = sig.weight_set
-    need_w = needed & weights
-    need_in = needed - weights
-    if needed >= requires or (need_w and need_in):
-        phase: Phase = "full"
-    else:
-        phase = "weight" if need_w else "input"
-    bwd = op._backward_fn
-    if bwd is not None:
-        ctx = BackwardContext(op, phase, needed)
-        result = bwd(ctx, saved, *out_grads)
-        return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas)
-    bwd_in, bwd_w = op._backward_input_fn, op._backward_weight_fn
-    if bwd_in is None or bwd_w is None:
-        raise MissingRegistrationError(op._missing_autograd_message())
-    ctx = BackwardContext(op, phase, needed)
-    if need_in:
-        result = bwd_in(ctx, saved, *out_grads)
-        grads = collect_grads(sig, "input", bwd_in, result, sig.input_set, need_in, metas)
-        if need_w:
-            result = bwd_w(ctx, saved, *out_grads)
-            grads.update(collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas))
-        return grads
-    result = bwd_w(ctx, saved, *out_grads)
-    return collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas)
-
-
-def _resolve_defer(node: Any) -> DeferTarget | None:
-    for resolve in DEFER_RESOLVERS:
-        target = resolve(node)
-        if target is not None:
-            return target
-    return None
-
-
-def _deferred_runner(
-    node: Any,
-    op: CustomOp[..., Any],
-    requires: set[str],
-    weights: set[str],
-    saved: Any,
-    out_grads: tuple[Any, ...],
-    metas: dict[str, Meta],
-) -> DeferredWork:
-    """Weight work for later: compute the weight half, then send it along the weight edges."""
-    sig = op._sig
-    slots = _slots(sig, node._cg_lens)
-    edge_of: list[int] = []
-    e = 0
-    for m in node._cg_meta:
-        edge_of.append(e)
-        if m is not None:
-            e += 1
-    edges: list[tuple[str, int | None, Any, int]] = []
-    req = node.needs_input_grad
-    for name in sorted(weights, key=sig.index.__getitem__):
-        start, n = slots[name]
-        for i in range(1 if n is None else n):
-            j = start + i
-            if req[j + 2]:
-                fn, idx = node.next_functions[edge_of[j]]
-                edges.append((name, None if n is None else i, fn, idx))
-
-    def gradients() -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        grads = _run_halves(op, requires, weights, saved, out_grads, metas)
-        roots: list[GradientEdge] = []
-        values: list[torch.Tensor] = []
-        for name, i, fn, idx in edges:
-            g = grads.get(name)
-            if i is not None and g is not None:
-                g = g[i]
-            if g is not None and fn is not None:
-                roots.append(GradientEdge(fn, idx))
-                values.append(g)
-        return roots, values
-
-    return DeferredWork(gradients)
+# --------------------------------------------------------------------------------------------
+# Deferred weight work
 
 
 class DeferredWork:
-    """A customgrad op's deferred weight half, as handed to :meth:`DeferTarget.defer`.
+    """A customgrad node's deferred weight half, as handed to a route's ``defer`` target.
 
-    Calling it computes the weight gradients and sends them along the op's weight edges through
-    the engine; :meth:`gradients` only computes them, so that a caller can send the work of many
-    ops in one engine call (one accumulation per weight, as in a full backward).
+    :meth:`gradients` computes the weight gradients and returns them with the edges they go
+    along, so that a caller can send the work of many nodes through the engine in one call (one
+    accumulation per weight, as in a full backward); calling the object does both.
+
+    Attributes:
+        record: the node's record.
+        device: the device of the node's first tensor input (for stream handling).
     """
 
-    __slots__ = ("gradients",)
+    __slots__ = ("_compute", "device", "record")
 
-    def __init__(self, gradients: Callable[[], tuple[list[GradientEdge], list[torch.Tensor]]]):
-        self.gradients = gradients
+    def __init__(
+        self,
+        record: NodeRecord,
+        compute: Callable[[], tuple[list[GradientEdge], list[torch.Tensor]]],
+    ) -> None:
+        self.record = record
+        self._compute = compute
+        self.device = next((m[2] for m in record.metas if m is not None), torch.device("cpu"))
+
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """Compute the weight gradients; return ``(edges, gradients)`` to send through autograd."""
+        return self._compute()
 
     def __call__(self) -> None:
         roots, values = self.gradients()
@@ -631,43 +937,53 @@ class DeferredWork:
             torch.autograd.backward(roots, grad_tensors=values)
 
 
-def apply(op: CustomOp[..., Any], args: tuple[Any, ...], kernel: Any = FIND_KERNEL) -> Any:
-    """Run ``op`` under autograd with schema-ordered ``args``; return what the op returns.
+def _deferred(
+    impl: AutogradImpl,
+    node: Any,
+    record: NodeRecord,
+    plan: PassPlan,
+    weights: frozenset[str],
+    saved: Any,
+    grads: tuple[Any, ...],
+) -> DeferredWork:
+    """The weight half for later: compute it, then send it along the weight edges."""
+    sig = impl.spec.signature
+    slots = _slots(sig, record.lens) if record.lens is not None else None
+    edge_of: list[int] = []
+    e = 0
+    for m in record.metas:
+        edge_of.append(e)
+        if m is not None:
+            e += 1
+    req = node.needs_input_grad
+    next_fns = node.next_functions
+    edges: list[tuple[str, int | None, Any, int]] = []
+    for name in sorted(weights, key=sig.index.__getitem__):
+        start, n = (sig.index[name], None) if slots is None else slots[name]
+        for i in range(1 if n is None else n):
+            j = start + i
+            if req[j + 2]:
+                fn, idx = next_fns[edge_of[j]]
+                edges.append((name, None if n is None else i, fn, idx))
+    later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
 
-    ``kernel`` is what ``op._direct_kernel(args)`` gives, when the caller already knows it.
-    """
-    sig = op._sig
-    if op._save_fn is None or (
-        op._backward_fn is None
-        and (op._backward_input_fn is None or op._backward_weight_fn is None)
-    ):
-        raise MissingRegistrationError(op._missing_autograd_message())
-    if op._mutates:
-        op._check_mutated_no_grad(args)
-    if sig.has_lists:
-        lens, flat = _flatten_args(sig, args)
-        call: list[Any] = [lens, None, kernel]
-        out = _CustomGradFunction.apply(op, call, *flat)  # type: ignore[no-untyped-call]
-    else:
-        call = [None, None, kernel]
-        if _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
-            out = _Function_apply(op, call, *args)
-        else:
-            # Function.apply without a functorch transform: unwrap dead wrappers, then apply.
-            unwrap = _unwrap_if_dead
-            out = _c_apply(op, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in args])
-        if sig.plain_output:
-            return out
-    if sig.output_is_tuple:
-        return _regroup_outputs(sig, out, call[1])
-    if sig.output_kinds[0] is ArgKind.TENSOR_LIST:
-        return list(out)
-    return out
+    def compute() -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        found = impl.compute(record, later, weights, saved, grads, keep=False)
+        roots: list[GradientEdge] = []
+        values: list[torch.Tensor] = []
+        for name, i, fn, idx in edges:
+            g = found.get(name)
+            if i is not None and g is not None:
+                g = g[i]
+            if g is not None and fn is not None:
+                roots.append(GradientEdge(fn, idx))
+                values.append(g)
+        return roots, values
+
+    return DeferredWork(record, compute)
 
 
-def _regroup_outputs(
-    sig: Signature, flat: tuple[torch.Tensor, ...], out_lens: list[int | None] | None
-) -> tuple[Any, ...]:
-    if out_lens is None or all(n is None for n in out_lens):
-        return tuple(flat)
-    return tuple(_regroup_grads(sig, out_lens, flat))
+def _masks(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> tuple[int, int]:
+    req = sum(1 << i for i, n in enumerate(sig.names) if n in requires)
+    need = sum(1 << i for i, n in enumerate(sig.names) if n in needed)
+    return req, need

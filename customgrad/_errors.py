@@ -6,6 +6,7 @@ builtin that fits, so ``except TypeError`` and ``except customgrad.CustomGradErr
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -17,8 +18,10 @@ __all__ = [
     "DefinitionError",
     "GradientTypeError",
     "GradientValueError",
+    "KernelOutputError",
     "MissingRegistrationError",
     "MutationError",
+    "UnsupportedError",
     "where",
 ]
 
@@ -36,7 +39,7 @@ class GradientValueError(CustomGradError, ValueError):
 
 
 class DefinitionError(CustomGradError, ValueError):
-    """An op definition is invalid: its name, its ``weights`` or its annotations."""
+    """An op definition is invalid: its name, its ``weights``, its annotations or a registration."""
 
 
 class MissingRegistrationError(CustomGradError, RuntimeError):
@@ -52,15 +55,29 @@ class ArgumentValueError(CustomGradError, ValueError):
 
 
 class MutationError(CustomGradError, RuntimeError):
-    """An op would mutate in place an argument that requires grad."""
+    """Something was modified in place that must not be: a mutated argument that requires grad,
+    or a gradient or saved tensor written to by a backward."""
+
+
+class KernelOutputError(CustomGradError, RuntimeError):
+    """A kernel returned something its schema does not allow (None, an input, an alias)."""
+
+
+class UnsupportedError(CustomGradError, RuntimeError):
+    """A transform or feature customgrad ops do not support (e.g. ``torch.vmap``)."""
 
 
 def where(fn: Callable[..., Any] | None) -> str:
-    """Return ``file.py:line`` where ``fn`` was defined, for error messages."""
+    """Return ``file.py:line`` where ``fn`` was defined, for error messages.
+
+    Builtins and other callables without Python source give their qualified name.
+    """
     if fn is None:
         return "<unknown>"
-    fn = inspect.unwrap(fn)
+    with contextlib.suppress(ValueError):  # a wrapper cycle
+        fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
     if code is None:
-        return getattr(fn, "__qualname__", repr(fn))
+        name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+        return str(name) if name else repr(fn)
     return f"{code.co_filename}:{code.co_firstlineno}"

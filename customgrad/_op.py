@@ -2,22 +2,34 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
+import torch.autograd.forward_ad as _fwad
 from typing_extensions import ParamSpec
 
-from customgrad import _autograd
-from customgrad._errors import DefinitionError, MissingRegistrationError, MutationError, where
-from customgrad._signature import Signature, parse_name
+from customgrad._autograd import AutogradImpl
+from customgrad._errors import (
+    DefinitionError,
+    KernelOutputError,
+    MissingRegistrationError,
+    MutationError,
+    where,
+)
+from customgrad._rules import (
+    AutogradRules,
+    BackwardFn,
+    Half,
+    JvpFn,
+    SaveForBackwardFn,
+    SharedFn,
+    SplitMode,
+)
+from customgrad._signature import ArgKind, Signature, make_schema, parse_name
 
-__all__ = [
-    "BackwardFn",
-    "CustomOp",
-    "SaveForBackwardFn",
-    "op",
-]
+__all__ = ["BackwardFn", "CustomOp", "JvpFn", "SaveForBackwardFn", "SharedFn", "op"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -34,6 +46,13 @@ _Tensor = torch.Tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
+_alias_check: Callable[..., bool] | None = getattr(
+    torch._C, "_any_output_is_alias_to_input_or_output", None
+)
+_TENSOR = ArgKind.TENSOR
+_OPTIONAL = ArgKind.OPTIONAL_TENSOR
+_LIST = ArgKind.TENSOR_LIST
+_OTHER = ArgKind.OTHER
 
 
 def _plain_dispatch() -> bool:
@@ -47,50 +66,37 @@ def _plain_dispatch() -> bool:
     return _tls_include().raw_repr() == _PLAIN_INCLUDE and not _tf_mode_enabled()
 
 
-class SaveForBackwardFn(Protocol):
-    """``save_for_backward(inputs, output) -> pytree``: what the backward will need."""
-
-    def __call__(self, inputs: Any, output: Any, /) -> Any: ...
-
-
-class BackwardFn(Protocol):
-    """``backward(ctx, saved, *grads) -> {arg_name: grad}``."""
-
-    def __call__(
-        self, ctx: _autograd.BackwardContext, saved: Any, /, *grads: Any
-    ) -> dict[str, Any]: ...
-
-
 MSG_NO_AUTOGRAD = """\
-{name}: an input requires grad, but the op has no autograd registered{missing}.
-Register a save_for_backward function and either one backward or the input/weight pair:
+{name}: an input requires grad, but the op's autograd is not registered{missing}. Register a \
+save_for_backward function and {how}:
 
     @{var}.register_save_for_backward
     def _(inputs, output):
-        return inputs.x, inputs.weight
-
-    @{var}.register_backward_input           # gradients of non-weight arguments
-    def _(ctx, saved, grad):
-        x, weight = saved
-        return {{"x": grad @ weight}}
-
-    @{var}.register_backward_weight          # gradients of {weights}
-    def _(ctx, saved, grad):
-        x, weight = saved
-        return {{"weight": grad.mT @ x}}
-
-(or @{var}.register_backward for a single backward returning every gradient).
+        return {saved}
+{example}
 Call the op under torch.no_grad() or on inputs that don't require grad if you need no gradients.
 (op defined at {loc})"""
 
+EXAMPLE_PAIR = """
+    @{var}.register_backward_input           # gradients of {inputs}
+    def _(ctx, saved, grad):
+        {unpack} = saved
+        return {{{input_grads}}}
 
-def _device_key(device_type: str) -> str:
-    to_key = getattr(torch._C, "_dispatch_key_for_device", None)
-    if to_key is not None:
-        return str(to_key(device_type))
-    return {"cpu": "CPU", "cuda": "CUDA", "xpu": "XPU", "mps": "MPS", "meta": "Meta"}.get(
-        device_type, device_type.upper()
-    )
+    @{var}.register_backward_weight          # gradients of {weights}
+    def _(ctx, saved, grad):
+        {unpack} = saved
+        return {{{weight_grads}}}
+
+(or @{var}.register_backward: one function returning every gradient, split automatically).
+"""
+
+EXAMPLE_SINGLE = """
+    @{var}.register_backward                 # gradients of {inputs}
+    def _(ctx, saved, grad):
+        {unpack} = saved
+        return {{{input_grads}}}
+"""
 
 
 def _device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -99,6 +105,82 @@ def _device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] |
     if isinstance(device_types, str):
         return (device_types,)
     return tuple(device_types)
+
+
+def _dispatch_key(qualname: str, device_type: object) -> str:
+    """The dispatch key of ``device_type`` ("cpu" → "CPU"), or a DefinitionError."""
+    fix = (
+        'Use a device type as torch.device names it, lowercase and without an index: "cpu", '
+        '"cuda", "xpu", "mps", ... (or None for every device).'
+    )
+    if not isinstance(device_type, str) or ":" in device_type:
+        raise DefinitionError(f"{qualname}: invalid device type {device_type!r}. {fix}")
+    try:
+        key = torch._C._dispatch_key_for_device(device_type)
+    except (RuntimeError, ValueError):
+        raise DefinitionError(f"{qualname}: unknown device type {device_type!r}. {fix}") from None
+    return str(key)
+
+
+class _Kernels:
+    """The op's kernels by device type (``None``: the kernel for every device)."""
+
+    def __init__(self, qualname: str, var: str, fn: Callable[..., Any]) -> None:
+        self.qualname = qualname
+        self.var = var
+        self.fn = fn
+        self.by_device: dict[str | None, Callable[..., Any]] = {}
+
+    def for_device(self, device_type: str) -> Callable[..., Any] | None:
+        by = self.by_device
+        return by.get(device_type) or by.get(None)
+
+    def for_args(self, args: tuple[Any, ...]) -> Callable[..., Any]:
+        """The kernel for the device of the first tensor in ``args``, or an error."""
+        by = self.by_device
+        if len(by) > 1 or None not in by:
+            for a in args:
+                t = a if isinstance(a, _Tensor) else None
+                if t is None and isinstance(a, (list, tuple)):
+                    t = next((x for x in a if isinstance(x, _Tensor)), None)
+                if t is not None:
+                    k = by.get(t.device.type)
+                    if k is not None:
+                        return k
+                    break
+        k = by.get(None)
+        if k is None:
+            devices = ", ".join(sorted(d for d in by if d is not None)) or "none"
+            raise MissingRegistrationError(
+                f"{self.qualname}: no kernel for these inputs' device (kernels registered for: "
+                f"{devices}). Add one with @{self.var}.register_kernel('<device>') or "
+                f"register a kernel for all devices with register_kernel(None). "
+                f"(op defined at {where(self.fn)})"
+            )
+        return k
+
+
+def _check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
+    """Refuse a registered function that cannot take ``want`` positional arguments."""
+    if not callable(fn):
+        raise DefinitionError(f"{qualname}: {what} must be a function, got {fn!r}.")
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins: nothing to check
+        return
+    positional = [
+        p
+        for p in params
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    ]
+    varargs = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    required = sum(1 for p in positional if p.default is inspect.Parameter.empty)
+    if required <= want and (varargs or len(positional) >= want):
+        return
+    raise DefinitionError(
+        f"{qualname}: {what} takes {len(positional)} positional parameter(s), but customgrad "
+        f"calls it with {want}: {shape}. (defined at {where(fn)})"
+    )
 
 
 class CustomOp(Generic[P, R]):
@@ -113,6 +195,7 @@ class CustomOp(Generic[P, R]):
         opoverload: the ``torch._ops.OpOverload`` (``torch.ops.ns.name.default``).
         schema: the schema string, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``.
         weights: names of the weight arguments.
+        residuals: names of the values the kernel returns for ``save_for_backward`` only.
     """
 
     def __init__(
@@ -124,6 +207,8 @@ class CustomOp(Generic[P, R]):
         mutates_args: Iterable[str] = (),
         device_types: str | Sequence[str] | None = None,
         output_differentiability: Sequence[bool] | None = None,
+        schema: str | None = None,
+        residuals: Iterable[str] = (),
     ) -> None:
         ns, opname = parse_name(name)
         if name in _OPS:
@@ -131,131 +216,219 @@ class CustomOp(Generic[P, R]):
                 f"{name}: an op of that name is already defined (at {where(_OPS[name]._fn)}). "
                 f"Op names are global, like torch.ops; pick another name."
             )
-        if isinstance(weights, str):
-            weights = (weights,)
-        if isinstance(mutates_args, str):
-            mutates_args = (mutates_args,)
-        weights = tuple(weights)
-        mutates = tuple(mutates_args)
-        try:
-            schema = torch.library.infer_schema(fn, mutates_args=mutates)
-        except (ValueError, TypeError) as e:
-            raise DefinitionError(
-                f"{name}: cannot infer the op's schema from the annotations of the function "
-                f"defined at {where(fn)}: {e}"
-            ) from None
+        weights = (weights,) if isinstance(weights, str) else tuple(weights)
+        mutates = (mutates_args,) if isinstance(mutates_args, str) else tuple(mutates_args)
+        residual_names = (residuals,) if isinstance(residuals, str) else tuple(residuals)
+        types = _device_types(device_types)
+        keys = [(dt, _dispatch_key(name, dt)) for dt in types or ()]
+        kernel_schema = make_schema(name, fn, schema, mutates)
         diff = None if output_differentiability is None else tuple(output_differentiability)
+        self._sig = Signature(name, kernel_schema, fn, weights, residual_names, diff)
         self._fn: Callable[..., Any] = fn
-        self._sig = Signature(name, schema, fn, weights, diff)
         self.name = name
-        self.schema = schema
+        self.schema = self._sig.schema
         self.weights: tuple[str, ...] = weights
+        self.residuals: tuple[str, ...] = residual_names
         self._mutates = mutates
+        self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
+        self._var = opname
+        self._kernels = _Kernels(name, opname, fn)
+        self._fake_fn: Callable[..., Any] | None = None
+        self._rules = AutogradRules()
+        self._impl = AutogradImpl(self)
+        self._registered_keys: set[str] = set()
+
         self._lib = torch.library.Library(ns, "FRAGMENT")
         try:
-            self._lib.define(opname + schema)
+            self._lib.define(opname + self.schema)
+            if residual_names:
+                self._lib.define(f"{opname}.with_residuals{kernel_schema}")
+            packet = getattr(getattr(torch.ops, ns), opname)
+            self.opoverload: torch._ops.OpOverload = packet.default
+            self._kernel_overload: torch._ops.OpOverload = (
+                packet.with_residuals if residual_names else packet.default
+            )
+            overloads = [""] + (["with_residuals"] if residual_names else [])
+            for overload in overloads:
+                qual = opname if not overload else f"{opname}.{overload}"
+                impl = self._backend_impl if not overload else self._backend_full_impl
+                self._lib.impl(qual, impl, "CompositeExplicitAutograd")
+                torch.library.register_fake(
+                    f"{name}.{overload}" if overload else name,
+                    self._fake_impl if not overload else self._fake_full_impl,
+                    lib=self._lib,
+                )
+            self._lib.impl(opname, self._autograd_impl, "Autograd")
+            if mutates:
+                self._lib.impl(opname, self._inplace_view_impl, "ADInplaceOrView", with_keyset=True)
+            self._register_kernel(keys if types is not None else None, fn)
         except RuntimeError as e:
+            self._lib._destroy()
+            first = str(e).strip().splitlines()[0]
             raise DefinitionError(
-                f"{name}: torch.library refused the definition (schema {schema}): {e}"
+                f"{name}: torch.library refused the definition (schema {self.schema}): {first}"
             ) from None
-        self.opoverload: torch._ops.OpOverload = getattr(getattr(torch.ops, ns), opname).default
-        self._opoverload = self.opoverload
-
-        self._kernels: dict[str | None, Callable[..., Any]] = {}
-        self._registered_keys: set[str] = set()
-        self._fake_fn: Callable[..., Any] | None = None
-        self._save_fn: SaveForBackwardFn | None = None
-        self._backward_fn: BackwardFn | None = None
-        self._backward_input_fn: BackwardFn | None = None
-        self._backward_weight_fn: BackwardFn | None = None
-
-        self._lib.impl(opname, self._composite_kernel, "CompositeExplicitAutograd")
-        self._lib.impl(opname, self._autograd_kernel, "Autograd")
-        if mutates:
-            self._lib.impl(opname, self._inplace_view_kernel, "ADInplaceOrView", with_keyset=True)
-        torch.library.register_fake(name, self._fake_kernel, lib=self._lib)
-        self.register_kernel(device_types, fn)
         _OPS[name] = self
         self.__name__ = opname
         self.__qualname__ = opname
-        self.__doc__ = fn.__doc__
+        self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
+
+    # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
+    @property
+    def signature(self) -> Signature:
+        """Arguments, outputs, weights and residuals of the op."""
+        return self._sig
+
+    @property
+    def rules(self) -> AutogradRules:
+        """The current autograd registrations."""
+        return self._rules
+
+    def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
+        """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
+        sig = self._sig
+        if kernel is None:
+            with _below_autograd():
+                out = sig.call(self._kernel_overload, args)
+        elif sig.kwonly_names:
+            out = sig.call(kernel, args)
+        else:
+            out = kernel(*args)
+        return self._checked_output(args, out)
+
+    def missing_autograd_message(self) -> str:
+        sig = self._sig
+        missing = self._rules.missing(
+            has_inputs=bool(sig.input_names), has_weights=bool(sig.weights)
+        )
+        inputs = [n for n in sig.input_names if sig.args[sig.index[n]].kind is _TENSOR]
+        weights = list(sig.weights)
+        tensors = inputs + weights
+        unpack = ", ".join(tensors) if tensors else "saved_value"
+        if weights and inputs:
+            how = "either one backward or the input/weight pair"
+            example = EXAMPLE_PAIR.format(
+                var=self._var,
+                inputs=", ".join(repr(n) for n in inputs),
+                weights=", ".join(repr(n) for n in weights),
+                unpack=unpack,
+                input_grads=", ".join(f'"{n}": ...' for n in inputs),
+                weight_grads=", ".join(f'"{n}": ...' for n in weights),
+            )
+        else:
+            names = inputs or weights
+            how = "a backward"
+            example = EXAMPLE_SINGLE.format(
+                var=self._var,
+                inputs=", ".join(repr(n) for n in names) or "the Tensor arguments",
+                unpack=unpack,
+                input_grads=", ".join(f'"{n}": ...' for n in names),
+            )
+        return MSG_NO_AUTOGRAD.format(
+            name=self.name,
+            missing=f" (missing: {', '.join(missing)})" if missing else "",
+            how=how,
+            var=self._var,
+            saved=", ".join(f"inputs.{n}" for n in tensors) or "None",
+            example=example,
+            loc=where(self._fn),
+        )
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         sig = self._sig
-        if kwargs or len(args) != sig.nargs:
+        if kwargs or len(args) != sig.nargs or sig.kwonly_names:
             args = sig.bind(args, kwargs)  # type: ignore[assignment]
         if _is_compiling():
             # Dynamo records the OpOverload; its Autograd kernel below handles gradients.
-            return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
-        if not sig.has_lists:
-            # One pass over the arguments: does any require grad, and are they plain tensors
-            # on one device (for _kernel_on)?
-            grad = _grad_enabled()
-            requires = False
-            exact = True
-            device = None
-            for a in args:
-                if isinstance(a, _Tensor):
-                    if grad and a.requires_grad:
-                        requires = True
-                    if type(a) not in _PLAIN_TYPES:
-                        exact = False
-                    elif device is None and exact:
-                        device = a.device.type
-                elif isinstance(a, (list, tuple)) and any(isinstance(t, _Tensor) for t in a):
-                    return self._call_general(args)  # type: ignore[no-any-return]
-            kernel = self._kernel_on(device) if exact else None
-            if requires:
-                return _autograd.apply(self, args, kernel)  # type: ignore[no-any-return]
-            if kernel is not None:
-                if sig.kwonly_names:
-                    return sig.call(kernel, args)  # type: ignore[no-any-return]
-                return kernel(*args)  # type: ignore[no-any-return]
-            with _below_autograd():
-                return sig.call(self._opoverload, args)  # type: ignore[no-any-return]
-        return self._call_general(args)  # type: ignore[no-any-return]
-
-    def _call_general(self, args: tuple[Any, ...]) -> Any:
-        sig = self._sig
-        if torch.is_grad_enabled() and _any_requires_grad(args):
-            return _autograd.apply(self, args)
-        kernel = self._direct_kernel(args)
+            return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
+        # One pass over the arguments: are they of the right kinds, does any require grad,
+        # and are they plain tensors on one device (for the direct kernel call)?
+        grad = _grad_enabled()
+        requires = False
+        plain = True
+        device = None
+        for a, kind in zip(args, sig.kinds):
+            if isinstance(a, _Tensor):
+                if kind is _OTHER or kind is _LIST:
+                    sig.check_args(args)  # raises, naming the argument
+                if grad and a.requires_grad:
+                    requires = True
+                if type(a) not in _PLAIN_TYPES:
+                    plain = False
+                elif device is None:
+                    device = a.device.type
+            elif kind is _OTHER:
+                continue
+            elif kind is _LIST and isinstance(a, (list, tuple)):
+                for t in a:
+                    if isinstance(t, _Tensor):
+                        if grad and t.requires_grad:
+                            requires = True
+                        if type(t) not in _PLAIN_TYPES:
+                            plain = False
+                        elif device is None:
+                            device = t.device.type
+                    elif t is not None:
+                        sig.check_args(args)
+            elif not (kind is _OPTIONAL and a is None):
+                sig.check_args(args)
+        if self._mutated_idx:
+            self._check_mutated_no_grad(args)
+        kernel = self._shortcut_kernel(device) if plain else None
+        if requires and sig.output_kinds:
+            return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
+        if _fwad._current_level >= 0 and _has_tangent(args):
+            return self._forward_ad(args, kernel)  # type: ignore[no-any-return]
         if kernel is not None:
-            return sig.call(kernel, args)
+            out = sig.call(kernel, args) if sig.kwonly_names else kernel(*args)
+            return self._checked_output(args, out)[0]  # type: ignore[no-any-return]
         with _below_autograd():
-            return sig.call(self._opoverload, args)
+            return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
 
-    def _autograd_kernel(self, *args: Any, **kwargs: Any) -> Any:
-        args = self._sig.normalize(args, kwargs)
-        if torch.is_grad_enabled() and _any_requires_grad(args):
-            return _autograd.apply(self, args)
-        with torch._C._AutoDispatchBelowAutograd():
-            return self._sig.call(self._opoverload, args)
-
-    def _inplace_view_kernel(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        with torch._C._AutoDispatchBelowADInplaceOrView():
-            out = self._opoverload.redispatch(
-                keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs
+    def _forward_ad(self, args: tuple[Any, ...], kernel: Any) -> Any:
+        """Forward-mode AD of inputs that need no backward: through the registered jvp."""
+        if self._rules.jvp is None:
+            raise MissingRegistrationError(
+                f"{self.name}: forward-mode AD (torch.func.jvp, jacfwd, dual tensors) reached "
+                f"this op, which has no jvp rule. Register one (customgrad never differentiates "
+                f"the kernel behind your registered backward):\n\n"
+                f"    @{self._var}.register_jvp\n"
+                f"    def _(inputs, output, tangents):     # tangents.x is None without one\n"
+                f"        return ...                         # the output's tangent\n"
             )
-        full = self._sig.normalize(args, kwargs)
-        mutated = []
-        for name in self._mutates:
-            a = full[self._sig.index[name]]
-            if isinstance(a, torch.Tensor):
-                mutated.append(a)
-            elif isinstance(a, (list, tuple)):
-                mutated.extend(t for t in a if isinstance(t, torch.Tensor))
-        if mutated:
-            torch.autograd.graph.increment_version(mutated)
-        return out
+        return self._impl.apply(args, kernel, backward=False)
+
+    def _checked_output(self, args: tuple[Any, ...], out: Any) -> tuple[Any, tuple[Any, ...]]:
+        """Check the kernel's return against the schema and refuse outputs that alias inputs."""
+        sig = self._sig
+        if type(out) is _Tensor and not sig.kernel_output_is_tuple:
+            public: Any = out
+            residuals: tuple[Any, ...] = ()
+            outs: tuple[Any, ...] = (out,)
+        else:
+            public, residuals = sig.split_outputs(out, args)
+            if out is None:
+                return public, residuals
+            outs = tuple(out) if sig.kernel_output_is_tuple else (out,)
+        if _alias_check is not None and _alias_check(args, {}, outs):
+            raise KernelOutputError(
+                f"{self.name}: the kernel returned a Tensor that is (a view of) one of its "
+                f"inputs or of another output. Custom ops must return new tensors (as "
+                f"torch.library.custom_op requires); under torch.compile an alias would give "
+                f"different results. Return a copy (x.clone()), or leave the op out of the "
+                f"aliasing part. (kernel defined at {where(self._fn)})"
+            )
+        return public, residuals
 
     def _check_mutated_no_grad(self, args: tuple[Any, ...]) -> None:
-        for name in self._mutates:
-            a = args[self._sig.index[name]]
+        for name, i in zip(self._mutates, self._mutated_idx):
+            a = args[i]
             items = a if isinstance(a, (list, tuple)) else [a]
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in items):
+            if torch.is_grad_enabled() and any(
+                isinstance(t, _Tensor) and t.requires_grad for t in items
+            ):
                 raise MutationError(
                     f"{self.name}: argument {name!r} is in mutates_args and requires grad; "
                     f"customgrad does not differentiate through in-place mutation. Pass "
@@ -263,109 +436,117 @@ class CustomOp(Generic[P, R]):
                     f"(op defined at {where(self._fn)})"
                 )
 
-    def _direct_kernel(self, args: tuple[Any, ...]) -> Callable[..., Any] | None:
-        """The kernel to call without the dispatcher, or None when the dispatcher must run.
-
-        Used in eager mode below autograd: only for plain tensors on a device with a
-        registered kernel, with no mode or transform active, and for ops that mutate nothing.
-        """
-        device = None
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                if type(a) not in _PLAIN_TYPES:
-                    return None
-                if device is None:
-                    device = a.device.type
-            elif isinstance(a, (list, tuple)):
-                for t in a:
-                    if isinstance(t, torch.Tensor):
-                        if type(t) not in _PLAIN_TYPES:
-                            return None
-                        if device is None:
-                            device = t.device.type
-        return self._kernel_on(device)
-
-    def _kernel_on(self, device: str | None) -> Callable[..., Any] | None:
-        """The kernel for plain tensors on ``device``, or None when the dispatcher must run.
+    def _shortcut_kernel(self, device: str | None) -> Callable[..., Any] | None:
+        """The kernel to call directly, skipping the dispatcher, or None to dispatch.
 
         The dispatcher runs for ops that mutate, while a mode, transform or profiler is active,
         and for meta tensors (they go to the fake kernel).
         """
         if device is None or device == "meta" or self._mutates or not _plain_dispatch():
             return None
-        kernels = self._kernels
-        return kernels.get(device) or kernels.get(None)
+        return self._kernels.for_device(device)
 
-    def _kernel_for(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        kernels = self._kernels
-        if len(kernels) > 1 or None not in kernels:
-            for a in args:
-                t = a if isinstance(a, torch.Tensor) else None
-                if t is None and isinstance(a, (list, tuple)) and a:
-                    t = next((x for x in a if isinstance(x, torch.Tensor)), None)
-                if t is not None:
-                    k = kernels.get(t.device.type)
-                    if k is not None:
-                        return k
-                    break
-        k = kernels.get(None)
-        if k is None:
-            devices = ", ".join(sorted(d for d in kernels if d is not None)) or "none"
-            raise MissingRegistrationError(
-                f"{self.name}: no kernel for these inputs' device (kernels registered for: "
-                f"{devices}). Add one with @{self.__name__}.register_kernel('<device>') or "
-                f"register a kernel for all devices with register_kernel(None). "
-                f"(op defined at {where(self._fn)})"
-            )
-        return k
+    # -- what the dispatcher calls ---------------------------------------------------------
+    def _autograd_impl(self, *args: Any, **kwargs: Any) -> Any:
+        sig = self._sig
+        args = sig.normalize(args, kwargs)
+        if self._mutated_idx:
+            self._check_mutated_no_grad(args)
+        if sig.output_kinds and torch.is_grad_enabled() and _any_requires_grad(args):
+            return self._impl.apply(args, None)
+        if _fwad._current_level >= 0 and _has_tangent(args):
+            return self._forward_ad(args, None)
+        with _below_autograd():
+            return sig.call(self.opoverload, args)
 
-    def _composite_kernel(self, *args: Any, **kwargs: Any) -> Any:
-        kernel = self._kernels.get(None)
+    def _backend_full_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """Every return of the kernel (outputs, then residuals)."""
+        kernel = self._kernels.by_device.get(None)
         if kernel is None:
-            kernel = self._kernel_for(self._sig.normalize(args, kwargs))
-        return kernel(*args, **kwargs)
+            kernel = self._kernels.for_args(self._sig.normalize(args, kwargs))
+        out = kernel(*args, **kwargs)
+        self._checked_output(self._sig.normalize(args, kwargs), out)
+        return out
 
-    def _device_kernel(self, device_type: str) -> Callable[..., Any]:
+    def _backend_impl(self, *args: Any, **kwargs: Any) -> Any:
+        """The op's outputs (residuals dropped)."""
+        if self._sig.residual_names:
+            with _below_autograd():
+                out = self._kernel_overload(*args, **kwargs)
+            return self._sig.split_outputs(out, ())[0]
+        return self._backend_full_impl(*args, **kwargs)
+
+    def _device_impl(self, device_type: str) -> Callable[..., Any]:
         def kernel(*args: Any, **kwargs: Any) -> Any:
-            return self._kernels[device_type](*args, **kwargs)
+            out = self._kernels.by_device[device_type](*args, **kwargs)
+            self._checked_output(self._sig.normalize(args, kwargs), out)
+            return out
 
         return kernel
 
-    def _fake_kernel(self, *args: Any, **kwargs: Any) -> Any:
+    def _device_public_impl(self, device_type: str) -> Callable[..., Any]:
+        full = self._device_impl(device_type)
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            return self._sig.split_outputs(full(*args, **kwargs), ())[0]
+
+        return kernel
+
+    def _fake_full_impl(self, *args: Any, **kwargs: Any) -> Any:
         fake = self._fake_fn
         if fake is None:
+            sig = self._sig
             raise MissingRegistrationError(
                 f"{self.name}: no fake kernel registered; torch.compile, FakeTensorMode and "
                 f"opcheck need one to know output shapes without running the op. Add:\n\n"
-                f"    @{self.__name__}.register_fake\n"
-                f"    def _({', '.join(self._sig.names)}):\n"
-                f"        return <empty tensor(s) shaped like the output>\n\n"
+                f"    @{self._var}.register_fake\n"
+                f"    def _({', '.join(sig.names)}):\n"
+                f"        return <empty tensor(s) shaped like the output"
+                f"{' and the residuals' if sig.residual_names else ''}>\n\n"
                 f"(op defined at {where(self._fn)})"
             )
         return fake(*args, **kwargs)
 
-    def _missing_autograd_message(self) -> str:
-        missing: list[str] = []
-        if self._save_fn is None:
-            missing.append("register_save_for_backward")
-        if self._backward_fn is None:
-            has_in = self._backward_input_fn is not None
-            has_w = self._backward_weight_fn is not None
-            if has_in and not has_w:
-                missing.append("register_backward_weight")
-            elif has_w and not has_in:
-                missing.append("register_backward_input")
-            elif not has_in and not has_w:
-                missing.append("register_backward (or the register_backward_input/_weight pair)")
-        return MSG_NO_AUTOGRAD.format(
-            name=self.name,
-            missing=f" (missing: {', '.join(missing)})" if missing else "",
-            var=self.__name__,
-            weights=", ".join(repr(w) for w in self.weights) or "the weights",
-            loc=where(self._fn),
-        )
+    def _fake_impl(self, *args: Any, **kwargs: Any) -> Any:
+        out = self._fake_full_impl(*args, **kwargs)
+        if self._sig.residual_names:
+            return self._sig.split_outputs(out, ())[0]
+        return out
+
+    def _inplace_view_impl(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            out = self.opoverload.redispatch(
+                keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs
+            )
+        full = self._sig.normalize(args, kwargs)
+        mutated: list[torch.Tensor] = []
+        for i in self._mutated_idx:
+            a = full[i]
+            if isinstance(a, _Tensor):
+                mutated.append(a)
+            elif isinstance(a, (list, tuple)):
+                mutated.extend(t for t in a if isinstance(t, _Tensor))
+        if mutated:
+            torch.autograd.graph.increment_version(mutated)
+        return out
 
     # -- registration ----------------------------------------------------------------------
+    def _register_kernel(self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]) -> None:
+        if keys is None:
+            self._kernels.by_device[None] = fn
+            return
+        opname = self._var
+        for dt, key in keys:
+            self._kernels.by_device[dt] = fn
+            if key in self._registered_keys:
+                continue
+            if self._sig.residual_names:
+                self._lib.impl(opname, self._device_public_impl(dt), key)
+                self._lib.impl(f"{opname}.with_residuals", self._device_impl(dt), key)
+            else:
+                self._lib.impl(opname, self._device_impl(dt), key)
+            self._registered_keys.add(key)
+
     @overload
     def register_kernel(
         self, device_types: str | Sequence[str] | None, fn: None = None
@@ -381,6 +562,9 @@ class CustomOp(Generic[P, R]):
 
         Registering again for the same device replaces the earlier kernel.
 
+        Raises:
+            DefinitionError: an unknown device type (``"cpuu"``, ``"CPU"``, ``"cpu:0"``).
+
         Example:
             >>> import torch, customgrad as cg
             >>> @cg.op("doc_kernel::double")
@@ -392,49 +576,192 @@ class CustomOp(Generic[P, R]):
             >>> double(torch.ones(2))
             tensor([2., 2.])
         """
+        types = _device_types(device_types)
+        keys = None if types is None else [(dt, _dispatch_key(self.name, dt)) for dt in types]
 
         def register(f: F) -> F:
-            types = _device_types(device_types)
-            if types is None:
-                self._kernels[None] = f
-                return f
-            for dt in types:
-                key = _device_key(dt)
-                self._kernels[dt] = f
-                if key not in self._registered_keys:
-                    self._lib.impl(self.name.split("::")[1], self._device_kernel(dt), key)
-                    self._registered_keys.add(key)
+            if not callable(f):
+                raise DefinitionError(f"{self.name}: register_kernel needs a function, got {f!r}.")
+            self._register_kernel(keys, f)
             return f
 
         return register if fn is None else register(fn)
 
     def register_fake(self, fn: F) -> F:
-        """Register the fake (meta) kernel: output tensors of the right shape, dtype and device."""
+        """Register the fake (meta) kernel: output tensors of the right shape, dtype and device
+        (and the residuals, for an op that declares ``residuals=``)."""
+        if not callable(fn):
+            raise DefinitionError(f"{self.name}: register_fake needs a function, got {fn!r}.")
         self._fake_fn = fn
         return fn
 
     def register_save_for_backward(self, fn: F) -> F:
-        """Register ``save_for_backward(inputs, output) -> pytree`` (inputs is a namedtuple)."""
-        self._save_fn = fn
+        """Register ``save_for_backward(inputs, output) -> pytree`` (``inputs``: the arguments by
+        name; ``save_for_backward(inputs, output, residuals)`` for an op with residuals)."""
+        if self._sig.residual_names:
+            _check_arity(self.name, "save_for_backward", fn, 3, "(inputs, output, residuals)")
+        else:
+            _check_arity(self.name, "save_for_backward", fn, 2, "(inputs, output)")
+        self._rules = self._rules.replace(save=fn)
         return fn
 
-    def register_backward(self, fn: F) -> F:
-        """Register one backward returning ``{arg_name: grad}``; customgrad splits it per pass."""
-        self._backward_fn = fn
-        self._backward_input_fn = None
-        self._backward_weight_fn = None
-        return fn
+    def _grads_shape(self) -> str:
+        n = len(self._sig.output_kinds)
+        grads = ["grad"] if n == 1 else [f"grad{i}" for i in range(n)]
+        return f"(ctx, saved, {', '.join(grads)}): one gradient per output"
 
-    def register_backward_input(self, fn: F) -> F:
-        """Register the input half: gradients of the non-weight arguments only."""
-        self._backward_input_fn = fn
-        self._backward_fn = None
-        return fn
+    def _half_rules(self, half: Half, fn: Callable[..., Any], differentiable: bool) -> Any:
+        _check_arity(
+            self.name, f"the {half} backward", fn, 2 + len(self._sig.output_kinds),
+            self._grads_shape(),
+        )  # fmt: skip
+        nondiff = set(self._rules.nondifferentiable) - {half}
+        if not differentiable:
+            nondiff.add(half)
+        return frozenset(nondiff)
 
-    def register_backward_weight(self, fn: F) -> F:
+    @overload
+    def register_backward(
+        self,
+        fn: F,
+        /,
+        *,
+        split: SplitMode = "auto",
+        recompute: Literal["none", "cheap"] = "none",
+        differentiable: bool = True,
+    ) -> F: ...
+
+    @overload
+    def register_backward(
+        self,
+        fn: None = None,
+        /,
+        *,
+        split: SplitMode = "auto",
+        recompute: Literal["none", "cheap"] = "none",
+        differentiable: bool = True,
+    ) -> Callable[[F], F]: ...
+
+    def register_backward(
+        self,
+        fn: F | None = None,
+        /,
+        *,
+        split: SplitMode = "auto",
+        recompute: Literal["none", "cheap"] = "none",
+        differentiable: bool = True,
+    ) -> F | Callable[[F], F]:
+        """Register one backward returning ``{arg_name: grad}`` for every argument.
+
+        customgrad splits it for zero-bubble schedules: with ``split="auto"`` (default) it is
+        traced once per input signature and partitioned into the part input gradients need and
+        the part weight gradients need (work both need is done once, in the earlier pass, and
+        handed to the later one); a backward that can't be traced falls back to
+        ``split="phase"`` with one log line. With ``split="phase"`` it is called once per pass
+        with ``ctx.needs_input_grad`` set for that pass.
+
+        Args:
+            fn: ``backward(ctx, saved, *grads) -> dict``.
+            split: ``"auto"`` or ``"phase"``, see above.
+            recompute: ``"cheap"`` recomputes shared results without FLOPs (views,
+                elementwise) in the later pass instead of keeping them between passes.
+            differentiable: False when the backward is not itself differentiable (like
+                ``torch.autograd.function.once_differentiable``): double backward then raises.
+        """
+
+        def register(f: F) -> F:
+            if split not in ("auto", "phase"):
+                raise DefinitionError(
+                    f"{self.name}: register_backward(split={split!r}): use 'auto' or 'phase'."
+                )
+            if recompute not in ("none", "cheap"):
+                raise DefinitionError(
+                    f"{self.name}: register_backward(recompute={recompute!r}): use 'none' or "
+                    f"'cheap'."
+                )
+            nondiff = self._half_rules("full", f, differentiable)
+            self._rules = self._rules.replace(
+                backward=f,
+                backward_input=None,
+                backward_weight=None,
+                backward_shared=None,
+                split=split,
+                recompute=recompute,
+                nondifferentiable=nondiff,
+                auto=_auto_split(self, f, split, recompute),
+            )
+            return f
+
+        return register if fn is None else register(fn)
+
+    @overload
+    def register_backward_input(self, fn: F, /, *, differentiable: bool = True) -> F: ...
+
+    @overload
+    def register_backward_input(
+        self, fn: None = None, /, *, differentiable: bool = True
+    ) -> Callable[[F], F]: ...
+
+    def register_backward_input(
+        self, fn: F | None = None, /, *, differentiable: bool = True
+    ) -> F | Callable[[F], F]:
+        """Register the input half: gradients of the non-weight arguments only.
+
+        An op without weights needs only this half.
+        """
+
+        def register(f: F) -> F:
+            nondiff = self._half_rules("input", f, differentiable)
+            self._rules = self._rules.replace(
+                backward_input=f, backward=None, auto=None, nondifferentiable=nondiff
+            )
+            return f
+
+        return register if fn is None else register(fn)
+
+    @overload
+    def register_backward_weight(self, fn: F, /, *, differentiable: bool = True) -> F: ...
+
+    @overload
+    def register_backward_weight(
+        self, fn: None = None, /, *, differentiable: bool = True
+    ) -> Callable[[F], F]: ...
+
+    def register_backward_weight(
+        self, fn: F | None = None, /, *, differentiable: bool = True
+    ) -> F | Callable[[F], F]:
         """Register the weight half: gradients of the weight arguments only."""
-        self._backward_weight_fn = fn
-        self._backward_fn = None
+
+        def register(f: F) -> F:
+            nondiff = self._half_rules("weight", f, differentiable)
+            self._rules = self._rules.replace(
+                backward_weight=f, backward=None, auto=None, nondifferentiable=nondiff
+            )
+            return f
+
+        return register if fn is None else register(fn)
+
+    def register_backward_shared(self, fn: F) -> F:
+        """Register work both halves need, ``shared(ctx, saved, *grads) -> Any``.
+
+        The halves read it as ``ctx.shared``: computed once per node, in the earlier pass of a
+        split backward, kept for the later pass and freed after it (in a full backward, once).
+        """
+        _check_arity(
+            self.name, "the shared backward", fn, 2 + len(self._sig.output_kinds),
+            self._grads_shape(),
+        )  # fmt: skip
+        self._rules = self._rules.replace(backward_shared=fn, backward=None, auto=None)
+        return fn
+
+    def register_jvp(self, fn: F) -> F:
+        """Register the forward-mode rule ``jvp(inputs, output, tangents) -> output tangent``.
+
+        Used by ``torch.func.jvp``, ``jacfwd`` and dual tensors; ``tangents`` holds a tangent
+        (or None) per argument, by name.
+        """
+        _check_arity(self.name, "jvp", fn, 3, "(inputs, output, tangents)")
+        self._rules = self._rules.replace(jvp=fn)
         return fn
 
     # -- identity --------------------------------------------------------------------------
@@ -451,19 +778,49 @@ class CustomOp(Generic[P, R]):
         return f"<customgrad op {self.name}{self.schema}>"
 
 
+def _auto_split(op: CustomOp[..., Any], fn: Callable[..., Any], split: str, recompute: str) -> Any:
+    """The automatic splitter for a single backward, or None (``split="phase"``)."""
+    del op, fn, recompute
+    if split != "auto":
+        return None
+    return None  # the tracing splitter is wired in by customgrad._autosplit
+
+
+def autograd_impl(op: CustomOp[..., Any]) -> AutogradImpl:
+    """The autograd implementation of ``op`` (for customgrad's tools: ``check_op``)."""
+    return op._impl
+
+
 def _lookup(name: str) -> CustomOp[..., Any]:
-    return _OPS[name]
+    op = _OPS.get(name)
+    if op is None:
+        raise MissingRegistrationError(
+            f"customgrad op {name!r} is not defined in this process, so it cannot be "
+            f"unpickled. Import the module that defines it (its cg.op({name!r}, ...)) before "
+            f"unpickling, e.g. in each worker process."
+        )
+    return op
 
 
 def _any_requires_grad(args: tuple[Any, ...]) -> bool:
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, _Tensor):
             if a.requires_grad:
                 return True
         elif isinstance(a, (list, tuple)) and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in a
+            isinstance(t, _Tensor) and t.requires_grad for t in a
         ):
             return True
+    return False
+
+
+def _has_tangent(args: tuple[Any, ...]) -> bool:
+    """Whether a forward-mode tangent is attached to any tensor argument."""
+    for a in args:
+        items = a if isinstance(a, (list, tuple)) else (a,)
+        for t in items:
+            if isinstance(t, _Tensor) and _fwad.unpack_dual(t).tangent is not None:
+                return True
     return False
 
 
@@ -477,6 +834,8 @@ def op(
     mutates_args: Iterable[str] = (),
     device_types: str | Sequence[str] | None = None,
     output_differentiability: Sequence[bool] | None = None,
+    schema: str | None = None,
+    residuals: Iterable[str] = (),
 ) -> Callable[[Callable[P, R]], CustomOp[P, R]]: ...
 
 
@@ -490,6 +849,8 @@ def op(
     mutates_args: Iterable[str] = (),
     device_types: str | Sequence[str] | None = None,
     output_differentiability: Sequence[bool] | None = None,
+    schema: str | None = None,
+    residuals: Iterable[str] = (),
 ) -> CustomOp[P, R]: ...
 
 
@@ -502,12 +863,15 @@ def op(
     mutates_args: Iterable[str] = (),
     device_types: str | Sequence[str] | None = None,
     output_differentiability: Sequence[bool] | None = None,
+    schema: str | None = None,
+    residuals: Iterable[str] = (),
 ) -> CustomOp[P, R] | Callable[[Callable[P, R]], CustomOp[P, R]]:
     """Declare a custom op from a type-annotated function.
 
-    The schema is inferred from the annotations with ``torch.library.infer_schema``; ``fn``
-    becomes the kernel for ``device_types`` (all devices when None). The op is a real
-    dispatcher op: ``torch.ops.ns.name.default`` gives the same outputs and gradients.
+    The schema is inferred from the annotations with ``torch.library.infer_schema`` (or given
+    with ``schema=``); ``fn`` becomes the kernel for ``device_types`` (all devices when None).
+    The op is a real dispatcher op: ``torch.ops.ns.name.default`` gives the same outputs and
+    gradients.
 
     Args:
         name: ``"namespace::name"``; reserved namespaces (``aten``, ``torch``, ...) are refused.
@@ -517,12 +881,17 @@ def op(
         mutates_args: names of arguments the kernel writes to in place.
         device_types: device types ``fn`` serves, e.g. ``"cpu"`` or ``("cpu", "cuda")``.
         output_differentiability: one bool per output; False marks it non-differentiable.
+        schema: the schema without the name, e.g. ``"(Tensor q, int[2] window=[-1, -1]) ->
+            Tensor"``, for what annotations can't say (tuple defaults, ``Tensor?`` outputs).
+        residuals: names for the kernel's last return values that are not outputs: only
+            ``save_for_backward`` sees them (``save_for_backward(inputs, output, residuals)``),
+            on every call path (direct, ``torch.ops``, ``torch.compile``, fake kernels).
 
     Returns:
         A :class:`CustomOp`, callable with ``fn``'s signature.
 
     Raises:
-        DefinitionError: for an invalid name, ``weights`` or annotations.
+        DefinitionError: for an invalid name, ``weights``, device type, schema or annotations.
 
     Example:
         >>> import torch, customgrad as cg
@@ -557,6 +926,8 @@ def op(
             mutates_args=mutates_args,
             device_types=device_types,
             output_differentiability=output_differentiability,
+            schema=schema,
+            residuals=residuals,
         )
 
     if fn is None:

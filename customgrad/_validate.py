@@ -10,7 +10,7 @@ import torch
 from customgrad._errors import GradientTypeError, GradientValueError, where
 from customgrad._signature import ArgKind, Signature
 
-__all__ = ["Meta", "TensorMeta", "collect_flat", "collect_grads", "describe"]
+__all__ = ["HALF_NAMES", "Meta", "TensorMeta", "collect_grads", "describe"]
 
 TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
 Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
@@ -19,6 +19,7 @@ HALF_NAMES = {
     "full": "backward",
     "input": "backward_input",
     "weight": "backward_weight",
+    "shared": "backward_shared",
 }
 
 
@@ -74,6 +75,12 @@ def _check_tensor(
             f"{tuple(grad.shape)}, but the input has shape {tuple(shape)}. Return a tensor of the "
             f"input's shape, or None. ({label} defined at {where_})"
         )
+    if grad.dtype != dtype and not (dtype.is_floating_point or dtype.is_complex):
+        raise GradientValueError(
+            f"{sig.qualname}: {label} returned a gradient for {arg}, but that input is a "
+            f"{dtype} tensor, which has no gradient (only floating-point and complex tensors "
+            f"do). Return None for it. ({label} defined at {where_})"
+        )
     if grad.dtype != dtype:
         raise GradientValueError(
             f"{sig.qualname}: {label} returned a gradient for {arg} of dtype {grad.dtype}, but "
@@ -95,7 +102,8 @@ def collect_grads(
     result: object,
     allowed: frozenset[str],
     needed: frozenset[str] | set[str],
-    metas: Mapping[str, Meta],
+    flat_metas: Sequence[TensorMeta] | None,
+    metas: Mapping[str, Meta] | None = None,
 ) -> dict[str, Any]:
     """Validate ``result`` and return the gradients of the ``needed`` arguments.
 
@@ -106,12 +114,53 @@ def collect_grads(
         result: what it returned.
         allowed: argument names it may return.
         needed: argument names whose gradient the running pass needs.
-        metas: shape, dtype and device of each Tensor argument (a list for list arguments).
+        flat_metas: for an op without list arguments, shape, dtype and device of each argument
+            in schema order (None for non-tensors); else None and ``metas`` is given.
+        metas: shape, dtype and device of each Tensor argument by name (a list for list
+            arguments).
 
     Raises:
         GradientTypeError: for a wrong kind of value.
         GradientValueError: for wrong keys, shapes, dtypes, devices or list lengths.
     """
+    if flat_metas is not None and type(result) is dict:
+        # The common case, checked inline: a plain dict of valid gradients. Anything else is
+        # checked below, which accepts exactly the same results and raises the errors.
+        index = sig.index
+        out: dict[str, Any] = {}
+        for name, grad in result.items():
+            if name not in allowed:
+                break
+            if grad is not None:
+                meta = flat_metas[index[name]]
+                if not (
+                    type(grad) is torch.Tensor
+                    and meta is not None
+                    and grad.shape == meta[0]
+                    and grad.dtype is meta[1]
+                    and grad.device == meta[2]
+                ):
+                    break
+            if name in needed:
+                out[name] = grad
+        else:
+            if len(out) == len(needed):
+                return out
+    if metas is None:
+        assert flat_metas is not None
+        metas = {name: flat_metas[i] for name, i in sig.index.items()}
+    return _collect(sig, half, fn, result, allowed, needed, metas)
+
+
+def _collect(
+    sig: Signature,
+    half: str,
+    fn: Callable[..., Any],
+    result: object,
+    allowed: frozenset[str],
+    needed: frozenset[str] | set[str],
+    metas: Mapping[str, Meta],
+) -> dict[str, Any]:
     label = HALF_NAMES[half]
     if not isinstance(result, dict):
         raise GradientTypeError(
@@ -154,7 +203,7 @@ def collect_grads(
             f"{sig.qualname}: {label} returned no gradient for {listed}, which this backward pass "
             f"needs. Add {'them' if len(missing) > 1 else 'it'} to the dict (use None for a zero "
             f"gradient), or check ctx.needs_input_grad(name). Returned keys: "
-            f"{sorted(result)}. ({label} defined at {where(fn)})"
+            f"{sorted(map(str, result))}. ({label} defined at {where(fn)})"
         )
     return out
 
@@ -185,48 +234,3 @@ def _raise_bad_key(
         f"weight (weights={sig.weights!r}). Input gradients belong in register_backward_input; "
         f"return only {valid}. {loc}"
     )
-
-
-def collect_flat(
-    sig: Signature,
-    half: str,
-    fn: Callable[..., Any],
-    result: object,
-    allowed: frozenset[str],
-    needed: frozenset[str] | set[str],
-    metas: Sequence[TensorMeta],
-    out: list[Any],
-) -> None:
-    """:func:`collect_grads` for an op without list arguments, on the autograd node's layout.
-
-    ``metas`` holds one entry per argument, in schema order; the gradient of the argument at
-    position ``i`` goes to ``out[i + 2]`` (the node's first two inputs are customgrad's own).
-    The common case (a plain dict of valid gradients) is checked inline; anything else goes
-    through :func:`collect_grads`, which accepts exactly the same results and raises its errors.
-    """
-    if type(result) is dict:
-        index = sig.index
-        found = 0
-        for name, grad in result.items():
-            if name not in allowed:
-                break
-            i = index[name]
-            if grad is not None:
-                meta = metas[i]
-                if not (
-                    type(grad) is torch.Tensor
-                    and meta is not None
-                    and grad.shape == meta[0]
-                    and grad.dtype is meta[1]
-                    and grad.device == meta[2]
-                ):
-                    break
-            if name in needed:
-                out[i + 2] = grad
-                found += 1
-        else:
-            if found == len(needed):
-                return
-    by_name = {name: metas[i] for name, i in sig.index.items()}
-    for name, grad in collect_grads(sig, half, fn, result, allowed, needed, by_name).items():
-        out[sig.index[name] + 2] = grad

@@ -28,8 +28,11 @@ from typing import Any, Literal
 import torch
 from torch.autograd.graph import Node
 
-from customgrad._errors import ArgumentValueError
+from customgrad import _render
+from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
+from customgrad._graph import children, grad_node
+from customgrad._record import record_of
 
 __all__ = ["NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
@@ -39,14 +42,6 @@ NodeKind = Literal["customgrad", "native", "function", "custom_op", "input", "we
 another leaf."""
 
 _PHASES = ("full", "input", "weight")
-
-_COLORS = {
-    "input": "#9ecae1",
-    "weight": "#a1d99b",
-    "both": "#fdd49e",
-    "twice": "#fb6a4a",
-    "none": "#e0e0e0",
-}
 
 
 @dataclass(frozen=True)
@@ -160,51 +155,7 @@ class SplitExplanation:
         return max(0, self.flops["input"] + self.flops["weight"] - self.flops["full"])
 
     def __str__(self) -> str:
-        header = ("node", "kind", "runs in", "full", "I", "W", "repeated")
-        rows: list[tuple[str, ...]] = [
-            (
-                n.label,
-                n.kind,
-                n.runs_in,
-                str(n.flops["full"]),
-                str(n.flops["input"]),
-                str(n.flops["weight"]),
-                (f"{n.repeated_flops} TWICE" if n.computes_twice else str(n.repeated_flops)),
-            )
-            for n in self.nodes
-        ]
-        if any(self.outside_flops.values()):
-            o = self.outside_flops
-            rows.append(
-                ("(outside nodes)", "deferred", "W", str(o["full"]), str(o["input"]),
-                 str(o["weight"]), "")
-            )  # fmt: skip
-        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-        def fmt(r: Sequence[str]) -> str:
-            cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2])]
-            cells += [c.rjust(w) for c, w in zip(r[3:], widths[3:])]
-            return "  " + "  ".join(cells).rstrip()
-
-        f = self.flops
-        lines = [
-            f"Split backward of a stage ({len(self.nodes)} autograd nodes; split by "
-            f"{self.splitter}; FLOPs by torch's formulas)",
-            fmt(header),
-            *(fmt(r) for r in rows),
-            f"FLOPs: full backward {f['full']}, input pass {f['input']}, weight pass "
-            f"{f['weight']}, repeated {self.repeated_flops}.",
-        ]
-        twice = self.computes_twice
-        if twice:
-            lines.append("Computes twice (does backward work in both I and W):")
-            for n in twice:
-                lines.append(
-                    f"  - {n.label} ({n.kind}): {n.repeated_flops} FLOPs repeated; {n.advice()}."
-                )
-        else:
-            lines.append("Nothing computes twice.")
-        return "\n".join(lines)
+        return _render.table(self)
 
     def to_dot(self) -> str:
         """The graph in Graphviz DOT: nodes colored by pass, edges in the gradient's direction.
@@ -213,21 +164,7 @@ class SplitExplanation:
             DOT source; render it with ``dot -Tsvg`` where Graphviz is installed, or use
             :meth:`draw`, which needs only matplotlib.
         """
-        lines = [
-            "digraph split {",
-            "  rankdir=TB;",
-            '  node [shape=box, style="rounded,filled", fontname="Helvetica"];',
-        ]
-        for i, n in enumerate(self.nodes):
-            label = f"{n.label}\\n{n.kind} · {n.runs_in}"
-            if n.computes_twice:
-                label += f"\\nTWICE ({n.repeated_flops} FLOPs repeated)"
-            label = label.replace('"', '\\"')
-            lines.append(f'  n{i} [label="{label}", fillcolor="{_COLORS[n.color_key]}"];')
-        for a, b in self.edges:
-            lines.append(f"  n{a} -> n{b};")
-        lines.append("}")
-        return "\n".join(lines)
+        return _render.dot(self)
 
     def draw(self, path: str | Path) -> Path:
         """Draw the graph to a PNG or SVG file, laid out in layers by depth (matplotlib only).
@@ -241,90 +178,16 @@ class SplitExplanation:
         Raises:
             ValueError: the suffix is neither ``.png`` nor ``.svg``.
         """
-        path = Path(path)
-        fmt = path.suffix.lower().lstrip(".")
-        if fmt not in ("png", "svg"):
-            raise ArgumentValueError(
-                f"explain_split(...).draw({str(path)!r}): cannot tell the format from the "
-                f"suffix {path.suffix!r}. Use a path ending in .png or .svg."
-            )
-        from matplotlib.figure import Figure
-        from matplotlib.patches import FancyBboxPatch, Patch
-
-        layers: dict[int, list[int]] = collections.defaultdict(list)
-        for i, n in enumerate(self.nodes):
-            layers[n.depth].append(i)
-        n_rows = max(layers) + 1 if layers else 1
-        n_cols = max((len(v) for v in layers.values()), default=1)
-        box_w, box_h, gap_x, gap_y = 2.6, 0.7, 0.4, 0.6
-        pos: dict[int, tuple[float, float]] = {}
-        for depth, idxs in layers.items():
-            row_w = len(idxs) * box_w + (len(idxs) - 1) * gap_x
-            x0 = (n_cols * (box_w + gap_x) - gap_x - row_w) / 2
-            for k, i in enumerate(idxs):
-                pos[i] = (x0 + k * (box_w + gap_x) + box_w / 2, -depth * (box_h + gap_y))
-
-        width = max(6.0, n_cols * (box_w + gap_x))
-        height = max(3.0, n_rows * (box_h + gap_y) + 1.2)
-        fig = Figure(figsize=(width, height))
-        ax = fig.add_subplot()
-        ax.set_axis_off()
-        for a, b in self.edges:
-            (xa, ya), (xb, yb) = pos[a], pos[b]
-            ax.annotate(
-                "",
-                xy=(xb, yb + box_h / 2),
-                xytext=(xa, ya - box_h / 2),
-                arrowprops={"arrowstyle": "->", "color": "#555555", "lw": 1},
-            )
-        for i, n in enumerate(self.nodes):
-            x, y = pos[i]
-            ax.add_patch(
-                FancyBboxPatch(
-                    (x - box_w / 2, y - box_h / 2),
-                    box_w,
-                    box_h,
-                    boxstyle="round,pad=0.02,rounding_size=0.1",
-                    facecolor=_COLORS[n.color_key],
-                    edgecolor="#333333",
-                )
-            )
-            text = f"{_shorten(n.label, 36)}\n{n.kind} · {n.runs_in}"
-            if n.computes_twice:
-                text += f" · TWICE ({n.repeated_flops} FLOPs)"
-            ax.text(x, y, text, ha="center", va="center", fontsize=7)
-        ax.set_xlim(-gap_x, n_cols * (box_w + gap_x))
-        ax.set_ylim(-(n_rows - 1) * (box_h + gap_y) - box_h, box_h + 0.2)
-        legend = [
-            Patch(facecolor=_COLORS["input"], label="input pass only"),
-            Patch(facecolor=_COLORS["weight"], label="weight pass only"),
-            Patch(facecolor=_COLORS["both"], label="both, split"),
-            Patch(facecolor=_COLORS["twice"], label="both, computes twice"),
-            Patch(facecolor=_COLORS["none"], label="did not run"),
-        ]
-        ax.legend(handles=legend, loc="lower center", ncol=5, fontsize=7, frameon=False,
-                  bbox_to_anchor=(0.5, -0.08))  # fmt: skip
-        f = self.flops
-        ax.set_title(
-            f"FLOPs: full {f['full']}, I {f['input']}, W {f['weight']}, "
-            f"repeated {self.repeated_flops}",
-            fontsize=9,
-        )
-        fig.savefig(path, format=fmt, bbox_inches="tight")
-        return path
+        return _render.draw(self, Path(path))
 
     def _repr_html_(self) -> str:
         return f"<pre>{html.escape(str(self))}</pre>"
 
 
-def _shorten(text: str, n: int) -> str:
-    return text if len(text) <= n else text[: n - 1] + "…"
-
-
 def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
-    op = getattr(node, "_cg_op", None)
-    if op is not None:
-        return "customgrad", str(op.name)
+    record = record_of(node)
+    if record is not None:
+        return "customgrad", record.op.name
     cls = getattr(node, "_forward_cls", None)
     if cls is None:
         return "native", node.name()
@@ -338,15 +201,6 @@ def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
                 return "custom_op", str(value._schema.name)
         return "custom_op", cls.__name__.removeprefix("GeneratedBackwardFor_")
     return "function", f"{cls.__qualname__} (autograd.Function)"
-
-
-def _grad_node(t: torch.Tensor) -> Node | None:
-    """The node that receives ``t``'s gradient (its grad_fn, or the leaf's accumulator)."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    if t.requires_grad:
-        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
-    return None
 
 
 def _splitter(name: str | None) -> tuple[str, Any, Any]:
@@ -426,6 +280,12 @@ def explain_split(
         144
     """
     outs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    for what, value in (("inputs", inputs), ("grad_outputs", grad_outputs)):
+        if value is not None and not isinstance(value, (list, tuple)):
+            raise ArgumentTypeError(
+                f"explain_split: {what} must be a list or tuple of tensors, got "
+                f"{type(value).__name__}. Pass [x] for a single tensor."
+            )
     inputs = list(inputs)
     weights, names = _named(weights)
     keep = [i for i, o in enumerate(outs) if o.requires_grad]
@@ -437,7 +297,7 @@ def explain_split(
     splitter_name, backward_input, backward_weight = _splitter(splitter)
 
     # The graph, outputs first.
-    roots = [n for n in (_grad_node(o) for o in outs) if n is not None]
+    roots = [n for n in (grad_node(o) for o in outs) if n is not None]
     order: list[Node] = []
     index: dict[Node, int] = {}
     queue = collections.deque(roots)
@@ -446,14 +306,12 @@ def explain_split(
     while queue:
         node = queue.popleft()
         order.append(node)
-        for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in index:
+        for nxt in children(node):
+            if nxt not in index:
                 index[nxt] = len(index)
                 queue.append(nxt)
     order.sort(key=index.__getitem__)
-    edges = [
-        (index[n], index[nxt]) for n in order for nxt, _ in n.next_functions if nxt is not None
-    ]
+    edges = [(index[n], index[nxt]) for n in order for nxt in children(n)]
     depth = _depths(len(order), [index[r] for r in roots], edges)
 
     # Watch every node: which pass it runs in, and the FLOPs done while it runs.
@@ -485,7 +343,7 @@ def explain_split(
             _, param_groups = backward_input(
                 [o.clone() for o in outs], gouts, inputs, iter(weights)
             )
-        deferred_nodes = _deferred_nodes(param_groups)
+        handed_over = _deferred_nodes(param_groups)
         phase_of["phase"] = "weight"
         with counters["weight"]:
             backward_weight(iter(weights), param_groups)
@@ -497,9 +355,6 @@ def explain_split(
 
     input_ids = {id(t) for t in inputs}
     weight_ids = {id(t) for t in weights}
-    reaches_weight = _reaching(
-        [i for i, n in enumerate(order) if id(getattr(n, "variable", None)) in weight_ids], edges
-    )
     nodes: list[NodeInfo] = []
     seen: collections.Counter[str] = collections.Counter()
     for i, node in enumerate(order):
@@ -523,44 +378,13 @@ def explain_split(
         seen[label] += 1
         if seen[label] > 1:
             label = f"{label} #{seen[label]}"
-        deferred = node in deferred_nodes or (
-            kind == "customgrad"
-            and splitter_name == "customgrad.pipelining"
-            and phases == frozenset({"input"})
-            and i in reaches_weight
-        )
+        deferred = node in handed_over
         if deferred:
             phases = frozenset({"input", "weight"})
         nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice, deferred))
     totals = {p: counters[p].total for p in _PHASES}
     outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
     return SplitExplanation(nodes, edges, totals, outside, splitter_name)
-
-
-def _reaching(targets: list[int], edges: list[tuple[int, int]]) -> set[int]:
-    """Nodes from which some target can be reached along ``edges`` (targets included)."""
-    parents: dict[int, list[int]] = collections.defaultdict(list)
-    for a, b in edges:
-        parents[b].append(a)
-    seen = set(targets)
-    todo = list(targets)
-    while todo:
-        for p in parents[todo.pop()]:
-            if p not in seen:
-                seen.add(p)
-                todo.append(p)
-    return seen
-
-
-def _deferred_nodes(param_groups: Any) -> set[Any]:
-    """The customgrad nodes whose weight half customgrad's split set aside (empty for torch's)."""
-    found: set[Any] = set()
-    for group in param_groups if isinstance(param_groups, list) else ():
-        for value in group.values() if isinstance(group, dict) else ():
-            nodes = getattr(value, "deferred_nodes", None)
-            if isinstance(nodes, set):
-                found |= nodes
-    return found
 
 
 def _named(
@@ -598,3 +422,12 @@ def _depths(n: int, roots: list[int], edges: list[tuple[int, int]]) -> list[int]
             if indegree[b] == 0:
                 ready.append(b)
     return depth
+
+
+def _deferred_nodes(param_groups: Any) -> set[Any]:
+    """The nodes whose weight half customgrad's split handed to W (none for torch's split)."""
+    try:
+        from customgrad.pipelining._backward import deferred_nodes
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return set()
+    return deferred_nodes(param_groups)

@@ -22,8 +22,6 @@ It returns a :class:`CheckReport` and raises :class:`CheckFailed` listing every 
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import logging
 import math
 import re
@@ -37,9 +35,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.gradcheck import GradcheckError
 
-from customgrad._errors import ArgumentValueError, CustomGradError
+from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGradError
 from customgrad._flops import FlopCounter
-from customgrad._op import CustomOp
+from customgrad._op import CustomOp, autograd_impl
 
 __all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
 
@@ -230,42 +228,31 @@ def check_op(
         >>> report.calls["input"]
         {'backward_input': 1}
     """
+    if not isinstance(op, CustomOp):
+        raise ArgumentTypeError(
+            f"check_op: expected a customgrad op (made with customgrad.op), got {op!r}. Declare "
+            f"the op with @customgrad.op(...) first; for other torch.library ops use "
+            f"torch.library.opcheck."
+        )
     unknown = [c for c in checks if c not in CHECKS]
     if unknown:
         raise ArgumentValueError(
             f"check_op: unknown check {unknown[0]!r}. Checks: {', '.join(CHECKS)}."
         ) from None
-    case = _Case(op, args, kwargs)
+    case = _Case(op, args, kwargs, atol=1e-7 if atol is None else atol,
+                 rtol=1e-7 if rtol is None else rtol)  # fmt: skip
     report = CheckReport(op.name)
-    runners: dict[str, Callable[[], tuple[Status, str]]] = {
-        "opcheck": case.run_opcheck,
-        "fake": case.run_fake,
-        "gradcheck": case.run_gradcheck,
-        "gradgradcheck": case.run_gradgradcheck,
-    }
-    split_results: dict[str, tuple[Status, str]] = {}
-    if "split" in checks or "flops" in checks:
-        try:
-            split_results = case.run_split(
-                atol=1e-7 if atol is None else atol, rtol=1e-7 if rtol is None else rtol
-            )
-        except Exception as e:  # e.g. no autograd registered: a failure of both checks
-            failed: tuple[Status, str] = ("failed", f"raised {_short_exc(e)}")
-            split_results = {"split": failed, "flops": failed}
-        report.flops = dict(case.flops)
-        report.calls = {p: dict(c) for p, c in case.calls.items()}
     for name in CHECKS:
         if name not in checks:
             report.results.append(CheckResult(name, "skipped", "not requested"))
             continue
-        if name in split_results:
-            status, detail = split_results[name]
-        else:
-            try:
-                status, detail = runners[name]()
-            except Exception as e:  # a check that crashes is a failure of the op, reported
-                status, detail = "failed", f"raised {_short_exc(e)}"
+        try:
+            status, detail = case.run(name)
+        except Exception as e:  # a check that crashes is a failure of the op, reported
+            status, detail = "failed", f"raised {_short_exc(e)}"
         report.results.append(CheckResult(name, status, detail))
+    report.flops = dict(case.flops)
+    report.calls = {p: dict(c) for p, c in case.calls.items()}
     if raise_on_failure:
         report.raise_if_failed()
     return report
@@ -294,17 +281,25 @@ def _short_exc(e: BaseException, lines: int = 6) -> str:
 
 
 class _Case:
-    """The op and its arguments, with helpers to make fresh copies for each check."""
+    """The op and its arguments (bound once, by the op's signature), with a fresh copy of the
+    arguments for each check, and one method per check."""
 
-    def __init__(self, op: CustomOp[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(
+        self,
+        op: CustomOp[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        atol: float,
+        rtol: float,
+    ):
         self.op = op
-        schema = op.opoverload._schema
-        self.names = [a.name for a in schema.arguments]
-        self.kwarg_only = {a.name for a in schema.arguments if a.kwarg_only}
-        bound = inspect.signature(op).bind(*args, **kwargs)
-        bound.apply_defaults()
-        self.values: dict[str, Any] = {n: bound.arguments[n] for n in self.names}
-        weights = set(op.weights)
+        self.sig = op.signature
+        self.atol = atol
+        self.rtol = rtol
+        self.names = list(self.sig.names)
+        self.values: dict[str, Any] = dict(zip(self.names, self.sig.bind(args, kwargs)))
+        weights = self.sig.weight_set
 
         slots: list[_Slot] = []
         for name in self.names:
@@ -324,6 +319,20 @@ class _Case:
         self.diff = chosen
         self.flops: dict[str, int] = {}
         self.calls: dict[Pass, dict[str, int]] = {}
+        self._split: dict[str, tuple[Status, str]] | None = None
+
+    def run(self, name: str) -> tuple[Status, str]:
+        """Run the check ``name`` (one of :data:`CHECKS`)."""
+        if name in ("split", "flops"):  # one run of the split answers both
+            if self._split is None:
+                try:
+                    self._split = self.run_split()
+                except Exception as e:  # e.g. no autograd registered: a failure of both
+                    failed: tuple[Status, str] = ("failed", f"raised {_short_exc(e)}")
+                    self._split = {"split": failed, "flops": failed}
+            return self._split[name]
+        check: Callable[[], tuple[Status, str]] = getattr(self, f"run_{name}")
+        return check()
 
     def get(self, slot: _Slot, values: dict[str, Any] | None = None) -> torch.Tensor:
         v = (self.values if values is None else values)[slot.name]
@@ -358,13 +367,13 @@ class _Case:
         return out
 
     def split_call(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        args = tuple(values[n] for n in self.names if n not in self.kwarg_only)
-        kwargs = {n: values[n] for n in self.names if n in self.kwarg_only}
+        kwonly = self.sig.kwonly_names
+        args = tuple(values[n] for n in self.names if n not in kwonly)
+        kwargs = {n: values[n] for n in kwonly}
         return args, kwargs
 
     def call(self, values: dict[str, Any], fn: Callable[..., Any] | None = None) -> Any:
-        args, kwargs = self.split_call(values)
-        return (self.op if fn is None else fn)(*args, **kwargs)
+        return self.sig.call(self.op if fn is None else fn, tuple(values[n] for n in self.names))
 
     def with_diff(self, values: dict[str, Any], tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
         """``values`` with the differentiable slots replaced by ``tensors``."""
@@ -388,12 +397,13 @@ class _Case:
         with _quiet():
             results = torch.library.opcheck(self.op.opoverload, args, kwargs, raise_exception=False)
         failed = [
-            f"{test}: {_short_exc(r)}" if isinstance(r, BaseException) else f"{test}: {r}"
+            f"torch.library.opcheck's {test} failed: "
+            + (_short_exc(r) if isinstance(r, BaseException) else str(r))
             for test, r in results.items()
             if r != "SUCCESS"
         ]
         if failed:
-            return "failed", "torch.library.opcheck:\n" + "\n".join(failed)
+            return "failed", "\n".join(failed)
         return "passed", ""
 
     # -- fake kernel --------------------------------------------------------------------------
@@ -490,7 +500,7 @@ class _Case:
         return re.sub(r"with respect to input (\d+)", name, first)
 
     # -- split and FLOPs ----------------------------------------------------------------------
-    def run_split(self, *, atol: float, rtol: float) -> dict[str, tuple[Status, str]]:
+    def run_split(self) -> dict[str, tuple[Status, str]]:
         inputs = [s for s in self.diff if not s.is_weight]
         weights = [s for s in self.diff if s.is_weight]
         if not inputs or not weights:
@@ -527,7 +537,7 @@ class _Case:
             a = torch.zeros_like(ref) if g_full is None else g_full
             b = torch.zeros_like(ref) if g_split is None else g_split
             try:
-                torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
+                torch.testing.assert_close(b, a, atol=self.atol, rtol=self.rtol)
             except AssertionError as e:
                 pass_name = "weight" if slot.is_weight else "input"
                 mismatches.append(
@@ -595,60 +605,41 @@ def _same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 class _BackwardWatch:
-    """Wraps an op's registered backward functions to see each call, then restores them.
-
-    Records, per pass, how often each function ran, and flags a half running in the other
-    half's pass and gradients returned although ``ctx.needs_input_grad`` said no.
-    """
-
-    ATTRS = (
-        ("_backward_fn", "backward"),
-        ("_backward_input_fn", "backward_input"),
-        ("_backward_weight_fn", "backward_weight"),
-    )
+    """Sees every call of an op's registered backward functions (through the op's autograd
+    observer hook) and records, per pass of the check, how often each ran; flags a half
+    running in the other half's pass and gradients returned although
+    ``ctx.needs_input_grad`` said no."""
 
     def __init__(self, op: CustomOp[..., Any]) -> None:
         self.op = op
         self.phase: Pass = "full"
         self.calls: dict[Pass, dict[str, int]] = {"full": {}, "input": {}, "weight": {}}
         self.problems: list[str] = []
-        self._saved: list[tuple[str, Any]] = []
+        self._scope = contextlib.ExitStack()
 
     def __enter__(self) -> _BackwardWatch:
-        for attr, label in self.ATTRS:
-            fn = getattr(self.op, attr, None)
-            if fn is not None:
-                self._saved.append((attr, fn))
-                setattr(self.op, attr, self._wrap(fn, label))
+        self._scope.enter_context(autograd_impl(self.op).observing(self.seen))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for attr, fn in self._saved:
-            setattr(self.op, attr, fn)
-        self._saved.clear()
+        self._scope.close()
 
-    def _wrap(self, fn: Callable[..., Any], label: str) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def watched(ctx: Any, saved: Any, *grads: Any) -> Any:
-            phase = self.phase
-            calls = self.calls[phase]
-            calls[label] = calls.get(label, 0) + 1
-            wrong_half = (label == "backward_input" and phase == "weight") or (
-                label == "backward_weight" and phase == "input"
-            )
-            if wrong_half:
-                self.problems.append(f"{label} ran in the {phase} pass")
-            result = fn(ctx, saved, *grads)
-            if phase != "full" and isinstance(result, dict):
-                for name, g in result.items():
-                    if _has_tensor(g) and not _safe_needs(ctx, name):
-                        self.problems.append(
-                            f"{label} computed a gradient for {name!r} in the {phase} pass, "
-                            f"where ctx.needs_input_grad({name!r}) is False (it is thrown away)"
-                        )
-            return result
-
-        return watched
+    def seen(self, label: str, node_phase: str, ctx: Any, result: Any) -> None:
+        phase = self.phase
+        calls = self.calls[phase]
+        calls[label] = calls.get(label, 0) + 1
+        wrong_half = (label == "backward_input" and phase == "weight") or (
+            label == "backward_weight" and phase == "input"
+        )
+        if wrong_half:
+            self.problems.append(f"{label} ran in the {phase} pass")
+        if phase != "full" and label != "backward_shared" and isinstance(result, dict):
+            for name, g in result.items():
+                if _has_tensor(g) and not _safe_needs(ctx, name):
+                    self.problems.append(
+                        f"{label} computed a gradient for {name!r} in the {phase} pass, "
+                        f"where ctx.needs_input_grad({name!r}) is False (it is thrown away)"
+                    )
 
 
 def _has_tensor(g: object) -> bool:

@@ -136,7 +136,8 @@ def test_unsupported_output_type() -> None:
     with pytest.raises(
         cg.DefinitionError,
         match=re.escape(
-            "output of type int is not supported; outputs must be Tensor, list[Tensor] or a tuple of those"
+            "a return of type int is not supported; outputs and residuals must be Tensor, "
+            "list[Tensor] (or Tensor? given with schema=), or a tuple of those"
         ),
     ):
         cg.op(unique("f"), f)
@@ -181,8 +182,9 @@ def test_no_autograd_registered() -> None:
 
     x = torch.ones(2, requires_grad=True)
     msg = re.escape(
-        f"{f.name}: an input requires grad, but the op has no autograd registered (missing: "
-        "register_save_for_backward, register_backward (or the register_backward_input/_weight pair))."
+        f"{f.name}: an input requires grad, but the op's autograd is not registered (missing: "
+        "register_save_for_backward, register_backward (or register_backward_input)). Register "
+        "a save_for_backward function and a backward:"
     )
     with pytest.raises(cg.MissingRegistrationError, match=msg):
         f(x)

@@ -342,7 +342,7 @@ def test_mutates_args_bumps_version_and_refuses_grad() -> None:
 def test_ctx_phase_and_needs_input_grad_follow_the_running_pass() -> None:
     seen: list[tuple[str, bool, bool, bool]] = []
     op = make_linear(pair=False)
-    inner = op._backward_fn
+    inner = op.rules.backward
     assert inner is not None
 
     def spy(ctx, saved, grad):
@@ -356,7 +356,7 @@ def test_ctx_phase_and_needs_input_grad_follow_the_running_pass() -> None:
         )
         return inner(ctx, saved, grad)
 
-    op.register_backward(spy)
+    op.register_backward(spy, split="phase")
     x, w, b = leaf(2, 3), leaf(4, 3), leaf(4)
     h = x * 1
     out = op(h, w, b)
@@ -377,7 +377,7 @@ def test_ctx_phase_and_needs_input_grad_follow_the_running_pass() -> None:
 def test_pair_runs_only_the_needed_half() -> None:
     calls: list[str] = []
     op = make_linear()
-    bin_, bw = op._backward_input_fn, op._backward_weight_fn
+    bin_, bw = op.rules.backward_input, op.rules.backward_weight
     assert bin_ is not None and bw is not None
     op.register_backward_input(lambda ctx, s, g: (calls.append("I"), bin_(ctx, s, g))[1])
     op.register_backward_weight(lambda ctx, s, g: (calls.append("W"), bw(ctx, s, g))[1])

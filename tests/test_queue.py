@@ -19,7 +19,6 @@ from customgrad.pipelining import (
     StreamSyncError,
     WeightGradQueue,
     WeightPassTwiceError,
-    _queue,
 )
 from tests._models import linear_op
 
@@ -62,8 +61,7 @@ def _reference(net: Net, data: list[tuple[Tensor, Tensor]]) -> tuple[Net, list[T
     return ref, grads
 
 
-@pytest.mark.parametrize("input_pass", ["queue.backward", "Tensor.backward"])
-def test_hand_written_loop_matches_autograd(input_pass: str) -> None:
+def test_hand_written_loop_matches_autograd() -> None:
     net = Net()
     data = _data(3)
     ref, ref_dx = _reference(net, data)
@@ -71,10 +69,7 @@ def test_hand_written_loop_matches_autograd(input_pass: str) -> None:
     for mb, (x, g) in enumerate(data):
         with queue.microbatch(stage=0, microbatch=mb):
             out = net(x)
-        if input_pass == "queue.backward":
-            queue.backward(out, g, inputs=[x])  # I: customgrad weight halves are queued
-        else:
-            out.backward(g)  # also queues them (hooks see an extra, empty accumulation)
+        queue.backward(out, g, inputs=[x])  # I: customgrad weight halves are queued
         torch.testing.assert_close(x.grad, ref_dx[mb])
     assert net.w.grad is None
     assert net.lin.weight.grad is not None  # native weights: computed in the backward itself
@@ -82,6 +77,23 @@ def test_hand_written_loop_matches_autograd(input_pass: str) -> None:
     for mb in (2, 0, 1):  # any order
         queue.run(0, mb)
     queue.finish()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_other_backwards_of_a_queued_forward_compute_what_they_ask_for() -> None:
+    # Only the queue's own input pass defers: a plain backward, or autograd.grad for a gradient
+    # penalty or a grad-norm log, computes its gradients now and queues nothing.
+    net = Net()
+    ((x, g),) = _data(1)
+    ref, _ = _reference(net, [(x, g)])
+    queue = WeightGradQueue()
+    with queue.microbatch(0, 0):
+        out = net(x)
+    (gw,) = torch.autograd.grad(out, [net.w], g, retain_graph=True)
+    torch.testing.assert_close(gw, ref.w.grad)
+    out.backward(g)
+    assert queue.pending() == []
     for p, rp in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, rp.grad)
 
@@ -136,20 +148,32 @@ def test_post_accumulate_grad_hooks_fire_once_per_microbatch_in_weight_pass() ->
         torch.testing.assert_close(got, want)
 
 
-def test_plain_backward_also_fires_deferred_hooks_in_input_pass() -> None:
-    # The documented limit of a plain backward (what torch's own PipelineStage runs): the engine
-    # runs the queued weight's accumulator in I with no gradient. queue.backward does not.
+def test_attached_plain_backward_defers_and_fires_deferred_hooks_early() -> None:
+    # The documented limit of torch's own PipelineStage with the queue as dw_builder: its input
+    # pass is a plain backward, so the engine runs the queued weight's accumulator in I with no
+    # gradient (hooks see None). customgrad's PipelineStage(queue=...) does not.
     net = Net()
     ((x, g),) = _data(1)
     seen = _record_hooks(net)
     queue = WeightGradQueue()
-    with queue.microbatch(0, 0):
-        out = net(x)
-    out.backward(g)
+    queue.attach(net, stage=0)
+    net(x).backward(g)
     assert ("w", None) in seen and net.w.grad is None
     seen.clear()
-    queue.run(0, 0)
+    queue.dw_builder(0)()
     assert [name for name, _ in seen] == ["w"]
+    queue.finish()
+
+
+def test_attached_autograd_grad_is_computed_not_queued() -> None:
+    net = Net()
+    ((x, g),) = _data(1)
+    ref, _ = _reference(net, [(x, g)])
+    queue = WeightGradQueue()
+    queue.attach(net, stage=0)
+    (gw,) = torch.autograd.grad(net(x), [net.w], g)
+    torch.testing.assert_close(gw, ref.w.grad)
+    assert queue.pending() == []
 
 
 def test_keys_are_per_stage() -> None:
@@ -214,7 +238,8 @@ def test_attached_module_run_outside_the_schedule_is_an_error() -> None:
         ),
     ):
         queue.dw_builder(3)
-    assert isinstance(StrayWeightWorkError("x"), (RuntimeError, cg.CustomGradError))
+    assert issubclass(StrayWeightWorkError, RuntimeError)
+    assert issubclass(StrayWeightWorkError, cg.CustomGradError)
     queue.run(3, 0)
     queue.run(3, 1)
     queue.finish()
@@ -256,7 +281,8 @@ def test_weight_pass_without_input_pass() -> None:
         ),
     ):
         queue.run(0, 0)
-    assert isinstance(MissingInputPassError("x"), (RuntimeError, cg.CustomGradError))
+    assert issubclass(MissingInputPassError, RuntimeError)
+    assert issubclass(MissingInputPassError, cg.CustomGradError)
 
 
 def test_weight_pass_twice() -> None:
@@ -265,7 +291,7 @@ def test_weight_pass_twice() -> None:
     ((x, g),) = _data(1)
     with queue.microbatch(0, 5):
         out = net(x)
-    out.backward(g)
+    queue.backward(out, g, inputs=[x])
     queue.run(0, 5)
     with pytest.raises(
         WeightPassTwiceError,
@@ -285,7 +311,7 @@ def test_work_left_at_step_end() -> None:
     ((x, g),) = _data(1)
     with queue.microbatch(2, 1):
         out = net(x)
-    out.backward(g)
+    queue.backward(out, g, inputs=[x])
     with pytest.raises(
         PendingWeightWorkError,
         match=re.escape(
@@ -326,25 +352,25 @@ class FakeStream:
         return self.name
 
 
-@pytest.fixture
-def streams(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeStream, FakeStream, list[str]]]:
-    log: list[str] = []
-    s1, s2 = FakeStream("s1", log), FakeStream("s2", log)
-    current = [s1]
+class FakeStreams:
+    """A stream policy over fake streams (the queue's ``streams=``), current one settable."""
+
+    def __init__(self) -> None:
+        self.log: list[str] = []
+        self.s1, self.s2 = FakeStream("s1", self.log), FakeStream("s2", self.log)
+        self.now = self.s1
+
+    def current(self, device: torch.device) -> FakeStream:
+        return self.now
 
     @contextlib.contextmanager
-    def use(stream: FakeStream) -> Iterator[None]:
-        log.append(f"run on {stream.name}")
-        prev, current[0] = current[0], stream
+    def use(self, stream: FakeStream) -> Iterator[None]:
+        self.log.append(f"run on {stream.name}")
+        prev, self.now = self.now, stream
         try:
             yield
         finally:
-            current[0] = prev
-
-    monkeypatch.setattr(_queue, "_current_stream", lambda device: current[0])
-    monkeypatch.setattr(_queue, "_use_stream", use)
-    yield s1, s2, log
-    current[0] = s1
+            self.now = prev
 
 
 def _queued_on_s1(queue: WeightGradQueue) -> None:
@@ -352,18 +378,16 @@ def _queued_on_s1(queue: WeightGradQueue) -> None:
     ((x, g),) = _data(1)
     with queue.microbatch(0, 0):
         out = net(x)
-    out.backward(g)
+    queue.backward(out, g, inputs=[x])
 
 
-def test_stream_work_runs_on_its_stream_and_current_waits(
-    streams: tuple[FakeStream, FakeStream, list[str]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    _, s2, log = streams
-    queue = WeightGradQueue()
+def test_stream_work_runs_on_its_stream_and_current_waits() -> None:
+    streams = FakeStreams()
+    queue = WeightGradQueue(streams=streams)
     _queued_on_s1(queue)
-    monkeypatch.setattr(_queue, "_current_stream", lambda device: s2)
+    streams.now = streams.s2
     queue.run(0, 0)
-    assert log == [
+    assert streams.log == [
         "s1 waits s2",
         "run on s1",
         "s2 waits s1",
@@ -373,13 +397,11 @@ def test_stream_work_runs_on_its_stream_and_current_waits(
     ]
 
 
-def test_stream_without_sync_raises(
-    streams: tuple[FakeStream, FakeStream, list[str]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    s1, s2, log = streams
-    queue = WeightGradQueue(sync_streams=False)
+def test_stream_without_sync_raises() -> None:
+    streams = FakeStreams()
+    queue = WeightGradQueue(sync_streams=False, streams=streams)
     _queued_on_s1(queue)
-    monkeypatch.setattr(_queue, "_current_stream", lambda device: s2)
+    streams.now = streams.s2
     with pytest.raises(
         StreamSyncError,
         match=re.escape(
@@ -388,18 +410,18 @@ def test_stream_without_sync_raises(
         ),
     ):
         queue.run(0, 0)
-    for event in s1.events:
+    for event in streams.s1.events:
         event.done = True  # the caller synchronised
     queue.run(0, 0)
-    assert log == []
+    assert streams.log == []
 
 
-def test_same_stream_runs_in_place(streams: tuple[FakeStream, FakeStream, list[str]]) -> None:
-    _, _, log = streams
-    queue = WeightGradQueue(sync_streams=False)
+def test_same_stream_runs_in_place() -> None:
+    streams = FakeStreams()
+    queue = WeightGradQueue(sync_streams=False, streams=streams)
     _queued_on_s1(queue)
     queue.run(0, 0)
-    assert log == []
+    assert streams.log == []
 
 
 # ---------------------------------------------------------------- queue.backward: graph shapes

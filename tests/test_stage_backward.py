@@ -203,9 +203,10 @@ def test_stage_queue_and_dw_builder_exclusive(group: None) -> None:
 def test_stage_reports_work_left_at_step_end(group: None) -> None:
     queue = WeightGradQueue()
     stage = PipelineStage(Block("cg"), 0, 2, torch.device("cpu"), queue=queue)
+    x = torch.randn(2, 8, requires_grad=True)
     with queue.microbatch(0, 7):
-        out = stage.submod(torch.randn(2, 8, requires_grad=True))
-    out.sum().backward()
+        out = stage.submod(x)
+    queue.backward(out.sum(), inputs=[x])
     with pytest.raises(PendingWeightWorkError, match=re.escape("(0, 7): their W never ran")):
         stage.perform_reduce_grad(1)
     queue.run(0, 7)

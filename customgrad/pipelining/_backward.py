@@ -2,34 +2,41 @@
 
 Drop-ins for ``torch.distributed.pipelining._backward``'s ``stage_backward``,
 ``stage_backward_input`` and ``stage_backward_weight`` (same signatures, same return values),
-written for customgrad:
+written for customgrad. The plan comes from :func:`customgrad._graph.plan_input_pass`:
 
 - In I, customgrad ops compute their input half and hand their weight half to W as it is
   (inputs and output gradients already in hand), so W never runs their input half again, even
-  when a weight is shared (``op(relu(op(x, w)), w)``), where torch's W re-runs the outer op.
+  when a weight is shared (``op(relu(op(x, w)), w)``), where torch's W re-runs the outer op. A
+  stage whose inputs need no gradient (the first stage) still runs its activation gradients in
+  I, so that W carries only weight work, as the schedules assume.
 - Other nodes with edges into the weight side (native ops, plain ``autograd.Function``\\ s) get
-  the gradients that reached them in I recorded; W runs them again from those, one group of
-  nodes that share weights at a time, exactly once per group (correct for shared weights and
-  multi-output nodes, where their own work may repeat as it does under torch).
+  the gradients that reached them in I recorded; W runs them again from those (their own work
+  may repeat, as it does under torch).
 - W sends every weight gradient through the autograd engine in one call, so ``.grad``
-  accumulation, post-accumulate-grad hooks (DDP/FSDP-style) and shared weights behave as in a
-  full backward: one accumulation per weight.
-- What W does not need is freed after I (when no native intermediate needs the graph again, I
-  does not retain it at all); after W nothing of the graph is kept, no hooks stay registered.
+  accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as in a
+  full backward: one accumulation per weight, each hook once. (torch's own weight pass fires no
+  post-accumulate-grad hooks.)
+- What W does not need is freed after I; after W nothing of the graph is kept.
+
+Errors raised here are also ``RuntimeError``\\ s, as torch's are (it wraps every error of these
+functions in one), besides their customgrad class.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad import _autograd
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._graph import InputPassPlan, grad_node, plan_input_pass
+from customgrad._record import NodeRecord
+from customgrad._routing import routing
 from customgrad.pipelining._errors import SplitStateError
-from customgrad.pipelining._graph import analyse, grad_node
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -52,45 +59,53 @@ results go to torch's stage_backward_weight.
 """
 
 
-class _SplitState:
-    """What one microbatch's I leaves for its W."""
+@functools.cache
+def _with_runtime_error(cls: type[Exception]) -> type[Exception]:
+    """``cls`` that is also a ``RuntimeError`` (what torch's drop-ins raise)."""
+    return type(cls.__name__, (cls, RuntimeError), {"__module__": cls.__module__})
 
-    __slots__ = ("captured", "deferred", "deferred_nodes", "direct", "done", "groups")
+
+@contextlib.contextmanager
+def _runtime_errors() -> Iterator[None]:
+    """Make every error leaving the block a ``RuntimeError`` too, keeping its own class."""
+    try:
+        yield
+    except RuntimeError:
+        raise
+    except Exception as e:
+        try:
+            wrapped = _with_runtime_error(type(e))(*e.args)  # type: ignore[arg-type]
+        except TypeError:  # a class that can't be combined with RuntimeError, or rebuilt
+            raise RuntimeError(str(e)) from e
+        raise wrapped.with_traceback(e.__traceback__) from e.__cause__
+
+
+class _SplitState:
+    """What one microbatch's I leaves for its W (the defer target of its customgrad nodes)."""
+
+    __slots__ = ("captured", "deferred", "direct", "done", "plan")
 
     def __init__(self) -> None:
-        self.deferred: list[Callable[[], None]] = []
-        self.deferred_nodes: set[Node] = set()
+        self.deferred: list[Any] = []
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        self.groups: list[tuple[list[Node], list[Node]]] = []
         self.direct: list[tuple[Node, int, torch.Tensor]] = []
+        self.plan = InputPassPlan()
         self.done = False
 
-    def defer(self, node: Any, run: Callable[[], None]) -> None:
-        self.deferred.append(run)
-        self.deferred_nodes.add(node)
+    def defer(self, record: NodeRecord, work: Any) -> None:
+        self.deferred.append(work)
 
     def clear(self) -> None:
         self.deferred = []
-        self.deferred_nodes = set()
         self.captured = {}
-        self.groups = []
         self.direct = []
+        self.plan = InputPassPlan()
 
     def __repr__(self) -> str:
         return (
             f"<customgrad split state: {len(self.deferred)} deferred customgrad weight halves, "
-            f"{len(self.groups)} native groups{', used' if self.done else ''}>"
+            f"{len(self.captured)} native intermediates{', used' if self.done else ''}>"
         )
-
-
-class _Drop:
-    """A defer target that throws the work away: its weight half was already handed to W."""
-
-    def defer(self, node: Any, run: Callable[[], None]) -> None:
-        del node, run
-
-
-_DROP = _Drop()
 
 
 def _edge_of(out: torch.Tensor | GradientEdge) -> tuple[Node, int] | None:
@@ -102,6 +117,15 @@ def _edge_of(out: torch.Tensor | GradientEdge) -> tuple[Node, int] | None:
     return node, (out.output_nr if out.grad_fn is not None else 0)
 
 
+def _sequence(value: object, what: str, fix: str) -> Sequence[Any]:
+    if isinstance(value, (torch.Tensor, GradientEdge)) or not isinstance(value, (list, tuple)):
+        raise ArgumentTypeError(
+            f"stage_backward_input: {what} must be a list or tuple, got "
+            f"{type(value).__name__}. {fix}"
+        )
+    return value
+
+
 def stage_backward_input(
     stage_outputs_or_loss: Sequence[torch.Tensor | GradientEdge],
     output_grads: Sequence[torch.Tensor | None] | None,
@@ -111,17 +135,25 @@ def stage_backward_input(
     """Compute the stage inputs' gradients (I) and set aside the weights' (W) work.
 
     Args:
-        stage_outputs_or_loss: the stage's outputs (or its loss); tensors or
+        stage_outputs_or_loss: the stage's outputs (or ``[loss]``); tensors or
             :class:`~torch.autograd.graph.GradientEdge`\\ s. Outputs that do not require grad
             are skipped.
         output_grads: one gradient per output (``None`` for the loss: ones are used). An output
             whose gradient is ``None`` contributes nothing.
         input_values: the stage's inputs; non-tensors and tensors without grad get ``None``.
-        weights: the stage's weights (e.g. ``module.parameters()``).
+        weights: the stage's weights (e.g. ``module.parameters()``); W computes the gradients
+            of every leaf of the stage that is not an input.
 
     Returns:
         ``(dinputs, param_groups)``: the input gradients (also accumulated into each input's
-        ``.grad``, as torch does), and an opaque list to pass to :func:`stage_backward_weight`.
+        ``.grad``, as torch does; the returned tensors are not ``.grad`` itself, so later
+        accumulation never changes them), and an opaque list to pass to
+        :func:`stage_backward_weight`.
+
+    Raises:
+        ArgumentTypeError: an argument is not a list where one is expected (e.g. a bare loss
+            tensor: pass ``[loss]``).
+        ArgumentValueError: ``output_grads`` does not match the outputs.
 
     Example:
         >>> lin = torch.nn.Linear(3, 3)
@@ -133,18 +165,39 @@ def stage_backward_input(
         >>> lin.weight.grad.shape
         torch.Size([3, 3])
     """
-    weight_list = [w for w in weights if isinstance(w, torch.Tensor)]
+    with _runtime_errors():
+        return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values)
+
+
+def _pair_outputs(
+    stage_outputs_or_loss: Any, output_grads: Any
+) -> tuple[list[torch.Tensor | GradientEdge], list[torch.Tensor], list[tuple[Node, int]]]:
+    outs = _sequence(stage_outputs_or_loss, "stage_outputs_or_loss", "Pass [loss] for a loss.")
+    if output_grads is not None:
+        output_grads = _sequence(
+            output_grads, "output_grads", "Pass one gradient per output (or None for a loss)."
+        )
+        if len(output_grads) != len(outs):
+            raise ArgumentValueError(
+                f"stage_backward_input: {len(outs)} outputs but {len(output_grads)} output "
+                f"gradients. Pass one gradient (or None) per output."
+            )
     outputs: list[torch.Tensor | GradientEdge] = []
     grads: list[torch.Tensor] = []
-    out_edges: list[tuple[Node, int]] = []
-    for i, out in enumerate(stage_outputs_or_loss):
+    edges: list[tuple[Node, int]] = []
+    for i, out in enumerate(outs):
         if isinstance(out, GradientEdge):
             if output_grads is None:
                 raise ArgumentValueError(
                     f"stage_backward_input: output {i} is a GradientEdge, which requires "
                     "output gradients; pass output_grads."
                 )
-        elif not isinstance(out, torch.Tensor) or (not out.requires_grad and out.grad_fn is None):
+        elif not isinstance(out, torch.Tensor):
+            raise ArgumentTypeError(
+                f"stage_backward_input: output {i} is a {type(out).__name__}; outputs must be "
+                f"Tensors or GradientEdges."
+            )
+        elif not out.requires_grad and out.grad_fn is None:
             continue
         grad: torch.Tensor | None = None
         if output_grads is not None:
@@ -156,24 +209,32 @@ def stage_backward_input(
             continue
         outputs.append(out)
         grads.append(grad)
-        out_edges.append(edge)
+        edges.append(edge)
+    return outputs, grads, edges
 
-    inputs_with_grad = [
+
+def _stage_backward_input(
+    stage_outputs_or_loss: Any, output_grads: Any, input_values: Any
+) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
+    input_values = _sequence(input_values, "input_values", "Pass the stage's inputs as a list.")
+    outputs, grads, out_edges = _pair_outputs(stage_outputs_or_loss, output_grads)
+    inputs = [
         (i, v)
         for i, v in enumerate(input_values)
         if isinstance(v, torch.Tensor) and v.requires_grad
     ]
-    input_nodes = {n for _, v in inputs_with_grad if (n := grad_node(v)) is not None}
-    weight_nodes = {n for w in weight_list if (n := grad_node(w)) is not None}
-    analysis = analyse([n for n, _ in out_edges], input_nodes, weight_nodes)
-
+    input_nodes = {n for _, v in inputs if (n := grad_node(v)) is not None}
     state = _SplitState()
-    state.groups = [(nodes, accs) for nodes, accs in analysis.groups if accs]
-    state.direct = [(*out_edges[i], grads[i]) for i in analysis.direct]
-    deferrable = analysis.deferrable
+    plan = plan_input_pass(
+        [n for n, _ in out_edges], input_nodes, lambda record: state, defer_native=True
+    )
+    state.plan = plan
+    state.direct = [(*out_edges[i], grads[i]) for i in plan.direct]
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
-    if inputs_with_grad and outputs:
+    targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
+    targets.extend(GradientEdge(n, 0) for n in plan.targets)
+    if targets and outputs:
         captured = state.captured
 
         def capture(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
@@ -182,46 +243,45 @@ def stage_backward_input(
 
             return hook
 
-        def resolve(node: Any) -> _autograd.DeferTarget | None:
-            return state if node in deferrable else None
-
-        handles = [n.register_prehook(capture(n)) for nodes, _ in state.groups for n in nodes]
-        _autograd.DEFER_RESOLVERS.insert(0, resolve)
+        handles = [n.register_prehook(capture(n)) for n in plan.intermediates]
+        before = [v.grad for _, v in inputs]
+        for _, v in inputs:
+            v.grad = None
         try:
-            found = torch.autograd.grad(
-                outputs,  # type: ignore[arg-type]
-                [v for _, v in inputs_with_grad],
-                grad_outputs=grads,
-                retain_graph=bool(state.groups),
-                allow_unused=True,
-            )
+            with routing(plan.input_routes):
+                torch.autograd.backward(
+                    outputs,  # type: ignore[arg-type]
+                    grad_tensors=grads,
+                    inputs=targets,  # type: ignore[arg-type]
+                    retain_graph=bool(plan.intermediates),
+                )
         finally:
-            _autograd.DEFER_RESOLVERS.remove(resolve)
             for h in handles:
                 h.remove()
-            del handles, capture, resolve
-        missing = deferrable - state.deferred_nodes
-        if missing:
-            raise RuntimeError(
-                f"customgrad internal error: {len(missing)} customgrad node(s) did not hand "
-                "their weight half to the split; please report this with the model."
-            )
-        for (i, v), g in zip(inputs_with_grad, found):
-            dinputs[i] = g
-            if g is not None:
-                if v.grad is None:
-                    v.grad = g
+            for (i, v), old in zip(inputs, before):
+                g = v.grad
+                dinputs[i] = g
+                if g is None:
+                    v.grad = old
                 else:
-                    v.grad += g
-    if not state.groups:
-        state.deferred_nodes = set()  # only W's drop resolver needs them
-
+                    v.grad = g.clone() if old is None else old + g
     # Drop the output side of the graph (views cannot be detached in place; their graph goes
     # when the caller drops them).
     for out in stage_outputs_or_loss:
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()
     return tuple(dinputs), [{_STATE_KEY: state}]
+
+
+def deferred_nodes(param_groups: object) -> set[Node]:
+    """The customgrad nodes whose weight half :func:`stage_backward_input` handed to W, read
+    off its ``param_groups`` before W runs (empty for anything else, such as torch's)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            return set(state.plan.deferred)
+    return set()
 
 
 def _state_of(param_groups: object) -> _SplitState:
@@ -245,8 +305,9 @@ def stage_backward_weight(
 ) -> tuple[torch.Tensor | None, ...]:
     """Compute the weights' gradients (W) that :func:`stage_backward_input` set aside.
 
-    Gradients accumulate into ``.grad`` through the autograd engine, one accumulation per
-    weight (post-accumulate-grad hooks fire once, as in a full backward).
+    Gradients accumulate into ``.grad`` through the autograd engine in one call: one
+    accumulation per weight, tensor hooks and post-accumulate-grad hooks fire once each, as in
+    a full backward (torch's own ``stage_backward_weight`` fires no post-accumulate-grad hooks).
 
     Args:
         weights: the stage's weights (e.g. ``module.parameters()``).
@@ -256,82 +317,64 @@ def stage_backward_weight(
     Returns:
         Each weight's ``.grad`` as it was when W started, as torch 2.13's
         ``stage_backward_weight`` returns it: ``None`` for a weight without a gradient yet,
-        else the tensor W then accumulates into in place.
+        else the tensor W then accumulates into.
 
     Raises:
         SplitStateError: ``param_groups`` were already used, or came from somewhere else.
     """
-    weight_list = [w for w in weights if isinstance(w, torch.Tensor)]
-    grads_before = tuple(w.grad for w in weight_list)
-    state = _state_of(param_groups)
-    state.done = True
+    with _runtime_errors():
+        weight_list = [w for w in weights if isinstance(w, torch.Tensor)]
+        grads_before = tuple(w.grad for w in weight_list)
+        state = _state_of(param_groups)
+        state.done = True
+        try:
+            _run_weight_pass(state, retain_graph)
+        finally:
+            state.clear()
+        return grads_before
+
+
+def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
+    plan = state.plan
+    roots: list[GradientEdge] = []
+    values: list[torch.Tensor] = []
+    for node, grads in state.captured.items():
+        for i, g in enumerate(grads):
+            if g is not None:
+                roots.append(GradientEdge(node, i))
+                values.append(g)
+    for node, nr, g in state.direct:
+        roots.append(GradientEdge(node, nr))
+        values.append(g)
+    for work in state.deferred:
+        edges, grads = work.gradients()
+        roots.extend(edges)
+        values.extend(grads)
+    if not roots:
+        return
+
+    # Intermediates run again from what reached them in I; only their weight-side edges
+    # matter now (the rest was done in I).
+    def keep_weight_side(side: tuple[bool, ...]) -> Callable[..., Any]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+            return tuple(g if w else None for g, w in zip(grad_inputs, side))
+
+        return hook
+
+    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in state.captured]
+    leaves = [v for n in plan.weight_leaves if isinstance(v := getattr(n, "variable", None),
+                                                              torch.Tensor)]  # fmt: skip
     try:
-        roots: list[GradientEdge] = []
-        values: list[torch.Tensor] = []
-        if state.groups:
-            _run_groups(state, roots, values)
-        for node, nr, g in state.direct:
-            roots.append(GradientEdge(node, nr))
-            values.append(g)
-        for run in state.deferred:
-            gradients = getattr(run, "gradients", None)
-            if gradients is None:
-                run()  # an older core: it sends its gradients itself
-                continue
-            edges, grads = gradients()
-            roots.extend(edges)
-            values.extend(grads)
-        if roots:
-            torch.autograd.backward(roots, grad_tensors=values, retain_graph=retain_graph)
+        with routing(plan.weight_routes):
+            torch.autograd.backward(
+                roots,
+                grad_tensors=values,
+                inputs=leaves or None,
+                retain_graph=retain_graph,
+            )
     finally:
-        state.clear()
-    return grads_before
-
-
-def _run_groups(state: _SplitState, roots: list[GradientEdge], values: list[torch.Tensor]) -> None:
-    """Run each group's intermediates again from the gradients I captured, up to its weights."""
-    deferred = state.deferred_nodes
-
-    def resolve(node: Any) -> _autograd.DeferTarget | None:
-        return _DROP if node in deferred else None
-
-    _autograd.DEFER_RESOLVERS.insert(0, resolve)
-    try:
-        for nodes, accs in state.groups:
-            edges: list[GradientEdge] = []
-            grads: list[torch.Tensor] = []
-            for node in nodes:
-                for i, g in enumerate(state.captured.get(node, ())):
-                    if g is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(g)
-            if not edges:
-                continue
-            # A node reached both as a root and through another root would add up twice:
-            # pin every intermediate of the group to what I saw arrive there.
-            handles = []
-            if len(nodes) > 1:
-                for node in nodes:
-                    pinned = state.captured.get(node)
-                    if pinned is not None:
-                        handles.append(node.register_prehook(lambda _g, p=pinned: p))
-            try:
-                found = torch.autograd.grad(
-                    edges,
-                    [GradientEdge(a, 0) for a in accs],
-                    grad_outputs=grads,
-                    retain_graph=True,
-                    allow_unused=True,
-                )
-            finally:
-                for h in handles:
-                    h.remove()
-            for acc, g in zip(accs, found):
-                if g is not None:
-                    roots.append(GradientEdge(acc, 0))
-                    values.append(g)
-    finally:
-        _autograd.DEFER_RESOLVERS.remove(resolve)
+        for h in handles:
+            h.remove()
 
 
 def _flatten_outputs(
@@ -406,10 +449,11 @@ def stage_backward(
         >>> dx.shape, x.grad
         (torch.Size([2, 3]), None)
     """
-    return _stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs)
+    with _runtime_errors():
+        return run_stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs)
 
 
-def _stage_backward(
+def run_stage_backward(
     stage_output: Any,
     output_grads: Any,
     input_values: Sequence[Any],

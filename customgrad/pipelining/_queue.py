@@ -1,32 +1,39 @@
 """A weight-gradient queue: customgrad ops' weight halves, kept per stage and microbatch.
 
-In the input pass (I) of a microbatch whose forward ran under the queue, customgrad ops compute
-their input gradients and put their weight-gradient work in the queue under that microbatch's
-``(stage, microbatch)`` key. The weight pass (W) runs one key's work later, sends all of it
-through the autograd engine in one call (``.grad`` accumulates as in a full backward, post-
-accumulate-grad hooks fire once per weight), and respects the device stream the work was queued
-on.
+A forward run under the queue (:meth:`WeightGradQueue.microbatch`, or every forward of a module
+given to :meth:`WeightGradQueue.attach`) tags its customgrad nodes with a
+``(stage, microbatch)`` key. The queue's input pass (I), :meth:`WeightGradQueue.backward`,
+computes input gradients and native weight gradients now and puts the tagged nodes' weight
+halves in the queue under their key; the weight pass (W), :meth:`WeightGradQueue.run`, runs one
+key's work later and sends all of it through the autograd engine in one call (``.grad``
+accumulates as in a full backward, tensor and post-accumulate-grad hooks fire once per weight),
+on the device stream the work was queued on.
 
-I runs through :meth:`WeightGradQueue.backward` (which
-:class:`customgrad.pipelining.PipelineStage` uses): a backward that leaves the deferred weights'
-part of the graph alone, so their ``AccumulateGrad`` nodes (and the hooks on them) run once, in
-W. A plain ``Tensor.backward()`` of a queued forward still queues the weight halves (that is
-what torch's own ``PipelineStage`` runs), but the engine then also runs the deferred weights'
-accumulators with no gradient: their post-accumulate-grad hooks fire in I with ``.grad`` unset,
-and again in W.
+Only the queue's own input pass defers work. Any other backward of a tagged forward
+(``loss.backward()``, ``torch.autograd.grad(loss, [w])`` for a gradient penalty) computes what
+it asks for, with one exception: a module given to :meth:`~WeightGradQueue.attach` is meant for
+torch's own ``PipelineStage(dw_builder=queue.dw_builder(stage))``, whose input pass is a plain
+``torch.autograd.backward``; a backward that starts at such a module's outputs and accumulates
+into ``.grad`` (not ``autograd.grad``) defers its weight halves. The engine then still runs the
+deferred weights' accumulators in I with no gradient: their tensor hooks are called with
+``None`` and their post-accumulate-grad hooks fire with ``.grad`` unset, in I, and again in W.
+``customgrad.pipelining.PipelineStage(..., queue=queue)`` avoids that.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.hooks import RemovableHandle
 
-from customgrad import _autograd
+from customgrad._graph import grad_node, is_leaf_accumulator, plan_input_pass, reach
+from customgrad._record import NodeRecord, record_of
+from customgrad._routing import Route, install_for_task, routing, tagging
 from customgrad.pipelining._errors import (
     MissingInputPassError,
     PendingWeightWorkError,
@@ -34,11 +41,12 @@ from customgrad.pipelining._errors import (
     StreamSyncError,
     WeightPassTwiceError,
 )
-from customgrad.pipelining._graph import grad_node, weight_edge_mask
 
-__all__ = ["WeightGradQueue"]
+__all__ = ["AcceleratorStreams", "StreamPolicy", "WeightGradQueue"]
 
 Key = tuple[int, int]
+
+_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 
 MSG_NO_INPUT_PASS = """\
 WeightGradQueue.run(stage={stage}, microbatch={mb}): nothing was queued for this microbatch: \
@@ -81,29 +89,41 @@ which runs the work on the stream it was queued on and makes the current stream 
 """
 
 
-def _current_stream(device: torch.device) -> Any:
-    """The current stream of ``device`` (``None`` on CPU and devices without streams)."""
-    if device.type in ("cpu", "meta"):
-        return None
-    return torch.accelerator.current_stream(device)
+class StreamPolicy(Protocol):
+    """How the queue sees device streams (injected, so that tests can fake them on CPU)."""
+
+    def current(self, device: torch.device) -> Any:
+        """The current stream of ``device``, or None on a device without streams."""
+        ...
+
+    def use(self, stream: Any) -> AbstractContextManager[None]:
+        """Make ``stream`` current for its device inside the block."""
+        ...
 
 
-@contextlib.contextmanager
-def _use_stream(stream: Any) -> Iterator[None]:
-    """Make ``stream`` current for its device inside the block."""
-    prev = torch.accelerator.current_stream(stream.device)
-    torch.accelerator.set_stream(stream)
-    try:
-        yield
-    finally:
-        torch.accelerator.set_stream(prev)
+class AcceleratorStreams:
+    """The streams of ``torch.accelerator`` (CUDA, XPU, ...); none on CPU and meta."""
+
+    def current(self, device: torch.device) -> Any:
+        if device.type in ("cpu", "meta"):
+            return None
+        return torch.accelerator.current_stream(device)
+
+    @contextlib.contextmanager
+    def use(self, stream: Any) -> Iterator[None]:
+        prev = torch.accelerator.current_stream(stream.device)
+        torch.accelerator.set_stream(stream)
+        try:
+            yield
+        finally:
+            torch.accelerator.set_stream(prev)
 
 
 class _Work:
-    __slots__ = ("event", "run", "stream")
+    __slots__ = ("event", "stream", "work")
 
-    def __init__(self, run: Callable[[], None], stream: Any) -> None:
-        self.run = run
+    def __init__(self, work: Any, stream: Any) -> None:
+        self.work = work
         self.stream = stream
         self.event = None if stream is None else stream.record_event()
 
@@ -120,136 +140,34 @@ class _Attachment:
 
 
 class _Tag:
-    """What a forward under the queue leaves on each customgrad node (``node._cg_tag``)."""
+    """What a forward under the queue tags its customgrad nodes with: where their weight halves
+    go when the queue's input pass defers them."""
 
-    __slots__ = ("key", "queue")
+    __slots__ = ("attached", "key", "queue")
 
-    def __init__(self, queue: WeightGradQueue, key: Key) -> None:
+    def __init__(self, queue: WeightGradQueue, key: Key, attached: bool) -> None:
         self.queue = queue
         self.key = key
+        self.attached = attached
 
-    def defer(self, node: Any, run: Callable[[], None]) -> None:
-        self.queue._enqueue(self.key, node, run)
-
-
-def _compute(item: _Work, roots: list[GradientEdge], values: list[torch.Tensor]) -> None:
-    gradients = getattr(item.run, "gradients", None)
-    if gradients is None:
-        item.run()  # an older core: it sends its gradients itself
-        return
-    edges, grads = gradients()
-    roots.extend(edges)
-    values.extend(grads)
+    def defer(self, record: NodeRecord, work: Any) -> None:
+        self.queue._enqueue(self.key, work)
 
 
-_INPUT_PASSES: list[dict[Node, _Tag | None]] = []
-"""One entry per running :meth:`WeightGradQueue.backward`: its tagged nodes, and where each goes.
-
-Read by the resolver from whatever thread the engine runs a node on (CUDA backward runs on
-device threads), so it is a plain shared list, not a thread-local or a context variable.
-"""
-
-
-def _resolve(node: Any) -> _autograd.DeferTarget | None:
-    """Where a tagged customgrad node's weight half goes, if anywhere.
-
-    - In an input pass run by :meth:`WeightGradQueue.backward`: as that pass planned it.
-    - In a queue's weight pass (W): nowhere; W computes everything it reaches.
-    - In any other backward (a plain ``Tensor.backward()``, torch's stage): queued if the
-      backward wants the node's weight gradients. A backward that only asks for input gradients
-      (``autograd.grad`` on inputs, a shape inference pass) computes no weight half, so it queues
-      nothing either.
-    """
-    tag = getattr(node, "_cg_tag", None)
-    if not isinstance(tag, _Tag):
-        return None
-    for plan in _INPUT_PASSES:
-        if node in plan:
-            return plan[node]
-    if tag.queue._weight_passes:
-        return None
-    mask = weight_edge_mask(node) or ()
-    for (fn, _), is_weight in zip(node.next_functions, mask):
-        if is_weight and fn is not None and _autograd.engine_needs(fn):
-            return tag
-    return None
-
-
-def _split_children(node: Node) -> tuple[list[Node], list[Node]]:
-    """A customgrad node's children along its non-weight edges, and along its weight edges."""
-    mask = weight_edge_mask(node) or ()
-    others: list[Node] = []
-    weights: list[Node] = []
-    for i, (fn, _) in enumerate(node.next_functions):
-        if fn is not None:
-            (weights if i < len(mask) and mask[i] else others).append(fn)
-    return others, weights
-
-
-def _reach(
-    starts: Sequence[Node], stop: set[Node], cut: dict[Node, list[Node]] | None = None
-) -> set[Node]:
-    """Nodes reachable from ``starts``, not past ``stop``; a node in ``cut`` leads only to
-    ``cut[node]``."""
-    seen: set[Node] = set()
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in stop:
-            continue
-        if cut is not None and node in cut:
-            stack.extend(cut[node])
-        else:
-            stack.extend(fn for fn, _ in node.next_functions if fn is not None)
-    return seen
-
-
-def _plan_input_pass(
-    roots: Sequence[Node], stop: set[Node]
-) -> tuple[dict[Node, _Tag | None], list[Node]]:
-    """Plan an input pass: which tagged nodes defer their weight half, which nodes must run.
-
-    A tagged node defers when nothing on its weights' side of the graph is needed by the rest of
-    the pass (no stage input, nothing another path reaches). Returns the plan (tagged node ->
-    tag to defer to, or ``None`` to compute in place) and the nodes the engine must run: every
-    leaf accumulator reached without crossing a deferring node's weight edges, and the
-    deferring nodes themselves (they run for their input half, or to hand over their work).
-    """
-    everything = _reach(roots, stop)
-    tags: dict[Node, _Tag] = {}
-    for node in everything:
-        tag = getattr(node, "_cg_tag", None)
-        if isinstance(tag, _Tag):
-            tags[node] = tag
-    cut: dict[Node, list[Node]] = {}
-    weight_side: dict[Node, set[Node]] = {}
-    for node in tags:
-        others, weights = _split_children(node)
-        cut[node] = others
-        weight_side[node] = _reach(weights, stop)
-    while True:
-        live = _reach(roots, stop, cut)
-        clash = [n for n in cut if not weight_side[n].isdisjoint(live) or weight_side[n] & stop]
-        if not clash:
-            break
-        for n in clash:
-            del cut[n]
-    deferring = cut
-    plan: dict[Node, _Tag | None] = {n: (t if n in deferring else None) for n, t in tags.items()}
-    targets = [
-        n
-        for n in live
-        if n in deferring or (n not in stop and not n.next_functions and hasattr(n, "variable"))
-    ]
-    return plan, targets
-
-
-def _install() -> None:
-    if _resolve not in _autograd.DEFER_RESOLVERS:
-        _autograd.DEFER_RESOLVERS.append(_resolve)
+def _accumulates(node: Node, record: NodeRecord) -> bool:
+    """Whether the running backward accumulates into ``.grad`` (rather than captures, as
+    ``autograd.grad`` does, or skips) the gradient of every leaf on ``node``'s weight side."""
+    if _will_execute is None:
+        return False
+    weights = [fn for (fn, _), w in zip(node.next_functions, record.edge_is_weight()) if w and fn]
+    for leaf in reach(weights, set()):
+        if is_leaf_accumulator(leaf):
+            try:
+                if not _will_execute(leaf):
+                    return False  # not needed now: nothing to defer
+            except Exception:  # a leaf captured by autograd.grad: compute it now
+                return False
+    return True
 
 
 class WeightGradQueue:
@@ -260,20 +178,15 @@ class WeightGradQueue:
     :meth:`dw_builder`); :meth:`finish` ends a step. ``customgrad.pipelining.PipelineStage(...,
     queue=queue)`` does all of this for torch's schedules.
 
-    Deferred weights accumulate as in one full backward: once, in W, post-accumulate-grad hooks
-    included. That needs the input pass to be :meth:`backward` (customgrad's ``PipelineStage``
-    runs it). A plain ``Tensor.backward()`` of a tagged forward (and torch's own
-    ``PipelineStage(dw_builder=queue.dw_builder)``, which runs ``torch.autograd.backward``
-    itself) still queues the weight halves and gives the same ``.grad``, but the engine runs the
-    deferred weights' accumulators in I too, with no gradient: their post-accumulate-grad hooks
-    fire once in I with ``.grad`` unset, then again in W. DDP's reducer, which wants each
-    parameter ready once, cannot be used that way.
+    Deferred weights accumulate as in one full backward: once, in W, tensor hooks and
+    post-accumulate-grad hooks included.
 
     Args:
         sync_streams: when W runs from another device stream than the one its work was queued
             on, run the work on the queued stream and make the current stream wait for it
             (default). With ``False``, such a run raises :class:`StreamSyncError` unless the
             queued work has already finished.
+        streams: how device streams are read and switched (default: ``torch.accelerator``).
 
     Example:
         >>> import customgrad as cg
@@ -297,56 +210,84 @@ class WeightGradQueue:
         >>> queue.finish()
     """
 
-    def __init__(self, *, sync_streams: bool = True) -> None:
+    def __init__(self, *, sync_streams: bool = True, streams: StreamPolicy | None = None) -> None:
         self.sync_streams = sync_streams
+        self.streams: StreamPolicy = AcceleratorStreams() if streams is None else streams
         self._pending: dict[Key, list[_Work]] = {}
         self._done: set[Key] = set()
         self._recent: list[Key] = []
         self._counters: dict[int, int] = {}
-        self._weight_passes = 0
 
     # ------------------------------------------------------------------ forward side
 
-    @contextlib.contextmanager
-    def microbatch(self, stage: int, microbatch: int) -> Iterator[None]:
-        """Run a forward inside this block to queue its customgrad weight work under the key."""
-        _install()
-        token = _autograd.FORWARD_TAG.set(_Tag(self, (stage, microbatch)))
-        try:
-            yield
-        finally:
-            _autograd.FORWARD_TAG.reset(token)
+    def microbatch(self, stage: int, microbatch: int) -> AbstractContextManager[None]:
+        """Run a forward inside this block to queue its customgrad weight work under the key
+        when its input pass runs through :meth:`backward`."""
+        return tagging(_Tag(self, (stage, microbatch), attached=False))
 
     def attach(self, module: torch.nn.Module, stage: int) -> _Attachment:
         """Queue the weight work of every forward of ``module``, numbering microbatches 0, 1, ...
 
         For ``torch.distributed.pipelining.PipelineStage(module, ..., dw_builder=...)``, whose
-        forwards run microbatches in order; numbering restarts after :meth:`finish`.
-        Returns a handle whose ``remove()`` detaches the queue.
+        forwards run microbatches in order and whose input pass is a plain backward from the
+        module's outputs: such a backward defers the weight halves (see the module docs for
+        the hooks it fires early). Numbering restarts after :meth:`finish`. Returns a handle
+        whose ``remove()`` detaches the queue.
 
         Every forward counts, so remove the handle around a forward and backward of the module
         outside the schedule: otherwise the schedule's next :meth:`dw_builder` call finds that
-        work too and raises :class:`StrayWeightWorkError`. torch's stage runs its input pass as
-        a plain full backward, so queued weights' post-accumulate-grad hooks fire in I (with no
-        gradient) as well as in W; ``customgrad.pipelining.PipelineStage(..., queue=queue)``
-        needs no ``attach`` and fires them once, in W.
+        work too and raises :class:`StrayWeightWorkError`.
         """
-        _install()
-        tokens: list[Any] = []
+        tags: list[contextlib.ExitStack] = []
 
         def pre(mod: torch.nn.Module, args: Any) -> None:
             mb = self._counters.get(stage, 0)
             self._counters[stage] = mb + 1
-            tokens.append(_autograd.FORWARD_TAG.set(_Tag(self, (stage, mb))))
+            stack = contextlib.ExitStack()
+            stack.enter_context(tagging(_Tag(self, (stage, mb), attached=True)))
+            tags.append(stack)
 
         def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            if tokens:
-                _autograd.FORWARD_TAG.reset(tokens.pop())
+            if tags:
+                tags.pop().close()
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            for o in outs:
+                if isinstance(o, torch.Tensor) and o.grad_fn is not None:
+                    self._plan_at(o.grad_fn)
 
         return _Attachment(
             module.register_forward_pre_hook(pre),
             module.register_forward_hook(post, always_call=True),
         )
+
+    def _plan_at(self, root: Node) -> None:
+        """Plan the backward that reaches ``root`` (an attached module's output) when it runs."""
+        planned = [-1]
+
+        def hook(grad_outputs: Any) -> None:
+            task = torch._C._current_graph_task_id()
+            if planned[0] == task:
+                return
+            planned[0] = task
+
+            def target_of(record: NodeRecord) -> _Tag | None:
+                tag = record.tag
+                if isinstance(tag, _Tag) and tag.queue is self and tag.attached:
+                    return tag
+                return None
+
+            plan = plan_input_pass([root], set(), target_of, defer_native=False)
+            routes: dict[NodeRecord, Route] = {}
+            for node, target in plan.deferred.items():
+                record = record_of(node)
+                if record is not None and _accumulates(node, record):
+                    weights = record.edge_is_weight()
+                    routes[record] = Route(
+                        needed=tuple(False if w else None for w in weights), defer=target
+                    )
+            install_for_task(routes)
+
+        root.register_prehook(hook)
 
     # ------------------------------------------------------------------ backward side
 
@@ -357,16 +298,14 @@ class WeightGradQueue:
         *,
         inputs: Sequence[Any] = (),
     ) -> None:
-        """The input pass (I): ``torch.autograd.backward``, with queued weights left for W.
+        """The input pass (I): input gradients now, customgrad weight halves into the queue.
 
-        Runs the backward of ``outputs`` as ``torch.autograd.backward(outputs, grad_outputs)``
-        would, except for the weights whose gradients only come through customgrad ops queued
-        by this pass: those ops compute their input half now and queue their weight half, and
-        the engine does not touch the weights' side of the graph at all, so their ``.grad`` and
-        post-accumulate-grad hooks (DDP/FSDP-style) see one accumulation, in :meth:`run`.
-        Everything else (stage inputs, native modules' and plain ``autograd.Function``\\ s'
-        weights, weights also used outside customgrad ops) gets its gradient now, as in a plain
-        backward.
+        Tagged customgrad nodes whose weights nothing else in this pass reaches put their
+        weight half in the queue, and their weights' part of the graph is left alone until
+        :meth:`run`: ``.grad``, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style)
+        see one accumulation, in :meth:`run`. Everything else (stage inputs, native modules'
+        and plain ``autograd.Function``\\ s' weights, weights also used outside customgrad ops)
+        gets its gradient now, as in a plain backward.
 
         Args:
             outputs: what to differentiate (tensors or
@@ -399,7 +338,6 @@ class WeightGradQueue:
             hook: tensor([3., 3.])
             >>> queue.finish()
         """
-        _install()
         if isinstance(outputs, (torch.Tensor, GradientEdge)):
             outputs = [outputs]
         outs = list(outputs)
@@ -418,27 +356,28 @@ class WeightGradQueue:
             roots.append(node)
         stage_inputs = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
         stop = {n for v in stage_inputs if (n := grad_node(v)) is not None}
-        plan, nodes = _plan_input_pass(roots, stop)
+
+        def target_of(record: NodeRecord) -> _Tag | None:
+            tag = record.tag
+            return tag if isinstance(tag, _Tag) and tag.queue is self else None
+
+        plan = plan_input_pass(roots, stop, target_of, defer_native=False)
         targets: list[torch.Tensor | GradientEdge] = [*stage_inputs]
-        targets.extend(GradientEdge(n, 0) for n in nodes)
+        targets.extend(GradientEdge(n, 0) for n in plan.targets)
         if not targets:
             return  # nothing in this graph takes a gradient now, and nothing is queued
-        _INPUT_PASSES.append(plan)
-        try:
+        with routing(plan.input_routes):
             torch.autograd.backward(
                 outs,  # type: ignore[arg-type]
                 grad_tensors=grads,
                 inputs=targets,  # type: ignore[arg-type]
             )
-        finally:
-            _INPUT_PASSES.remove(plan)
 
-    def _enqueue(self, key: Key, node: Any, run: Callable[[], None]) -> None:
-        device = next((m[2] for m in node._cg_meta if m is not None), torch.device("cpu"))
+    def _enqueue(self, key: Key, work: Any) -> None:
         if key not in self._pending:
             self._pending[key] = []
             self._recent.append(key)
-        self._pending[key].append(_Work(run, _current_stream(device)))
+        self._pending[key].append(_Work(work, self.streams.current(work.device)))
 
     def pending(self) -> list[Key]:
         """The ``(stage, microbatch)`` keys whose W has not run yet."""
@@ -466,32 +405,30 @@ class WeightGradQueue:
         del self._pending[key]
         self._done.add(key)
         if roots:
-            self._weight_passes += 1
-            try:
-                torch.autograd.backward(roots, grad_tensors=values)
-            finally:
-                self._weight_passes -= 1
+            torch.autograd.backward(roots, grad_tensors=values)
 
     def _collect(
         self, key: Key, item: _Work, roots: list[GradientEdge], values: list[torch.Tensor]
     ) -> None:
         queued = item.stream
-        current = None if queued is None else _current_stream(queued.device)
+        current = None if queued is None else self.streams.current(queued.device)
         if queued is None or current == queued:
-            _compute(item, roots, values)
+            edges, grads = item.work.gradients()
         elif not self.sync_streams:
             if item.event is not None and not item.event.query():
                 raise StreamSyncError(
                     MSG_STREAM.format(stage=key[0], mb=key[1], queued=queued, current=current)
                 )
-            _compute(item, roots, values)
+            edges, grads = item.work.gradients()
         else:
             if current is not None:
                 queued.wait_stream(current)
-            with _use_stream(queued):
-                _compute(item, roots, values)
+            with self.streams.use(queued):
+                edges, grads = item.work.gradients()
             if current is not None:
                 current.wait_stream(queued)
+        roots.extend(edges)
+        values.extend(grads)
 
     def finish(self, stage: int | None = None) -> None:
         """End a step (for one stage, or all): check no work is left, start counting anew.
@@ -535,10 +472,11 @@ class WeightGradQueue:
                     keys=", ".join(map(str, keys)),
                 )
             )
-        return self._runner(keys, strict=True)
+        return self.runner(keys, strict=True)
 
-    def _runner(self, keys: list[Key], *, strict: bool) -> Callable[[], None]:
-        """A runner for ``keys``' W; with ``strict=False``, keys with no work are skipped."""
+    def runner(self, keys: list[Key], *, strict: bool) -> Callable[[], None]:
+        """A function that runs W for ``keys``; with ``strict=False``, keys with no work are
+        skipped (a stage without customgrad ops queues none)."""
         self._recent = [k for k in self._recent if k not in keys]
 
         def run() -> None:

@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from customgrad._errors import ArgumentValueError
 from customgrad.pipelining._backward import (
-    _stage_backward,
+    run_stage_backward,
     stage_backward,
     stage_backward_input,
     stage_backward_weight,
@@ -72,7 +72,7 @@ class PipelineStage(_TorchPipelineStage):
         if self._bwd_chunk is None:  # called outside backward_one_chunk
             return queue.dw_builder(self.stage_index)
         # The microbatch whose backward just ran (a stage without customgrad ops queues none).
-        return queue._runner([(self.stage_index, self._bwd_chunk)], strict=False)
+        return queue.runner([(self.stage_index, self._bwd_chunk)], strict=False)
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         self._bwd_chunk = bwd_chunk_id
@@ -107,7 +107,7 @@ class PipelineStage(_TorchPipelineStage):
                         bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], inputs
                     )
                 else:
-                    grads = _stage_backward(
+                    grads = run_stage_backward(
                         bwd_kwargs["stage_output"],
                         bwd_kwargs["output_grads"],
                         inputs,

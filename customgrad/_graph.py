@@ -1,0 +1,264 @@
+"""Reading a stage's autograd graph, and the one planner of a split backward's input pass.
+
+A split backward runs an input pass (I: the gradients of the stage inputs, and every activation
+gradient inside the stage) and later a weight pass (W: the weights' gradients).
+:func:`plan_input_pass` decides, for one stage's graph, what I runs:
+
+- customgrad nodes on the activation side hand their weight half to W (*deferred*): they run in
+  I for their input half (or only to hand over the work, when no input of theirs needs a
+  gradient, as in a pipeline's first stage);
+- I runs every node that leads to a stage input or to a deferred node (:attr:`executed`), and
+  tells each customgrad node among them which of its edges the pass uses (a route), so that no
+  node has to ask the engine;
+- other nodes of I with edges into the weight side (native ops, plain ``autograd.Function``\\ s)
+  are *intermediates*: I records the gradients that reach them, and W runs them again from
+  those (torch's split does the same).
+
+``customgrad.pipelining.stage_backward_input``/``_weight`` and the weight-gradient queue both
+plan with it (the queue keeps native weight work in I and defers only customgrad weight halves
+whose weights nothing else in I touches), and ``customgrad.graph.explain_split`` reports with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import Node
+
+from customgrad._record import NodeRecord, record_of
+from customgrad._routing import DeferTarget, Route
+
+__all__ = [
+    "InputPassPlan",
+    "children",
+    "grad_node",
+    "is_leaf_accumulator",
+    "plan_input_pass",
+    "postorder",
+    "reach",
+]
+
+
+def grad_node(t: torch.Tensor) -> Node | None:
+    """The node a gradient for ``t`` flows into: its ``grad_fn``, or its ``AccumulateGrad``."""
+    if not t.requires_grad:
+        return None
+    if t.grad_fn is not None:
+        return t.grad_fn
+    return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def is_leaf_accumulator(node: Node) -> bool:
+    """Whether ``node`` accumulates a leaf tensor's gradient into its ``.grad``."""
+    return not node.next_functions and hasattr(node, "variable")
+
+
+def children(node: Node) -> Iterator[Node]:
+    """The nodes ``node`` sends gradients to."""
+    for fn, _ in node.next_functions:
+        if fn is not None:
+            yield fn
+
+
+def postorder(roots: Iterable[Node], stop: Iterable[Node] = ()) -> list[Node]:
+    """Every node reachable from ``roots``, children before parents; nothing past ``stop``."""
+    stops = set(stop)
+    seen: set[Node] = set()
+    order: list[Node] = []
+    for root in roots:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack: list[tuple[Node, Any]] = [(root, iter(() if root in stops else children(root)))]
+        while stack:
+            node, it = stack[-1]
+            for child in it:
+                if child not in seen:
+                    seen.add(child)
+                    stack.append((child, iter(() if child in stops else children(child))))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order
+
+
+def reach(
+    starts: Iterable[Node], stop: set[Node], cut: Mapping[Node, Sequence[Node]] | None = None
+) -> set[Node]:
+    """Nodes reachable from ``starts`` (included), not past ``stop``; a node in ``cut`` leads
+    only to ``cut[node]``."""
+    seen: set[Node] = set()
+    stack = list(starts)
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node in stop:
+            continue
+        if cut is not None and node in cut:
+            stack.extend(cut[node])
+        else:
+            stack.extend(children(node))
+    return seen
+
+
+def _split_children(node: Node, record: NodeRecord) -> tuple[list[Node], list[Node]]:
+    """A customgrad node's children along its non-weight edges, and along its weight edges."""
+    others: list[Node] = []
+    weights: list[Node] = []
+    for (fn, _), is_weight in zip(node.next_functions, record.edge_is_weight()):
+        if fn is not None:
+            (weights if is_weight else others).append(fn)
+    return others, weights
+
+
+@dataclass
+class InputPassPlan:
+    """What :func:`plan_input_pass` decided for one stage's graph.
+
+    Attributes:
+        executed: the nodes I runs (stage inputs' and leaf accumulators it accumulates
+            included).
+        deferred: customgrad nodes whose weight half goes to W, with where it goes.
+        intermediates: nodes of I with edges into the weight side that W runs again (only with
+            ``defer_native``); :meth:`weight_side_edges` tells which of their edges W needs.
+        direct: positions of the roots that lead only to weights (W starts there).
+        targets: the nodes I must run beyond the stage inputs (deferred customgrad nodes, and
+            without ``defer_native`` the leaf accumulators I fills).
+        weight_leaves: the leaf accumulators W fills (only with ``defer_native``).
+        input_routes: a route for every customgrad node I runs.
+        weight_routes: routes for W: deferred nodes compute nothing, customgrad intermediates
+            only their weight-side edges.
+    """
+
+    executed: set[Node] = field(default_factory=set)
+    deferred: dict[Node, DeferTarget] = field(default_factory=dict)
+    intermediates: list[Node] = field(default_factory=list)
+    direct: list[int] = field(default_factory=list)
+    targets: list[Node] = field(default_factory=list)
+    weight_leaves: list[Node] = field(default_factory=list)
+    input_routes: dict[NodeRecord, Route] = field(default_factory=dict)
+    weight_routes: dict[NodeRecord, Route] = field(default_factory=dict)
+    weight_side: set[Node] = field(default_factory=set)
+
+    def weight_side_edges(self, node: Node) -> tuple[bool, ...]:
+        """For each edge of ``node``, whether it leads into the weight side."""
+        side = self.weight_side
+        return tuple(fn is not None and fn in side for fn, _ in node.next_functions)
+
+
+def plan_input_pass(
+    roots: Sequence[Node],
+    input_nodes: set[Node],
+    target_of: Callable[[NodeRecord], DeferTarget | None],
+    *,
+    defer_native: bool,
+) -> InputPassPlan:
+    """Plan the input pass of a split backward over the graph under ``roots``.
+
+    Args:
+        roots: the nodes the outputs' gradients flow into.
+        input_nodes: the nodes of the stage inputs (I computes their gradients; the graph is
+            not followed past them).
+        target_of: for a customgrad node, where its weight half may go, or None to keep it.
+        defer_native: True for customgrad's split (W also re-runs native nodes' weight work);
+            False for the weight-gradient queue (native weight work stays in I, so a customgrad
+            node defers only when nothing else in I reaches its weights).
+    """
+    everything = postorder(roots, input_nodes)
+    records: dict[Node, NodeRecord] = {}
+    split: dict[Node, tuple[list[Node], list[Node]]] = {}
+    for node in everything:
+        record = record_of(node)
+        if record is not None:
+            records[node] = record
+            split[node] = _split_children(node, record)
+    leaves = [n for n in everything if n not in input_nodes and is_leaf_accumulator(n)]
+    leaf_set = set(leaves)
+    leads_w: set[Node] = set()
+    for node in everything:
+        if node in leaf_set or (
+            node not in input_nodes and any(c in leads_w for c in children(node))
+        ):
+            leads_w.add(node)
+
+    # Candidates: customgrad nodes on the activation side (reached without crossing a
+    # customgrad node's weight edges) with weight edges that need a gradient.
+    cut = {n: others for n, (others, _) in split.items()}
+    activation = reach(roots, input_nodes, cut)
+    candidates: dict[Node, DeferTarget] = {}
+    for node in everything:
+        if node in activation and node in records and split[node][1]:
+            target = target_of(records[node])
+            if target is not None:
+                candidates[node] = target
+
+    while True:
+        targets: set[Node] = set(candidates)
+        live_leaves: set[Node] = set()
+        if not defer_native:
+            # The queue's I accumulates every leaf it reaches without crossing a deferring
+            # node's weight edges.
+            live_cut = {n: split[n][0] for n in candidates}
+            live_leaves = reach(roots, input_nodes, live_cut) & leaf_set
+            targets |= live_leaves
+        executed: set[Node] = set()
+        for node in everything:
+            if node in input_nodes:
+                continue
+            if node in targets or any(c in executed or c in input_nodes for c in children(node)):
+                executed.add(node)
+
+        def on_weight_side(fn: Node, executed: set[Node] = executed) -> bool:
+            return fn not in executed and fn not in input_nodes and fn in leads_w
+
+        bad = []
+        for node in candidates:
+            others, weights = split[node]
+            if any(not on_weight_side(fn) for fn in weights) or any(
+                on_weight_side(fn) for fn in others
+            ):
+                bad.append(node)  # I needs a "weight" gradient, or W an input one
+            elif not defer_native:
+                side = reach(weights, input_nodes)
+                if not side.isdisjoint(executed) or not side.isdisjoint(input_nodes):
+                    bad.append(node)  # its weights also get gradients in I
+        if not bad:
+            break
+        for node in bad:
+            del candidates[node]
+
+    plan = InputPassPlan(executed=executed, deferred=candidates)
+    plan.weight_side = {n for n in leads_w if n not in executed and n not in input_nodes}
+    plan.targets = [n for n in everything if n in candidates or n in live_leaves]
+    for node, record in records.items():
+        if node not in executed:
+            continue
+        needed = tuple(
+            fn is not None and (fn in executed or fn in input_nodes)
+            for fn, _ in node.next_functions
+        )
+        plan.input_routes[record] = Route(needed=needed, defer=candidates.get(node))
+    if defer_native:
+        side = plan.weight_side
+        plan.intermediates = [
+            n
+            for n in everything
+            if n in executed and n not in candidates and any(c in side for c in children(n))
+        ]
+        root_set = list(roots)
+        plan.direct = [i for i, r in enumerate(root_set) if r not in executed and r in leads_w]
+        plan.weight_leaves = [n for n in leaves if n in side]
+        for node in candidates:
+            record = records[node]
+            plan.weight_routes[record] = Route(needed=(False,) * len(node.next_functions))
+        for node in plan.intermediates:
+            record = records.get(node)
+            if record is not None:
+                plan.weight_routes[record] = Route(needed=plan.weight_side_edges(node))
+    return plan

@@ -1,0 +1,114 @@
+"""One record per customgrad autograd node: what its forward left for its backward.
+
+Other modules (the split planner, the weight-gradient queue, ``explain_split``) read a node
+only through :func:`record_of`; nothing else is stored on the node.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from customgrad._signature import ArgKind
+
+if TYPE_CHECKING:
+    from customgrad._routing import Route
+    from customgrad._rules import OpSpec
+    from customgrad._validate import TensorMeta
+
+__all__ = ["NO_HANDOFF", "NodeRecord", "attach", "record_of"]
+
+_ATTR = "_cg"
+
+NO_HANDOFF: Any = object()
+"""``NodeRecord.handoff`` before anything was handed from one pass to the next."""
+
+
+class NodeRecord:
+    """What one customgrad op call left on its autograd node.
+
+    Attributes:
+        impl: the op's autograd implementation (``impl.spec`` is the op).
+        metas: ``(shape, dtype, device)`` of each flat input (list items inline; None for
+            non-tensors); the node has one input edge per tensor entry, in this order.
+        lens: lengths of the list arguments, or None when the op has none.
+        out_lens: lengths of the list outputs (None entries for single tensors), or None when
+            the node's outputs are the op's outputs as they are.
+        kept: how the saved values are laid out (see ``customgrad._autograd``).
+        tag: what the forward was tagged with (see :func:`customgrad._routing.tagging`).
+        route: what a planned backward told this node (see :mod:`customgrad._routing`).
+        handoff: values the earlier pass of a split computed for the later one
+            (:data:`NO_HANDOFF` when none).
+        split: the node's automatic-split plan, once its first backward chose one.
+        forward_ad: ``(args, outputs)`` kept for a jvp while forward AD is active.
+    """
+
+    __slots__ = (
+        "forward_ad",
+        "handoff",
+        "impl",
+        "kept",
+        "lens",
+        "metas",
+        "out_lens",
+        "route",
+        "split",
+        "tag",
+        "weight_edges",
+    )
+
+    def __init__(
+        self,
+        impl: Any,
+        metas: list[TensorMeta],
+        lens: tuple[int, ...] | None,
+        tag: Any,
+    ) -> None:
+        self.impl = impl
+        self.metas = metas
+        self.lens = lens
+        self.tag = tag
+        self.out_lens: list[int | None] | None = None
+        self.kept: Any = None
+        self.route: Route | None = None
+        self.handoff: Any = NO_HANDOFF
+        self.split: Any = None
+        self.forward_ad: Any = None
+        self.weight_edges: tuple[bool, ...] | None = None
+
+    @property
+    def op(self) -> OpSpec:
+        """The op this node belongs to."""
+        spec: OpSpec = self.impl.spec
+        return spec
+
+    def edge_is_weight(self) -> tuple[bool, ...]:
+        """For each of the node's input edges (``next_functions``), whether it carries a weight
+        argument's gradient."""
+        cached = self.weight_edges
+        if cached is None:
+            sig = self.op.signature
+            flags: list[bool] = []
+            lens = iter(self.lens or ())
+            metas = iter(self.metas)
+            for spec in sig.args:
+                n = next(lens) if spec.kind is ArgKind.TENSOR_LIST else 1
+                is_weight = spec.name in sig.weight_set
+                for _ in range(n):
+                    if next(metas) is not None:
+                        flags.append(is_weight)
+            cached = self.weight_edges = tuple(flags)
+        return cached
+
+    def __repr__(self) -> str:
+        return f"<customgrad node record of {self.op.name}>"
+
+
+def record_of(node: object) -> NodeRecord | None:
+    """The record of a customgrad autograd node, or None for any other node (or None)."""
+    record = getattr(node, _ATTR, None)
+    return record if isinstance(record, NodeRecord) else None
+
+
+def attach(ctx: Any, record: NodeRecord) -> None:
+    """Store ``record`` on the autograd node ``ctx`` (called once, at forward)."""
+    setattr(ctx, _ATTR, record)

@@ -1,0 +1,129 @@
+"""Routing: what a planned backward tells customgrad nodes, and what a forward tags them with.
+
+A split backward (``customgrad.pipelining``) plans a pass before the engine runs it: which of a
+customgrad node's input edges the pass needs (so the node asks the engine nothing), and where
+the node's weight half goes when the pass leaves it for later. :func:`routing` installs such a
+plan on the nodes' records for the duration of one backward and removes it after; a plan made
+inside a running backward (from a node pre-hook) is installed with :func:`install_for_task` and
+holds for that graph task only. Nothing is global: a route lives on the record of the node it
+is for, so backwards running on several threads (or on the engine's device threads) never see
+each other's plans.
+
+:func:`tagging` marks the customgrad nodes a forward creates (a context variable, read when a
+node is created), e.g. with the weight-gradient queue's ``(stage, microbatch)`` key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from customgrad._errors import UnsupportedError
+
+if TYPE_CHECKING:
+    from customgrad._record import NodeRecord
+
+__all__ = [
+    "DeferTarget",
+    "Route",
+    "current_tag",
+    "install_for_task",
+    "route_for",
+    "routing",
+    "tagging",
+]
+
+_graph_task_id = torch._C._current_graph_task_id
+
+
+class DeferTarget(Protocol):
+    """Where a customgrad node's weight half goes when the pass leaves it for later."""
+
+    def defer(self, record: NodeRecord, work: Any) -> None:
+        """Keep ``work`` (a ``customgrad._autograd.DeferredWork``) for the weight pass."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """What one planned backward tells one customgrad node.
+
+    Attributes:
+        needed: per input edge of the node (``next_functions`` order), whether the pass uses its
+            gradient (None for an edge, or for all, to ask the autograd engine).
+        defer: where the weight half goes for weights that require grad but that this pass does
+            not compute; None to leave them (a later pass through the node computes them).
+        task: the graph task the route was planned for; None for a route installed by
+            :func:`routing`, which holds while its context is open.
+    """
+
+    needed: tuple[bool | None, ...] | None = None
+    defer: DeferTarget | None = None
+    task: int | None = None
+
+
+def route_for(record: NodeRecord) -> Route | None:
+    """The route of the running backward for this node, or None when it was not planned."""
+    route = record.route
+    if route is None or (route.task is not None and route.task != _graph_task_id()):
+        return None
+    return route
+
+
+@contextlib.contextmanager
+def routing(routes: Mapping[NodeRecord, Route]) -> Iterator[None]:
+    """Install ``routes`` on their nodes' records for the duration of the block.
+
+    Raises:
+        UnsupportedError: a node already has a route from another open ``routing`` block (two
+            planned backwards through one graph at the same time).
+    """
+    installed: list[tuple[NodeRecord, Route]] = []
+    try:
+        for record, route in routes.items():
+            current = record.route
+            if current is not None and current.task is None:
+                raise UnsupportedError(
+                    f"{record.op.name}: two planned backwards run through the same autograd "
+                    f"node at once (another thread's split of the same graph?). Run one "
+                    f"backward per graph at a time."
+                )
+            record.route = route
+            installed.append((record, route))
+        yield
+    finally:
+        for record, route in installed:
+            if record.route is route:
+                record.route = None
+
+
+def install_for_task(routes: Mapping[NodeRecord, Route]) -> None:
+    """Install ``routes`` for the graph task running now (call from inside a backward)."""
+    task = _graph_task_id()
+    for record, route in routes.items():
+        current = record.route
+        if current is None or current.task is not None:
+            record.route = dataclasses.replace(route, task=task)
+
+
+_TAG: contextvars.ContextVar[Any] = contextvars.ContextVar("customgrad_forward_tag", default=None)
+
+
+@contextlib.contextmanager
+def tagging(tag: Any) -> Iterator[None]:
+    """Tag the customgrad nodes that forwards inside the block create with ``tag``."""
+    token = _TAG.set(tag)
+    try:
+        yield
+    finally:
+        _TAG.reset(token)
+
+
+def current_tag() -> Any:
+    """What a customgrad node created now is tagged with (None outside :func:`tagging`)."""
+    return _TAG.get()

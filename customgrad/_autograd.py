@@ -63,6 +63,15 @@ _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
 _DelayedError: Any = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
+try:
+    from torch._C._functorch import TransformType as _TransformType
+    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
+
+    _JVP: Any = _TransformType.Jvp
+    _functorch_interpreters: Callable[[], Any] = retrieve_all_functorch_interpreters
+except ImportError:  # pragma: no cover - torch without functorch
+    _JVP = None
+    _functorch_interpreters = list
 
 BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
 """Called as ``observer(label, phase, ctx, result)`` after each registered backward function
@@ -196,13 +205,17 @@ class BackwardContext:
 
 
 def _versions(saved: Any, grads: tuple[Any, ...]) -> list[tuple[str, torch.Tensor, int]]:
-    out = [(f"the gradient of output {i}", g, g._version) for i, g in enumerate(grads) if
-           type(g) is _Tensor]  # fmt: skip
+    out = [
+        (f"the gradient of output {i}", g, g._version)
+        for i, g in enumerate(grads)
+        if type(g) is _Tensor
+    ]
     if isinstance(saved, _Tensor):
         out.append(("the saved tensor", saved, saved._version))
     elif isinstance(saved, tuple):
-        out.extend((f"saved[{i}]", t, t._version) for i, t in enumerate(saved)
-                   if isinstance(t, _Tensor))  # fmt: skip
+        out.extend(
+            (f"saved[{i}]", t, t._version) for i, t in enumerate(saved) if isinstance(t, _Tensor)
+        )
     else:
         for i, t in enumerate(optree.tree_leaves(saved, none_is_leaf=True)):
             if isinstance(t, _Tensor):
@@ -307,6 +320,13 @@ class AutogradImpl:
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
+        # One Function class per op, so that autograd's own messages and the profiler name
+        # the op: "CustomGrad[mylib::linear]".
+        function: type[_CustomGradNode] = type(f"CustomGrad[{spec.name}]", (_CustomGradNode,), {})
+        function._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
+        self._function_apply: Callable[..., Any] = function.apply
+        # What Function.apply ends in when no functorch transform is active.
+        self._c_apply: Callable[..., Any] = super(torch.autograd.Function, function).apply  # type: ignore[misc]
 
     @contextlib.contextmanager
     def observing(self, observer: BackwardObserver) -> Iterator[None]:
@@ -343,13 +363,15 @@ class AutogradImpl:
         if sig.has_lists:
             lens, flat = _flatten_args(sig, args)
             call.lens = lens
-            out = _Function_apply(self, call, *flat)
+            out = self._function_apply(self, call, *flat)
         elif _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
-            out = _Function_apply(self, call, *args)
+            out = self._function_apply(self, call, *args)
         else:
             # Function.apply without a functorch transform: unwrap dead wrappers, then apply.
             unwrap = _unwrap_if_dead
-            out = _c_apply(self, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in args])
+            out = self._c_apply(
+                self, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in args]
+            )
         if sig.plain_output:
             return out
         if sig.output_is_tuple:
@@ -374,8 +396,6 @@ class AutogradImpl:
             call.saved = save(inputs, outputs)
         else:
             call.saved = save(inputs, outputs, tuple.__new__(sig.residuals_type, residuals))
-        if _fwad._current_level >= 0:
-            call.forward_ad = (inputs, outputs)
         if sig.plain_output:
             return outputs
         outs = outputs if sig.output_is_tuple else (outputs,)
@@ -402,11 +422,13 @@ class AutogradImpl:
         if not sig.plain_output:
             record.out_lens = call.out_lens
             _mark_outputs(ctx, sig, call.out_lens, output)
+        # Under functorch transforms setup_context runs once per transform level, on the
+        # same call: ``call.saved`` stays (the call dies with ``apply``).
         _save(ctx, record, self.spec, call.saved)
-        call.saved = None
-        if call.forward_ad is not None:
-            record.forward_ad = call.forward_ad
-            call.forward_ad = None
+        if _forward_ad_active():
+            args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
+            outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
+            record.forward_ad = (tuple.__new__(sig.inputs_type, args), outputs)
         attach(ctx, record)
 
     # -- backward ------------------------------------------------------------------------------
@@ -464,8 +486,9 @@ class AutogradImpl:
                     ctx = BackwardContext(spec, phase, needed)
                     for o in observers:
                         o(f"backward (traced {phase} part)", phase, ctx, result)
-                return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas,
-                                     by_name)  # fmt: skip
+                return collect_grads(
+                    sig, "full", bwd, result, sig.tensor_set, needed, metas, by_name
+                )
             ctx = BackwardContext(spec, phase, needed)
             result = _call_user(ctx, "full", bwd, saved, grads)
             for o in observers:
@@ -485,16 +508,18 @@ class AutogradImpl:
             result = _call_user(ctx, "input", bwd_in, saved, grads)
             for o in observers:
                 o("backward_input", phase, ctx, result)
-            grads_out = collect_grads(sig, "input", bwd_in, result, sig.input_set, need_in, metas,
-                                      by_name)  # fmt: skip
+            grads_out = collect_grads(
+                sig, "input", bwd_in, result, sig.input_set, need_in, metas, by_name
+            )
         if need_w:
             if bwd_w is None:
                 raise MissingRegistrationError(spec.missing_autograd_message())
             result = _call_user(ctx, "weight", bwd_w, saved, grads)
             for o in observers:
                 o("backward_weight", phase, ctx, result)
-            got = collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas,
-                                by_name)  # fmt: skip
+            got = collect_grads(
+                sig, "weight", bwd_w, result, sig.weight_set, need_w, metas, by_name
+            )
             if grads_out:
                 grads_out.update(got)
             else:
@@ -660,18 +685,17 @@ def _check_tangents(
 class _Call:
     """What one op call passes through ``Function.apply`` (the node's second input)."""
 
-    __slots__ = ("forward_ad", "kernel", "lens", "out_lens", "saved")
+    __slots__ = ("kernel", "lens", "out_lens", "saved")
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.lens: tuple[int, ...] | None = None
         self.out_lens: list[int | None] | None = None
         self.saved: Any = None
-        self.forward_ad: Any = None
 
 
 class _CustomGradNode(torch.autograd.Function):
-    """The autograd node of every customgrad op call (ctx is the node)."""
+    """The autograd node of a customgrad op call (ctx is the node); each op subclasses it."""
 
     @staticmethod
     def forward(impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
@@ -708,12 +732,26 @@ def _node_apply(node: Any, *grads: Any) -> Any:
 
 
 # The engine runs a node by calling its ``apply``; torch's calls ``backward`` through two more
-# Python frames. The class is this Function's own node class, made by its metaclass.
-_CustomGradNode._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
+# Python frames. Each op's Function subclass gets its own node class from torch's metaclass;
+# AutogradImpl points that class's ``apply`` here.
 
-_Function_apply: Callable[..., Any] = _CustomGradNode.apply
-# What ``Function.apply`` ends in when no functorch transform is active.
-_c_apply: Callable[..., Any] = super(torch.autograd.Function, _CustomGradNode).apply
+
+def _forward_ad_active() -> bool:
+    """Whether a jvp may follow this forward: a dual level, or a functorch jvp transform."""
+    if _fwad._current_level >= 0:
+        return True
+    if _functorch_active is None or not _functorch_active():
+        return False
+    return any(i.key() == _JVP for i in _functorch_interpreters())
+
+
+def _public_outputs(sig: Signature, out_lens: Any, output: Any) -> Any:
+    """The op's outputs from the node's flat outputs."""
+    if sig.output_is_tuple:
+        return _regroup(out_lens, output if isinstance(output, tuple) else (output,))
+    if sig.output_kinds and sig.output_kinds[0] is ArgKind.TENSOR_LIST:
+        return list(output)
+    return output
 
 
 def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
@@ -734,6 +772,16 @@ def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
 
 # --------------------------------------------------------------------------------------------
 # Saving and restoring what save_for_backward returned
+
+
+class _Kept(NamedTuple):
+    """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
+    in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
+
+    leaves: list[Any]
+    treespec: Any
+    tensor_idx: list[int]
+
 
 # What ``record.kept`` holds when ``save_for_backward`` returned something simple.
 _SAVED_NONE: Any = object()  # None
@@ -774,7 +822,7 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
                 ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
                 for i in tensor_idx:
                     leaves[i] = None
-            record.kept = (leaves, None, tensor_idx)
+            record.kept = _Kept(leaves, None, tensor_idx)
             return
     leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
     tensor_idx = []
@@ -787,7 +835,7 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
         ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
         for i in tensor_idx:
             leaves[i] = None
-    record.kept = (leaves, treespec, tensor_idx)
+    record.kept = _Kept(leaves, treespec, tensor_idx)
 
 
 def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
@@ -937,6 +985,15 @@ class DeferredWork:
             torch.autograd.backward(roots, grad_tensors=values)
 
 
+class _WeightEdge(NamedTuple):
+    """Where one weight's gradient goes: argument, list index, and the node edge."""
+
+    name: str
+    item: int | None
+    node: Any
+    input_nr: int
+
+
 def _deferred(
     impl: AutogradImpl,
     node: Any,
@@ -957,14 +1014,14 @@ def _deferred(
             e += 1
     req = node.needs_input_grad
     next_fns = node.next_functions
-    edges: list[tuple[str, int | None, Any, int]] = []
+    edges: list[_WeightEdge] = []
     for name in sorted(weights, key=sig.index.__getitem__):
         start, n = (sig.index[name], None) if slots is None else slots[name]
         for i in range(1 if n is None else n):
             j = start + i
             if req[j + 2]:
                 fn, idx = next_fns[edge_of[j]]
-                edges.append((name, None if n is None else i, fn, idx))
+                edges.append(_WeightEdge(name, None if n is None else i, fn, idx))
     later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
 
     def compute() -> tuple[list[GradientEdge], list[torch.Tensor]]:

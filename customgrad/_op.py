@@ -612,9 +612,12 @@ class CustomOp(Generic[P, R]):
 
     def _half_rules(self, half: Half, fn: Callable[..., Any], differentiable: bool) -> Any:
         _check_arity(
-            self.name, f"the {half} backward", fn, 2 + len(self._sig.output_kinds),
+            self.name,
+            f"the {half} backward",
+            fn,
+            2 + len(self._sig.output_kinds),
             self._grads_shape(),
-        )  # fmt: skip
+        )
         nondiff = set(self._rules.nondifferentiable) - {half}
         if not differentiable:
             nondiff.add(half)
@@ -748,9 +751,12 @@ class CustomOp(Generic[P, R]):
         split backward, kept for the later pass and freed after it (in a full backward, once).
         """
         _check_arity(
-            self.name, "the shared backward", fn, 2 + len(self._sig.output_kinds),
+            self.name,
+            "the shared backward",
+            fn,
+            2 + len(self._sig.output_kinds),
             self._grads_shape(),
-        )  # fmt: skip
+        )
         self._rules = self._rules.replace(backward_shared=fn, backward=None, auto=None)
         return fn
 

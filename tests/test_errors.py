@@ -61,6 +61,12 @@ def good_weight(ctx, saved, g):
     return {"weight": g.mT @ saved[0], "bias": g.sum(0)}
 
 
+def good_input_all(ctx, saved, g):
+    """A single backward returning every gradient of ``linear_op``'s op (bias as zeros)."""
+    x, w = saved
+    return {"x": g @ w, "weight": g.mT @ x, "bias": g.sum(0)}
+
+
 # -- definition ------------------------------------------------------------------------------
 
 
@@ -552,6 +558,460 @@ def test_needs_input_grad_of_an_unknown_name() -> None:
         run_backward(linear_op(bwd))
 
 
+# -- hardening: internal errors and confusing messages become clear errors ---------------------
+
+
+def test_kernel_returning_none() -> None:
+    op = linear_op(good_input_all)
+    op.register_kernel(None, lambda x, weight, bias=None, scale=1: None)
+    x = torch.randn(2, 3, requires_grad=True)
+    msg = re.escape(
+        f"{op.name}: the kernel returned None, but the schema ((Tensor x, Tensor weight, "
+        "Tensor? bias=None, SymInt scale=1) -> Tensor) asks for Tensor as its output."
+    )
+    with pytest.raises(cg.KernelOutputError, match=msg):
+        op(x, torch.randn(4, 3))
+    with torch.no_grad(), pytest.raises(cg.KernelOutputError, match=msg):
+        op(x, torch.randn(4, 3))
+
+
+def test_kernel_returning_an_input() -> None:
+    @cg.op(unique("identity"))
+    def identity(x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    identity.register_fake(lambda x: torch.empty_like(x))
+    identity.register_save_for_backward(lambda inputs, output: None)
+    identity.register_backward_input(lambda ctx, saved, g: {"x": g})
+    msg = re.escape(
+        f"{identity.name}: the kernel returned a Tensor that is (a view of) one of its inputs or "
+        "of another output. Custom ops must return new tensors"
+    )
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(cg.KernelOutputError, match=msg):
+        identity(x)
+    with torch.no_grad(), pytest.raises(cg.KernelOutputError, match=msg):
+        identity(x)
+    with pytest.raises(cg.KernelOutputError, match=msg):
+        identity.opoverload(x.detach())
+
+
+@pytest.mark.parametrize("device", ["cpuu", "CPU", "cpu:0", "tpu"])
+def test_unknown_device_type(device: str) -> None:
+    name = unique("dev")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    with pytest.raises(cg.DefinitionError, match=re.escape(f"{name}: ")) as raised:
+        cg.op(name, f, device_types=device)
+    assert repr(device) in str(raised.value)
+    assert "lowercase and without an index" in str(raised.value)
+    op = cg.op(name, f, device_types="cpu")  # nothing half-defined was left behind
+    assert op(torch.ones(1)).tolist() == [2.0]
+    with pytest.raises(cg.DefinitionError, match=re.escape(f"{name}: ")):
+        op.register_kernel(device, f)
+
+
+def test_unpickling_an_op_this_process_never_defined() -> None:
+    import pickle
+
+    from customgrad._op import _lookup
+
+    class Stranger:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (_lookup, ("never::defined",))
+
+    with pytest.raises(
+        cg.MissingRegistrationError,
+        match=re.escape(
+            "customgrad op 'never::defined' is not defined in this process, so it cannot be "
+            "unpickled. Import the module that defines it"
+        ),
+    ):
+        pickle.loads(pickle.dumps(Stranger()))
+
+
+def test_builtin_kernel() -> None:
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape("cannot read the signature of <built-in method sin"),
+    ):
+        cg.op(unique("sin"), torch.sin)
+
+
+def test_check_op_of_something_else() -> None:
+    from customgrad.testing import check_op
+
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape("check_op: expected a customgrad op (made with customgrad.op), got"),
+    ):
+        check_op(torch.sin, torch.ones(2))  # type: ignore[arg-type]
+
+
+def test_save_for_backward_hiding_tensors_in_a_dataclass() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Saved:
+        x: torch.Tensor
+        weight: torch.Tensor
+
+    op = linear_op(good_input_all)
+    op.register_save_for_backward(lambda inputs, output: Saved(inputs.x, inputs.weight))
+    with pytest.raises(
+        cg.SaveError,
+        match=re.escape(
+            f"{op.name}: save_for_backward returned a dataclass "
+            "(test_save_for_backward_hiding_tensors_in_a_dataclass.<locals>.Saved), which holds "
+            "Tensors customgrad cannot see."
+        ),
+    ):
+        run_backward(op)
+
+
+def test_float_gradient_for_an_integer_argument() -> None:
+    @cg.op(unique("gather"))
+    def gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return x[index]
+
+    gather.register_fake(lambda x, index: x.new_empty(index.shape))
+    gather.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.index))
+
+    @gather.register_backward
+    def bwd(ctx: cg.BackwardContext, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        x, index = saved
+        return {"x": torch.zeros_like(x).index_add(0, index, g), "index": g}
+
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            f"{gather.name}: backward returned a gradient for 'index', but that input is a "
+            "torch.int64 tensor, which has no gradient (only floating-point and complex tensors "
+            f"do). Return None for it. (backward defined at {where(bwd)})"
+        ),
+    ):
+        gather(torch.randn(4, requires_grad=True), torch.tensor([1, 2])).sum().backward()
+
+
+def test_backward_with_the_wrong_number_of_gradient_parameters() -> None:
+    op = linear_op()
+
+    def bwd(ctx: Any, saved: Any, g1: Any, g2: Any) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{op.name}: the full backward takes 4 positional parameter(s), but customgrad calls "
+            "it with 3: (ctx, saved, grad): one gradient per output."
+        ),
+    ):
+        op.register_backward(bwd)
+
+
+def test_keyword_only_tensor_passed_positionally() -> None:
+    @cg.op(unique("kwonly"))
+    def f(x: torch.Tensor, *, scale: torch.Tensor) -> torch.Tensor:
+        return x * scale
+
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            f"{f.name}: too many positional arguments. The op takes (Tensor x, *, "
+            "Tensor scale) -> Tensor; pass 'scale' by keyword."
+        ),
+    ):
+        f(torch.ones(2), torch.ones(2))  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("arg", "got"),
+    [
+        ("x", "None"),
+        ("x", "a list of 2 items"),
+        ("x", "a numpy.ndarray"),
+        ("scale", "a Tensor of shape (), requires grad"),
+        ("xs", "a Tensor of shape (2,)"),
+    ],
+)
+def test_argument_of_the_wrong_kind_is_named_before_the_kernel_runs(arg: str, got: str) -> None:
+    import numpy as np
+
+    ran: list[int] = []
+
+    @cg.op(unique("kinds"))
+    def f(x: torch.Tensor, xs: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        ran.append(1)
+        return x * scale
+
+    values: dict[str, Any] = {
+        "x": torch.ones(2),
+        "xs": [torch.ones(2)],
+        "scale": 1.0,
+    }
+    values[arg] = {
+        "None": None,
+        "a list of 2 items": [1.0, 2.0],
+        "a numpy.ndarray": np.ones(2),
+        "a Tensor of shape (), requires grad": torch.tensor(2.0, requires_grad=True),
+        "a Tensor of shape (2,)": torch.ones(2),
+    }[got]
+    want = {
+        "x": "a Tensor",
+        "xs": "a list of Tensors",
+        "scale": "a float, not a Tensor (customgrad differentiates Tensor arguments only)",
+    }[arg]
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(f"{f.name}: argument {arg!r} must be {want}, but got {got}."),
+    ):
+        f(**values)
+    assert ran == []
+
+
+def test_missing_autograd_of_an_op_without_weights_says_nothing_of_weights() -> None:
+    @cg.op(unique("mul"))
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x * y
+
+    with pytest.raises(cg.MissingRegistrationError) as raised:
+        f(torch.ones(2, requires_grad=True), torch.ones(2))
+    assert "weight" not in str(raised.value)
+    assert "register_backward (or register_backward_input)" in str(raised.value)
+
+
+def test_in_place_change_of_a_saved_output_names_the_op() -> None:
+    @cg.op(unique("exp"))
+    def exp(x: torch.Tensor) -> torch.Tensor:
+        return torch.exp(x)
+
+    exp.register_fake(lambda x: torch.empty_like(x))
+    exp.register_save_for_backward(lambda inputs, output: output)
+    exp.register_backward_input(lambda ctx, out, g: {"x": g * out})
+    y = exp(torch.randn(3, requires_grad=True))
+    y.mul_(2)
+    with pytest.raises(
+        RuntimeError, match=re.escape(f"output 0 of CustomGrad[{exp.name}], is at version 1")
+    ):
+        y.sum().backward()
+
+
+def test_backward_writing_into_its_gradient() -> None:
+    def bwd_in(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        g.mul_(2)  # planted: Liger-style in_place=True
+        return {"x": g @ saved[1]}
+
+    op = linear_op(backward_input=bwd_in, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    out = op(x, torch.randn(4, 3, requires_grad=True))
+    with pytest.raises(
+        cg.MutationError,
+        match=re.escape(
+            f"{op.name}: backward_input modified the gradient of output 0 in place (its version "
+            "went from 0 to 1). The other half of a split backward may still need it"
+        ),
+    ):
+        out.backward(torch.ones(2, 4))
+
+
+def test_bare_tensors_where_lists_are_expected() -> None:
+    from customgrad.graph import explain_split
+    from customgrad.pipelining import stage_backward_input
+
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    out = x @ w.mT
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "stage_backward_input: output_grads must be a list or tuple, got Tensor. Pass one "
+            "gradient per output (or None for a loss)."
+        ),
+    ):
+        stage_backward_input([out], torch.ones_like(out), [x], [w])  # type: ignore[arg-type]
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape("stage_backward_input: input_values must be a list or tuple, got Tensor."),
+    ):
+        stage_backward_input([out], [torch.ones_like(out)], x, [w])
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "stage_backward_input: stage_outputs_or_loss must be a list or tuple, got Tensor. "
+            "Pass [loss] for a loss."
+        ),
+    ):
+        stage_backward_input(out.sum(), None, [x], [w])  # type: ignore[arg-type]
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "stage_backward_input: 2 outputs but 1 output gradients. Pass one gradient (or None) "
+            "per output."
+        ),
+    ):
+        stage_backward_input([out, out], [torch.ones_like(out)], [x], [w])
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "explain_split: inputs must be a list or tuple of tensors, got Tensor. Pass [x] for "
+            "a single tensor."
+        ),
+    ):
+        explain_split(out, x, [w])  # type: ignore[arg-type]
+
+
+def test_check_op_report_says_why_opcheck_failed() -> None:
+    from customgrad.testing import check_op
+
+    op = linear_op(good_input_all)
+    op.register_fake(lambda x, weight, bias=None, scale=1: x.new_empty(x.shape[0], 1))
+    report = check_op(
+        op, torch.randn(2, 3), torch.randn(4, 3), checks=["opcheck"], raise_on_failure=False
+    )
+    line = next(line for line in str(report).splitlines() if "opcheck" in line)
+    assert line.startswith("  [FAIL] opcheck: torch.library.opcheck's ")
+    assert "failed: " in line
+
+
+# -- pipelining --------------------------------------------------------------------------------
+
+
+def _queued(queue: Any, stage: int, mb: int) -> None:
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    with queue.microbatch(stage, mb):
+        out = op(x, torch.randn(4, 3, requires_grad=True), torch.randn(4, requires_grad=True))
+    queue.backward(out.sum(), inputs=[x])
+
+
+def test_queue_errors() -> None:
+    from customgrad.pipelining import (
+        MissingInputPassError,
+        PendingWeightWorkError,
+        StrayWeightWorkError,
+        WeightGradQueue,
+        WeightPassTwiceError,
+    )
+    from customgrad.pipelining._queue import (
+        MSG_NO_INPUT_PASS,
+        MSG_PENDING,
+        MSG_STRAY,
+        MSG_TWICE,
+    )
+
+    queue = WeightGradQueue()
+    with pytest.raises(
+        MissingInputPassError, match=re.escape(MSG_NO_INPUT_PASS.format(stage=0, mb=1))
+    ):
+        queue.run(0, 1)
+    assert MSG_NO_INPUT_PASS.format(stage=0, mb=1).startswith(
+        "WeightGradQueue.run(stage=0, microbatch=1): nothing was queued for this microbatch: its "
+        "input pass (I) never ran, or its forward ran no customgrad op under the queue."
+    )
+    _queued(queue, 0, 1)
+    _queued(queue, 0, 2)
+    with pytest.raises(
+        StrayWeightWorkError,
+        match=re.escape(
+            MSG_STRAY.format(which="stage=0", n=2, keys="(0, 1), (0, 2)").splitlines()[0]
+        ),
+    ):
+        queue.dw_builder(0)
+    with pytest.raises(
+        PendingWeightWorkError,
+        match=re.escape(MSG_PENDING.format(which="", keys="(0, 1), (0, 2)")),
+    ):
+        queue.finish()
+    assert MSG_PENDING.format(which="", keys="(0, 1)").startswith(
+        "WeightGradQueue.finish(): weight-gradient work is still queued for (stage, microbatch) "
+        "(0, 1): their W never ran, so those weights' .grad are incomplete."
+    )
+    queue.run(0, 1)
+    with pytest.raises(WeightPassTwiceError, match=re.escape(MSG_TWICE.format(stage=0, mb=1))):
+        queue.run(0, 1)
+    assert MSG_TWICE.format(stage=0, mb=1).startswith(
+        "WeightGradQueue.run(stage=0, microbatch=1): W already ran for this microbatch in this "
+        "step."
+    )
+    queue.run(0, 2)
+    queue.finish()
+
+
+def test_split_state_errors() -> None:
+    from torch.distributed.pipelining import _backward as torch_backward
+
+    from customgrad.pipelining import SplitStateError, stage_backward_input, stage_backward_weight
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    _, groups = stage_backward_input([op(x, w, b).sum()], None, [x], [w, b])
+    stage_backward_weight([w, b], groups)
+    with pytest.raises(
+        SplitStateError,
+        match=re.escape(
+            "stage_backward_weight: these param_groups were already used by an earlier "
+            "stage_backward_weight call; each stage_backward_input result runs W once."
+        ),
+    ):
+        stage_backward_weight([w, b], groups)
+    _, torch_groups = torch_backward.stage_backward_input([op(x, w, b).sum()], None, [x], [w, b])
+    with pytest.raises(
+        SplitStateError,
+        match=re.escape(
+            "stage_backward_weight: param_groups did not come from "
+            "customgrad.pipelining.stage_backward_input (got list)."
+        ),
+    ):
+        stage_backward_weight([w], torch_groups)
+
+
+def test_stage_with_queue_and_dw_builder() -> None:
+    from customgrad.pipelining import PipelineStage, WeightGradQueue
+
+    queue = WeightGradQueue()
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "customgrad.pipelining.PipelineStage: pass either queue= or dw_builder=, not both "
+            "(a queue brings its own dw_builder)."
+        ),
+    ):
+        PipelineStage(
+            torch.nn.Linear(2, 2),
+            0,
+            2,
+            torch.device("cpu"),
+            queue=queue,
+            dw_builder=queue.dw_builder,
+        )
+
+
+def test_two_planned_backwards_through_one_graph() -> None:
+    from customgrad._graph import postorder
+    from customgrad._record import record_of
+    from customgrad._routing import Route, routing
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    out = op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True))
+    routes = {r: Route() for n in postorder([out.grad_fn]) if (r := record_of(n)) is not None}
+    with (
+        routing(routes),
+        pytest.raises(
+            cg.UnsupportedError,
+            match=re.escape(
+                f"{op.name}: two planned backwards run through the same autograd node at once "
+                "(another thread's split of the same graph?). Run one backward per graph at a time."
+            ),
+        ),
+        routing(routes),
+    ):
+        pass
+
+
 def test_errors_are_the_matching_builtins() -> None:
     assert issubclass(cg.GradientTypeError, TypeError)
     assert issubclass(cg.GradientValueError, ValueError)
@@ -560,7 +1020,13 @@ def test_errors_are_the_matching_builtins() -> None:
     assert issubclass(cg.ArgumentTypeError, TypeError)
     assert issubclass(cg.ArgumentValueError, ValueError)
     assert issubclass(cg.MutationError, RuntimeError)
+    assert issubclass(cg.KernelOutputError, RuntimeError)
+    assert issubclass(cg.UnsupportedError, RuntimeError)
+    assert issubclass(cg.SaveError, TypeError)
     for cls in (
+        cg.KernelOutputError,
+        cg.UnsupportedError,
+        cg.SaveError,
         cg.ArgumentTypeError,
         cg.ArgumentValueError,
         cg.MutationError,

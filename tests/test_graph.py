@@ -11,7 +11,9 @@ import torch
 from torch import Tensor
 
 from customgrad.graph import SplitExplanation, explain_split
-from examples.ops import linear
+from tests.conftest import linear_op
+
+linear = linear_op("test_graph::linear")
 
 
 class PlainLinear(torch.autograd.Function):
@@ -71,7 +73,7 @@ def test_names_plain_function_and_custom_op_among_customgrad_ops() -> None:
     assert all(n.repeated_flops == 144 for n in twice.values())
     assert report.repeated_flops == 288
     cg_nodes = [n for n in report.nodes if n.kind == "customgrad"]
-    assert [n.label for n in cg_nodes] == ["examples::linear", "examples::linear #2"]
+    assert [n.label for n in cg_nodes] == ["test_graph::linear", "test_graph::linear #2"]
     assert all(n.runs_in == "I+W" and not n.computes_twice for n in cg_nodes)
     assert all(n.flops == {"full": 144, "input": 72, "weight": 72} for n in cg_nodes)
     assert report.flops == {"full": 576, "input": 432, "weight": 432}
@@ -108,7 +110,7 @@ def test_shared_weights_torch_split_repeats_customgrad_split_does_not() -> None:
 
     torch_split = run("torch")
     assert torch_split.repeated_flops == 72
-    assert [n.label for n in torch_split.computes_twice] == ["examples::linear"]
+    assert [n.label for n in torch_split.computes_twice] == ["test_graph::linear"]
     ours = run("customgrad")
     assert ours.repeated_flops == 0
     assert not ours.computes_twice

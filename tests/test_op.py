@@ -227,9 +227,12 @@ def test_saved_tensors_go_through_saved_tensor_hooks() -> None:
     assert sorted(packed) == [(2, 3), (4, 3)]
     out.sum().backward()
     torch.testing.assert_close(w.grad, torch.ones(2, 4, dtype=x.dtype).mT @ x.detach())
-    with torch.autograd.graph.save_on_cpu():
+    first = w.grad.clone()
+    w.grad = None
+    with torch.autograd.graph.save_on_cpu():  # saved tensors go through its hooks too
         out = LINEAR_PAIR(x, w)
     out.sum().backward()
+    torch.testing.assert_close(w.grad, first)
 
 
 def test_mutating_a_saved_input_before_backward_raises() -> None:
@@ -456,10 +459,13 @@ def test_nothing_saved_stays_alive_after_backward() -> None:
         x = leaf(64, 32)
         w = leaf(16, 32)
         h = x * 2
-        out = CAT_SCALE([h, h * 3], torch.ones(1, 32, dtype=torch.float64))[0]
-        out = LINEAR_PAIR(out, w)
-        refs = [weakref.ref(h), weakref.ref(out.grad_fn)]
-        del h
+        h3 = h * 3
+        cat = CAT_SCALE([h, h3], torch.ones(1, 32, dtype=torch.float64))[0]
+        out = LINEAR_PAIR(cat, w)
+        # Every tensor a customgrad node saved (h and h3 by CAT_SCALE, cat by LINEAR_PAIR), and
+        # both customgrad nodes.
+        refs = [weakref.ref(t) for t in (h, h3, cat, cat.grad_fn, out.grad_fn)]
+        del h, h3, cat
         out.sum().backward()
         del out
         assert all(r() is None for r in refs), "saved activations or nodes outlived backward"

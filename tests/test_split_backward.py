@@ -24,7 +24,7 @@ from customgrad.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
-from tests._models import function_linear, linear_op
+from tests.conftest import function_linear, linear_op
 
 # ---------------------------------------------------------------- ops and models
 
@@ -531,3 +531,67 @@ def test_split_with_arguments_in_unexpected_roles() -> None:
     ref_model, x, g = _pair(model)
     ref = _reference(ref_model, x, g)
     _check(model, _split(model, x, g), ref)
+
+
+# ---------------------------------------------------------------- hardening
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tensor_hooks_run_once_in_the_weight_pass(kind: str) -> None:
+    # A hook that scales the gradient: run twice, the weight gradient would be 1/16, not 1/4.
+    model = MLP(kind)
+    ref_model, x, g = _pair(model)
+    for m in (model, ref_model):
+        for p in m.parameters():
+            p.register_hook(lambda grad: grad / 4)
+    ref = _reference(ref_model, x, g)
+    _check(model, _split(model, x, g), ref)
+
+
+def test_input_gradients_returned_are_not_the_inputs_grad() -> None:
+    model = MLP("cg")
+    _, x, g = _pair(model)
+    (dx1,), groups1 = stage_backward_input([model(x)], [g], [x], model.parameters())
+    first = dx1.clone()
+    (dx2,), groups2 = stage_backward_input([model(x)], [g], [x], model.parameters())
+    torch.testing.assert_close(dx1, first)  # the second call accumulated into x.grad only
+    torch.testing.assert_close(x.grad, first + dx2)
+    assert x.grad is not dx1 and x.grad is not dx2
+    stage_backward_weight(model.parameters(), groups1)
+    stage_backward_weight(model.parameters(), groups2)
+
+
+CALLS: list[tuple[str, str]] = []
+spied = linear_op("split_bw::spied", spy=lambda half, phase: CALLS.append((half, phase)))
+
+
+def test_first_stage_runs_its_input_halves_in_the_input_pass() -> None:
+    # A stage whose input needs no gradient (the first): its activation gradients are still
+    # the input pass's work; the weight pass does only weight work, as the schedules assume.
+    ws = [nn.Parameter(torch.randn(8, 8) / 3) for _ in range(3)]
+    x = torch.randn(4, 8)
+    out = spied(torch.relu(spied(torch.relu(spied(x, ws[0])), ws[1])), ws[2])
+    ref = [torch.autograd.grad(out.sum(), w, retain_graph=True)[0] for w in ws]
+    CALLS.clear()
+    dinputs, groups = stage_backward_input([out.sum()], None, [x], ws)
+    assert dinputs == (None,)
+    assert CALLS == [("input", "input"), ("input", "input")]  # layers 3 and 2; layer 1 has none
+    assert all(w.grad is None for w in ws)
+    CALLS.clear()
+    stage_backward_weight(ws, groups)
+    # Layer 1's only argument with a gradient is its weight: its pass is "full".
+    assert CALLS == [("weight", "weight"), ("weight", "weight"), ("weight", "full")]
+    for w, r in zip(ws, ref):
+        torch.testing.assert_close(w.grad, r)
+
+
+def test_drop_in_errors_are_runtime_errors_too() -> None:
+    model = MLP("cg")
+    _, x, g = _pair(model)
+    out = model(x)
+    with pytest.raises(cg.ArgumentValueError) as raised:
+        stage_backward_input([out, out * 2], [g], [x], model.parameters())
+    assert isinstance(raised.value, RuntimeError)
+    with pytest.raises(cg.ArgumentTypeError) as raised_type:
+        stage_backward_input(out.sum(), None, [x], model.parameters())  # type: ignore[arg-type]
+    assert isinstance(raised_type.value, RuntimeError)

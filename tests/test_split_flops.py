@@ -21,7 +21,7 @@ from torch.distributed.pipelining import _backward as torch_backward
 from customgrad import _autograd
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._models import function_linear, linear_op
+from tests.conftest import function_linear, linear_op
 
 HALVES: Counter[tuple[str, str]] = Counter()
 

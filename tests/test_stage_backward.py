@@ -22,7 +22,7 @@ from torch.distributed.pipelining import (
 )
 
 from customgrad.pipelining import PendingWeightWorkError, PipelineStage, WeightGradQueue
-from tests._models import function_linear, linear_op
+from tests.conftest import function_linear, linear_op
 
 CALLS: Counter[tuple[str, str]] = Counter()
 STEP_CALLS: Counter[tuple[str, str]] = Counter()

@@ -11,7 +11,7 @@ from torch import Tensor
 
 import customgrad as cg
 from customgrad.testing import CHECKS, CheckFailed, check_op
-from tests._models import linear_op
+from tests.conftest import linear_op
 
 
 def _args() -> tuple[Tensor, Tensor]:

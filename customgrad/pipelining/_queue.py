@@ -23,6 +23,7 @@ deferred weights' accumulators in I with no gradient: their tensor hooks are cal
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -217,6 +218,7 @@ class WeightGradQueue:
         self._done: set[Key] = set()
         self._recent: list[Key] = []
         self._counters: dict[int, int] = {}
+        self._lock = threading.Lock()  # the queue may be fed by backwards on several threads
 
     # ------------------------------------------------------------------ forward side
 
@@ -374,10 +376,12 @@ class WeightGradQueue:
             )
 
     def _enqueue(self, key: Key, work: Any) -> None:
-        if key not in self._pending:
-            self._pending[key] = []
-            self._recent.append(key)
-        self._pending[key].append(_Work(work, self.streams.current(work.device)))
+        item = _Work(work, self.streams.current(work.device))
+        with self._lock:
+            if key not in self._pending:
+                self._pending[key] = []
+                self._recent.append(key)
+            self._pending[key].append(item)
 
     def pending(self) -> list[Key]:
         """The ``(stage, microbatch)`` keys whose W has not run yet."""
@@ -393,17 +397,19 @@ class WeightGradQueue:
                 for the one the work was queued on.
         """
         key = (stage, microbatch)
-        if key in self._done:
-            raise WeightPassTwiceError(MSG_TWICE.format(stage=stage, mb=microbatch))
-        work = self._pending.get(key)
-        if work is None:
-            raise MissingInputPassError(MSG_NO_INPUT_PASS.format(stage=stage, mb=microbatch))
+        with self._lock:
+            if key in self._done:
+                raise WeightPassTwiceError(MSG_TWICE.format(stage=stage, mb=microbatch))
+            work = self._pending.get(key)
+            if work is None:
+                raise MissingInputPassError(MSG_NO_INPUT_PASS.format(stage=stage, mb=microbatch))
         roots: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for item in work:
             self._collect(key, item, roots, values)
-        del self._pending[key]
-        self._done.add(key)
+        with self._lock:
+            del self._pending[key]
+            self._done.add(key)
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
 
@@ -436,20 +442,21 @@ class WeightGradQueue:
         Raises:
             PendingWeightWorkError: some microbatch's W never ran.
         """
-        keys = [k for k in self._pending if stage is None or k[0] == stage]
-        if keys:
-            raise PendingWeightWorkError(
-                MSG_PENDING.format(
-                    which="" if stage is None else f"stage={stage}",
-                    keys=", ".join(map(str, sorted(keys))),
+        with self._lock:
+            keys = [k for k in self._pending if stage is None or k[0] == stage]
+            if keys:
+                raise PendingWeightWorkError(
+                    MSG_PENDING.format(
+                        which="" if stage is None else f"stage={stage}",
+                        keys=", ".join(map(str, sorted(keys))),
+                    )
                 )
-            )
-        self._done = {k for k in self._done if stage is not None and k[0] != stage}
-        self._recent = [k for k in self._recent if stage is not None and k[0] != stage]
-        if stage is None:
-            self._counters.clear()
-        else:
-            self._counters.pop(stage, None)
+            self._done = {k for k in self._done if stage is not None and k[0] != stage}
+            self._recent = [k for k in self._recent if stage is not None and k[0] != stage]
+            if stage is None:
+                self._counters.clear()
+            else:
+                self._counters.pop(stage, None)
 
     # ------------------------------------------------------------------ PipelineStage
 

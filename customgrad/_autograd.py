@@ -31,7 +31,7 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
-from customgrad._record import NO_HANDOFF, NodeRecord, attach
+from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, Half, OpSpec
 from customgrad._signature import ArgKind, Signature
@@ -122,12 +122,15 @@ def engine_needs(fn: Any) -> bool:
 class _Shared:
     """``ctx.shared`` of one backward call: computed at most once, kept for a later pass."""
 
-    __slots__ = ("grads", "keep", "record", "saved", "value")
+    __slots__ = ("grads", "keep", "record", "saved", "value", "watch")
 
-    def __init__(self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], keep: bool):
+    def __init__(
+        self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], watch: _Watch, keep: bool
+    ):
         self.record = record
         self.saved = saved
         self.grads = grads
+        self.watch = watch
         self.keep = keep
         self.value: Any = record.handoff
 
@@ -143,7 +146,8 @@ class _Shared:
                     f"    def _(ctx, saved, grad):\n"
                     f"        return grad @ saved.w_down      # read as ctx.shared\n"
                 )
-            self.value = _call_user(ctx, "shared", fn, self.saved, self.grads)
+            nondiff = spec.rules.nondifferentiable
+            self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             if self.keep:
                 self.record.handoff = self.value
         return self.value
@@ -204,48 +208,63 @@ class BackwardContext:
 # Running the user's backward functions
 
 
-def _versions(saved: Any, grads: tuple[Any, ...]) -> list[tuple[str, torch.Tensor, int]]:
-    out = [
-        (f"the gradient of output {i}", g, g._version)
-        for i, g in enumerate(grads)
-        if type(g) is _Tensor
-    ]
-    if isinstance(saved, _Tensor):
-        out.append(("the saved tensor", saved, saved._version))
-    elif isinstance(saved, tuple):
-        out.extend(
-            (f"saved[{i}]", t, t._version) for i, t in enumerate(saved) if isinstance(t, _Tensor)
-        )
-    else:
-        for i, t in enumerate(optree.tree_leaves(saved, none_is_leaf=True)):
-            if isinstance(t, _Tensor):
-                out.append((f"saved tensor {i}", t, t._version))
-    return out
+class _Watch:
+    """The tensors a backward function must not write to in place (the output gradients and
+    the saved tensors), and their version counters before the node's backward ran."""
+
+    __slots__ = ("before", "n_grads", "tensors")
+
+    def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
+        tensors = [g for g in grads if type(g) is _Tensor]
+        self.n_grads = len(tensors)
+        if type(saved) is tuple:
+            tensors += [t for t in saved if isinstance(t, _Tensor)]
+        elif isinstance(saved, _Tensor):
+            tensors.append(saved)
+        elif saved is not None:
+            leaves = optree.tree_leaves(saved, none_is_leaf=True)
+            tensors += [t for t in leaves if isinstance(t, _Tensor)]
+        self.tensors = tensors
+        self.before = [t._version for t in tensors]
+
+    def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
+        """Raise :class:`MutationError` if ``fn`` moved a version counter."""
+        if [t._version for t in self.tensors] == self.before:
+            return
+        for i, (t, version) in enumerate(zip(self.tensors, self.before)):
+            if t._version != version:
+                what = (
+                    f"the gradient of output {i}"
+                    if i < self.n_grads
+                    else f"saved tensor {i - self.n_grads}"
+                )
+                label = HALF_NAMES[half]
+                raise MutationError(
+                    f"{spec.name}: {label} modified {what} in place (its version went from "
+                    f"{version} to {t._version}). The other half of a split backward may still "
+                    f"need it, and autograd may share it with other nodes. Compute out of place "
+                    f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
+                )
 
 
 def _call_user(
-    ctx: BackwardContext, half: Half, fn: Callable[..., Any], saved: Any, grads: tuple[Any, ...]
+    ctx: BackwardContext,
+    half: Half,
+    fn: Callable[..., Any],
+    saved: Any,
+    grads: tuple[Any, ...],
+    watch: _Watch,
+    nondiff: frozenset[Half],
 ) -> Any:
     """Call one registered backward function; refuse in-place writes to grads or saved values."""
-    before = _versions(saved, grads)
-    spec: OpSpec = ctx.op
-    nondiff = half in spec.rules.nondifferentiable and torch.is_grad_enabled()
-    if nondiff:
+    if nondiff and half in nondiff and torch.is_grad_enabled():
         with torch.no_grad():
             result = fn(ctx, saved, *grads)
+        if any(_requires_grad(v) for v in (*grads, saved)):
+            result = _delay_error(ctx.op, half, fn, result)
     else:
         result = fn(ctx, saved, *grads)
-    for what, t, version in before:
-        if t._version != version:
-            label = HALF_NAMES[half]
-            raise MutationError(
-                f"{spec.name}: {label} modified {what} in place (its version went from "
-                f"{version} to {t._version}). The other half of a split backward may still "
-                f"need it, and autograd may share it with other nodes. Compute out of place "
-                f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
-            )
-    if nondiff and any(_requires_grad(v) for v in (*grads, saved)):
-        result = _delay_error(spec, half, fn, result)
+    watch.check(ctx.op, half, fn)
     return result
 
 
@@ -316,13 +335,21 @@ class AutogradImpl:
         sig = spec.signature
         self._plans: dict[tuple[int, int], PassPlan] = {}
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
+        self._flat_arg_of = tuple(range(sig.nargs))
         self._ready_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
         # One Function class per op, so that autograd's own messages and the profiler name
         # the op: "CustomGrad[mylib::linear]".
-        function: type[_CustomGradNode] = type(f"CustomGrad[{spec.name}]", (_CustomGradNode,), {})
+        function: type[_CustomGradNode] = type(
+            f"CustomGrad[{spec.name}]",
+            (_CustomGradNode,),
+            {
+                "forward": staticmethod(self.forward),
+                "setup_context": staticmethod(self.setup_context),
+            },
+        )
         function._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
         self._function_apply: Callable[..., Any] = function.apply
         # What Function.apply ends in when no functorch transform is active.
@@ -356,9 +383,10 @@ class AutogradImpl:
         ``backward=False``: only forward-mode AD needs the node (nothing requires grad), so
         the backward registrations may be missing.
         """
-        if backward and not self.ready():
-            raise MissingRegistrationError(self.spec.missing_autograd_message())
-        sig = self.spec.signature
+        spec = self.spec
+        if backward and spec.rules is not self._ready_for and not self.ready():
+            raise MissingRegistrationError(spec.missing_autograd_message())
+        sig = spec.signature
         call = _Call(kernel)
         if sig.has_lists:
             lens, flat = _flatten_args(sig, args)
@@ -380,7 +408,8 @@ class AutogradImpl:
             return list(out)
         return out
 
-    def forward(self, call: _Call, flat: tuple[Any, ...]) -> Any:
+    def forward(self, impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
+        """The node's forward (``Function.forward``; ``impl`` is ``self``)."""
         spec = self.spec
         sig = spec.signature
         lens = call.lens
@@ -411,8 +440,11 @@ class AutogradImpl:
         call.out_lens = out_lens
         return tuple(flat_out) if (sig.output_is_tuple or out_lens[0] is not None) else outputs
 
-    def setup_context(self, ctx: Any, call: _Call, flat: Sequence[Any], output: Any) -> None:
+    def setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        """The node's ``Function.setup_context``: its record, and what it saves."""
         sig = self.spec.signature
+        call: _Call = inputs[1]
+        flat = inputs[2:]
         record = NodeRecord(
             self,
             [(a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat],
@@ -429,7 +461,7 @@ class AutogradImpl:
             args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
             outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
             record.forward_ad = (tuple.__new__(sig.inputs_type, args), outputs)
-        attach(ctx, record)
+        ctx._cg = record
 
     # -- backward ------------------------------------------------------------------------------
     def plan(self, requires_mask: int, needed_mask: int) -> PassPlan:
@@ -458,12 +490,11 @@ class AutogradImpl:
         self,
         record: NodeRecord,
         plan: PassPlan,
-        needed: frozenset[str],
         saved: Any,
         grads: tuple[Any, ...],
         keep: bool,
     ) -> dict[str, Any]:
-        """Run the registered backward for the gradients of ``needed`` and validate them.
+        """Run the registered backward for the gradients ``plan.needed`` and validate them.
 
         ``keep``: a later pass of this node will compute the rest, so keep what the halves
         share (``record.handoff``) for it; else the hand-off is freed.
@@ -473,8 +504,10 @@ class AutogradImpl:
         rules = spec.rules
         metas = record.metas if record.lens is None else None
         by_name = _metas_by_name(sig, record) if metas is None else None
-        phase = plan.phase if needed == plan.needed else _pass_plan(sig, needed, needed).phase
+        phase = plan.phase
+        needed = plan.needed
         observers = self.observers
+        nondiff = rules.nondifferentiable
         bwd = rules.backward
         if bwd is not None:
             split = self._auto_split(record, rules, saved, grads, plan)
@@ -490,31 +523,33 @@ class AutogradImpl:
                     sig, "full", bwd, result, sig.tensor_set, needed, metas, by_name
                 )
             ctx = BackwardContext(spec, phase, needed)
-            result = _call_user(ctx, "full", bwd, saved, grads)
+            result = _call_user(ctx, "full", bwd, saved, grads, _Watch(saved, grads), nondiff)
             for o in observers:
                 o("backward", phase, ctx, result)
             return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, by_name)
-        bwd_in, bwd_w = rules.backward_input, rules.backward_weight
-        need_in = needed - sig.weight_set
-        need_w = needed & sig.weight_set
+        watch = _Watch(saved, grads)
+        need_in = plan.need_in
+        need_w = plan.need_w
         shared = None
         if rules.backward_shared is not None:
-            shared = _Shared(record, saved, grads, keep and bool(need_in) and not need_w)
+            shared = _Shared(record, saved, grads, watch, keep and bool(need_in) and not need_w)
         ctx = BackwardContext(spec, phase, needed, shared)
         grads_out: dict[str, Any] = {}
         if need_in:
+            bwd_in = rules.backward_input
             if bwd_in is None:
                 raise MissingRegistrationError(spec.missing_autograd_message())
-            result = _call_user(ctx, "input", bwd_in, saved, grads)
+            result = _call_user(ctx, "input", bwd_in, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_input", phase, ctx, result)
             grads_out = collect_grads(
                 sig, "input", bwd_in, result, sig.input_set, need_in, metas, by_name
             )
         if need_w:
+            bwd_w = rules.backward_weight
             if bwd_w is None:
                 raise MissingRegistrationError(spec.missing_autograd_message())
-            result = _call_user(ctx, "weight", bwd_w, saved, grads)
+            result = _call_user(ctx, "weight", bwd_w, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_weight", phase, ctx, result)
             got = collect_grads(
@@ -561,43 +596,51 @@ class AutogradImpl:
         flags = None if route is None else route.needed
         metas = record.metas
         lens = record.lens
-        arg_of = self.arg_of(lens)
+        arg_of = self._flat_arg_of if lens is None else self.arg_of(lens)
         req = node.needs_input_grad  # (impl, call, *flat)
+        will_execute = _will_execute
         next_fns = None
         requires_mask = 0
         needed_mask = 0
         needed_items: set[int] | None = None if lens is None else set()
         edge = 0
-        for j, m in enumerate(metas):
-            if m is None:
-                continue
-            if req[j + 2]:
-                bit = 1 << arg_of[j]
-                requires_mask |= bit
-                need = None if flags is None else flags[edge]
-                if need is None:
-                    if next_fns is None:
-                        next_fns = node.next_functions
-                    need = engine_needs(next_fns[edge][0])
-                if need:
-                    needed_mask |= bit
-                    if needed_items is not None:
-                        needed_items.add(j)
-            edge += 1
-        plan = self.plan(requires_mask, needed_mask)
+        j = 2
+        for m in metas:
+            if m is not None:
+                if req[j]:
+                    bit = 1 << arg_of[j - 2]
+                    requires_mask |= bit
+                    need = None if flags is None else flags[edge]
+                    if need is None:
+                        if next_fns is None:
+                            next_fns = node.next_functions
+                        if will_execute is None:
+                            need = engine_needs(None)  # warns once: every gradient, every pass
+                        else:
+                            try:
+                                need = will_execute(next_fns[edge][0])
+                            except Exception:  # a leaf captured by autograd.grad: needed
+                                need = True
+                    if need:
+                        needed_mask |= bit
+                        if needed_items is not None:
+                            needed_items.add(j - 2)
+                edge += 1
+            j += 1
+        plan = self._plans.get((requires_mask, needed_mask))
+        if plan is None:
+            plan = self.plan(requires_mask, needed_mask)
         target = None if route is None else route.defer
         deferred = plan.later_w if target is not None else frozenset()
         out: list[Any] = [None] * (len(metas) + 2)
         if not plan.needed and not deferred:
             return tuple(out)
 
-        saved = _restore(node, record)
+        saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)
         out_lens = record.out_lens
         out_grads = grads if out_lens is None else _regroup(out_lens, grads)
         keep = bool(plan.later_w) and bool(plan.need_in)
-        result = (
-            self.compute(record, plan, plan.needed, saved, out_grads, keep) if plan.needed else {}
-        )
+        result = self.compute(record, plan, saved, out_grads, keep) if plan.needed else {}
         if deferred and target is not None:
             target.defer(record, _deferred(self, node, record, plan, deferred, saved, out_grads))
         if lens is None:
@@ -697,14 +740,7 @@ class _Call:
 class _CustomGradNode(torch.autograd.Function):
     """The autograd node of a customgrad op call (ctx is the node); each op subclasses it."""
 
-    @staticmethod
-    def forward(impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
-        return impl.forward(call, flat)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        impl: AutogradImpl = inputs[0]
-        impl.setup_context(ctx, inputs[1], inputs[2:], output)
+    # forward and setup_context are each op's AutogradImpl methods (set on the subclass).
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
@@ -1025,7 +1061,7 @@ def _deferred(
     later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
 
     def compute() -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        found = impl.compute(record, later, weights, saved, grads, keep=False)
+        found = impl.compute(record, later, saved, grads, keep=False)
         roots: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for name, i, fn, idx in edges:

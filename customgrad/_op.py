@@ -37,9 +37,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 _OPS: dict[str, CustomOp[..., Any]] = {}
 _below_autograd = torch._C._AutoDispatchBelowAutograd
-_tls_include = getattr(torch._C, "_dispatch_tls_local_include_set", None)
-_tf_mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
-_PLAIN_INCLUDE = _tls_include().raw_repr() if _tls_include is not None else None
+_tf_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
+_dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
+_functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 _profiler = torch.autograd.profiler
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
@@ -61,9 +61,12 @@ def _plain_dispatch() -> bool:
     No dispatch or function mode, no functorch transform, no profiler: calling the kernel
     directly then gives exactly what the dispatcher would, minus its overhead.
     """
-    if _tls_include is None or _tf_mode_enabled is None or _profiler._is_profiler_enabled:
-        return False
-    return _tls_include().raw_repr() == _PLAIN_INCLUDE and not _tf_mode_enabled()
+    return not (
+        _profiler._is_profiler_enabled
+        or _dispatch_stack_len()
+        or _tf_mode_enabled()
+        or _functorch_active()
+    )
 
 
 MSG_NO_AUTOGRAD = """\
@@ -234,7 +237,10 @@ class CustomOp(Generic[P, R]):
         self._var = opname
         self._kernels = _Kernels(name, opname, fn)
         self._fake_fn: Callable[..., Any] | None = None
-        self._rules = AutogradRules()
+        self.signature: Signature = self._sig
+        """Arguments, outputs, weights and residuals of the op."""
+        self.rules = AutogradRules()
+        """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
         self._registered_keys: set[str] = set()
 
@@ -275,16 +281,6 @@ class CustomOp(Generic[P, R]):
         self.__wrapped__ = fn
 
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
-    @property
-    def signature(self) -> Signature:
-        """Arguments, outputs, weights and residuals of the op."""
-        return self._sig
-
-    @property
-    def rules(self) -> AutogradRules:
-        """The current autograd registrations."""
-        return self._rules
-
     def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
         """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
         sig = self._sig
@@ -299,7 +295,7 @@ class CustomOp(Generic[P, R]):
 
     def missing_autograd_message(self) -> str:
         sig = self._sig
-        missing = self._rules.missing(
+        missing = self.rules.missing(
             has_inputs=bool(sig.input_names), has_weights=bool(sig.weights)
         )
         inputs = [n for n in sig.input_names if sig.args[sig.index[n]].kind is _TENSOR]
@@ -344,21 +340,22 @@ class CustomOp(Generic[P, R]):
             # Dynamo records the OpOverload; its Autograd kernel below handles gradients.
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
         # One pass over the arguments: are they of the right kinds, does any require grad,
-        # and are they plain tensors on one device (for the direct kernel call)?
+        # and are they plain tensors (for the direct kernel call)? The first tensor picks the
+        # kernel's device.
         grad = _grad_enabled()
         requires = False
         plain = True
-        device = None
+        first: Any = None
         for a, kind in zip(args, sig.kinds):
             if isinstance(a, _Tensor):
                 if kind is _OTHER or kind is _LIST:
                     sig.check_args(args)  # raises, naming the argument
                 if grad and a.requires_grad:
                     requires = True
+                if first is None:
+                    first = a
                 if type(a) not in _PLAIN_TYPES:
                     plain = False
-                elif device is None:
-                    device = a.device.type
             elif kind is _OTHER:
                 continue
             elif kind is _LIST and isinstance(a, (list, tuple)):
@@ -366,17 +363,17 @@ class CustomOp(Generic[P, R]):
                     if isinstance(t, _Tensor):
                         if grad and t.requires_grad:
                             requires = True
+                        if first is None:
+                            first = t
                         if type(t) not in _PLAIN_TYPES:
                             plain = False
-                        elif device is None:
-                            device = t.device.type
                     elif t is not None:
                         sig.check_args(args)
             elif not (kind is _OPTIONAL and a is None):
                 sig.check_args(args)
         if self._mutated_idx:
             self._check_mutated_no_grad(args)
-        kernel = self._shortcut_kernel(device) if plain else None
+        kernel = self._shortcut_kernel(first) if plain else None
         if requires and sig.output_kinds:
             return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
         if _fwad._current_level >= 0 and _has_tangent(args):
@@ -389,7 +386,7 @@ class CustomOp(Generic[P, R]):
 
     def _forward_ad(self, args: tuple[Any, ...], kernel: Any) -> Any:
         """Forward-mode AD of inputs that need no backward: through the registered jvp."""
-        if self._rules.jvp is None:
+        if self.rules.jvp is None:
             raise MissingRegistrationError(
                 f"{self.name}: forward-mode AD (torch.func.jvp, jacfwd, dual tensors) reached "
                 f"this op, which has no jvp rule. Register one (customgrad never differentiates "
@@ -436,15 +433,18 @@ class CustomOp(Generic[P, R]):
                     f"(op defined at {where(self._fn)})"
                 )
 
-    def _shortcut_kernel(self, device: str | None) -> Callable[..., Any] | None:
+    def _shortcut_kernel(self, first: torch.Tensor | None) -> Callable[..., Any] | None:
         """The kernel to call directly, skipping the dispatcher, or None to dispatch.
 
-        The dispatcher runs for ops that mutate, while a mode, transform or profiler is active,
-        and for meta tensors (they go to the fake kernel).
+        ``first`` is the first tensor argument. The dispatcher runs for ops that mutate, while a
+        mode, transform or profiler is active, and for meta tensors (they go to the fake kernel).
         """
-        if device is None or device == "meta" or self._mutates or not _plain_dispatch():
+        if first is None or self._mutates or first.is_meta or not _plain_dispatch():
             return None
-        return self._kernels.for_device(device)
+        by_device = self._kernels.by_device
+        if len(by_device) == 1 and None in by_device:
+            return by_device[None]
+        return self._kernels.for_device(first.device.type)
 
     # -- what the dispatcher calls ---------------------------------------------------------
     def _autograd_impl(self, *args: Any, **kwargs: Any) -> Any:
@@ -602,7 +602,7 @@ class CustomOp(Generic[P, R]):
             _check_arity(self.name, "save_for_backward", fn, 3, "(inputs, output, residuals)")
         else:
             _check_arity(self.name, "save_for_backward", fn, 2, "(inputs, output)")
-        self._rules = self._rules.replace(save=fn)
+        self.rules = self.rules.replace(save=fn)
         return fn
 
     def _grads_shape(self) -> str:
@@ -618,7 +618,7 @@ class CustomOp(Generic[P, R]):
             2 + len(self._sig.output_kinds),
             self._grads_shape(),
         )
-        nondiff = set(self._rules.nondifferentiable) - {half}
+        nondiff = set(self.rules.nondifferentiable) - {half}
         if not differentiable:
             nondiff.add(half)
         return frozenset(nondiff)
@@ -683,7 +683,7 @@ class CustomOp(Generic[P, R]):
                     f"'cheap'."
                 )
             nondiff = self._half_rules("full", f, differentiable)
-            self._rules = self._rules.replace(
+            self.rules = self.rules.replace(
                 backward=f,
                 backward_input=None,
                 backward_weight=None,
@@ -715,7 +715,7 @@ class CustomOp(Generic[P, R]):
 
         def register(f: F) -> F:
             nondiff = self._half_rules("input", f, differentiable)
-            self._rules = self._rules.replace(
+            self.rules = self.rules.replace(
                 backward_input=f, backward=None, auto=None, nondifferentiable=nondiff
             )
             return f
@@ -737,7 +737,7 @@ class CustomOp(Generic[P, R]):
 
         def register(f: F) -> F:
             nondiff = self._half_rules("weight", f, differentiable)
-            self._rules = self._rules.replace(
+            self.rules = self.rules.replace(
                 backward_weight=f, backward=None, auto=None, nondifferentiable=nondiff
             )
             return f
@@ -757,7 +757,7 @@ class CustomOp(Generic[P, R]):
             2 + len(self._sig.output_kinds),
             self._grads_shape(),
         )
-        self._rules = self._rules.replace(backward_shared=fn, backward=None, auto=None)
+        self.rules = self.rules.replace(backward_shared=fn, backward=None, auto=None)
         return fn
 
     def register_jvp(self, fn: F) -> F:
@@ -767,7 +767,7 @@ class CustomOp(Generic[P, R]):
         (or None) per argument, by name.
         """
         _check_arity(self.name, "jvp", fn, 3, "(inputs, output, tangents)")
-        self._rules = self._rules.replace(jvp=fn)
+        self.rules = self.rules.replace(jvp=fn)
         return fn
 
     # -- identity --------------------------------------------------------------------------

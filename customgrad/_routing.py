@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -124,6 +124,5 @@ def tagging(tag: Any) -> Iterator[None]:
         _TAG.reset(token)
 
 
-def current_tag() -> Any:
-    """What a customgrad node created now is tagged with (None outside :func:`tagging`)."""
-    return _TAG.get()
+current_tag: Callable[[], Any] = _TAG.get
+"""What a customgrad node created now is tagged with (None outside :func:`tagging`)."""

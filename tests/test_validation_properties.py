@@ -191,3 +191,68 @@ def test_random_dicts_raise_or_give_reference_gradients(
                 torch.testing.assert_close(got, torch.full_like(t, float(i + 1)) * 2)
             else:
                 assert got is None or torch.count_nonzero(got) == 0
+
+
+GRADS = st.sampled_from(["ok", "none", "wrong_shape", "wrong_dtype", "not_tensor", "omit"])
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=3),
+    kinds=st.lists(GRADS, min_size=3, max_size=3),
+    needed=st.lists(st.booleans(), min_size=3, max_size=3),
+    extra_key=st.booleans(),
+    half=st.sampled_from(["full", "input", "weight"]),
+)
+def test_inline_check_and_full_check_agree(
+    shapes: list[tuple[int, int]],
+    kinds: list[str],
+    needed: list[bool],
+    extra_key: bool,
+    half: str,
+) -> None:
+    """collect_grads checks a plain dict of valid gradients inline (the node's common case) and
+    hands anything else to the full check: both must accept the same dicts, and an invalid one
+    must raise the same error as the full check alone."""
+    from customgrad._signature import Signature
+    from customgrad._validate import _collect, collect_grads
+
+    names = [f"t{i}" for i in range(len(shapes))]
+    params = ", ".join(f"{n}: torch.Tensor" for n in names)
+    scope: dict[str, Any] = {"torch": torch}
+    exec(f"def fn({params}) -> torch.Tensor:\n    return {names[0]}\n", scope)
+    weights = tuple(names[1:])
+    sig = Signature("prop::collect", str(torch.library.infer_schema(scope["fn"], mutates_args=())),
+                    scope["fn"], weights)  # fmt: skip
+    allowed = {"full": sig.tensor_set, "input": sig.input_set, "weight": sig.weight_set}[half]
+    metas = [(torch.Size(s), torch.float64, torch.device("cpu")) for s in shapes]
+    need = frozenset(n for n, k in zip(names, needed) if k and n in allowed)
+    result: dict[str, Any] = {}
+    for name, shape, kind in zip(names, shapes, kinds):
+        if kind == "omit":
+            continue
+        result[name] = {
+            "ok": torch.zeros(shape, dtype=torch.float64),
+            "none": None,
+            "wrong_shape": torch.zeros((*shape, 1), dtype=torch.float64),
+            "wrong_dtype": torch.zeros(shape, dtype=torch.float32),
+            "not_tensor": 1.0,
+        }[kind]
+    if extra_key:
+        result["unknown"] = None
+
+    def outcome(run: Any) -> tuple[str, Any]:
+        try:
+            got = run()
+        except cg.CustomGradError as e:
+            return type(e).__name__, str(e)
+        return "ok", {k: (None if v is None else v.shape) for k, v in got.items()}
+
+    inline = outcome(lambda: collect_grads(sig, half, fn, result, allowed, need, metas, None))
+    full = outcome(lambda: _collect(sig, half, fn, result, allowed, need, dict(zip(names, metas))))
+    assert inline == full
+
+
+def fn(ctx: Any, saved: Any, grad: Any) -> dict[str, Any]:
+    """The location the messages name."""
+    return {}

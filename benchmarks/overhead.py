@@ -2,148 +2,246 @@
 
 Run: ``.venv/bin/python benchmarks/overhead.py`` (``--quick`` for a short run).
 
-For a 16-element ``x * 2`` and an 8x16 linear, times in microseconds per call: forward under
-``no_grad``, forward with grad, and forward + backward (``out.backward(grad)``, so that only the
-op's own node runs in the backward), for
+A small linear (8x16 input, 16x16 weight), as a customgrad op with the input/weight pair
+("pair") and with one backward ("single"), without and with an ``Optional`` bias, and a
+``list[Tensor]`` op (a weighted sum of two tensors). Each is timed on every ordinary path:
 
-- eager torch,
-- a plain ``torch.autograd.Function``,
-- a ``torch.autograd.Function`` around a ``Library.define``/``impl`` op,
-- the ``Library.define``/``impl`` op alone (forward under ``no_grad`` only),
-- ``torch.library.custom_op`` + ``register_autograd``,
-- customgrad, called as the ``CustomOp`` and through ``torch.ops``.
+- ``fwd no_grad``: the forward under ``torch.no_grad()``;
+- ``backward``: forward + ``out.backward(g)`` (only the op's node runs in the backward);
+- ``autograd.grad``: forward + ``torch.autograd.grad(out, inputs, g)`` (the inputs are leaves
+  that ``autograd.grad`` captures);
 
-Times are **CPU time of this process** (``timeit`` with ``timer=time.process_time``), the
-minimum over rounds that each time every implementation in turn, with
-``torch.set_num_threads(1)``: other load on a shared machine then moves the figures little, and
-the ratios stay stable. They are per-call overheads, not throughput.
+against the same maths as a plain ``torch.autograd.Function`` and as a
+``torch.library.custom_op`` with ``register_autograd``. Then the input (I) and weight (W) passes
+of a 4-layer MLP (width 16) of customgrad ops through ``customgrad.pipelining``, against the
+same passes of ``nn.Linear`` layers through torch's own ``stage_backward_input``/``_weight``.
 
-It prints a markdown table, and the ratios the project targets: customgrad forward+backward
-against the plain Function (<= 1.15) and against custom_op (<= 0.7), and customgrad forward
-under no_grad against the define/impl op (<= 1.5).
+Times are **CPU time of this process** (``process_time``), the minimum over rounds that each
+time every implementation in turn, with ``torch.set_num_threads(1)``: load on a shared machine
+then moves the figures little and the ratios stay stable. They are per-call overheads, not
+throughput. The tables end with the ratios the project targets.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-import timeit
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import _backward as torch_split
 
 import customgrad as cg
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
 torch.set_num_threads(1)
 
-# --- x * 2 -------------------------------------------------------------------------------
+# --- the maths --------------------------------------------------------------------------------
 
 
-class DoubleFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * 2
+def _linear(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    out = x @ w.mT
+    return out if b is None else out + b
 
 
 class LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, w)
-        return x @ w.mT
+        ctx.has_bias = b is not None
+        return _linear(x, w, b)
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
         x, w = ctx.saved_tensors
-        return g @ w, g.mT @ x
+        need_x, need_w, need_b = ctx.needs_input_grad
+        return (
+            g @ w if need_x else None,
+            g.mT @ x if need_w else None,
+            g.sum(0) if need_b and ctx.has_bias else None,
+        )
 
 
-_lib = torch.library.Library("cg_bench_lib", "FRAGMENT")
-_lib.define("double(Tensor x) -> Tensor")
-_lib.define("linear(Tensor x, Tensor w) -> Tensor")
-_lib.impl("double", lambda x: x * 2, "CompositeExplicitAutograd")
-_lib.impl("linear", lambda x, w: x @ w.mT, "CompositeExplicitAutograd")
-lib_double = torch.ops.cg_bench_lib.double.default
-lib_linear = torch.ops.cg_bench_lib.linear.default
-
-
-class LibDoubleFn(torch.autograd.Function):
+class SumFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return lib_double(x)
+    def forward(ctx: Any, x0: Tensor, x1: Tensor, s0: Tensor, s1: Tensor) -> Tensor:
+        ctx.save_for_backward(x0, x1, s0, s1)
+        return x0 * s0 + x1 * s1
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g * 2
-
-
-class LibLinearFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        return lib_linear(x, w)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = ctx.saved_tensors
-        return g @ w, g.mT @ x
-
-
-@torch.library.custom_op("cg_bench_co::double", mutates_args=())
-def co_double(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
-
-
-co_double.register_fake(lambda x: torch.empty_like(x))
-co_double.register_autograd(lambda ctx, g: g * 2)
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, ...]:
+        x0, x1, s0, s1 = ctx.saved_tensors
+        return g * s0, g * s1, (g * x0).sum(0), (g * x1).sum(0)
 
 
 @torch.library.custom_op("cg_bench_co::linear", mutates_args=())
-def co_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x @ w.mT
+def co_linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+    return _linear(x, w, b)
+
+
+co_linear.register_fake(lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0]))
 
 
 def _co_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.has_bias = inputs[2] is not None
 
 
-def _co_bwd(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _co_bwd(ctx: Any, g: Tensor) -> tuple[Tensor | None, ...]:
     x, w = ctx.saved_tensors
-    return g @ w, g.mT @ x
+    return g @ w, g.mT @ x, g.sum(0) if ctx.has_bias else None
 
 
-co_linear.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
 co_linear.register_autograd(_co_bwd, setup_context=_co_setup)
 
 
-@cg.op("cg_bench::double")
-def cg_double(x: torch.Tensor) -> torch.Tensor:
-    return x * 2
+@torch.library.custom_op("cg_bench_co::wsum", mutates_args=())
+def co_wsum(xs: list[Tensor], scales: list[Tensor]) -> Tensor:
+    return xs[0] * scales[0] + xs[1] * scales[1]
 
 
-cg_double.register_fake(lambda x: torch.empty_like(x))
-cg_double.register_save_for_backward(lambda inputs, output: None)
-cg_double.register_backward(lambda ctx, saved, g: {"x": g * 2})
+co_wsum.register_fake(lambda xs, scales: torch.empty_like(xs[0]))
 
 
-@cg.op("cg_bench::linear", weights=("w",))
-def cg_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x @ w.mT
+def _co_wsum_setup(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    ctx.save_for_backward(*inputs[0], *inputs[1])
 
 
-cg_linear.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
-cg_linear.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
-cg_linear.register_backward_input(lambda ctx, saved, g: {"x": g @ saved[1]})
-cg_linear.register_backward_weight(lambda ctx, saved, g: {"w": g.mT @ saved[0]})
+def _co_wsum_bwd(ctx: Any, g: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+    x0, x1, s0, s1 = ctx.saved_tensors
+    return [g * s0, g * s1], [(g * x0).sum(0), (g * x1).sum(0)]
 
 
-def _time_all(
-    fns: dict[tuple[str, str, str], Callable[[], Any]], number: int, repeat: int
-) -> dict[tuple[str, str, str], float]:
+co_wsum.register_autograd(_co_wsum_bwd, setup_context=_co_wsum_setup)
+
+
+def _cg_linear(name: str, style: str) -> cg.CustomOp[..., Tensor]:
+    @cg.op(name, weights=("w", "b"))
+    def linear(x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
+        return _linear(x, w, b)
+
+    linear.register_fake(lambda x, w, b=None: x.new_empty(x.shape[0], w.shape[0]))
+    linear.register_save_for_backward(lambda inputs, out: (inputs.x, inputs.w, inputs.b))
+    if style == "pair":
+        linear.register_backward_input(lambda ctx, s, g: {"x": g @ s[1]})
+        linear.register_backward_weight(
+            lambda ctx, s, g: {"w": g.mT @ s[0], "b": None if s[2] is None else g.sum(0)}
+        )
+    else:
+
+        @linear.register_backward(split="phase")
+        def _(ctx: cg.BackwardContext, s: Any, g: Tensor) -> dict[str, Any]:
+            x, w, _b = s
+            out: dict[str, Any] = {}
+            if ctx.needs_input_grad("x"):
+                out["x"] = g @ w
+            if ctx.needs_input_grad("w"):
+                out["w"] = g.mT @ x
+            if ctx.needs_input_grad("b"):
+                out["b"] = g.sum(0)
+            return out
+
+    return linear
+
+
+def _cg_wsum(name: str, style: str) -> cg.CustomOp[..., Tensor]:
+    @cg.op(name, weights=("scales",))
+    def wsum(xs: list[Tensor], scales: list[Tensor]) -> Tensor:
+        return xs[0] * scales[0] + xs[1] * scales[1]
+
+    wsum.register_fake(lambda xs, scales: torch.empty_like(xs[0]))
+    wsum.register_save_for_backward(lambda inputs, out: (*inputs.xs, *inputs.scales))
+    if style == "pair":
+        wsum.register_backward_input(lambda ctx, s, g: {"xs": [g * s[2], g * s[3]]})
+        wsum.register_backward_weight(
+            lambda ctx, s, g: {"scales": [(g * s[0]).sum(0), (g * s[1]).sum(0)]}
+        )
+    else:
+
+        @wsum.register_backward(split="phase")
+        def _(ctx: cg.BackwardContext, s: Any, g: Tensor) -> dict[str, Any]:
+            x0, x1, s0, s1 = s
+            out: dict[str, Any] = {}
+            if ctx.needs_input_grad("xs"):
+                out["xs"] = [g * s0, g * s1]
+            if ctx.needs_input_grad("scales"):
+                out["scales"] = [(g * x0).sum(0), (g * x1).sum(0)]
+            return out
+
+    return wsum
+
+
+CG = {
+    ("linear", style): _cg_linear(f"cg_bench::linear_{style}", style)
+    for style in ("pair", "single")
+}
+CG.update({("wsum", s): _cg_wsum(f"cg_bench::wsum_{s}", s) for s in ("pair", "single")})
+
+
+# --- the cases --------------------------------------------------------------------------------
+
+
+def _cases() -> dict[str, tuple[Tensor, list[Tensor], dict[str, Callable[[], Tensor]]]]:
+    """case -> (output gradient, leaves, {implementation: forward})."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 16, generator=g, requires_grad=True)
+    w = torch.randn(16, 16, generator=g, requires_grad=True)
+    b = torch.randn(16, generator=g, requires_grad=True)
+    xs = [torch.randn(8, 16, generator=g, requires_grad=True) for _ in range(2)]
+    ss = [torch.randn(16, generator=g, requires_grad=True) for _ in range(2)]
+    grad = torch.ones(8, 16)
+    cases: dict[str, tuple[Tensor, list[Tensor], dict[str, Callable[[], Tensor]]]] = {}
+    for bias in (False, True):
+        bb = b if bias else None
+        cases[f"linear{' + Optional bias' if bias else ''}"] = (
+            grad,
+            [x, w, b] if bias else [x, w],
+            {
+                "autograd.Function": lambda bb=bb: LinearFn.apply(x, w, bb),
+                "custom_op": lambda bb=bb: co_linear(x, w, bb),
+                "customgrad pair": lambda bb=bb: CG["linear", "pair"](x, w, bb),
+                "customgrad single": lambda bb=bb: CG["linear", "single"](x, w, bb),
+            },
+        )
+    cases["list[Tensor] args"] = (
+        grad,
+        [*xs, *ss],
+        {
+            "autograd.Function": lambda: SumFn.apply(*xs, *ss),
+            "custom_op": lambda: co_wsum(xs, ss),
+            "customgrad pair": lambda: CG["wsum", "pair"](xs, ss),
+            "customgrad single": lambda: CG["wsum", "single"](xs, ss),
+        },
+    )
+    return cases
+
+
+MODES = ("fwd no_grad", "backward", "autograd.grad")
+
+
+def _timed(fwd: Callable[[], Tensor], grad: Tensor, leaves: list[Tensor], mode: str) -> Any:
+    if mode == "fwd no_grad":
+
+        def run() -> None:
+            with torch.no_grad():
+                fwd()
+
+    elif mode == "backward":
+
+        def run() -> None:
+            fwd().backward(grad)
+
+    else:
+
+        def run() -> None:
+            torch.autograd.grad(fwd(), leaves, grad)
+
+    return run
+
+
+def _time_all(fns: dict[Any, Callable[[], Any]], number: int, repeat: int) -> dict[Any, float]:
     """CPU microseconds per call of each function: the minimum over ``repeat`` rounds.
 
     Each round times ``number`` calls of every function in turn, so that load that comes and
@@ -151,73 +249,78 @@ def _time_all(
     """
     best = {key: float("inf") for key in fns}
     for fn in fns.values():
-        fn()
+        for _ in range(20):
+            fn()
     for _ in range(repeat):
         for key, fn in fns.items():
-            t = timeit.timeit(fn, number=number, timer=time.process_time)
-            best[key] = min(best[key], t / number * 1e6)
+            start = time.process_time()
+            for _ in range(number):
+                fn()
+            best[key] = min(best[key], (time.process_time() - start) / number * 1e6)
     return best
 
 
-MODES = ("fwd no_grad", "fwd grad", "fwd+bwd")
+# --- a stage's I and W passes -------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, native: bool, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.native = native
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if self.native else CG["linear", "pair"](x, layer.weight, layer.bias)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+def _pipeline_fns() -> dict[Any, Callable[[], Any]]:
+    """(implementation, pass) -> a function running that pass on a fresh forward."""
+    x = torch.randn(8, 16, requires_grad=True)
+    g = torch.ones(8, 16)
+    fns: dict[Any, Callable[[], Any]] = {}
+    for impl, native, split_in, split_w in (
+        ("nn.Linear, torch's split", True, torch_split.stage_backward_input,
+         torch_split.stage_backward_weight),
+        ("customgrad ops, customgrad.pipelining", False, stage_backward_input,
+         stage_backward_weight),
+    ):  # fmt: skip
+        model = MLP(native)
+        pending: list[Any] = []
+
+        def run_i(model: nn.Module = model, split_in: Any = split_in,
+                  pending: list[Any] = pending) -> None:  # fmt: skip
+            x.grad = None
+            _, groups = split_in([model(x)], [g], [x], model.parameters())
+            pending.append(groups)
+
+        def run_w(model: nn.Module = model, split_in: Any = split_in, split_w: Any = split_w,
+                  pending: list[Any] = pending) -> None:  # fmt: skip
+            if not pending:
+                run_i(model, split_in, pending)
+            split_w(model.parameters(), pending.pop())
+
+        fns[impl, "I (with its forward)"] = run_i
+        fns[impl, "W"] = run_w
+    return fns
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (for CI smoke runs)")
     args = parser.parse_args()
-    number, repeat = (200, 3) if args.quick else (1000, 15)
+    number, repeat = (100, 3) if args.quick else (500, 15)
 
-    x16 = torch.randn(16, requires_grad=True)
-    g16 = torch.ones(16)
-    x = torch.randn(8, 16, requires_grad=True)
-    w = torch.randn(16, 16, requires_grad=True)
-    g8 = torch.ones(8, 16)
-    cases: dict[str, tuple[torch.Tensor, dict[str, Callable[[], torch.Tensor]]]] = {
-        "x*2": (
-            g16,
-            {
-                "eager": lambda: x16 * 2,
-                "autograd.Function": lambda: DoubleFn.apply(x16),
-                "Function(define/impl)": lambda: LibDoubleFn.apply(x16),
-                "define/impl op": lambda: lib_double(x16),
-                "custom_op": lambda: co_double(x16),
-                "customgrad": lambda: cg_double(x16),
-                "customgrad torch.ops": lambda: torch.ops.cg_bench.double.default(x16),
-            },
-        ),
-        "linear 8x16": (
-            g8,
-            {
-                "eager": lambda: x @ w.mT,
-                "autograd.Function": lambda: LinearFn.apply(x, w),
-                "Function(define/impl)": lambda: LibLinearFn.apply(x, w),
-                "define/impl op": lambda: lib_linear(x, w),
-                "custom_op": lambda: co_linear(x, w),
-                "customgrad": lambda: cg_linear(x, w),
-                "customgrad torch.ops": lambda: torch.ops.cg_bench.linear.default(x, w),
-            },
-        ),
-    }
-    fns: dict[tuple[str, str, str], Callable[[], Any]] = {}
-    for case, (grad, impls) in cases.items():
-        for impl, f in impls.items():
-
-            def no_grad(f: Callable[[], torch.Tensor] = f) -> None:
-                with torch.no_grad():
-                    f()
-
-            def fwd(f: Callable[[], torch.Tensor] = f) -> None:
-                f()
-
-            def fwd_bwd(f: Callable[[], torch.Tensor] = f, grad: torch.Tensor = grad) -> None:
-                f().backward(grad)
-
-            for mode, g in zip(MODES, (no_grad, fwd, fwd_bwd)):
-                if impl == "define/impl op" and mode != "fwd no_grad":
-                    continue
-                fns[(case, impl, mode)] = g
-    results = _time_all(fns, number, repeat)
+    cases = _cases()
+    fns: dict[Any, Callable[[], Any]] = {}
+    for case, (grad, leaves, impls) in cases.items():
+        for impl, fwd in impls.items():
+            for mode in MODES:
+                fns[case, impl, mode] = _timed(fwd, grad, leaves, mode)
+    r = _time_all(fns, number, repeat)
 
     print(
         f"CPU time per call in µs (process_time, min of {repeat} rounds x {number}, 1 thread; "
@@ -225,25 +328,39 @@ def main() -> None:
     )
     print("| op | implementation | " + " | ".join(MODES) + " |")
     print("|---|---|" + "---:|" * len(MODES))
-    for case, (_, impls) in cases.items():
+    for case, (_, _, impls) in cases.items():
         for impl in impls:
-            cells = [results.get((case, impl, m)) for m in MODES]
-            shown = " | ".join("-" if c is None else f"{c:.1f}" for c in cells)
-            print(f"| {case} | {impl} | {shown} |")
+            cells = " | ".join(f"{r[case, impl, m]:.1f}" for m in MODES)
+            print(f"| {case} | {impl} | {cells} |")
 
     print(
-        "\n| op | cg fwd+bwd / Function [<= 1.15] | cg fwd+bwd / custom_op [<= 0.70] | "
-        "cg no_grad / define-impl [<= 1.50] |"
+        "\n| op | path | customgrad / Function, pair, single [<= 1.15] | "
+        "customgrad / custom_op, pair, single [<= 0.60] |"
     )
-    print("|---|---:|---:|---:|")
-    r = results
+    print("|---|---|---:|---:|")
     for case in cases:
-        cg_fb = r[(case, "customgrad", "fwd+bwd")]
-        print(
-            f"| {case} | {cg_fb / r[(case, 'autograd.Function', 'fwd+bwd')]:.2f} "
-            f"| {cg_fb / r[(case, 'custom_op', 'fwd+bwd')]:.2f} "
-            f"| {r[(case, 'customgrad', 'fwd no_grad')] / r[(case, 'define/impl op', 'fwd no_grad')]:.2f} |"
-        )
+        for mode in MODES[1:]:
+            fn = r[case, "autograd.Function", mode]
+            co = r[case, "custom_op", mode]
+            pair, single = r[case, "customgrad pair", mode], r[case, "customgrad single", mode]
+            print(
+                f"| {case} | {mode} | {pair / fn:.2f}, {single / fn:.2f} | "
+                f"{pair / co:.2f}, {single / co:.2f} |"
+            )
+
+    pipe = _time_all(_pipeline_fns(), max(1, number // 5), repeat)
+    print("\nA 4-layer MLP (width 16, batch 8): µs per pass")
+    print("| implementation | I (with its forward) | W |")
+    print("|---|---:|---:|")
+    impls = sorted({k[0] for k in pipe})
+    for impl in impls:
+        print(f"| {impl} | {pipe[impl, 'I (with its forward)']:.1f} | {pipe[impl, 'W']:.1f} |")
+    native, ours = "nn.Linear, torch's split", "customgrad ops, customgrad.pipelining"
+    print(
+        f"\ncustomgrad.pipelining passes / nn.Linear under torch's split [<= 1.10]: "
+        f"I {pipe[ours, 'I (with its forward)'] / pipe[native, 'I (with its forward)']:.2f}, "
+        f"W {pipe[ours, 'W'] / pipe[native, 'W']:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ from torch.autograd.graph import Node
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import DeferTarget, Route
 
+_ACCUMULATE: type = getattr(torch._C._functions, "AccumulateGrad", type(None))
+"""The node class that accumulates a leaf's gradient into ``.grad``."""
+
 __all__ = [
     "InputPassPlan",
     "children",
@@ -152,6 +155,48 @@ class InputPassPlan:
         return tuple(fn is not None and fn in side for fn, _ in node.next_functions)
 
 
+def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node, tuple[Any, ...]]]:
+    """Every node under ``roots`` in postorder (children first), and each node's edge targets
+    in ``next_functions`` order (None where an edge takes no gradient; none past ``stop``)."""
+    edges: dict[Node, tuple[Any, ...]] = {}
+    order: list[Node] = []
+    for root in roots:
+        if root in edges:
+            continue
+        kids = () if root in stop else tuple(fn for fn, _ in root.next_functions)
+        edges[root] = kids
+        stack: list[tuple[Node, Any]] = [(root, iter(kids))]
+        while stack:
+            node, it = stack[-1]
+            for child in it:
+                if child is not None and child not in edges:
+                    grand = () if child in stop else tuple(fn for fn, _ in child.next_functions)
+                    edges[child] = grand
+                    stack.append((child, iter(grand)))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order, edges
+
+
+def _reach_in(
+    edges: dict[Node, tuple[Any, ...]], starts: Iterable[Node], cut: Mapping[Node, Any] = {}
+) -> set[Node]:
+    """Nodes reachable from ``starts`` along ``edges``; a node in ``cut`` leads only to
+    ``cut[node]``."""
+    seen: set[Node] = set()
+    stack = [n for n in starts if n is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        kids = cut[node] if node in cut else edges[node]
+        stack.extend(k for k in kids if k is not None and k not in seen)
+    return seen
+
+
 def plan_input_pass(
     roots: Sequence[Node],
     input_nodes: set[Node],
@@ -170,30 +215,40 @@ def plan_input_pass(
             False for the weight-gradient queue (native weight work stays in I, so a customgrad
             node defers only when nothing else in I reaches its weights).
     """
-    everything = postorder(roots, input_nodes)
+    order, edges = _walk(roots, input_nodes)
     records: dict[Node, NodeRecord] = {}
     split: dict[Node, tuple[list[Node], list[Node]]] = {}
-    for node in everything:
+    leaves: list[Node] = []
+    leads_w: set[Node] = set()
+    for node in order:
+        kids = edges[node]
+        if node in input_nodes:
+            continue
+        if not kids and type(node) is _ACCUMULATE:
+            leaves.append(node)
+            leads_w.add(node)
+            continue
         record = record_of(node)
         if record is not None:
+            others: list[Node] = []
+            weights: list[Node] = []
+            for fn, is_weight in zip(kids, record.edge_is_weight()):
+                if fn is not None:
+                    (weights if is_weight else others).append(fn)
             records[node] = record
-            split[node] = _split_children(node, record)
-    leaves = [n for n in everything if n not in input_nodes and is_leaf_accumulator(n)]
+            split[node] = (others, weights)
+        for k in kids:
+            if k is not None and k in leads_w:
+                leads_w.add(node)
+                break
     leaf_set = set(leaves)
-    leads_w: set[Node] = set()
-    for node in everything:
-        if node in leaf_set or (
-            node not in input_nodes and any(c in leads_w for c in children(node))
-        ):
-            leads_w.add(node)
 
     # Candidates: customgrad nodes on the activation side (reached without crossing a
     # customgrad node's weight edges) with weight edges that need a gradient.
-    cut = {n: others for n, (others, _) in split.items()}
-    activation = reach(roots, input_nodes, cut)
+    activation = _reach_in(edges, roots, {n: others for n, (others, _) in split.items()})
     candidates: dict[Node, DeferTarget] = {}
-    for node in everything:
-        if node in activation and node in records and split[node][1]:
+    for node, (_, weights) in split.items():
+        if weights and node in activation:
             target = target_of(records[node])
             if target is not None:
                 candidates[node] = target
@@ -205,14 +260,19 @@ def plan_input_pass(
             # The queue's I accumulates every leaf it reaches without crossing a deferring
             # node's weight edges.
             live_cut = {n: split[n][0] for n in candidates}
-            live_leaves = reach(roots, input_nodes, live_cut) & leaf_set
+            live_leaves = _reach_in(edges, roots, live_cut) & leaf_set
             targets |= live_leaves
         executed: set[Node] = set()
-        for node in everything:
+        for node in order:
             if node in input_nodes:
                 continue
-            if node in targets or any(c in executed or c in input_nodes for c in children(node)):
+            if node in targets:
                 executed.add(node)
+                continue
+            for k in edges[node]:
+                if k is not None and (k in executed or k in input_nodes):
+                    executed.add(node)
+                    break
 
         def on_weight_side(fn: Node, executed: set[Node] = executed) -> bool:
             return fn not in executed and fn not in input_nodes and fn in leads_w
@@ -225,7 +285,7 @@ def plan_input_pass(
             ):
                 bad.append(node)  # I needs a "weight" gradient, or W an input one
             elif not defer_native:
-                side = reach(weights, input_nodes)
+                side = _reach_in(edges, weights)
                 if not side.isdisjoint(executed) or not side.isdisjoint(input_nodes):
                     bad.append(node)  # its weights also get gradients in I
         if not bad:
@@ -234,31 +294,30 @@ def plan_input_pass(
             del candidates[node]
 
     plan = InputPassPlan(executed=executed, deferred=candidates)
-    plan.weight_side = {n for n in leads_w if n not in executed and n not in input_nodes}
-    plan.targets = [n for n in everything if n in candidates or n in live_leaves]
+    side = plan.weight_side = {n for n in leads_w if n not in executed}
+    plan.targets = [n for n in order if n in candidates or n in live_leaves]
     for node, record in records.items():
-        if node not in executed:
-            continue
-        needed = tuple(
-            fn is not None and (fn in executed or fn in input_nodes)
-            for fn, _ in node.next_functions
-        )
-        plan.input_routes[record] = Route(needed=needed, defer=candidates.get(node))
+        if node in executed:
+            needed = tuple(
+                fn is not None and (fn in executed or fn in input_nodes) for fn in edges[node]
+            )
+            plan.input_routes[record] = Route(needed=needed, defer=candidates.get(node))
     if defer_native:
-        side = plan.weight_side
         plan.intermediates = [
-            n
-            for n in everything
-            if n in executed and n not in candidates and any(c in side for c in children(n))
+            node
+            for node in order
+            if node in executed
+            and node not in candidates
+            and any(k is not None and k in side for k in edges[node])
         ]
-        root_set = list(roots)
-        plan.direct = [i for i, r in enumerate(root_set) if r not in executed and r in leads_w]
+        plan.direct = [i for i, r in enumerate(roots) if r not in executed and r in leads_w]
         plan.weight_leaves = [n for n in leaves if n in side]
         for node in candidates:
-            record = records[node]
-            plan.weight_routes[record] = Route(needed=(False,) * len(node.next_functions))
+            plan.weight_routes[records[node]] = Route(needed=(False,) * len(edges[node]))
         for node in plan.intermediates:
             record = records.get(node)
             if record is not None:
-                plan.weight_routes[record] = Route(needed=plan.weight_side_edges(node))
+                plan.weight_routes[record] = Route(
+                    needed=tuple(k is not None and k in side for k in edges[node])
+                )
     return plan

@@ -155,33 +155,36 @@ class InputPassPlan:
         return tuple(fn is not None and fn in side for fn, _ in node.next_functions)
 
 
-def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node, tuple[Any, ...]]]:
+def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node, list[Any]]]:
     """Every node under ``roots`` in postorder (children first), and each node's edge targets
     in ``next_functions`` order (None where an edge takes no gradient; none past ``stop``)."""
-    edges: dict[Node, tuple[Any, ...]] = {}
+    edges: dict[Node, list[Any]] = {}
     order: list[Node] = []
     for root in roots:
         if root in edges:
             continue
-        kids = () if root in stop else tuple(fn for fn, _ in root.next_functions)
+        kids = [] if root in stop else [e[0] for e in root.next_functions]
         edges[root] = kids
-        stack: list[tuple[Node, Any]] = [(root, iter(kids))]
+        stack: list[tuple[Node, list[Any], int]] = [(root, kids, 0)]
         while stack:
-            node, it = stack[-1]
-            for child in it:
+            node, kids, i = stack.pop()
+            n = len(kids)
+            while i < n:
+                child = kids[i]
+                i += 1
                 if child is not None and child not in edges:
-                    grand = () if child in stop else tuple(fn for fn, _ in child.next_functions)
+                    grand = [] if child in stop else [e[0] for e in child.next_functions]
                     edges[child] = grand
-                    stack.append((child, iter(grand)))
+                    stack.append((node, kids, i))
+                    stack.append((child, grand, 0))
                     break
             else:
-                stack.pop()
                 order.append(node)
     return order, edges
 
 
 def _reach_in(
-    edges: dict[Node, tuple[Any, ...]], starts: Iterable[Node], cut: Mapping[Node, Any] = {}
+    edges: dict[Node, list[Any]], starts: Iterable[Node], cut: Mapping[Node, Any] | None = None
 ) -> set[Node]:
     """Nodes reachable from ``starts`` along ``edges``; a node in ``cut`` leads only to
     ``cut[node]``."""
@@ -192,8 +195,10 @@ def _reach_in(
         if node in seen:
             continue
         seen.add(node)
-        kids = cut[node] if node in cut else edges[node]
-        stack.extend(k for k in kids if k is not None and k not in seen)
+        kids = cut[node] if cut is not None and node in cut else edges[node]
+        for k in kids:
+            if k is not None and k not in seen:
+                stack.append(k)
     return seen
 
 

@@ -1036,3 +1036,9 @@ def test_errors_are_the_matching_builtins() -> None:
         cg.MissingRegistrationError,
     ):
         assert issubclass(cls, cg.CustomGradError)
+
+
+# --- automatic split of a single backward, and wrapped autograd.Functions --------------------
+
+
+# --- definitions of real ops: residuals, hand-off, schema=, weightless ops ---------------------

@@ -20,6 +20,7 @@ from customgrad.pipelining._errors import StreamSyncError as StreamSyncError
 from customgrad.pipelining._errors import WeightGradQueueError as WeightGradQueueError
 from customgrad.pipelining._errors import WeightPassTwiceError as WeightPassTwiceError
 from customgrad.pipelining._queue import WeightGradQueue as WeightGradQueue
+from customgrad.pipelining._simulate import StageCosts as StageCosts
 from customgrad.pipelining._stage import PipelineStage as PipelineStage
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "PipelineStage",
     "PipeliningError",
     "SplitStateError",
+    "StageCosts",
     "StrayWeightWorkError",
     "StreamSyncError",
     "WeightGradQueue",

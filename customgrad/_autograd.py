@@ -875,17 +875,20 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
 
 
 def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
-    """Refuse a saved leaf that hides tensors from autograd (a dataclass, an object with Tensor
-    attributes)."""
-    if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+    """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
+    Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
+    attrs = getattr(leaf, "__dict__", None)
+    values = list(attrs.values()) if isinstance(attrs, dict) else []
+    for name in getattr(type(leaf), "__slots__", ()):
+        values.append(getattr(leaf, name, None))
+    is_dataclass = dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+    if is_dataclass:
+        values += [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
+    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(values, none_is_leaf=True)):
+        return
+    if is_dataclass:
         what = f"a dataclass ({type(leaf).__qualname__})"
     else:
-        attrs = getattr(leaf, "__dict__", None)
-        values = list(attrs.values()) if isinstance(attrs, dict) else []
-        for name in getattr(type(leaf), "__slots__", ()):
-            values.append(getattr(leaf, name, None))
-        if not any(isinstance(v, _Tensor) for v in values):
-            return
         what = f"a {type(leaf).__qualname__} object with Tensor attributes"
     save = spec.rules.save
     raise SaveError(MSG_HIDDEN_TENSORS.format(op=spec.name, what=what, loc=where(save)))

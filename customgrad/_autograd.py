@@ -62,7 +62,6 @@ _functorch_active: Callable[[], bool] | None = getattr(
 _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
-_DelayedError: Any = getattr(getattr(torch._C, "_functions", None), "DelayedError", None)
 try:
     from torch._C._functorch import TransformType as _TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -260,25 +259,49 @@ def _call_user(
     if nondiff and half in nondiff and torch.is_grad_enabled():
         with torch.no_grad():
             result = fn(ctx, saved, *grads)
-        if any(_requires_grad(v) for v in (*grads, saved)):
-            result = _delay_error(ctx.op, half, fn, result)
+        anchors = _requiring_grad(grads, saved)
+        if anchors:
+            result = _delay_error(ctx.op, half, fn, result, anchors)
     else:
         result = fn(ctx, saved, *grads)
     watch.check(ctx.op, half, fn)
     return result
 
 
-def _requires_grad(value: Any) -> bool:
-    if isinstance(value, _Tensor):
-        return value.requires_grad
-    if isinstance(value, (tuple, list)):
-        return any(isinstance(t, _Tensor) and t.requires_grad for t in value)
-    return False
+def _requiring_grad(grads: tuple[Any, ...], saved: Any) -> list[torch.Tensor]:
+    """The output gradients and saved tensors that require grad (in double backward)."""
+    leaves = optree.tree_leaves((grads, saved), none_is_leaf=True)
+    return [t for t in leaves if isinstance(t, _Tensor) and t.requires_grad]
 
 
-def _delay_error(spec: OpSpec, half: Half, fn: Callable[..., Any], result: Any) -> Any:
+class _RaiseIfDifferentiated(torch.autograd.Function):
+    """An alias of a tensor whose backward raises: for what autograd cannot differentiate (a
+    ``differentiable=False`` backward's gradients, a residual). Unlike torch's
+    ``once_differentiable``, the node has edges to the tensors the value was computed from
+    (``anchors``), so ``autograd.grad`` with respect to them runs it and raises, instead of
+    pruning it and returning a silently wrong gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, msg: str, value: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.msg = msg
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise UnsupportedError(ctx.msg)
+
+
+def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:
+    if not (t.is_floating_point() or t.is_complex()):
+        return t
+    return _RaiseIfDifferentiated.apply(msg, t, *anchors)
+
+
+def _delay_error(
+    spec: OpSpec, half: Half, fn: Callable[..., Any], result: Any, anchors: list[torch.Tensor]
+) -> Any:
     """Make the gradients in ``result`` raise if anyone differentiates them (double backward)."""
-    if _DelayedError is None or not isinstance(result, dict):
+    if not isinstance(result, dict):
         return result
     label = HALF_NAMES[half]
     msg = (
@@ -286,15 +309,59 @@ def _delay_error(spec: OpSpec, half: Half, fn: Callable[..., Any], result: Any) 
         f"cannot be differentiated again (double backward, gradient penalties). Register a "
         f"differentiable {label}, written with differentiable torch ops. ({label} defined at "
         f"{where(fn)})"
-    ).encode()
+    )
     out: dict[Any, Any] = {}
     for name, g in result.items():
         if isinstance(g, _Tensor):
-            g = _DelayedError(msg, 1)(g)
+            g = _raises_if_differentiated(msg, g, anchors)
         elif isinstance(g, (list, tuple)):
-            g = [_DelayedError(msg, 1)(t) if isinstance(t, _Tensor) else t for t in g]
+            g = [
+                _raises_if_differentiated(msg, t, anchors) if isinstance(t, _Tensor) else t
+                for t in g
+            ]
         out[name] = g
     return out
+
+
+MSG_RESIDUAL_DOUBLE_BACKWARD = """\
+{op}: double backward (create_graph=True, gradient penalties) reached residual {name!r}, which \
+the kernel computed in the forward: autograd sees it as a constant, so the gradient through it \
+would be silently wrong. Save the inputs and recompute it in the backward with differentiable \
+torch ops if you need double backward; otherwise register the backward with \
+differentiable=False to declare the op once differentiable. (kernel defined at {loc})"""
+
+
+def _residual_slots(saved: Any, residuals: tuple[Any, ...], names: tuple[str, ...]) -> Any:
+    """For each residual that ``save_for_backward`` kept as it is: its position among the saved
+    tensors (in the order :func:`_save` saves them) and its name; None when there is none."""
+    tensors = [t for t in optree.tree_leaves(saved, none_is_leaf=True) if isinstance(t, _Tensor)]
+    slots = tuple(
+        (i, name) for i, t in enumerate(tensors) for r, name in zip(residuals, names) if t is r
+    )
+    return slots or None
+
+
+def _guard_residuals(
+    spec: OpSpec, saved: Any, grads: tuple[Any, ...], slots: tuple[tuple[int, str], ...]
+) -> Any:
+    """``saved`` with each residual replaced by an alias whose backward raises (in double
+    backward, where the backward builds a graph)."""
+    anchors = _requiring_grad(grads, saved)
+    if not anchors:
+        return saved
+    names = dict(slots)
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    k = 0
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Tensor):
+            name = names.get(k)
+            if name is not None:
+                msg = MSG_RESIDUAL_DOUBLE_BACKWARD.format(
+                    op=spec.name, name=name, loc=where(spec.signature.fn)
+                )
+                leaves[i] = _raises_if_differentiated(msg, leaf, anchors)
+            k += 1
+    return optree.tree_unflatten(treespec, leaves)
 
 
 class PassPlan(NamedTuple):
@@ -425,6 +492,7 @@ class AutogradImpl:
             call.saved = save(inputs, outputs)
         else:
             call.saved = save(inputs, outputs, tuple.__new__(sig.residuals_type, residuals))
+            call.residuals = residuals
         if sig.plain_output:
             return outputs
         outs = outputs if sig.output_is_tuple else (outputs,)
@@ -457,6 +525,8 @@ class AutogradImpl:
         # Under functorch transforms setup_context runs once per transform level, on the
         # same call: ``call.saved`` stays (the call dies with ``apply``).
         _save(ctx, record, self.spec, call.saved)
+        if call.residuals:
+            record.residual_slots = _residual_slots(call.saved, call.residuals, sig.residual_names)
         if _forward_ad_active():
             args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
             outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
@@ -637,6 +707,8 @@ class AutogradImpl:
             return tuple(out)
 
         saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)
+        if record.residual_slots is not None and torch.is_grad_enabled():  # create_graph=True
+            saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
         out_lens = record.out_lens
         out_grads = grads if out_lens is None else _regroup(out_lens, grads)
         keep = bool(plan.later_w) and bool(plan.need_in)
@@ -728,13 +800,14 @@ def _check_tangents(
 class _Call:
     """What one op call passes through ``Function.apply`` (the node's second input)."""
 
-    __slots__ = ("kernel", "lens", "out_lens", "saved")
+    __slots__ = ("kernel", "lens", "out_lens", "residuals", "saved")
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         self.lens: tuple[int, ...] | None = None
         self.out_lens: list[int | None] | None = None
         self.saved: Any = None
+        self.residuals: tuple[Any, ...] = ()
 
 
 class _CustomGradNode(torch.autograd.Function):

@@ -40,6 +40,8 @@ class NodeRecord:
             (:data:`NO_HANDOFF` when none).
         split: the node's automatic-split plan, once its first backward chose one.
         forward_ad: ``(args, outputs)`` kept for a jvp while forward AD is active.
+        residual_slots: ``(position among the saved tensors, name)`` of each residual saved as
+            the kernel returned it (guarded in double backward), or None.
     """
 
     __slots__ = (
@@ -50,6 +52,7 @@ class NodeRecord:
         "lens",
         "metas",
         "out_lens",
+        "residual_slots",
         "route",
         "split",
         "tag",
@@ -73,6 +76,7 @@ class NodeRecord:
         self.handoff: Any = NO_HANDOFF
         self.split: Any = None
         self.forward_ad: Any = None
+        self.residual_slots: tuple[tuple[int, str], ...] | None = None
         self.weight_edges: tuple[bool, ...] | None = None
 
     @property

@@ -6,6 +6,8 @@
   schedules (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``).
 - :class:`WeightGradQueue`: customgrad weight-gradient work kept per stage and microbatch, run
   by a hand-written loop or as a ``PipelineStage`` ``dw_builder``.
+- :func:`simulate`: replay a torch schedule's action lists against per-stage costs
+  (:class:`StageCosts`) to predict its step time and bubble at any scale.
 """
 
 from customgrad.pipelining._backward import stage_backward as stage_backward
@@ -20,22 +22,28 @@ from customgrad.pipelining._errors import StreamSyncError as StreamSyncError
 from customgrad.pipelining._errors import WeightGradQueueError as WeightGradQueueError
 from customgrad.pipelining._errors import WeightPassTwiceError as WeightPassTwiceError
 from customgrad.pipelining._queue import WeightGradQueue as WeightGradQueue
+from customgrad.pipelining._simulate import Simulation as Simulation
 from customgrad.pipelining._simulate import StageCosts as StageCosts
+from customgrad.pipelining._simulate import TimedAction as TimedAction
+from customgrad.pipelining._simulate import simulate as simulate
 from customgrad.pipelining._stage import PipelineStage as PipelineStage
 
 __all__ = [
     "MissingInputPassError",
     "PendingWeightWorkError",
     "PipelineStage",
+    "Simulation",
     "PipeliningError",
     "SplitStateError",
     "StageCosts",
     "StrayWeightWorkError",
     "StreamSyncError",
+    "TimedAction",
     "WeightGradQueue",
     "WeightGradQueueError",
     "WeightPassTwiceError",
     "stage_backward",
     "stage_backward_input",
+    "simulate",
     "stage_backward_weight",
 ]

@@ -1,23 +1,568 @@
 """Predict a pipeline schedule's step time and bubble from per-action costs.
 
-Renting a cluster to learn what a zero-bubble schedule would give is expensive; the schedule
-itself is cheap to replay. This module builds torch's own action lists (``pipeline_order``) and
-replays them against per-stage costs.
+Renting a cluster to learn what a zero-bubble schedule gives at 64 stages is expensive; replaying
+the schedule is not. :func:`simulate` asks torch for the schedule's own action lists (each
+rank's ``pipeline_order``, built by the schedule class itself from stand-in stages, so the
+simulator never disagrees with the schedules it models) and replays them against per-stage costs:
+every rank runs its list in order, and an action starts when its rank is free and its inputs
+have arrived.
+
+Two facts about the split backward make the prediction worth having. customgrad ops do each
+backward matmul once, split between I and W; a plain ``torch.autograd.Function`` (or a
+``torch.library.custom_op``) runs its whole backward in both I and W under torch's split, which
+:meth:`StageCosts.repeating_backward` expresses. The same schedule then predicts very different
+step times for the two.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import os
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, cast
 
-__all__ = ["StageCosts"]
+from customgrad._errors import ArgumentTypeError, ArgumentValueError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["Simulation", "StageCosts", "TimedAction", "simulate"]
+
+Kind = Literal["F", "I", "W", "B"]
+
+#: Colours of the timeline picture, one per kind of action.
+COLORS: dict[str, str] = {"F": "#4C72B0", "I": "#DD8452", "W": "#55A868", "B": "#C44E52"}
+
+MSG_SCHEDULE_CLASS = """\
+simulate: expected one of torch.distributed.pipelining's schedule classes (or its name), got \
+{got}. Pass the class itself, for example:
+
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+    simulate(ScheduleZBVZeroBubble, 4, 8, costs)      # right
+    simulate("ZBVZeroBubble", 4, 8, costs)            # right: torch's name for it
+    simulate(ScheduleZBVZeroBubble(stages, 8), ...)   # wrong: an instance
+"""
 
 
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
-    """Seconds one stage's actions take, per microbatch."""
+    """Seconds one stage's actions take, per microbatch.
+
+    ``send`` is paid on the way between ranks only, after the action whose output is handed
+    over (an activation forward, an activation gradient backward) and before the receiving
+    action may start; it does not keep either rank busy (torch posts its sends asynchronously).
+    Two neighbouring stages on one rank (the bottom of a V) hand over locally, for free.
+
+    Example:
+        >>> StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0).full_backward
+        2.0
+        >>> StageCosts.repeating_backward(forward=1.0, backward=2.0).backward_weight
+        2.0
+    """
 
     forward: float
     backward_input: float
     backward_weight: float
     backward: float | None = None  # a full backward (B); None: backward_input + backward_weight
     send: float = 0.0  # handing an activation or gradient to the next stage's rank
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None and field.name == "backward":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ArgumentTypeError(
+                    f"StageCosts: {field.name} is a {type(value).__name__} ({value!r}), expected "
+                    f"seconds as a float. Pass a number, e.g. {field.name}=0.004."
+                )
+            if not math.isfinite(value) or value < 0:
+                raise ArgumentValueError(
+                    f"StageCosts: {field.name} is {value!r} seconds, expected a finite number "
+                    f">= 0. Pass the measured seconds per microbatch (0.0 for an action that "
+                    f"costs nothing)."
+                )
+
+    @property
+    def full_backward(self) -> float:
+        """Seconds of a full backward (B): ``backward``, or ``backward_input + backward_weight``."""
+        if self.backward is not None:
+            return self.backward
+        return self.backward_input + self.backward_weight
+
+    @classmethod
+    def repeating_backward(
+        cls, forward: float, backward: float, *, send: float = 0.0
+    ) -> StageCosts:
+        """Costs of a stage whose backward runs whole in both I and W.
+
+        That is what plain ``torch.autograd.Function``\\ s and ``torch.library.custom_op``\\ s do
+        under torch's split backward (their ``needs_input_grad`` is fixed at forward time): I
+        and W each cost a full backward, a full backward (B) costs one.
+
+        Args:
+            forward: seconds of the stage's forward.
+            backward: seconds of the stage's full backward, done once.
+            send: seconds to hand an activation or gradient to another rank.
+
+        Example:
+            >>> StageCosts.repeating_backward(1.0, 2.0)
+            StageCosts(forward=1.0, backward_input=2.0, backward_weight=2.0, backward=2.0, send=0.0)
+        """
+        return cls(forward, backward, backward, backward=backward, send=send)
+
+    def cost(self, kind: Kind) -> float:
+        """Seconds one action of ``kind`` (``"F"``, ``"I"``, ``"W"`` or ``"B"``) takes."""
+        if kind == "F":
+            return self.forward
+        if kind == "I":
+            return self.backward_input
+        if kind == "W":
+            return self.backward_weight
+        return self.full_backward
+
+
+@dataclasses.dataclass(frozen=True)
+class TimedAction:
+    """One action of the replayed schedule: what ran where, and when (seconds from step start)."""
+
+    rank: int
+    stage: int
+    microbatch: int
+    kind: Kind
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        """``end - start``."""
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class Simulation:
+    """A schedule replayed against costs: the timeline and what it adds up to.
+
+    Attributes:
+        schedule: the schedule class's name, e.g. ``"ScheduleZBVZeroBubble"``.
+        n_stages: number of pipeline stages.
+        n_ranks: number of pipeline ranks (torch's ``pp_group_size``).
+        n_microbatches: microbatches per step.
+        stage_to_rank: the rank of each stage, as the schedule placed them.
+        timeline: every compute action, by rank then start time.
+        step_time: seconds from the first action's start to the last one's end.
+        busy: seconds each rank spends computing.
+    """
+
+    schedule: str
+    n_stages: int
+    n_ranks: int
+    n_microbatches: int
+    stage_to_rank: tuple[int, ...]
+    timeline: tuple[TimedAction, ...]
+    step_time: float
+    busy: tuple[float, ...]
+
+    @property
+    def bubble(self) -> float:
+        """Idle fraction of rank-time over the step: ``1 - sum(busy) / (n_ranks * step_time)``."""
+        if self.step_time <= 0:
+            return 0.0
+        return 1.0 - sum(self.busy) / (self.n_ranks * self.step_time)
+
+    def actions(self, rank: int) -> tuple[TimedAction, ...]:
+        """The actions ``rank`` runs, in order."""
+        return tuple(a for a in self.timeline if a.rank == rank)
+
+    def summary(self) -> str:
+        """One line: schedule, shape, step time and bubble."""
+        return (
+            f"{self.schedule}: {self.n_stages} stages on {self.n_ranks} ranks, "
+            f"{self.n_microbatches} microbatches: step {_seconds(self.step_time)}, "
+            f"bubble {self.bubble:.1%}"
+        )
+
+    def draw(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        ax: Axes | None = None,
+        title: str | None = None,
+    ) -> Figure:
+        """Draw the timeline like a pipeline picture: ranks as rows, one bar per action.
+
+        F, I, W and B have their own colours; each bar is labelled with its microbatch when
+        it is wide enough, and a rank's second stage (V and interleaved schedules) is drawn
+        lighter. Uses matplotlib without pyplot (no global state; Agg when saved).
+
+        Args:
+            path: where to save the picture (PNG, SVG, ... by suffix); None: don't save.
+            ax: axes to draw into; None: a new figure.
+            title: the title; None: :meth:`summary`.
+
+        Returns:
+            The figure drawn on.
+
+        Example:
+            >>> from torch.distributed.pipelining import Schedule1F1B
+            >>> sim = simulate(Schedule1F1B, 2, 4, StageCosts(1.0, 1.0, 1.0))
+            >>> fig = sim.draw()
+            >>> len(fig.axes[0].patches) == len(sim.timeline)
+            True
+        """
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+
+        if ax is None:
+            fig = Figure(figsize=(min(16.0, 4.0 + 0.12 * len(self.timeline) / self.n_ranks),
+                                  0.9 + 0.45 * self.n_ranks))  # fmt: skip
+            ax = fig.add_subplot()
+        else:
+            parent = ax.figure  # a Figure, or a SubFigure of one
+            fig = parent if isinstance(parent, Figure) else parent.figure
+        unit, scale = _unit(self.step_time)
+        first_stage = {r: min(s for s, rr in enumerate(self.stage_to_rank) if rr == r)
+                       for r in set(self.stage_to_rank)}  # fmt: skip
+        # bar width in points, to label only bars the microbatch number fits in
+        points = fig.get_figwidth() * 72 * 0.75 / max(self.step_time, 1e-12)
+        for a in self.timeline:
+            y = a.rank
+            second = a.stage != first_stage[a.rank]
+            ax.add_patch(Rectangle((a.start * scale, y - 0.4), a.duration * scale, 0.8,
+                                   facecolor=COLORS[a.kind], edgecolor="white", linewidth=0.5,
+                                   alpha=0.6 if second else 1.0))  # fmt: skip
+            if a.duration * points >= 4.5 * len(str(a.microbatch)) + 2:
+                ax.text((a.start + a.duration / 2) * scale, y, str(a.microbatch), ha="center",
+                        va="center", fontsize=7, color="white")  # fmt: skip
+        ax.set_xlim(0, max(self.step_time, 1e-12) * scale)
+        ax.set_ylim(self.n_ranks - 0.5, -0.5)
+        ax.set_yticks(range(self.n_ranks), [f"rank {r}" for r in range(self.n_ranks)])
+        ax.set_xlabel(f"time ({unit})")
+        ax.set_title(self.summary() if title is None else title, fontsize=9)
+        kinds = sorted({a.kind for a in self.timeline}, key="FBIW".index)
+        names = {"F": "forward", "I": "backward input", "W": "backward weight", "B": "backward"}
+        ax.legend(handles=[Patch(color=COLORS[k], label=f"{k}: {names[k]}") for k in kinds],
+                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # fmt: skip
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(os.fspath(path), dpi=150)
+        return fig
+
+
+def simulate(
+    schedule_class: type[Any] | str,
+    n_stages: int,
+    n_microbatches: int,
+    costs: StageCosts | Sequence[StageCosts],
+    *,
+    n_ranks: int | None = None,
+) -> Simulation:
+    """Replay a torch pipeline schedule against per-stage costs; predict step time and bubble.
+
+    The schedule class builds its own action lists from stand-in stages (no process group,
+    no model), exactly as it would for a run. Each rank then runs its list in order: an action
+    starts when its rank is free and its inputs are there. F of stage ``s`` needs F of stage
+    ``s - 1``; I or B of stage ``s`` needs its own F and the input gradient from I or B of stage
+    ``s + 1``; W needs the same stage's I. Handing over between ranks costs the sending stage's
+    ``send``; between two stages on one rank (the bottom of a V) it is free. DualPipeV's
+    overlapped F+B actions run their two halves one after the other, as torch's runtime does.
+
+    Single-stage schedules (``Schedule1F1B``, ``ScheduleGPipe``) run microbatches in order,
+    counting forwards and backwards per stage; their ``pipeline_order`` is taken for the order
+    of F and B only (torch 2.13's ``Schedule1F1B`` numbers the last rank's forwards from 1).
+
+    Args:
+        schedule_class: a ``torch.distributed.pipelining`` schedule class, e.g.
+            ``ScheduleZBVZeroBubble``, or torch's name for it (``"ZBVZeroBubble"``).
+        n_stages: number of pipeline stages.
+        n_microbatches: microbatches per step.
+        costs: one :class:`StageCosts` for every stage, or one per stage (by stage index).
+        n_ranks: pipeline ranks. Default: one stage per rank for single-stage schedules, two
+            for multi-stage ones (which ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
+            require).
+
+    Returns:
+        The :class:`Simulation`: timeline, step time, bubble and busy time per rank.
+
+    Raises:
+        ArgumentTypeError: ``schedule_class`` is not a schedule class or name, or ``costs``
+            are not :class:`StageCosts`.
+        ArgumentValueError: an unknown schedule name, or stages, ranks and microbatches the
+            schedule cannot run.
+
+    Example:
+        1F1B on 2 ranks with 4 microbatches takes ``(m + p - 1) * (F + B)``:
+
+        >>> from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
+        >>> simulate(Schedule1F1B, 2, 4, StageCosts(1.0, 1.0, 1.0)).step_time
+        15.0
+        >>> sim = simulate(ScheduleZBVZeroBubble, 4, 8, StageCosts(1.0, 1.0, 1.0))
+        >>> sim.n_ranks, sim.step_time, round(sim.bubble, 3)
+        (2, 49.0, 0.02)
+    """
+    cls = _schedule_class(schedule_class)
+    single = _is_single(cls)
+    n_ranks = _check_shape(cls, single, n_stages, n_microbatches, n_ranks)
+    stage_costs = _stage_costs(costs, n_stages)
+    key = cast("Hashable", cls)  # classes are hashable; the cache keys on them
+    order, stage_to_rank = _action_lists(key, single, n_stages, n_microbatches, n_ranks)
+    timeline, busy, step_time = _replay(order, stage_to_rank, stage_costs, cls.__name__)
+    return Simulation(
+        schedule=cls.__name__,
+        n_stages=n_stages,
+        n_ranks=n_ranks,
+        n_microbatches=n_microbatches,
+        stage_to_rank=stage_to_rank,
+        timeline=timeline,
+        step_time=step_time,
+        busy=busy,
+    )
+
+
+# --- building torch's action lists ---------------------------------------------------------
+
+
+class _StandInStage:
+    """What a schedule's constructor reads from a stage, without a model or a process group."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int):
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = group_rank
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def _schedule_class(schedule_class: object) -> type[Any]:
+    from torch.distributed.pipelining import schedules
+
+    if isinstance(schedule_class, str):
+        try:
+            found: type[Any] = schedules.get_schedule_class(schedule_class)
+        except ValueError:
+            names = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                     "ZBVZeroBubble", "DualPipeV")  # fmt: skip
+            raise ArgumentValueError(
+                f"simulate: unknown schedule name {schedule_class!r}. torch's schedule names: "
+                f"{', '.join(names)}; or pass a schedule class."
+            ) from None
+        return found
+    bases = (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti)
+    if not (isinstance(schedule_class, type) and issubclass(schedule_class, bases)):
+        raise ArgumentTypeError(MSG_SCHEDULE_CLASS.format(got=repr(schedule_class)))
+    return schedule_class
+
+
+def _is_single(cls: type[Any]) -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    return issubclass(cls, PipelineScheduleSingle)
+
+
+def _check_shape(
+    cls: type[Any], single: bool, n_stages: int, n_microbatches: int, n_ranks: int | None
+) -> int:
+    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches),
+                        ("n_ranks", n_ranks)):  # fmt: skip
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ArgumentTypeError(
+                f"simulate: {name} is a {type(value).__name__} ({value!r}), expected an int."
+            )
+        if value < 1:
+            raise ArgumentValueError(f"simulate: {name} is {value}, expected at least 1.")
+    name = cls.__name__
+    if single:
+        if n_ranks is not None and n_ranks != n_stages:
+            raise ArgumentValueError(
+                f"simulate: {name} runs one stage per rank, so {n_stages} stages need "
+                f"{n_stages} ranks, got n_ranks={n_ranks}. Leave n_ranks out, or use a "
+                f"multi-stage schedule (ScheduleInterleaved1F1B, ScheduleZBVZeroBubble, ...)."
+            )
+        return n_stages
+    if n_ranks is None:
+        if n_stages % 2:
+            raise ArgumentValueError(
+                f"simulate: {name} places several stages on each rank, and {n_stages} stages "
+                f"do not make 2 per rank. Pass n_ranks= (n_stages must be a multiple of it), "
+                f"or an even n_stages."
+            )
+        return n_stages // 2
+    if n_stages % n_ranks:
+        raise ArgumentValueError(
+            f"simulate: {name} places the same number of stages on each rank, so n_stages "
+            f"({n_stages}) must be a multiple of n_ranks ({n_ranks}). Pass n_stages="
+            f"{n_ranks * max(1, round(n_stages / n_ranks))}, or another n_ranks."
+        )
+    return n_ranks
+
+
+Order = tuple[tuple[tuple[int, Kind, int], ...], ...]
+
+
+@functools.lru_cache(maxsize=32)  # torch's lowering passes take seconds at 64 ranks
+def _action_lists(
+    cls: type[Any], single: bool, n_stages: int, n_microbatches: int, n_ranks: int
+) -> tuple[Order, tuple[int, ...]]:
+    """Each rank's compute actions as (stage, kind, microbatch), and each stage's rank."""
+    per_rank = n_stages // n_ranks
+    stages = [_StandInStage(k * n_ranks, n_stages, n_ranks, 0) for k in range(per_rank)]
+    try:
+        schedule = cls(stages[0], n_microbatches) if single else cls(stages, n_microbatches)
+    except (ValueError, AssertionError, RuntimeError) as e:
+        raise ArgumentValueError(
+            f"simulate: torch's {cls.__name__} cannot run {n_stages} stages on {n_ranks} "
+            f"ranks ({per_rank} per rank) with {n_microbatches} microbatches: {e} Change "
+            f"n_stages, n_ranks or n_microbatches to what the schedule supports."
+        ) from None
+    pipeline_order = getattr(schedule, "pipeline_order", None)
+    if not pipeline_order:
+        raise ArgumentValueError(
+            f"simulate: {cls.__name__} has no action list (pipeline_order) to replay. Use a "
+            f"schedule that trains: Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, "
+            f"ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+            f"ScheduleDualPipeV."
+        )
+    if single:
+        stage_to_rank = tuple(range(n_stages))
+    else:
+        mapping: dict[int, int] = dict(schedule.stage_index_to_group_rank)
+        stage_to_rank = tuple(mapping[s] for s in range(n_stages))
+    order: list[list[tuple[int, Kind, int]]] = []
+    for rank in range(n_ranks):
+        actions: list[tuple[int, Kind, int]] = []
+        for action in pipeline_order.get(rank, ()):
+            if action is None:
+                continue
+            parts = action.sub_actions if action.sub_actions is not None else (action,)
+            for part in parts:
+                kind = part.computation_type.value
+                if kind in ("F", "I", "W", "B"):  # not UNSHARD, RESHARD, REDUCE_GRAD, comms
+                    actions.append((part.stage_index, kind, part.microbatch_index))
+        order.append(actions)
+    if single:
+        # torch's single-stage runtime counts microbatches per stage (fwd_mb_index,
+        # bwd_mb_index); its pipeline_order is a picture whose indices may be off.
+        for actions in order:
+            counts: dict[tuple[int, str], int] = {}
+            for i, (stage, kind, _) in enumerate(actions):
+                k = counts.get((stage, kind), 0)
+                counts[stage, kind] = k + 1
+                actions[i] = (stage, kind, k)
+    return tuple(tuple(actions) for actions in order), stage_to_rank
+
+
+# --- replaying them ------------------------------------------------------------------------
+
+
+def _stage_costs(costs: object, n_stages: int) -> tuple[StageCosts, ...]:
+    if isinstance(costs, StageCosts):
+        return (costs,) * n_stages
+    if isinstance(costs, Sequence) and not isinstance(costs, str):
+        bad = [i for i, c in enumerate(costs) if not isinstance(c, StageCosts)]
+        if bad:
+            raise ArgumentTypeError(
+                f"simulate: costs[{bad[0]}] is a {type(costs[bad[0]]).__name__}, expected "
+                f"StageCosts. Pass StageCosts(forward=..., backward_input=..., "
+                f"backward_weight=...) for each stage."
+            )
+        if len(costs) != n_stages:
+            raise ArgumentValueError(
+                f"simulate: {len(costs)} StageCosts for {n_stages} stages. Pass one per stage, "
+                f"in stage order, or a single StageCosts for all of them."
+            )
+        return tuple(costs)
+    raise ArgumentTypeError(
+        f"simulate: costs is a {type(costs).__name__}, expected StageCosts or a sequence of "
+        f"them (one per stage)."
+    )
+
+
+def _replay(
+    order: Order,
+    stage_to_rank: tuple[int, ...],
+    costs: tuple[StageCosts, ...],
+    name: str,
+) -> tuple[tuple[TimedAction, ...], tuple[float, ...], float]:
+    """Run every rank's list in order; an action waits for its rank and for its inputs.
+
+    Event-driven: a rank runs until its next action needs something not yet computed, then
+    waits on that one thing; finishing an action wakes the ranks waiting on it.
+    """
+    n_stages = len(stage_to_rank)
+    # done[(what, stage, mb)] = time the result can be used on the stage's own rank;
+    # "F": the forward output, "dx": the input gradient (from I or B).
+    done: dict[tuple[str, int, int], float] = {}
+    waiting: dict[tuple[str, int, int], list[int]] = {}
+    ranks = range(len(order))
+    pos = [0 for _ in ranks]
+    free = [0.0 for _ in ranks]
+    busy = [0.0 for _ in ranks]
+    timeline: list[TimedAction] = []
+
+    def send(src: int, dst: int) -> float:
+        return 0.0 if stage_to_rank[src] == stage_to_rank[dst] else costs[src].send
+
+    ready = list(reversed(ranks))
+    while ready:
+        rank = ready.pop()
+        actions = order[rank]
+        while pos[rank] < len(actions):
+            stage, kind, mb = actions[pos[rank]]
+            needs: list[tuple[tuple[str, int, int], float]]
+            if kind == "F":
+                needs = [(("F", stage - 1, mb), send(stage - 1, stage))] if stage else []
+            elif kind == "W":
+                needs = [(("dx", stage, mb), 0.0)]
+            else:
+                needs = [(("F", stage, mb), 0.0)]
+                if stage < n_stages - 1:
+                    needs.append((("dx", stage + 1, mb), send(stage + 1, stage)))
+            start = free[rank]
+            missing = None
+            for key, delay in needs:
+                if key not in done:
+                    missing = key
+                    break
+                start = max(start, done[key] + delay)
+            if missing is not None:
+                waiting.setdefault(missing, []).append(rank)
+                break
+            end = start + costs[stage].cost(kind)
+            timeline.append(TimedAction(rank, stage, mb, kind, start, end))
+            free[rank] = end
+            busy[rank] += end - start
+            pos[rank] += 1
+            if kind != "W":
+                key = ("F" if kind == "F" else "dx", stage, mb)
+                done[key] = end
+                ready.extend(waiting.pop(key, ()))
+    stuck = {r: order[r][pos[r]] for r in ranks if pos[r] < len(order[r])}
+    if stuck:  # a malformed action list; torch's own schedules never get here
+        what = ", ".join(f"rank {r}: {s}{k}{m}" for r, (s, k, m) in sorted(stuck.items()))
+        raise ArgumentValueError(
+            f"simulate: {name}'s action lists cannot finish: actions wait on work no rank "
+            f"does ({what}). Check the schedule's pipeline_order."
+        )
+    timeline.sort(key=lambda a: (a.rank, a.start, a.end))
+    return tuple(timeline), tuple(busy), max(free, default=0.0)
+
+
+def _unit(seconds: float) -> tuple[str, float]:
+    if seconds >= 1.0 or seconds == 0:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "µs", 1e6
+
+
+def _seconds(seconds: float) -> str:
+    unit, scale = _unit(seconds)
+    return f"{seconds * scale:.4g} {unit}"

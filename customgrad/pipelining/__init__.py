@@ -8,6 +8,8 @@
   by a hand-written loop or as a ``PipelineStage`` ``dw_builder``.
 - :func:`simulate`: replay a torch schedule's action lists against per-stage costs
   (:class:`StageCosts`) to predict its step time and bubble at any scale.
+- :class:`ActionTimer`: times every F / I / W / B action of a rank's stages and its waits for
+  peers; :func:`stage_costs` turns the measured steps into :class:`StageCosts`.
 """
 
 from customgrad.pipelining._backward import stage_backward as stage_backward
@@ -27,23 +29,39 @@ from customgrad.pipelining._simulate import StageCosts as StageCosts
 from customgrad.pipelining._simulate import TimedAction as TimedAction
 from customgrad.pipelining._simulate import simulate as simulate
 from customgrad.pipelining._stage import PipelineStage as PipelineStage
+from customgrad.pipelining._timing import ActionEvent as ActionEvent
+from customgrad.pipelining._timing import ActionTimer as ActionTimer
+from customgrad.pipelining._timing import ActionTimerError as ActionTimerError
+from customgrad.pipelining._timing import RankBreakdown as RankBreakdown
+from customgrad.pipelining._timing import RankStep as RankStep
+from customgrad.pipelining._timing import StepTimeline as StepTimeline
+from customgrad.pipelining._timing import WaitEvent as WaitEvent
+from customgrad.pipelining._timing import stage_costs as stage_costs
 
 __all__ = [
+    "ActionEvent",
+    "ActionTimer",
+    "ActionTimerError",
     "MissingInputPassError",
     "PendingWeightWorkError",
     "PipelineStage",
     "Simulation",
     "PipeliningError",
+    "RankBreakdown",
+    "RankStep",
     "SplitStateError",
     "StageCosts",
+    "StepTimeline",
     "StrayWeightWorkError",
     "StreamSyncError",
     "TimedAction",
     "WeightGradQueue",
     "WeightGradQueueError",
+    "WaitEvent",
     "WeightPassTwiceError",
     "stage_backward",
     "stage_backward_input",
     "simulate",
     "stage_backward_weight",
+    "stage_costs",
 ]

@@ -74,12 +74,51 @@ class PipelineStage(_TorchPipelineStage):
         # The microbatch whose backward just ran (a stage without customgrad ops queues none).
         return queue.runner([(self.stage_index, self._bwd_chunk)], strict=False)
 
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def backward_one_chunk(
+        self,
+        bwd_chunk_id: int,
+        loss: Any = None,
+        full_backward: bool = True,
+        last_backward: bool = False,
+    ) -> None:
         self._bwd_chunk = bwd_chunk_id
         try:
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+            super().backward_one_chunk(
+                bwd_chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward
+            )
         finally:
             self._bwd_chunk = None
+        if self.is_first and not full_backward and self.dw_builder is None and self.has_backward:
+            self._first_stage_input_pass(bwd_chunk_id)
+
+    def _first_stage_input_pass(self, bwd_chunk_id: int) -> None:
+        # torch's stage skips I on the first stage (its inputs need no gradient) and runs the
+        # whole backward in W, so W carries the activation gradients too and the schedule's
+        # I / W balance is lost. customgrad's split runs them in I and leaves W weight work.
+        input_values, _, stage_output, output_grads = self.backward_state[bwd_chunk_id]
+        if isinstance(stage_output, torch.Tensor):
+            stage_output = (stage_output,)
+        bwd_kwargs = {
+            "stage_output": stage_output,
+            "output_grads": output_grads,
+            "input_values": input_values,
+        }
+        _, param_groups = self.backward_maybe_with_nosync("input", bwd_kwargs)
+        self.backward_state[bwd_chunk_id] = (input_values, param_groups, stage_output, output_grads)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        state = self.backward_state.get(bwd_chunk_id) if self.is_first else None
+        if state is None or state[1] is None or bwd_chunk_id not in self.dw_runner:
+            super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+            return
+        # The first stage's W after customgrad's I (see _first_stage_input_pass).
+        self.dw_runner.pop(bwd_chunk_id)
+        _, param_groups, stage_output, _ = self.backward_state.pop(bwd_chunk_id)
+        self.backward_maybe_with_nosync(
+            "weight",
+            {"stage_output": stage_output, "param_groups": param_groups},
+            last_backward=last_backward,
+        )
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self.queue is None:

@@ -1,0 +1,473 @@
+"""Time what pipeline stages do: every F / I / W / B action and every wait for a peer.
+
+A zero-bubble schedule only pays off when the times it assumes hold: I and W each about as long
+as F, no rank waiting for another. :class:`ActionTimer` measures them on a real run, for torch's
+``PipelineStage`` and customgrad's, without patching torch: :meth:`ActionTimer.stage_class`
+returns a subclass of the stage class that times the methods the schedules call per microbatch
+(``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``) and notes when a
+stage posts a receive (``get_fwd_recv_ops``, ``get_bwd_recv_ops``).
+
+Waits are read off the host clock: the schedule waits for a received tensor right before the
+action that uses it, so the time between the rank's previous event and that action is the wait.
+Time between events that no receive explains is the schedule's own (Python, posting sends,
+waiting for sends): *other*. On CUDA every action is bracketed by ``torch.cuda.synchronize``,
+so an action's time is its kernels' time.
+
+:meth:`ActionTimer.gather` brings every rank's steps together (:class:`StepTimeline`), whose
+:meth:`~StepTimeline.breakdown` splits each rank's time into compute, waiting for the peer to
+finish the action it depends on, transfer, and other; :func:`stage_costs` turns measured steps
+into per-stage :class:`~customgrad.pipelining.StageCosts`, what the schedule simulator
+replays.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.stage import _PipelineStageBase
+
+from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._flops import FlopCounter
+from customgrad.pipelining._errors import PipeliningError
+from customgrad.pipelining._simulate import StageCosts
+
+__all__ = [
+    "ActionEvent",
+    "ActionTimer",
+    "ActionTimerError",
+    "RankBreakdown",
+    "RankStep",
+    "StepTimeline",
+    "WaitEvent",
+    "stage_costs",
+]
+
+KINDS = ("F", "I", "W", "B")
+"""Action kinds: forward, input-gradient backward, weight-gradient backward, full backward."""
+
+_S = TypeVar("_S", bound=type[_PipelineStageBase])
+
+MSG_NESTED_STEP = """\
+ActionTimer.step: a step is already being timed on this timer. Time one schedule step at a \
+time:
+
+    for batch in batches:
+        with timer.step():
+            schedule.step(...)
+"""
+
+
+class ActionTimerError(PipeliningError):
+    """An :class:`ActionTimer` was used out of order (e.g. a step inside a step)."""
+
+
+@dataclass(frozen=True)
+class ActionEvent:
+    """One action of one stage on one microbatch; times in seconds since the step started.
+
+    ``flops`` is counted with torch's formulas when the step was timed with
+    ``count_flops=True`` (``None`` otherwise).
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    flops: int | None = None
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class WaitEvent:
+    """Time a rank waited for a received tensor before the action ``kind`` that needs it."""
+
+    kind: str  # the action that waited: "F" for an activation, "I" or "B" for a gradient
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class RankStep:
+    """What one rank did in one step."""
+
+    rank: int
+    duration: float  # from the step's start to its end on this rank
+    actions: tuple[ActionEvent, ...]
+    waits: tuple[WaitEvent, ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({a.stage for a in self.actions}))
+
+    @property
+    def busy(self) -> float:
+        """Seconds spent in actions."""
+        return sum(a.duration for a in self.actions)
+
+    def time_in(self, kind: str) -> float:
+        """Seconds spent in actions of ``kind`` ("F", "I", "W" or "B")."""
+        return sum(a.duration for a in self.actions if a.kind == kind)
+
+    def flops(self, kind: str | None = None) -> int:
+        """FLOPs counted in actions (of ``kind``); 0 when FLOPs were not counted."""
+        return sum(a.flops or 0 for a in self.actions if kind is None or a.kind == kind)
+
+
+@dataclass(frozen=True)
+class RankBreakdown:
+    """Where one rank's step went, in seconds; the five parts add up to the step's time.
+
+    ``peer``: waiting while the peer was still running the action this one depends on (its
+    forward, or its input-gradient backward); ``transfer``: waiting after the peer finished it
+    (the peer's send, the network, waking up); ``other``: time no action and no receive explains
+    (the schedule's Python, posting and waiting for sends), including the end of the step after
+    this rank's last action (``tail``, also counted in ``other``).
+    """
+
+    rank: int
+    compute: float
+    peer: float
+    transfer: float
+    other: float
+    tail: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.peer + self.transfer + self.other
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One step as every rank measured it (clocks start at a common barrier)."""
+
+    ranks: tuple[RankStep, ...]  # by rank
+
+    @property
+    def duration(self) -> float:
+        """The step's time: its slowest rank's."""
+        return max(r.duration for r in self.ranks)
+
+    @property
+    def bubble(self) -> float:
+        """Share of ranks x step time in which no action ran."""
+        return 1.0 - sum(r.busy for r in self.ranks) / (self.duration * len(self.ranks))
+
+    def stage_ranks(self) -> dict[int, int]:
+        """Which rank ran each stage."""
+        return {s: r.rank for r in self.ranks for s in r.stages}
+
+    def breakdown(self) -> list[RankBreakdown]:
+        """Each rank's step split into compute, waits (peer / transfer) and other.
+
+        A wait before stage ``s``'s forward depends on stage ``s - 1``'s forward of the same
+        microbatch; before its I or B, on stage ``s + 1``'s I or B. The part of the wait before
+        that action ended on its rank is ``peer``, the rest ``transfer``. The step is as long as
+        its slowest rank: a rank that finished early has the difference in ``tail``.
+        """
+        waits = _split_waits(self)
+        out = []
+        for r in self.ranks:
+            peer = sum(p for rank, p, _ in waits if rank == r.rank)
+            transfer = sum(t or 0.0 for rank, _, t in waits if rank == r.rank)
+            compute = r.busy
+            other = self.duration - compute - peer - transfer
+            out.append(
+                RankBreakdown(r.rank, compute, peer, transfer, other, self.duration - r.duration)
+            )
+        return out
+
+
+def _split_waits(step: StepTimeline) -> list[tuple[int, float, float | None]]:
+    """``(rank, peer, transfer)`` for every wait of ``step`` (see :meth:`StepTimeline.breakdown`).
+
+    When the action waited for is not in ``step`` (ranks missing from it), the whole wait is
+    ``peer`` and ``transfer`` is ``None``.
+    """
+    ends: dict[tuple[str, int, int], float] = {}
+    for r in step.ranks:
+        for a in r.actions:
+            if a.kind != "W":  # what a peer waits for: a forward, or an I or B
+                ends["F" if a.kind == "F" else "IB", a.stage, a.microbatch] = a.end
+    out: list[tuple[int, float, float | None]] = []
+    for r in step.ranks:
+        for w in r.waits:
+            if w.kind == "F":
+                done = ends.get(("F", w.stage - 1, w.microbatch))
+            else:
+                done = ends.get(("IB", w.stage + 1, w.microbatch))
+            if done is None:
+                out.append((r.rank, w.duration, None))
+                continue
+            until = min(max(done, w.start), w.end)
+            out.append((r.rank, until - w.start, w.end - until))
+    return out
+
+
+def stage_costs(steps: Sequence[StepTimeline]) -> dict[int, StageCosts]:
+    """Each stage's median action times over ``steps``, as ``StageCosts`` for ``simulate``.
+
+    ``forward``, ``backward_input``, ``backward_weight`` (and ``backward`` for a stage that ran
+    full backwards) are medians over every microbatch of every step; ``send`` is the median
+    transfer part of the waits (see :meth:`StepTimeline.breakdown`) of all ranks: what a
+    tensor took from the end of the action that made it to the start of the one that used it.
+
+    Raises:
+        ArgumentValueError: ``steps`` is empty or recorded no action.
+    """
+    times: dict[tuple[int, str], list[float]] = defaultdict(list)
+    transfers: list[float] = []
+    for step in steps:
+        for r in step.ranks:
+            for a in r.actions:
+                times[a.stage, a.kind].append(a.duration)
+        transfers.extend(t for _, _, t in _split_waits(step) if t is not None)
+    if not times:
+        raise ArgumentValueError(
+            "stage_costs: the steps recorded no action. Time steps with ActionTimer.step() "
+            "around schedule.step(...), on stages built from ActionTimer.stage_class(...)."
+        )
+    send = statistics.median(transfers) if transfers else 0.0
+
+    def med(stage: int, kind: str) -> float:
+        values = times.get((stage, kind))
+        return statistics.median(values) if values else 0.0
+
+    costs = {}
+    for stage in sorted({s for s, _ in times}):
+        full = med(stage, "B") if (stage, "B") in times else None
+        costs[stage] = StageCosts(
+            forward=med(stage, "F"),
+            backward_input=med(stage, "I"),
+            backward_weight=med(stage, "W"),
+            backward=full,
+            send=send,
+        )
+    return costs
+
+
+@dataclass
+class _Recording:
+    t0: float
+    count_flops: bool
+    actions: list[ActionEvent] = field(default_factory=list)
+    waits: list[WaitEvent] = field(default_factory=list)
+    last_end: float = 0.0  # end of the rank's latest event (action or posted receive)
+    posted: set[tuple[str, int, int]] = field(default_factory=set)  # ("F"|"B", stage, mb)
+
+
+class ActionTimer:
+    """Records the actions of a rank's pipeline stages, step by step.
+
+    Args:
+        device: the stages' device; on CUDA each action is synchronized before and after.
+        group: the pipeline's process group (default: the default group), for the rank
+            number and :meth:`gather`.
+
+    Example:
+        Time torch's (or customgrad's) stages under any torch schedule::
+
+            timer = ActionTimer(device)
+            Stage = timer.stage_class(customgrad.pipelining.PipelineStage)
+            stages = [Stage(chunk, i, num_stages, device) for i, chunk in mine]
+            schedule = ScheduleZBVZeroBubble(stages, n_microbatches, loss_fn=loss_fn)
+            for x, y in batches:
+                with timer.step():
+                    schedule.step(x, target=y)
+            steps = timer.gather()            # every rank's steps, on every rank
+            print(steps[-1].bubble, stage_costs(steps[1:]))
+
+        Actions run outside ``timer.step()`` are not recorded.
+    """
+
+    def __init__(
+        self, device: torch.device | str | None = None, group: dist.ProcessGroup | None = None
+    ) -> None:
+        self.device = torch.device(device if device is not None else "cpu")
+        self.group = group
+        self.steps: list[RankStep] = []
+        self._rec: _Recording | None = None
+
+    def stage_class(self, base: _S) -> _S:
+        """A subclass of the pipeline stage class ``base`` whose actions this timer records.
+
+        ``base`` is torch's ``PipelineStage``, customgrad's, or a subclass of either; the
+        subclass takes the same arguments.
+
+        Raises:
+            ArgumentTypeError: ``base`` is not a pipeline stage class.
+        """
+        if not (isinstance(base, type) and issubclass(base, _PipelineStageBase)):
+            raise ArgumentTypeError(
+                f"ActionTimer.stage_class: expected a pipeline stage class (a subclass of "
+                f"torch.distributed.pipelining.PipelineStage), got {base!r}. Pass the class, "
+                f"not a stage: timer.stage_class(PipelineStage)(module, stage_index, ...)."
+            )
+        name = f"Timed{base.__name__}"
+        cls = type(name, (_TimedStage, base), {"_timer": self, "__qualname__": name})
+        return cls  # type: ignore[return-value]
+
+    @contextlib.contextmanager
+    def step(self, *, count_flops: bool = False) -> Iterator[None]:
+        """Record the actions run inside the block as one step (appended to :attr:`steps`).
+
+        Args:
+            count_flops: also count each action's FLOPs (torch's formulas; slower).
+
+        Raises:
+            ActionTimerError: a step is already being recorded.
+        """
+        if self._rec is not None:
+            raise ActionTimerError(MSG_NESTED_STEP)
+        self._sync()
+        rec = self._rec = _Recording(time.perf_counter(), count_flops)
+        try:
+            yield
+            self._sync()
+            duration = time.perf_counter() - rec.t0
+        finally:
+            self._rec = None
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        self.steps.append(RankStep(rank, duration, tuple(rec.actions), tuple(rec.waits)))
+
+    @contextlib.contextmanager
+    def action(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
+        """Record the block as action ``kind`` of ``stage`` on ``microbatch`` (in a step).
+
+        The timed stages call this; a hand-written pipeline loop can too.
+
+        Raises:
+            ArgumentValueError: ``kind`` is not one of "F", "I", "W", "B".
+        """
+        if kind not in KINDS:
+            raise ArgumentValueError(
+                f"ActionTimer.action: kind must be one of {KINDS}, got {kind!r}."
+            )
+        rec = self._rec
+        if rec is None:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter() - rec.t0
+        recv = ("F" if kind == "F" else "B", stage, microbatch)
+        if kind != "W" and recv in rec.posted:
+            rec.posted.discard(recv)
+            rec.waits.append(WaitEvent(kind, stage, microbatch, rec.last_end, start))
+        counter = FlopCounter() if rec.count_flops else None
+        with counter if counter is not None else contextlib.nullcontext():
+            yield
+        self._sync()
+        end = time.perf_counter() - rec.t0
+        flops = counter.total if counter is not None else None
+        rec.actions.append(ActionEvent(kind, stage, microbatch, start, end, flops))
+        rec.last_end = end
+
+    def time_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``loss_fn``, timed as part of the last stage's forward it follows.
+
+        Schedules compute the loss after the last stage's ``forward_one_chunk``, outside it;
+        pass ``loss_fn=timer.time_loss(loss_fn)`` to count it in that stage's forward time.
+        """
+
+        def timed_loss(*args: Any, **kwargs: Any) -> Any:
+            rec = self._rec
+            last = rec.actions[-1] if rec is not None and rec.actions else None
+            if rec is None or last is None or last.kind != "F":
+                return loss_fn(*args, **kwargs)
+            counter = FlopCounter() if rec.count_flops else None
+            with counter if counter is not None else contextlib.nullcontext():
+                out = loss_fn(*args, **kwargs)
+            self._sync()
+            end = time.perf_counter() - rec.t0
+            flops = None if last.flops is None or counter is None else last.flops + counter.total
+            rec.actions[-1] = ActionEvent("F", last.stage, last.microbatch, last.start, end, flops)
+            rec.last_end = end
+            return out
+
+        return timed_loss
+
+    def posted_receive(self, direction: str, stage: int, microbatch: int) -> None:
+        """Note that ``stage`` posted a receive for ``microbatch``'s activation
+        (``direction="F"``) or gradient (``"B"``); the action that uses it records the wait."""
+        rec = self._rec
+        if rec is not None:
+            rec.posted.add((direction, stage, microbatch))
+            rec.last_end = time.perf_counter() - rec.t0
+
+    def gather(self) -> list[StepTimeline]:
+        """Every rank's recorded steps, on every rank (a collective: call it on all ranks).
+
+        Step ``i`` of the result holds each rank's ``i``-th step; every rank must have
+        recorded the same number of steps.
+        """
+        if not dist.is_initialized():
+            return [StepTimeline((s,)) for s in self.steps]
+        world = dist.get_world_size(self.group)
+        everyone: list[list[RankStep] | None] = [None] * world
+        dist.all_gather_object(everyone, self.steps, group=self.group)
+        per_rank = [steps for steps in everyone if steps is not None]
+        counts = {len(s) for s in per_rank}
+        if len(counts) != 1:
+            raise ActionTimerError(
+                f"ActionTimer.gather: ranks recorded different numbers of steps "
+                f"({sorted(len(s) for s in per_rank)}). Time the same steps on every rank."
+            )
+        return [
+            StepTimeline(tuple(sorted(steps, key=lambda r: r.rank))) for steps in zip(*per_rank)
+        ]
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+class _TimedStage:
+    """Put in front of a pipeline stage class by :meth:`ActionTimer.stage_class`."""
+
+    _timer: ActionTimer
+    stage_index: int
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        with self._timer.action("F", self.stage_index, fwd_chunk_id):
+            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+
+    def backward_one_chunk(
+        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any
+    ) -> Any:
+        with self._timer.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
+            return super().backward_one_chunk(  # type: ignore[misc]
+                bwd_chunk_id, loss=loss, full_backward=full_backward, **kwargs
+            )
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, **kwargs: Any) -> Any:
+        with self._timer.action("W", self.stage_index, bwd_chunk_id):
+            return super().backward_weight_one_chunk(bwd_chunk_id, **kwargs)  # type: ignore[misc]
+
+    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
+        ops: list[dist.P2POp] = super().get_fwd_recv_ops(fwd_chunk_id)  # type: ignore[misc]
+        if ops:
+            self._timer.posted_receive("F", self.stage_index, fwd_chunk_id)
+        return ops
+
+    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
+        ops: list[dist.P2POp] = super().get_bwd_recv_ops(bwd_chunk_id)  # type: ignore[misc]
+        if ops:
+            self._timer.posted_receive("B", self.stage_index, bwd_chunk_id)
+        return ops

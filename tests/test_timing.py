@@ -1,0 +1,293 @@
+"""ActionTimer: what it records on torch's schedules (one process, gloo), and its arithmetic.
+
+Waits for a peer need two ranks: ``tests/test_pipeline_mp.py`` checks them on real runs.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
+from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
+from torch.utils.flop_counter import register_flop_formula
+
+import customgrad as cg
+from customgrad.pipelining import (
+    ActionEvent,
+    ActionTimer,
+    ActionTimerError,
+    PipelineStage,
+    RankStep,
+    StageCosts,
+    StepTimeline,
+    WaitEvent,
+    stage_costs,
+)
+from customgrad.pipelining._timing import MSG_NESTED_STEP
+from tests.conftest import linear_op
+
+linear = linear_op("timing::linear")
+WIDTH, ROWS, N_MB = 16, 8, 4
+
+
+@register_flop_formula(torch.ops.timing.linear)
+def _(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+    # A custom op is opaque to a FLOP counter: its forward's cost, said once (backward halves
+    # are made of aten ops, which have formulas).
+    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+        self.w2 = nn.Parameter(torch.randn(WIDTH, WIDTH) / WIDTH**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(torch.relu(linear(x, self.w1)), self.w2)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def _zbv_steps(
+    stage_cls: Any, steps: int = 2, loss_fn: Any = _loss, time_loss: bool = True
+) -> list[StepTimeline]:
+    """ZBV on one rank (both stages local), every step after the first timed, FLOPs counted."""
+    torch.manual_seed(0)
+    timer = ActionTimer()
+    cls = timer.stage_class(stage_cls)
+    stages = [cls(Block(), i, 2, torch.device("cpu")) for i in range(2)]
+    loss_fn = timer.time_loss(loss_fn) if time_loss else loss_fn
+    schedule = ScheduleZBVZeroBubble(stages, N_MB, loss_fn=loss_fn)
+    x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
+    schedule.step(x, target=y)  # shape inference; not recorded
+    for _ in range(steps):
+        with timer.step(count_flops=True):
+            schedule.step(x, target=y)
+    return timer.gather()
+
+
+def _flops(step: StepTimeline, stage: int, kind: str) -> int:
+    return sum(a.flops or 0 for r in step.ranks for a in r.actions if (a.stage, a.kind) == (stage,
+                                                                                          kind))  # fmt: skip
+
+
+MATMUL = 2 * (ROWS // N_MB) * WIDTH * WIDTH  # FLOPs of one (rows x width) @ (width x width)
+
+
+@pytest.mark.parametrize("stage_cls", [PipelineStage, TorchPipelineStage])
+def test_every_action_of_every_microbatch_is_recorded(group: None, stage_cls: Any) -> None:
+    steps = _zbv_steps(stage_cls)
+    assert len(steps) == 2
+    for step in steps:
+        (rank,) = step.ranks
+        assert rank.stages == (0, 1)
+        got = sorted((a.kind, a.stage, a.microbatch) for a in rank.actions)
+        want = sorted((k, s, m) for k in "FIW" for s in (0, 1) for m in range(N_MB))
+        assert got == want
+        assert rank.waits == ()  # both stages on this rank: nothing is received
+        assert all(0 <= a.start <= a.end <= rank.duration for a in rank.actions)
+        starts = [a.start for a in rank.actions]
+        assert starts == sorted(starts)  # one rank runs one action at a time
+        assert 0 < rank.busy < rank.duration
+        assert 0 < step.bubble < 1
+
+
+def test_customgrad_stage_runs_the_first_stage_activation_gradients_in_i(group: None) -> None:
+    # Per microbatch, each stage does 2 matmuls forward; its backward 2 weight-gradient matmuls
+    # and 2 input-gradient ones, except that stage 0's input needs no gradient (1 matmul).
+    step = _zbv_steps(PipelineStage)[-1]
+    assert _flops(step, 0, "F") == _flops(step, 1, "F") == 2 * MATMUL * N_MB
+    assert _flops(step, 0, "I") == 1 * MATMUL * N_MB
+    assert _flops(step, 0, "W") == 2 * MATMUL * N_MB
+    assert _flops(step, 1, "I") == _flops(step, 1, "W") == 2 * MATMUL * N_MB
+
+
+def test_torch_stage_runs_the_first_stage_whole_backward_in_w(group: None) -> None:
+    step = _zbv_steps(TorchPipelineStage)[-1]
+    assert _flops(step, 0, "I") == 0
+    assert _flops(step, 0, "W") == 3 * MATMUL * N_MB
+    # and the gradients are the same as customgrad's stage's (checked in test_stage_backward)
+
+
+def test_first_stage_split_gives_the_full_backward_gradients(group: None) -> None:
+    torch.manual_seed(0)
+    mods = [Block(), Block()]
+    ref = nn.Sequential(*(Block() for _ in range(2)))
+    ref.load_state_dict(nn.Sequential(*mods).state_dict())
+    stages = [PipelineStage(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+    schedule = ScheduleZBVZeroBubble(stages, N_MB, loss_fn=_loss)
+    x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
+    schedule.step(x, target=y)
+    for m in mods:
+        m.zero_grad()
+    schedule.step(x, target=y)
+    for xi, yi in zip(x.chunk(N_MB), y.chunk(N_MB)):
+        (_loss(ref(xi), yi) / N_MB).backward()
+    for got, want in zip([p.grad for m in mods for p in m.parameters()], ref.parameters()):
+        torch.testing.assert_close(got, want.grad)
+
+
+def _matmul_loss(out: Tensor, target: Tensor) -> Tensor:
+    return (out.mT @ target).trace()  # one matmul: FLOPs a counter sees
+
+
+def test_time_loss_counts_the_loss_in_the_last_stage_forward(group: None) -> None:
+    timed = _zbv_steps(PipelineStage, loss_fn=_matmul_loss)[-1]
+    untimed = _zbv_steps(PipelineStage, loss_fn=_matmul_loss, time_loss=False)[-1]
+    assert _flops(untimed, 1, "F") == 2 * MATMUL * N_MB
+    assert _flops(timed, 1, "F") == 3 * MATMUL * N_MB
+    assert _flops(timed, 0, "F") == 2 * MATMUL * N_MB  # a stage without the loss: unchanged
+    # The loss runs right after the forward it extends: each stage-1 forward got longer, and
+    # still ends before the next action starts.
+    (rank,) = timed.ranks
+    for before, after in zip(rank.actions, rank.actions[1:]):
+        assert before.end <= after.start
+
+
+def test_full_backward_schedules_record_b(group: None) -> None:
+    timer = ActionTimer()
+    stage = timer.stage_class(PipelineStage)(Block(), 0, 1, torch.device("cpu"))
+    schedule = Schedule1F1B(stage, N_MB, loss_fn=_loss)
+    x, y = torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
+    schedule.step(x, target=y)
+    with timer.step():
+        schedule.step(x, target=y)
+    (step,) = timer.gather()
+    kinds = sorted(a.kind for a in step.ranks[0].actions)
+    assert kinds == ["B"] * N_MB + ["F"] * N_MB
+    assert all(a.flops is None for a in step.ranks[0].actions)  # not counted unless asked
+    (costs,) = stage_costs([step]).values()
+    assert costs.backward is not None and costs.backward > 0
+    assert costs.backward_input == costs.backward_weight == 0.0
+
+
+def test_actions_outside_a_step_are_not_recorded() -> None:
+    timer = ActionTimer()
+    with timer.action("F", 0, 0):
+        pass
+    assert timer.steps == []
+    with timer.step(), timer.action("F", 0, 0):
+        pass
+    assert [len(s.actions) for s in timer.steps] == [1]
+
+
+def test_nested_steps_are_refused() -> None:
+    timer = ActionTimer()
+    with (
+        timer.step(),
+        pytest.raises(ActionTimerError, match=re.escape(MSG_NESTED_STEP)),
+        timer.step(),
+    ):
+        pass
+    assert len(timer.steps) == 1  # the outer step is still recorded
+
+
+def test_stage_class_wants_a_stage_class() -> None:
+    stage = nn.Linear(2, 2)
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "ActionTimer.stage_class: expected a pipeline stage class (a subclass of "
+            "torch.distributed.pipelining.PipelineStage), got Linear(in_features=2, "
+            "out_features=2, bias=True). Pass the class, not a stage: "
+            "timer.stage_class(PipelineStage)(module, stage_index, ...)."
+        ),
+    ):
+        ActionTimer().stage_class(stage)  # type: ignore[type-var]
+
+
+def test_action_kinds_are_checked() -> None:
+    with (
+        pytest.raises(
+            cg.ArgumentValueError,
+            match=re.escape(
+                "ActionTimer.action: kind must be one of ('F', 'I', 'W', 'B'), got 'X'."
+            ),
+        ),
+        ActionTimer().action("X", 0, 0),
+    ):
+        pass
+
+
+def test_stage_costs_of_no_steps_explains() -> None:
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "stage_costs: the steps recorded no action. Time steps with ActionTimer.step() "
+            "around schedule.step(...), on stages built from ActionTimer.stage_class(...)."
+        ),
+    ):
+        stage_costs([])
+
+
+def _two_rank_step() -> StepTimeline:
+    """Stage 0 on rank 0, stage 1 on rank 1, one microbatch, hand-made times (ms)."""
+    ms = 1e-3
+    rank0 = RankStep(
+        rank=0,
+        duration=10 * ms,
+        actions=(
+            ActionEvent("F", 0, 0, 0 * ms, 2 * ms),
+            ActionEvent("I", 0, 0, 7 * ms, 8 * ms),
+            ActionEvent("W", 0, 0, 8 * ms, 9 * ms),
+        ),
+        # waited from 2 ms for stage 1's I, which ended at 6 ms: 4 ms peer, 1 ms transfer
+        waits=(WaitEvent("I", 0, 0, 2 * ms, 7 * ms),),
+    )
+    rank1 = RankStep(
+        rank=1,
+        duration=8 * ms,
+        actions=(
+            ActionEvent("F", 1, 0, 3 * ms, 5 * ms),
+            ActionEvent("I", 1, 0, 5 * ms, 6 * ms),
+            ActionEvent("W", 1, 0, 6 * ms, 7.5 * ms),
+        ),
+        # waited from 0 for stage 0's F, which ended at 2 ms: 2 ms peer, 1 ms transfer
+        waits=(WaitEvent("F", 1, 0, 0 * ms, 3 * ms),),
+    )
+    return StepTimeline((rank0, rank1))
+
+
+def test_breakdown_splits_each_wait_at_the_end_of_the_action_it_waited_for() -> None:
+    step = _two_rank_step()
+    assert step.duration == pytest.approx(10e-3)
+    assert step.bubble == pytest.approx(1 - (4e-3 + 4.5e-3) / 20e-3)
+    assert step.stage_ranks() == {0: 0, 1: 1}
+    b0, b1 = step.breakdown()
+    assert (b0.compute, b0.peer, b0.transfer, b0.tail) == pytest.approx((4e-3, 4e-3, 1e-3, 0))
+    assert b0.other == pytest.approx(1e-3)  # 9 ms to 10 ms
+    assert (b1.compute, b1.peer, b1.transfer, b1.tail) == pytest.approx((4.5e-3, 2e-3, 1e-3, 2e-3))
+    assert b1.other == pytest.approx(2.5e-3)  # 7.5 ms to 10 ms, of which 2 ms after its end
+    assert b0.total == b1.total == pytest.approx(step.duration)
+
+
+def test_stage_costs_are_medians_and_send_is_the_median_transfer() -> None:
+    costs = stage_costs([_two_rank_step(), _two_rank_step()])
+    assert sorted(costs) == [0, 1]
+    fields = ("forward", "backward_input", "backward_weight", "send")
+    assert [getattr(costs[0], f) for f in fields] == pytest.approx([2e-3, 1e-3, 1e-3, 1e-3])
+    assert [getattr(costs[1], f) for f in fields] == pytest.approx([2e-3, 1e-3, 1.5e-3, 1e-3])
+    assert costs[0].backward is None and costs[1].backward is None
+    assert isinstance(costs[0], StageCosts)

@@ -62,6 +62,7 @@ _functorch_active: Callable[[], bool] | None = getattr(
 _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
+_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 try:
     from torch._C._functorch import TransformType as _TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -645,7 +646,9 @@ class AutogradImpl:
     ) -> Any:
         """The node's automatic-split plan, or None to call the single backward as it is."""
         auto = rules.auto
-        if auto is None:
+        if auto is None or (torch.is_grad_enabled() and _graph_task_id() != -1):
+            # A create_graph backward (double backward): call the backward as written, so its
+            # gradients are differentiable exactly as the user wrote them.
             return None
         split = record.split
         if split is None:

@@ -786,10 +786,11 @@ class CustomOp(Generic[P, R]):
 
 def _auto_split(op: CustomOp[..., Any], fn: Callable[..., Any], split: str, recompute: str) -> Any:
     """The automatic splitter for a single backward, or None (``split="phase"``)."""
-    del op, fn, recompute
     if split != "auto":
         return None
-    return None  # the tracing splitter is wired in by customgrad._autosplit
+    from customgrad._autosplit import AutoSplitter  # imports torch.fx: only when needed
+
+    return AutoSplitter(op, fn, recompute)
 
 
 def autograd_impl(op: CustomOp[..., Any]) -> AutogradImpl:

@@ -1,0 +1,708 @@
+"""The automatic split of a single backward: trace it once, cut the trace into I and W parts.
+
+One ``register_backward`` that returns every gradient is how people write a backward (as in
+``torch.autograd.Function``), but under a pipeline's split backward such a function runs whole in
+the input pass (I) and again in the weight pass (W). With ``split="auto"`` (the default)
+customgrad traces it once per input signature with ``make_fx`` on fake tensors (other custom ops,
+customgrad ops among them, stay single opaque calls) and cuts the trace in two:
+
+- work that only input gradients need runs in I, work that only weight gradients need in W, and
+  work that no requested gradient needs is dropped;
+- work that both need runs once, in the earlier pass, and its results are handed to the later
+  pass through the node's hand-off (``NodeRecord.handoff``, freed once W ran); with
+  ``recompute="cheap"`` shared results that cost no FLOPs (views, elementwise ops) are
+  recomputed in the later pass instead of kept;
+- a full backward runs the whole trace once.
+
+Each pass is a generated :class:`torch.fx.GraphModule` (straight-line Python calling aten ops),
+so a call costs about what a hand-written pair costs. The gradients go back to customgrad's
+validation as any backward's do.
+
+A backward that cannot be traced (Python control flow on tensor values, kernels launched on raw
+data pointers, anything ``make_fx`` refuses) falls back to ``split="phase"``: it is called in each
+pass with ``ctx.needs_input_grad`` set for the pass, and one log line on the ``customgrad``
+logger says why. Inside another trace (``torch.compile``'s AOTAutograd, ``make_fx``, functorch
+transforms) the backward is called as written, and the outer trace records it: correct
+gradients first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import operator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.fx as fx
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.flop_counter import flop_registry
+
+from customgrad._errors import CustomGradError, where
+from customgrad._rules import OpSpec
+
+__all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
+
+log = logging.getLogger("customgrad")
+
+MAX_SIGNATURES = 256
+"""Input signatures traced per op; calls with new ones beyond that fall back (one log line)."""
+
+MSG_FALLBACK = (
+    "{op}: the single backward cannot be split automatically: {why}. Each pass of a split "
+    "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), so "
+    "compute only what ctx.needs_input_grad asks for. To split it automatically, {fix}. To "
+    "silence this, register it with register_backward(fn, split='phase'), or register the "
+    "register_backward_input/_weight pair. (backward defined at {loc})"
+)
+
+_Tensor = torch.Tensor
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# Saved values a trace may keep as constants (the signature compares them by value).
+_CONSTANTS = (
+    type(None),
+    bool,
+    int,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+)
+_functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+_dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
+_get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
+_INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
+_FREE_OPS = ("placeholder", "get_attr")
+
+
+def _tracing_now() -> bool:
+    """Whether this backward runs inside another trace (make_fx, AOTAutograd, functorch)."""
+    if _functorch_active():
+        return True
+    return bool(_dispatch_stack_len()) and any(_get_mode(k) is not None for k in _INFRA_MODES)
+
+
+def _trace_types() -> tuple[type, ...]:
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    return (FakeTensor, FunctionalTensor)
+
+
+class Fallback:
+    """Why a backward is not split automatically: it is called whole in each pass instead.
+
+    Attributes:
+        why: the reason, for reports.
+        fix: what would make it traceable.
+        logged: the reason is worth a log line (a backward that merely returned something
+            invalid raises customgrad's validation error when called, which says it all).
+    """
+
+    __slots__ = ("fix", "logged", "why")
+
+    def __init__(self, why: str, fix: str, logged: bool = True) -> None:
+        self.why = why
+        self.fix = fix
+        self.logged = logged
+
+    def describe(self) -> str:
+        return (
+            f"not split automatically ({self.why}): called whole in each pass that needs a "
+            f"gradient, with ctx.needs_input_grad set for the pass (split='phase')"
+        )
+
+    def __repr__(self) -> str:
+        return f"Fallback({self.why!r})"
+
+
+_INSIDE_TRACE = Fallback(
+    "called inside another trace: torch.compile, make_fx or a functorch transform",
+    "",
+    logged=False,
+)
+
+
+class _Invalid(Exception):
+    """The traced backward returned something customgrad's validation refuses."""
+
+
+def _why(e: BaseException) -> tuple[str, str]:
+    """The reason and fix for a backward that ``make_fx`` could not trace."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    first = (str(e).strip().splitlines() or [""])[0]
+    if len(first) > 160:
+        first = first[:157] + "..."
+    if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)):
+        return (
+            "it branches on tensor values in Python (if tensor:, bool(), .item() in a condition)",
+            "compute with tensor ops instead (torch.where, masks), so the same ops run for "
+            "every value",
+        )
+    if isinstance(e, DynamicOutputShapeException):
+        return (
+            "it calls an op whose output shape depends on tensor values (nonzero, "
+            "masked_select, unique)",
+            "keep shapes fixed (masks instead of selection)",
+        )
+    if "data pointer" in first or "data_ptr" in first:
+        return (
+            "it launches a kernel on raw data pointers (Triton, ctypes), which fake tensors "
+            "do not have",
+            "wrap the kernel in a custom op with a fake kernel (torch.library.triton_op, or a "
+            "customgrad op), which the trace keeps as one opaque call",
+        )
+    return (
+        f"tracing it with make_fx on fake tensors raised {type(e).__name__}: {first}",
+        "make it run on fake tensors (no data access from Python; opaque kernels wrapped in "
+        "custom ops with fake kernels)",
+    )
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """Fake tensors log an error for every op that fails in a trace; the fallback says it once."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+# --------------------------------------------------------------------------------------------
+# The splitter of one op's single backward
+
+
+class AutoSplitter:
+    """The automatic split of one op's single backward (``AutogradRules.auto``).
+
+    :meth:`plan` is called at a node's first backward; it returns the node's
+    :class:`TracedSplit` (shared by every node with the same input signature), or None to call
+    the backward as written.
+
+    Args:
+        op: the op.
+        fn: its single backward, ``fn(ctx, saved, *grads) -> dict``.
+        recompute: ``"cheap"`` recomputes shared results without FLOPs in the later pass.
+
+    Attributes:
+        traces: how many times the backward was traced (once per input signature).
+        last: what the latest node's :meth:`plan` found (a :class:`TracedSplit` or a
+            :class:`Fallback`), or None before any backward.
+    """
+
+    def __init__(self, op: OpSpec, fn: Callable[..., Any], recompute: str) -> None:
+        self.op = op
+        self.fn = fn
+        self.recompute = recompute == "cheap"
+        self.traces = 0
+        self.last: TracedSplit | Fallback | None = None
+        self._cache: dict[Any, TracedSplit | Fallback] = {}
+        self._lock = threading.Lock()
+        self._logged = False
+
+    def plan(
+        self,
+        make_ctx: Callable[[frozenset[str]], Any],
+        saved: Any,
+        grads: tuple[Any, ...],
+        requires: frozenset[str],
+    ) -> TracedSplit | None:
+        """The split for a node whose backward got ``saved`` and ``grads`` (None: call it)."""
+        if _tracing_now():
+            # An outer trace (AOTAutograd building torch.compile's backward graph, make_fx, a
+            # functorch transform) records whatever runs here: the backward as written is what
+            # it should record, and every gradient comes out right.
+            self.last = _INSIDE_TRACE
+            return None
+        saved_leaves: list[Any]
+        grad_leaves: list[Any]
+        saved_leaves, saved_spec = optree.tree_flatten(saved, none_is_leaf=True)
+        grad_leaves, grads_spec = optree.tree_flatten(grads, none_is_leaf=True)  # type: ignore[arg-type]
+        key: list[Any] = [saved_spec, grads_spec, requires]
+        outcome: TracedSplit | Fallback | None = None
+        for leaf in (*saved_leaves, *grad_leaves):
+            kind = type(leaf)
+            if kind is _Tensor or kind is torch.nn.Parameter:
+                key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            elif kind is float:
+                key.append((float, leaf.hex()))  # exact, and nan equals nan
+            elif kind in _CONSTANTS:
+                key.append((kind, leaf))
+            elif isinstance(leaf, _trace_types()):
+                outcome = _INSIDE_TRACE
+                break
+            elif isinstance(leaf, _Tensor):
+                outcome = Fallback(
+                    f"a saved tensor or output gradient is a {kind.__qualname__} (a tensor "
+                    f"subclass)",
+                    "pass plain tensors to the op",
+                )
+                break
+            else:
+                outcome = Fallback(
+                    f"save_for_backward returned a {kind.__qualname__} object, which a trace "
+                    f"would freeze as a constant",
+                    "save tensors and plain values (int, float, bool, str, None, dtype, device) "
+                    "instead",
+                )
+                break
+        if outcome is None:
+            signature = tuple(key)
+            outcome = self._cache.get(signature)
+            if outcome is None:
+                outcome = self._trace(
+                    signature, make_ctx, saved_leaves, saved_spec, grad_leaves, grads_spec, requires
+                )
+        self.last = outcome
+        if isinstance(outcome, TracedSplit):
+            return outcome
+        if outcome.logged and not self._logged:
+            self._logged = True
+            log.warning(
+                MSG_FALLBACK.format(
+                    op=self.op.name, why=outcome.why, fix=outcome.fix, loc=where(self.fn)
+                )
+            )
+        return None
+
+    def _trace(
+        self,
+        signature: Any,
+        make_ctx: Callable[[frozenset[str]], Any],
+        saved_leaves: list[Any],
+        saved_spec: Any,
+        grad_leaves: list[Any],
+        grads_spec: Any,
+        requires: frozenset[str],
+    ) -> TracedSplit | Fallback:
+        with self._lock:
+            found = self._cache.get(signature)
+            if found is not None:
+                return found
+            if len(self._cache) >= MAX_SIGNATURES:
+                return Fallback(
+                    f"it was traced for {MAX_SIGNATURES} input signatures already (shapes, "
+                    f"dtypes or saved values change from call to call)",
+                    "call the op with a few distinct shapes (pad to buckets)",
+                )
+            self.traces += 1
+            outcome = _trace(
+                self.op, self.fn, make_ctx, saved_leaves, saved_spec, grad_leaves, grads_spec,
+                requires, self.recompute, self._lock,
+            )  # fmt: skip
+            self._cache[signature] = outcome
+            return outcome
+
+    def describe(self) -> str:
+        """How the latest backward of this op was split, in words (for reports)."""
+        last = self.last
+        if last is None:
+            return "split automatically when its first backward runs (none ran yet)"
+        return last.describe()
+
+    def fallback(self) -> Fallback | None:
+        """The latest reason not to split, if the latest backward was not split."""
+        last = self.last
+        return last if isinstance(last, Fallback) else None
+
+
+def describe_node(record: Any) -> str | None:
+    """How the single backward of a customgrad node was split, or None for a node whose op
+    registered the pair (or ``split="phase"``)."""
+    auto = record.op.rules.auto
+    if not isinstance(auto, AutoSplitter) or record.op.rules.backward is None:
+        return None
+    split = record.split
+    if isinstance(split, TracedSplit):
+        return split.describe()
+    if split is False:
+        fallback = auto.fallback()
+        return fallback.describe() if fallback is not None else "not split automatically"
+    return "split automatically when its first backward runs (none ran yet)"
+
+
+# --------------------------------------------------------------------------------------------
+# Tracing
+
+
+def _flatten_result(sig: Any, result: Any) -> tuple[list[Any], list[tuple[str, Any]]]:
+    """The tensors of a backward's dict in a flat list, and where each gradient sits in it.
+
+    Each layout entry is ``(name, slot)``: an ``int`` position, None, or a list of those (a
+    list argument). Anything customgrad's validation would refuse raises :class:`_Invalid`.
+    """
+    if type(result) is not dict:
+        raise _Invalid
+    flat: list[Any] = []
+    layout: list[tuple[str, Any]] = []
+    for name, value in result.items():
+        if not isinstance(name, str) or name not in sig.tensor_set:
+            raise _Invalid
+        is_list = sig.args[sig.index[name]].kind.value == "Tensor[]"
+        if value is None:
+            layout.append((name, None))
+        elif isinstance(value, _Tensor) and not is_list:
+            layout.append((name, len(flat)))
+            flat.append(value)
+        elif isinstance(value, (list, tuple)) and is_list:
+            items: list[int | None] = []
+            for t in value:
+                if t is None:
+                    items.append(None)
+                elif isinstance(t, _Tensor):
+                    items.append(len(flat))
+                    flat.append(t)
+                else:
+                    raise _Invalid
+            layout.append((name, items))
+        else:
+            raise _Invalid
+    return flat, layout
+
+
+def _mutating(gm: fx.GraphModule) -> list[fx.Node]:
+    return [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and isinstance(n.target, torch._ops.OpOverload)
+        and n.target._schema.is_mutable
+    ]
+
+
+def _trace(
+    op: OpSpec,
+    fn: Callable[..., Any],
+    make_ctx: Callable[[frozenset[str]], Any],
+    saved_leaves: list[Any],
+    saved_spec: Any,
+    grad_leaves: list[Any],
+    grads_spec: Any,
+    requires: frozenset[str],
+    recompute: bool,
+    lock: threading.Lock,
+) -> TracedSplit | Fallback:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    leaves = [*saved_leaves, *grad_leaves]
+    n_saved = len(saved_leaves)
+    tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
+    template = [None if isinstance(leaf, _Tensor) else leaf for leaf in leaves]
+    layouts: list[list[tuple[str, Any]]] = []
+    sig = op.signature
+
+    def body(*tensors: Any) -> list[Any]:
+        values = list(template)
+        for i, t in zip(tensor_idx, tensors):
+            values[i] = t
+        saved = optree.tree_unflatten(saved_spec, values[:n_saved])
+        grads = optree.tree_unflatten(grads_spec, values[n_saved:])
+        flat, layout = _flatten_result(sig, fn(make_ctx(requires), saved, *grads))
+        layouts.append(layout)
+        return flat
+
+    args = [leaves[i] for i in tensor_idx]
+    try:
+        # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
+        with torch.no_grad(), _disable_current_modes(), _quiet_fake_tensor_log():
+            gm = make_fx(body, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+            if _mutating(gm):
+                # In-place ops: trace again, functionalized, so that every node is a pure
+                # function of its inputs (the partition below relies on it). The plain trace
+                # came first because functionalization hides data pointers behind a 0 instead
+                # of raising for them.
+                layouts.clear()
+                functional = torch.func.functionalize(body)
+                gm = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    except (_Invalid, CustomGradError):
+        # Called as written, the backward raises customgrad's own error, which says it all.
+        return Fallback("it returned what customgrad's validation refuses", "", logged=False)
+    except Exception as e:
+        why, fix = _why(e)
+        return Fallback(why, fix)
+    mutated = _mutating(gm)
+    if mutated:
+        return Fallback(
+            f"it writes in place into a tensor it did not create ({mutated[0].target})",
+            "compute out of place into new tensors",
+        )
+    return TracedSplit(op, gm, layouts[-1], tensor_idx, requires, recompute, lock)
+
+
+# --------------------------------------------------------------------------------------------
+# The traced backward and its passes
+
+
+def _free(node: fx.Node) -> bool:
+    """Available in every pass without computing: an input of the trace, or a constant."""
+    return node.op in _FREE_OPS
+
+
+def _cheap(node: fx.Node) -> bool:
+    """Costs no FLOPs by torch's formulas and is safe to run again (views, elementwise)."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+        return False  # opaque kernels: cost unknown
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False  # random: a second run gives other values
+    return target.overloadpacket not in flop_registry
+
+
+def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] | frozenset[fx.Node]) -> set[fx.Node]:
+    """The nodes ``roots`` are computed from (themselves included), not past ``stop`` or inputs."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stop or _free(node):
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+class _Pass:
+    """One generated pass: ``fn(*tensors[, *kept]) -> outputs`` and how to read the outputs."""
+
+    __slots__ = ("entries", "fn", "n_kept", "n_ops", "n_out")
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        entries: tuple[tuple[str, int, Any], ...],
+        n_out: int,
+        n_kept: int,
+        n_ops: int,
+    ) -> None:
+        self.fn = fn
+        self.entries = entries
+        self.n_out = n_out
+        self.n_kept = n_kept
+        self.n_ops = n_ops
+
+    def result(self, outs: Sequence[Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, kind, at in self.entries:
+            if kind == 0:
+                out[name] = outs[at]
+            elif kind == 1:
+                out[name] = None
+            else:
+                out[name] = [None if i is None else outs[i] for i in at]
+        return out
+
+
+class TracedSplit:
+    """A single backward traced for one input signature, with its generated passes.
+
+    Shared by every node of the op with that signature; a node's own state (what the earlier
+    pass handed to the later) travels through :meth:`run`'s ``handoff``.
+
+    Attributes:
+        graph_module: the whole trace, ``(*saved tensors, *output grads) -> gradients``.
+        requires: the arguments that required grad at trace time.
+    """
+
+    def __init__(
+        self,
+        op: OpSpec,
+        gm: fx.GraphModule,
+        layout: list[tuple[str, Any]],
+        tensor_idx: list[int],
+        requires: frozenset[str],
+        recompute: bool,
+        lock: threading.Lock,
+    ) -> None:
+        self.op = op
+        self.graph_module = gm
+        self.requires = requires
+        self._layout = layout
+        self._tensor_idx = tensor_idx
+        self._recompute = recompute
+        self._lock = lock
+        graph = gm.graph
+        self._nodes = list(graph.nodes)
+        self._placeholders = [n for n in self._nodes if n.op == "placeholder"]
+        (out_node,) = (n for n in self._nodes if n.op == "output")
+        self._outputs: list[fx.Node] = list(out_node.args[0])
+        self._passes: dict[Any, _Pass] = {}
+        self._kept: dict[frozenset[str], tuple[list[fx.Node], set[fx.Node]]] = {}
+
+    # -- running -------------------------------------------------------------------------------
+    def run(
+        self,
+        saved: Any,
+        grads: tuple[Any, ...],
+        needed: frozenset[str],
+        handoff: Any,
+        keep: bool,
+    ) -> tuple[dict[str, Any], Any]:
+        """Compute the gradients ``needed``: ``(gradients by name, what to keep for later)``.
+
+        ``handoff`` is what this node's earlier pass kept (or None); ``keep``: a later pass of
+        this node will compute the remaining gradients, so keep what it shares with this one.
+        """
+        leaves: list[Any] = optree.tree_leaves(saved, none_is_leaf=True)
+        leaves += optree.tree_leaves(grads, none_is_leaf=True)  # type: ignore[arg-type]
+        args = [leaves[i] for i in self._tensor_idx]
+        if handoff is not None:
+            owner, later, kept = handoff
+            if owner is self and needed <= later:
+                p = self._pass(("late", needed, later))
+                return p.result(p.fn(*args, *kept)), None
+        if keep:
+            later = self.requires - needed
+            p = self._pass(("early", needed, later))
+            outs = p.fn(*args)
+            if len(outs) == p.n_out:
+                return p.result(outs), None
+            return p.result(outs), (self, later, outs[p.n_out :])
+        p = self._pass(("alone", needed, None))
+        return p.result(p.fn(*args)), None
+
+    # -- building the passes ---------------------------------------------------------------------
+    def _pass(self, key: tuple[str, frozenset[str], frozenset[str] | None]) -> _Pass:
+        p = self._passes.get(key)
+        if p is None:
+            with self._lock:
+                p = self._passes.get(key)
+                if p is None:
+                    p = self._passes[key] = self._build(*key)
+        return p
+
+    def _slots(self, names: frozenset[str]) -> list[int]:
+        """Positions in the trace's outputs of the gradients of ``names``."""
+        slots: list[int] = []
+        for name, slot in self._layout:
+            if name in names:
+                if isinstance(slot, int):
+                    slots.append(slot)
+                elif isinstance(slot, list):
+                    slots.extend(i for i in slot if i is not None)
+        return slots
+
+    def _handoff(self, later: frozenset[str]) -> tuple[list[fx.Node], set[fx.Node]]:
+        """What the earlier pass (the gradients not in ``later``) hands to the later pass.
+
+        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes.
+        """
+        found = self._kept.get(later)
+        if found is not None:
+            return found
+        outs = self._outputs
+        late_outs = {outs[i] for i in self._slots(later)}
+        early = _ancestors((outs[i] for i in self._slots(self.requires - later)), frozenset())
+        late = _ancestors(late_outs, frozenset())
+        shared = early & late
+        # Shared nodes the later pass reads: outputs of it, or inputs of its own nodes.
+        todo = [
+            n
+            for n in shared
+            if n in late_outs or any(u in late and u not in early for u in n.users)
+        ]
+        keep: set[fx.Node] = set()
+        again: set[fx.Node] = set()
+        while todo:
+            node = todo.pop()
+            if node in keep or node in again:
+                continue
+            if self._recompute and _cheap(node):
+                again.add(node)
+                todo.extend(n for n in node.all_input_nodes if n in shared)
+            else:
+                keep.add(node)
+        order = {n: i for i, n in enumerate(self._nodes)}
+        found = (sorted(keep, key=order.__getitem__), again)
+        self._kept[later] = found
+        return found
+
+    def _build(self, kind: str, needed: frozenset[str], later: frozenset[str] | None) -> _Pass:
+        outs = self._outputs
+        kept_in: list[fx.Node] = []
+        kept_out: list[fx.Node] = []
+        if kind == "late":
+            assert later is not None
+            kept_in = self._handoff(later)[0]
+        elif kind == "early":
+            assert later is not None
+            kept_out = self._handoff(later)[0]
+
+        # The pass's outputs: the gradients it computes, then what it keeps for later.
+        entries: list[tuple[str, int, Any]] = []
+        results: list[fx.Node] = []
+        position: dict[int, int] = {}
+
+        def at(i: int) -> int:
+            if i not in position:
+                position[i] = len(results)
+                results.append(outs[i])
+            return position[i]
+
+        for name, slot in self._layout:
+            if name not in needed:
+                continue
+            if slot is None:
+                entries.append((name, 1, None))
+            elif isinstance(slot, int):
+                entries.append((name, 0, at(slot)))
+            else:
+                entries.append((name, 2, [None if i is None else at(i) for i in slot]))
+        n_out = len(results)
+        results += kept_out
+
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for p in self._placeholders:
+            env[p] = graph.placeholder(p.name)
+        for node in kept_in:
+            env[node] = graph.placeholder(f"kept_{node.name}")
+        todo = _ancestors(results, set(env))
+        returned = set(results)
+        n_ops = 0
+        for node in self._nodes:
+            if node in todo or (
+                node.op == "get_attr" and (node in returned or any(u in todo for u in node.users))
+            ):
+                env[node] = graph.node_copy(node, env.__getitem__)
+                n_ops += node.op == "call_function"
+        graph.output(tuple(env[n] for n in results))
+        module = fx.GraphModule(self.graph_module, graph)
+        return _Pass(module.forward, tuple(entries), n_out, len(kept_out), n_ops)
+
+    # -- reporting ---------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """What each pass runs, in words."""
+        weights = self.op.signature.weight_set
+        need_w = self.requires & weights
+        need_in = self.requires - weights
+        total = sum(1 for n in self._nodes if n.op == "call_function")
+        if not need_w or not need_in:
+            return f"split automatically (traced: {total} ops; nothing to split in this call)"
+        early = self._pass(("early", need_in, need_w))
+        late = self._pass(("late", need_w, need_w))
+        again = sum(1 for n in self._handoff(need_w)[1] if n.op == "call_function")
+        return (
+            f"split automatically (traced: {total} ops; the input pass runs {early.n_ops}, the "
+            f"weight pass {late.n_ops}; {early.n_kept} tensor(s) handed from the input pass to "
+            f"the weight pass, {again} op(s) recomputed there)"
+        )
+
+    def __repr__(self) -> str:
+        return f"<TracedSplit of {self.op.name} for {sorted(self.requires)}>"

@@ -122,7 +122,7 @@ def engine_needs(fn: Any) -> bool:
 class _Shared:
     """``ctx.shared`` of one backward call: computed at most once, kept for a later pass."""
 
-    __slots__ = ("grads", "keep", "record", "saved", "value", "watch")
+    __slots__ = ("computed", "grads", "keep", "record", "saved", "value", "watch")
 
     def __init__(
         self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], watch: _Watch, keep: bool
@@ -133,6 +133,7 @@ class _Shared:
         self.watch = watch
         self.keep = keep
         self.value: Any = record.handoff
+        self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> Any:
         if self.value is NO_HANDOFF:
@@ -148,6 +149,7 @@ class _Shared:
                 )
             nondiff = spec.rules.nondifferentiable
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
+            self.computed = True
             if self.keep:
                 self.record.handoff = self.value
         return self.value
@@ -631,7 +633,7 @@ class AutogradImpl:
             else:
                 grads_out = got
             record.handoff = NO_HANDOFF  # the later pass ran: free what was kept for it
-        if shared is not None and shared.value is not NO_HANDOFF and observers:
+        if shared is not None and shared.computed and observers:
             for o in observers:
                 o("backward_shared", phase, ctx, shared.value)
         return grads_out

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 from collections.abc import Hashable, Sequence
@@ -46,6 +47,12 @@ simulate: expected one of torch.distributed.pipelining's schedule classes (or it
     simulate(ScheduleZBVZeroBubble(stages, 8), ...)   # wrong: an instance
 """
 
+USE_A_SCHEDULE = (
+    "Use a schedule that trains: Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, "
+    "ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
+    "ScheduleDualPipeV, or a subclass of one."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
@@ -55,6 +62,9 @@ class StageCosts:
     over (an activation forward, an activation gradient backward) and before the receiving
     action may start; it does not keep either rank busy (torch posts its sends asynchronously).
     Two neighbouring stages on one rank (the bottom of a V) hand over locally, for free.
+    ``overhead`` is the schedule runtime's own time on the rank before each of the stage's
+    actions (its Python, posting sends and receives): the rank is not free for it, but it
+    overlaps a wait for the action's inputs, and it is not counted as busy.
 
     Example:
         >>> StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0).full_backward
@@ -68,6 +78,7 @@ class StageCosts:
     backward_weight: float
     backward: float | None = None  # a full backward (B); None: backward_input + backward_weight
     send: float = 0.0  # handing an activation or gradient to the next stage's rank
+    overhead: float = 0.0  # the runtime's own time on the rank before each action
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -95,7 +106,7 @@ class StageCosts:
 
     @classmethod
     def repeating_backward(
-        cls, forward: float, backward: float, *, send: float = 0.0
+        cls, forward: float, backward: float, *, send: float = 0.0, overhead: float = 0.0
     ) -> StageCosts:
         """Costs of a stage whose backward runs whole in both I and W.
 
@@ -107,12 +118,14 @@ class StageCosts:
             forward: seconds of the stage's forward.
             backward: seconds of the stage's full backward, done once.
             send: seconds to hand an activation or gradient to another rank.
+            overhead: the runtime's own seconds before each action.
 
         Example:
-            >>> StageCosts.repeating_backward(1.0, 2.0)
-            StageCosts(forward=1.0, backward_input=2.0, backward_weight=2.0, backward=2.0, send=0.0)
+            >>> c = StageCosts.repeating_backward(1.0, 2.0)
+            >>> c.backward_input, c.backward_weight, c.full_backward
+            (2.0, 2.0, 2.0)
         """
-        return cls(forward, backward, backward, backward=backward, send=send)
+        return cls(forward, backward, backward, backward=backward, send=send, overhead=overhead)
 
     def cost(self, kind: Kind) -> float:
         """Seconds one action of ``kind`` (``"F"``, ``"I"``, ``"W"`` or ``"B"``) takes."""
@@ -356,6 +369,11 @@ def _schedule_class(schedule_class: object) -> type[Any]:
     bases = (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti)
     if not (isinstance(schedule_class, type) and issubclass(schedule_class, bases)):
         raise ArgumentTypeError(MSG_SCHEDULE_CLASS.format(got=repr(schedule_class)))
+    if inspect.isabstract(schedule_class):
+        raise ArgumentValueError(
+            f"simulate: {schedule_class.__name__} is an abstract base class, with no action "
+            f"list to replay. {USE_A_SCHEDULE}"
+        )
     return schedule_class
 
 
@@ -425,10 +443,8 @@ def _action_lists(
     pipeline_order = getattr(schedule, "pipeline_order", None)
     if not pipeline_order:
         raise ArgumentValueError(
-            f"simulate: {cls.__name__} has no action list (pipeline_order) to replay. Use a "
-            f"schedule that trains: Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, "
-            f"ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, "
-            f"ScheduleDualPipeV."
+            f"simulate: {cls.__name__} has no action list (pipeline_order) to replay. "
+            f"{USE_A_SCHEDULE}"
         )
     if single:
         stage_to_rank = tuple(range(n_stages))
@@ -525,7 +541,7 @@ def _replay(
                 needs = [(("F", stage, mb), 0.0)]
                 if stage < n_stages - 1:
                     needs.append((("dx", stage + 1, mb), send(stage + 1, stage)))
-            start = free[rank]
+            start = free[rank] + costs[stage].overhead
             missing = None
             for key, delay in needs:
                 if key not in done:

@@ -1,0 +1,573 @@
+"""The schedule simulator: hand-computed timelines, torch's own pictures, dependencies, errors.
+
+Timelines of small cases are written out by hand from the schedules' definitions; ZBV's is
+torch's own picture (its ``pipeline_order`` step numbers) when F = I = W; every action of every
+schedule is checked against its data dependencies over random costs (hypothesis).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+import customgrad
+from customgrad.pipelining import Simulation, StageCosts, TimedAction, simulate
+from customgrad.pipelining._simulate import _StandInStage
+
+UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
+SINGLE = (Schedule1F1B, ScheduleGPipe)
+MULTI = (
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+    ScheduleDualPipeV,
+)
+
+
+def spans(sim: Simulation, rank: int) -> list[tuple[str, int, float, float]]:
+    return [(f"{a.stage}{a.kind}", a.microbatch, a.start, a.end) for a in sim.actions(rank)]
+
+
+# --- hand-computed timelines ---------------------------------------------------------------
+
+
+def test_1f1b_two_ranks_four_microbatches_by_hand() -> None:
+    # F = 1, B = I + W = 2, no communication. Rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3 (two
+    # forwards of warm-up), rank 1 (the last stage) F0 B0 F1 B1 F2 B2 F3 B3.
+    sim = simulate(Schedule1F1B, 2, 4, StageCosts(1.0, 1.5, 0.5))
+    assert spans(sim, 0) == [
+        ("0F", 0, 0, 1), ("0F", 1, 1, 2), ("0B", 0, 4, 6), ("0F", 2, 6, 7),
+        ("0B", 1, 7, 9), ("0F", 3, 9, 10), ("0B", 2, 10, 12), ("0B", 3, 13, 15),
+    ]  # fmt: skip
+    assert spans(sim, 1) == [
+        ("1F", 0, 1, 2), ("1B", 0, 2, 4), ("1F", 1, 4, 5), ("1B", 1, 5, 7),
+        ("1F", 2, 7, 8), ("1B", 2, 8, 10), ("1F", 3, 10, 11), ("1B", 3, 11, 13),
+    ]  # fmt: skip
+    m, p, f, b = 4, 2, 1.0, 2.0
+    assert sim.step_time == (m + p - 1) * (f + b) == 15
+    assert sim.busy == (12.0, 12.0)
+    assert sim.bubble == pytest.approx(1 - 24 / 30)
+    assert sim.stage_to_rank == (0, 1)
+
+
+def test_1f1b_with_send_cost_by_hand() -> None:
+    # As above with 0.5 s per hand-over: every cross-rank edge is 0.5 s later.
+    sim = simulate(Schedule1F1B, 2, 4, StageCosts(1.0, 1.0, 1.0, send=0.5))
+    assert spans(sim, 0) == [
+        ("0F", 0, 0, 1), ("0F", 1, 1, 2), ("0B", 0, 5, 7), ("0F", 2, 7, 8),
+        ("0B", 1, 8, 10), ("0F", 3, 10, 11), ("0B", 2, 12, 14), ("0B", 3, 15, 17),
+    ]  # fmt: skip
+    assert spans(sim, 1) == [
+        ("1F", 0, 1.5, 2.5), ("1B", 0, 2.5, 4.5), ("1F", 1, 4.5, 5.5), ("1B", 1, 5.5, 7.5),
+        ("1F", 2, 8.5, 9.5), ("1B", 2, 9.5, 11.5), ("1F", 3, 11.5, 12.5), ("1B", 3, 12.5, 14.5),
+    ]  # fmt: skip
+    assert sim.step_time == 17
+
+
+def test_overhead_by_hand() -> None:
+    # 0.5 s of the runtime's own work before each action: the rank is not free for it, but it
+    # overlaps a wait for inputs (rank 1's F0, rank 0's B0), and it is not busy time.
+    sim = simulate(Schedule1F1B, 2, 2, StageCosts(1.0, 1.0, 1.0, overhead=0.5))
+    assert spans(sim, 0) == [
+        ("0F", 0, 0.5, 1.5),
+        ("0F", 1, 2, 3),
+        ("0B", 0, 5, 7),
+        ("0B", 1, 9, 11),
+    ]
+    assert spans(sim, 1) == [
+        ("1F", 0, 1.5, 2.5),
+        ("1B", 0, 3, 5),
+        ("1F", 1, 5.5, 6.5),
+        ("1B", 1, 7, 9),
+    ]
+    assert sim.step_time == 11
+    assert sim.busy == (6.0, 6.0)
+
+
+def test_gpipe_two_ranks_by_hand() -> None:
+    # All forwards, then all backwards; B waits for the next stage's B of the same microbatch.
+    sim = simulate(ScheduleGPipe, 2, 4, StageCosts(1.0, 1.0, 1.0, backward=2.0))
+    assert spans(sim, 0) == [
+        ("0F", 0, 0, 1), ("0F", 1, 1, 2), ("0F", 2, 2, 3), ("0F", 3, 3, 4),
+        ("0B", 0, 7, 9), ("0B", 1, 9, 11), ("0B", 2, 11, 13), ("0B", 3, 13, 15),
+    ]  # fmt: skip
+    assert spans(sim, 1) == [
+        ("1F", 0, 1, 2), ("1F", 1, 2, 3), ("1F", 2, 3, 4), ("1F", 3, 4, 5),
+        ("1B", 0, 5, 7), ("1B", 1, 7, 9), ("1B", 2, 9, 11), ("1B", 3, 11, 13),
+    ]  # fmt: skip
+    assert sim.step_time == 15
+
+
+@pytest.mark.parametrize("schedule", SINGLE)
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 2), (3, 8), (4, 8), (8, 16)])
+def test_single_stage_schedules_step_time_formula(schedule: type, p: int, m: int) -> None:
+    # (m + p - 1) (F + B) without communication, for GPipe and 1F1B alike.
+    sim = simulate(schedule, p, m, StageCosts(0.25, 0.5, 0.25))
+    assert sim.step_time == pytest.approx((m + p - 1) * 1.0)
+    assert sim.bubble == pytest.approx((p - 1) / (m + p - 1))
+
+
+def test_1f1b_runs_microbatches_in_order_on_the_last_rank() -> None:
+    # torch 2.13's Schedule1F1B.pipeline_order numbers the last rank's forwards from 1 (its
+    # runtime counts them from 0): the simulator counts them as the runtime does.
+    sim = simulate(Schedule1F1B, 3, 4, UNIT)
+    assert [(a.kind, a.microbatch) for a in sim.actions(2)] == [
+        ("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (2, 3), (2, 8), (3, 5), (4, 8), (4, 9), (8, 16)])
+def test_zbv_uniform_costs_is_torchs_picture(p: int, m: int) -> None:
+    # With F = I = W = 1 every action starts at its step in torch's own ZBV action list
+    # (which has its idle steps as None): the simulated timeline is the schedule's picture.
+    # Each rank computes 2 stages x m x 3 actions = 6m; the last rank waits p - 1 forwards for
+    # its first input and rank 0 the same at the end: step 6m + p - 1, bubble (p-1)/(6m+p-1).
+    assert m >= 2 * p - 1  # below that, torch's picture leaves holes the runtime closes
+    sim = simulate(ScheduleZBVZeroBubble, 2 * p, m, UNIT)
+    stages = [_StandInStage(0, 2 * p, p, 0), _StandInStage(p, 2 * p, p, 0)]
+    order = ScheduleZBVZeroBubble(stages, m).pipeline_order  # type: ignore[arg-type]
+    for rank in range(p):
+        picture = {
+            (a.stage_index, a.computation_type.value, a.microbatch_index): float(step)
+            for step, a in enumerate(order[rank])
+            if a is not None
+        }
+        assert {(a.stage, a.kind, a.microbatch): a.start for a in sim.actions(rank)} == picture
+    assert sim.step_time == 6 * m + p - 1
+    assert sim.busy == (6.0 * m,) * p
+    assert sim.bubble == pytest.approx((p - 1) / (6 * m + p - 1))
+
+
+def test_zbv_two_ranks_by_hand() -> None:
+    # The V: rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; stage 1 -> 2 is local.
+    sim = simulate(ScheduleZBVZeroBubble, 4, 8, UNIT)
+    assert sim.stage_to_rank == (0, 1, 1, 0)
+    assert spans(sim, 1)[:6] == [
+        ("1F", 0, 1, 2), ("2F", 0, 2, 3), ("1F", 1, 3, 4), ("2F", 1, 4, 5),
+        ("2I", 0, 5, 6), ("2W", 0, 6, 7),
+    ]  # fmt: skip
+    assert sim.step_time == 49
+    assert sim.bubble == pytest.approx(1 / 49)
+
+
+def test_local_hand_off_is_free() -> None:
+    # A large send cost delays every cross-rank edge but not the V's bottom (stages 1 -> 2).
+    sim = simulate(ScheduleZBVZeroBubble, 4, 4, StageCosts(1.0, 1.0, 1.0, send=10.0))
+    first = {(a.stage, a.kind, a.microbatch): a for a in sim.timeline}
+    assert first[1, "F", 0].start == first[0, "F", 0].end + 10
+    assert first[2, "F", 0].start == first[1, "F", 0].end
+    assert first[2, "I", 0].start == first[3, "I", 0].end + 10
+    rank1 = list(sim.actions(1))
+    i = rank1.index(first[1, "I", 0])
+    assert first[1, "I", 0].start == max(rank1[i - 1].end, first[2, "I", 0].end)
+
+
+def test_dual_pipe_v_overlapped_actions_run_one_after_the_other() -> None:
+    # DualPipeV's OVERLAP_F_B actions hold an F and a B; torch runs them in turn.
+    sim = simulate(ScheduleDualPipeV, 4, 8, UNIT)
+    for rank in range(2):
+        kinds = [a.kind for a in sim.actions(rank)]
+        assert kinds.count("F") == 16
+        assert kinds.count("B") + kinds.count("I") == 16
+        assert kinds.count("I") == kinds.count("W") > 0
+        assert kinds.count("B") > 0
+        ends = [a.end for a in sim.actions(rank)]
+        starts = [a.start for a in sim.actions(rank)]
+        assert all(s >= e for s, e in zip(starts[1:], ends))
+    assert sim.busy == (48.0, 48.0)
+    assert sim.step_time == 49
+
+
+@pytest.mark.parametrize("p", [2, 4])
+def test_interleaved_schedules(p: int) -> None:
+    # Interleaved 1F1B leaves (p - 1)(F + B) idle per rank, with per-stage F and B; the
+    # zero-bubble interleaved schedule fills it with W but for p - 1 forwards.
+    m = 2 * p
+    one = simulate(ScheduleInterleaved1F1B, 2 * p, m, UNIT)
+    zero = simulate(ScheduleInterleavedZeroBubble, 2 * p, m, UNIT)
+    assert one.stage_to_rank == tuple(s % p for s in range(2 * p))
+    assert one.step_time == 6 * m + (p - 1) * 3
+    assert zero.step_time == 6 * m + p - 1
+
+
+def test_plain_functions_repeat_their_backward() -> None:
+    # customgrad ops: I + W == B; plain Functions under torch's split: I == W == B.
+    cg_costs = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
+    plain = StageCosts.repeating_backward(forward=1.0, backward=2.0)
+    assert (plain.backward_input, plain.backward_weight, plain.full_backward) == (2.0, 2.0, 2.0)
+    m = 8
+    zb_cg = simulate(ScheduleZBVZeroBubble, 4, m, cg_costs)
+    zb_plain = simulate(ScheduleZBVZeroBubble, 4, m, plain)
+    assert zb_cg.busy == (2 * m * 3.0,) * 2
+    assert zb_plain.busy == (2 * m * 5.0,) * 2  # F + I + W = 1 + 2 + 2 per stage, mb
+    # 1F1B does full backwards only: the same for both.
+    assert (
+        simulate(Schedule1F1B, 2, m, plain).step_time
+        == simulate(Schedule1F1B, 2, m, cg_costs).step_time
+    )
+
+
+def test_per_stage_costs() -> None:
+    # A slow last stage: 1F1B's step is set by it, (m + p - 1) rounds of it at best.
+    fast, slow = StageCosts(1.0, 1.0, 1.0), StageCosts(2.0, 2.0, 2.0)
+    sim = simulate(Schedule1F1B, 2, 4, [fast, slow])
+    assert sim.busy == (12.0, 24.0)
+    assert sim.step_time == 1 + 4 * 6 + 2  # rank 0's first F, rank 1's 4 F+B, rank 0's last B
+    assert [a.duration for a in sim.actions(1)] == [2.0, 4.0] * 4
+
+
+def test_zero_costs() -> None:
+    sim = simulate(ScheduleZBVZeroBubble, 4, 4, StageCosts(0.0, 0.0, 0.0))
+    assert sim.step_time == 0
+    assert sim.bubble == 0
+
+
+def test_schedule_by_torchs_name() -> None:
+    assert simulate("ZBVZeroBubble", 4, 8, UNIT) == simulate(ScheduleZBVZeroBubble, 4, 8, UNIT)
+    assert simulate("1f1b", 2, 4, UNIT).schedule == "Schedule1F1B"
+
+
+def test_summary_and_actions() -> None:
+    sim = simulate(Schedule1F1B, 2, 4, StageCosts(1e-3, 1e-3, 1e-3))
+    assert sim.summary() == (
+        "Schedule1F1B: 2 stages on 2 ranks, 4 microbatches: step 15 ms, bubble 20.0%"
+    )
+    assert all(isinstance(a, TimedAction) and a.rank == 1 for a in sim.actions(1))
+
+
+def test_draw(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    sim = simulate(ScheduleDualPipeV, 4, 8, UNIT)
+    fig = sim.draw(tmp_path / "dpv.png", title="DualPipeV")
+    assert (tmp_path / "dpv.png").stat().st_size > 1000
+    (ax,) = fig.axes
+    assert len(ax.patches) == len(sim.timeline)
+    assert ax.get_title() == "DualPipeV"
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["F: forward", "B: backward", "I: backward input", "W: backward weight"]
+    other = Figure()
+    ax2 = other.add_subplot()
+    assert sim.draw(ax=ax2) is other
+    assert ax2.get_title() == sim.summary()
+
+
+# --- every action respects its dependencies -------------------------------------------------
+
+costs_st = st.builds(
+    StageCosts,
+    forward=st.floats(0, 5),
+    backward_input=st.floats(0, 5),
+    backward_weight=st.floats(0, 5),
+    backward=st.none() | st.floats(0, 10),
+    send=st.floats(0, 3),
+    overhead=st.floats(0, 1),
+)
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[type, int, int, int, list[StageCosts]]:
+    schedule = draw(st.sampled_from(SINGLE + MULTI))
+    p = draw(st.integers(1, 5))
+    per_rank = 1 if schedule in SINGLE else 2
+    if schedule in (ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble):
+        per_rank = draw(st.integers(1, 3))
+    n_stages = p * per_rank
+    low = n_stages if schedule in (Schedule1F1B, ScheduleDualPipeV) else 1
+    m = draw(st.integers(low, max(low, 3 * p)))
+    costs = draw(st.lists(costs_st, min_size=n_stages, max_size=n_stages))
+    return schedule, n_stages, p, m, costs
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(cases())
+def test_every_action_respects_its_dependencies(
+    case: tuple[type, int, int, int, list[StageCosts]],
+) -> None:
+    schedule, n_stages, p, m, costs = case
+    try:
+        sim = simulate(schedule, n_stages, m, costs, n_ranks=p)
+    except customgrad.ArgumentValueError as e:  # shapes torch's schedule refuses
+        assume("cannot run" not in str(e))
+        raise
+    rank_of = sim.stage_to_rank
+    by_key = {(a.stage, a.kind, a.microbatch): a for a in sim.timeline}
+    assert len(by_key) == len(sim.timeline)  # no action twice
+
+    def handoff(src: int, dst: int) -> float:
+        return 0.0 if rank_of[src] == rank_of[dst] else costs[src].send
+
+    for s in range(n_stages):
+        for mb in range(m):
+            # every microbatch goes forward once and backward once (B, or I and W)
+            assert (s, "F", mb) in by_key
+            full = (s, "B", mb) in by_key
+            assert full != ((s, "I", mb) in by_key)
+            assert ((s, "I", mb) in by_key) == ((s, "W", mb) in by_key)
+    for a in sim.timeline:
+        assert a.rank == rank_of[a.stage]
+        assert a.duration == pytest.approx(costs[a.stage].cost(a.kind), abs=1e-9)
+        needs: list[float] = []
+        if a.kind == "F" and a.stage > 0:
+            needs.append(by_key[a.stage - 1, "F", a.microbatch].end + handoff(a.stage - 1, a.stage))
+        if a.kind in ("I", "B"):
+            needs.append(by_key[a.stage, "F", a.microbatch].end)
+            if a.stage < n_stages - 1:
+                nxt = (
+                    by_key.get((a.stage + 1, "I", a.microbatch))
+                    or by_key[a.stage + 1, "B", a.microbatch]
+                )
+                needs.append(nxt.end + handoff(a.stage + 1, a.stage))
+        if a.kind == "W":
+            needs.append(by_key[a.stage, "I", a.microbatch].end)
+        assert all(a.start >= t - 1e-9 for t in needs)
+    for rank in range(p):
+        actions = sim.actions(rank)
+        # in the order of torch's list for the rank, one at a time, starting as soon as the
+        # rank is free and the inputs are there (no idle time the dependencies don't explain)
+        prev_end = 0.0
+        for a in actions:
+            assert a.start >= prev_end + costs[a.stage].overhead - 1e-9
+            prev_end = a.end
+        assert sim.busy[rank] == pytest.approx(sum(a.duration for a in actions))
+    assert sim.step_time == pytest.approx(max((a.end for a in sim.timeline), default=0.0))
+    assert 0.0 <= sim.bubble < 1.0 or sim.step_time == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(cases())
+def test_actions_start_as_soon_as_they_can(
+    case: tuple[type, int, int, int, list[StageCosts]],
+) -> None:
+    # Every start is the rank's previous end (+ the runtime's overhead) or the end (+ hand-over)
+    # of something it needs.
+    schedule, n_stages, p, m, costs = case
+    try:
+        sim = simulate(schedule, n_stages, m, costs, n_ranks=p)
+    except customgrad.ArgumentValueError as e:
+        assume("cannot run" not in str(e))
+        raise
+    by_key = {(a.stage, a.kind, a.microbatch): a for a in sim.timeline}
+    rank_of = sim.stage_to_rank
+
+    def ready(stage: int, kind: str, mb: int, src: int) -> float:
+        a = by_key.get((stage, kind, mb))
+        if a is None:
+            return -math.inf
+        return a.end + (0.0 if rank_of[stage] == rank_of[src] else costs[stage].send)
+
+    for rank in range(p):
+        prev = 0.0
+        for a in sim.actions(rank):
+            s, mb = a.stage, a.microbatch
+            candidates = [prev + costs[s].overhead]
+            if a.kind == "F" and s > 0:
+                candidates.append(ready(s - 1, "F", mb, s))
+            if a.kind in ("I", "B"):
+                candidates.append(ready(s, "F", mb, s))
+                candidates += [ready(s + 1, "I", mb, s), ready(s + 1, "B", mb, s)]
+            if a.kind == "W":
+                candidates.append(ready(s, "I", mb, s))
+            assert a.start == pytest.approx(max(candidates), abs=1e-9)
+            prev = a.end
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    f=st.floats(0.01, 5),
+    b=st.floats(0.01, 5),
+    send=st.floats(0, 2),
+    m=st.integers(16, 32),
+)
+def test_1f1b_bubble_grows_with_the_number_of_stages(
+    f: float, b: float, send: float, m: int
+) -> None:
+    costs = StageCosts(f, b / 2, b / 2, send=send)
+    bubbles = [simulate(Schedule1F1B, p, m, costs).bubble for p in range(1, 17)]
+    assert bubbles[0] == pytest.approx(0.0)
+    assert all(later > earlier for earlier, later in itertools.pairwise(bubbles))
+    if send == 0:
+        assert bubbles == pytest.approx([(p - 1) / (m + p - 1) for p in range(1, 17)])
+
+
+def test_action_lists_come_from_torch() -> None:
+    # The simulator replays the order torch's schedule gives each rank (Nones and
+    # REDUCE_GRAD dropped, OVERLAP_F_B unfolded), never its own.
+    for schedule in MULTI:
+        sim = simulate(schedule, 4, 8, UNIT)
+        built = schedule(
+            [_StandInStage(0, 4, 2, 0), _StandInStage(2, 4, 2, 0)],  # type: ignore[list-item]
+            8,
+        )
+        for rank in range(2):
+            expected = []
+            for a in built.pipeline_order[rank]:
+                if a is None:
+                    continue
+                for part in a.sub_actions or (a,):
+                    if part.computation_type.value in "FIWB":
+                        kind = part.computation_type.value
+                        expected.append((part.stage_index, kind, part.microbatch_index))
+            got = [(a.stage, a.kind, a.microbatch) for a in sim.actions(rank)]
+            assert sorted(got, key=expected.index) == expected
+            assert sorted(got) == sorted(expected)
+
+
+# --- errors (kept here: tests/test_errors.py is edited by others; move them there) -----------
+
+
+def test_simulate_errors_unknown_schedule() -> None:
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: unknown schedule name 'ZeroBubble'. torch's schedule names: 1F1B, GPipe, "
+        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; or pass "
+        "a schedule class."
+    )):  # fmt: skip
+        simulate("ZeroBubble", 4, 8, UNIT)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: expected one of torch.distributed.pipelining's schedule classes (or its "
+        "name), got <class 'int'>. Pass the class itself, for example:"
+    )):  # fmt: skip
+        simulate(int, 4, 8, UNIT)
+    stage = _StandInStage(0, 2, 2, 0)
+    instance = Schedule1F1B(stage, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=re.escape("got <torch.distributed.pipelining")):
+        simulate(instance, 2, 2, UNIT)  # type: ignore[arg-type]
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: PipelineScheduleSingle is an abstract base class, with no action list to "
+        "replay. Use a schedule that trains: Schedule1F1B, ScheduleGPipe, "
+        "ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, "
+        "ScheduleZBVZeroBubble, ScheduleDualPipeV, or a subclass of one."
+    )):  # fmt: skip
+        simulate(PipelineScheduleSingle, 2, 2, UNIT)
+
+    class NoOrder(PipelineScheduleSingle):
+        def _step_microbatches(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: NoOrder has no action list (pipeline_order) to replay. Use a schedule that "
+        "trains: Schedule1F1B,"
+    )):  # fmt: skip
+        simulate(NoOrder, 2, 2, UNIT)
+
+
+def test_simulate_errors_stages_the_schedule_cannot_run() -> None:
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: ScheduleZBVZeroBubble places several stages on each rank, and 5 stages do "
+        "not make 2 per rank. Pass n_ranks= (n_stages must be a multiple of it), or an even "
+        "n_stages."
+    )):  # fmt: skip
+        simulate(ScheduleZBVZeroBubble, 5, 8, UNIT)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: torch's ScheduleZBVZeroBubble cannot run 6 stages on 2 ranks (3 per rank) "
+        "with 8 microbatches: ZBV requires exactly 2 stages per rank, but got 3. Change "
+        "n_stages, n_ranks or n_microbatches to what the schedule supports."
+    )):  # fmt: skip
+        simulate(ScheduleZBVZeroBubble, 6, 8, UNIT, n_ranks=2)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: torch's ScheduleDualPipeV cannot run 8 stages on 4 ranks (2 per rank) with "
+        "4 microbatches: DualPipeV requires at least as many microbatches as stages, but got 4 "
+        "microbatches and 8 stages."
+    )):  # fmt: skip
+        simulate(ScheduleDualPipeV, 8, 4, UNIT)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: torch's Schedule1F1B cannot run 4 stages on 4 ranks (1 per rank) with 2 "
+        "microbatches: Number of microbatches (2) must be greater than"
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 4, 2, UNIT)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: Schedule1F1B runs one stage per rank, so 4 stages need 4 ranks, got "
+        "n_ranks=2. Leave n_ranks out, or use a multi-stage schedule (ScheduleInterleaved1F1B, "
+        "ScheduleZBVZeroBubble, ...)."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 4, 8, UNIT, n_ranks=2)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: ScheduleInterleaved1F1B places the same number of stages on each rank, so "
+        "n_stages (7) must be a multiple of n_ranks (2). Pass n_stages=8, or another n_ranks."
+    )):  # fmt: skip
+        simulate(ScheduleInterleaved1F1B, 7, 8, UNIT, n_ranks=2)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: n_microbatches is 0, expected at least 1."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2, 0, UNIT)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: n_stages is a float (2.0), expected an int."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2.0, 4, UNIT)  # type: ignore[arg-type]
+
+
+def test_simulate_errors_costs() -> None:
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "StageCosts: backward_weight is -0.5 seconds, expected a finite number >= 0. Pass the "
+        "measured seconds per microbatch (0.0 for an action that costs nothing)."
+    )):  # fmt: skip
+        StageCosts(1.0, 1.0, -0.5)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "StageCosts: send is nan seconds"
+    )):  # fmt: skip
+        StageCosts(1.0, 1.0, 1.0, send=math.nan)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "StageCosts: backward is -1.0 seconds"
+    )):  # fmt: skip
+        StageCosts(1.0, 1.0, 1.0, backward=-1.0)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "StageCosts: forward is a str ('1ms'), expected seconds as a float. Pass a number, "
+        "e.g. forward=0.004."
+    )):  # fmt: skip
+        StageCosts("1ms", 1.0, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: 3 StageCosts for 4 stages. Pass one per stage, in stage order, or a single "
+        "StageCosts for all of them."
+    )):  # fmt: skip
+        simulate(ScheduleZBVZeroBubble, 4, 8, [UNIT] * 3)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: costs[1] is a dict, expected StageCosts. Pass StageCosts(forward=..., "
+        "backward_input=..., backward_weight=...) for each stage."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2, 4, [UNIT, {"forward": 1.0}])  # type: ignore[list-item]
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: costs is a float, expected StageCosts or a sequence of them (one per stage)."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2, 4, 1.0)  # type: ignore[arg-type]
+
+
+def test_simulate_errors_are_value_and_type_errors() -> None:
+    with pytest.raises(ValueError):
+        simulate("nope", 2, 2, UNIT)
+    with pytest.raises(TypeError):
+        simulate(Schedule1F1B, 2, 2, "fast")  # type: ignore[arg-type]
+
+
+# --- the guide's example runs ---------------------------------------------------------------
+
+
+def test_guide_example_runs_and_prints_what_it_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    page = Path(__file__).resolve().parents[1] / "docs" / "guides" / "simulate.md"
+    text = page.read_text()
+    code = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL))
+    assert "simulate(" in code
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(page), "exec"), {"__name__": "guide"})
+    assert (tmp_path / "zbv.png").exists()
+    printed = "".join(re.findall(r"prints\n\n```text\n(.*?)```", text, flags=re.DOTALL))
+    assert capsys.readouterr().out == printed

@@ -22,9 +22,22 @@ from customgrad.pipelining._backward import (
     stage_backward_input,
     stage_backward_weight,
 )
+from customgrad.pipelining._errors import PipeliningError
 from customgrad.pipelining._queue import WeightGradQueue
 
 __all__ = ["PipelineStage"]
+
+MSG_DDP_UNREDUCED = """\
+customgrad.pipelining.PipelineStage(stage_index={stage}): DDP did not reduce this step's \
+gradients: some weights of the stage got their last gradient before the last backward of the \
+step, where DDP's reduction runs, so DDP never saw them ready and left the reduction \
+unfinished. With queue=, the weights of native modules and plain autograd.Functions get their \
+gradients in the input pass (I); only customgrad ops' weights wait for W. Use the plain split, \
+which accumulates every weight in W, or FSDP2, which reduces once the step's backwards are done:
+
+    stage = PipelineStage(DDP(module, process_group=dp_group), stage_index, n_stages, device)
+    stage = PipelineStage(fully_shard(module, mesh=dp_mesh), stage_index, n_stages, device)
+"""
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -45,6 +58,13 @@ class PipelineStage(_TorchPipelineStage):
             ``dw_builder`` runs that microbatch's queued work (W). Deferred weights' ``.grad``
             and post-accumulate-grad hooks see one accumulation, in W. The queue is checked
             empty for this stage when the schedule reduces the stage's gradients (end of step).
+
+    A stage module wrapped in DDP or FSDP2 (``fully_shard``) over a data-parallel group is
+    reduced once per step, after every microbatch's gradient: DDP in the step's last backward
+    (its last W), FSDP2 when the schedule reduces the stage's gradients right after it. With
+    DDP and ``queue=``, weights outside customgrad ops get their gradients in I, before DDP
+    reduces, and the step ends with a :class:`~customgrad.pipelining.PipeliningError`: use the
+    plain split (no ``queue=``) or FSDP2 there.
 
     Example:
         Build stages as with torch and hand them to a torch schedule::
@@ -107,6 +127,11 @@ class PipelineStage(_TorchPipelineStage):
         self.backward_state[bwd_chunk_id] = (input_values, param_groups, stage_output, output_grads)
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False) -> None:
+        if last_backward and self.dw_builder is not None and bwd_chunk_id in self.dw_runner:
+            # torch's stage runs a dw_builder's W (the queue's) without going through
+            # backward_maybe_with_nosync, so DDP's reducer would never be told that this W
+            # ends the step and would not reduce at all.
+            self._arm_ddp_reducer([])
         state = self.backward_state.get(bwd_chunk_id) if self.is_first else None
         if state is None or state[1] is None or bwd_chunk_id not in self.dw_runner:
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
@@ -129,7 +154,34 @@ class PipelineStage(_TorchPipelineStage):
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.queue is not None:
             self.queue.finish(self.stage_index)
+        submod = self.submod
+        if isinstance(submod, DistributedDataParallel):
+            try:
+                submod._check_reducer_finalized()
+            except RuntimeError:  # DDP's own message blames unused parameters
+                raise PipeliningError(MSG_DDP_UNREDUCED.format(stage=self.stage_index)) from None
         super().perform_reduce_grad(grad_scale_factor)
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # The schedule's first step infers the stage's shapes by running the module's real
+        # forward with grad enabled (torch 2.13). A DDP module outside no_sync() then expects
+        # a backward (prepare_for_backward): the step's first W would all-reduce a partial
+        # gradient, twice the reductions and, with a dw_builder, the only one; and DDP's
+        # bucket rebuild then sees two backwards and fails its internal assert next step.
+        submod = self.submod
+        if isinstance(submod, DistributedDataParallel):
+            with submod.no_sync():
+                return super()._prepare_forward_infra(*args, **kwargs)
+        return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _arm_ddp_reducer(self, outputs: Any) -> None:
+        """Tell a DDP module's reducer that the backward about to run ends the step: the
+        gradients it accumulates are all-reduced as they become ready, once."""
+        submod = self.submod
+        if isinstance(submod, DistributedDataParallel):
+            submod.reducer.prepare_for_backward(
+                list(torch.nn.parallel.distributed._find_tensors(outputs))
+            )
 
     def backward_maybe_with_nosync(
         self,
@@ -169,10 +221,7 @@ class PipelineStage(_TorchPipelineStage):
         if isinstance(submod, DistributedDataParallel):
             if last_backward:
                 # As torch's stage does: tell DDP's reducer which outputs this backward starts at.
-                outputs = bwd_kwargs["stage_output"]
-                submod.reducer.prepare_for_backward(
-                    list(torch.nn.parallel.distributed._find_tensors(outputs))
-                )
+                self._arm_ddp_reducer(bwd_kwargs["stage_output"])
                 return perform()
             with submod.no_sync():
                 return perform()

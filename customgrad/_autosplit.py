@@ -32,13 +32,14 @@ import contextlib
 import logging
 import operator
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import flop_registry
 
 from customgrad._errors import CustomGradError, where
@@ -172,13 +173,17 @@ def _why(e: BaseException) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_log() -> Iterator[None]:
-    """Fake tensors log an error for every op that fails in a trace; the fallback says it once."""
+def _quiet_tracing() -> Iterator[None]:
+    """Silence what torch says while tracing: fake tensors log an error for every op that fails
+    (the fallback's log line says it once), and torch warns about its own internals. Warnings
+    from the user's backward still show."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     level = logger.level
     logger.setLevel(logging.CRITICAL)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"torch\.")
+            yield
     finally:
         logger.setLevel(level)
 
@@ -229,45 +234,23 @@ class AutoSplitter:
             # it should record, and every gradient comes out right.
             self.last = _INSIDE_TRACE
             return None
-        saved_leaves: list[Any]
-        grad_leaves: list[Any]
-        saved_leaves, saved_spec = optree.tree_flatten(saved, none_is_leaf=True)
-        grad_leaves, grads_spec = optree.tree_flatten(grads, none_is_leaf=True)  # type: ignore[arg-type]
-        key: list[Any] = [saved_spec, grads_spec, requires]
-        outcome: TracedSplit | Fallback | None = None
-        for leaf in (*saved_leaves, *grad_leaves):
-            kind = type(leaf)
-            if kind is _Tensor or kind is torch.nn.Parameter:
-                key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
-            elif kind is float:
-                key.append((float, leaf.hex()))  # exact, and nan equals nan
-            elif kind in _CONSTANTS:
-                key.append((kind, leaf))
-            elif isinstance(leaf, _trace_types()):
-                outcome = _INSIDE_TRACE
-                break
-            elif isinstance(leaf, _Tensor):
-                outcome = Fallback(
-                    f"a saved tensor or output gradient is a {kind.__qualname__} (a tensor "
-                    f"subclass)",
-                    "pass plain tensors to the op",
-                )
-                break
-            else:
-                outcome = Fallback(
-                    f"save_for_backward returned a {kind.__qualname__} object, which a trace "
-                    f"would freeze as a constant",
-                    "save tensors and plain values (int, float, bool, str, None, dtype, device) "
-                    "instead",
-                )
-                break
-        if outcome is None:
-            signature = tuple(key)
-            outcome = self._cache.get(signature)
-            if outcome is None:
-                outcome = self._trace(
-                    signature, make_ctx, saved_leaves, saved_spec, grad_leaves, grads_spec, requires
-                )
+        structure: Any
+        if type(saved) is tuple and type(grads) is tuple:  # the common case, without optree
+            leaves: Sequence[Any] = saved + grads
+            structure = len(saved)
+            signature = _signature(leaves, (structure, requires), flat=True)
+        else:
+            signature = None
+        if signature is None:
+            leaves, structure = _flatten(saved, grads)
+            signature = _signature(leaves, (structure, requires), flat=False)
+        if isinstance(signature, Fallback):
+            outcome: TracedSplit | Fallback = signature
+        else:
+            found = self._cache.get(signature)
+            if found is None:
+                found = self._trace(signature, make_ctx, leaves, structure, requires)
+            outcome = found
         self.last = outcome
         if isinstance(outcome, TracedSplit):
             return outcome
@@ -284,10 +267,8 @@ class AutoSplitter:
         self,
         signature: Any,
         make_ctx: Callable[[frozenset[str]], Any],
-        saved_leaves: list[Any],
-        saved_spec: Any,
-        grad_leaves: list[Any],
-        grads_spec: Any,
+        leaves: Sequence[Any],
+        structure: Any,
         requires: frozenset[str],
     ) -> TracedSplit | Fallback:
         with self._lock:
@@ -302,9 +283,8 @@ class AutoSplitter:
                 )
             self.traces += 1
             outcome = _trace(
-                self.op, self.fn, make_ctx, saved_leaves, saved_spec, grad_leaves, grads_spec,
-                requires, self.recompute, self._lock,
-            )  # fmt: skip
+                self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute, self._lock
+            )
             self._cache[signature] = outcome
             return outcome
 
@@ -319,6 +299,60 @@ class AutoSplitter:
         """The latest reason not to split, if the latest backward was not split."""
         last = self.last
         return last if isinstance(last, Fallback) else None
+
+
+def _flatten(saved: Any, grads: tuple[Any, ...]) -> tuple[list[Any], Any]:
+    """The leaves of the saved values and the output gradients, and their structure."""
+    tree: Any = (saved, grads)
+    saved_leaves, saved_spec = optree.tree_flatten(tree[0], none_is_leaf=True)
+    grad_leaves, grads_spec = optree.tree_flatten(tree[1], none_is_leaf=True)
+    return [*saved_leaves, *grad_leaves], (len(saved_leaves), saved_spec, grads_spec)
+
+
+def _unflatten(structure: Any, values: list[Any]) -> tuple[Any, tuple[Any, ...]]:
+    """``(saved, grads)`` from their leaves (the inverse of :func:`_flatten` or of a flat
+    ``saved + grads``)."""
+    if isinstance(structure, int):
+        return tuple(values[:structure]), tuple(values[structure:])
+    n_saved, saved_spec, grads_spec = structure
+    saved = optree.tree_unflatten(saved_spec, values[:n_saved])
+    grads: Any = optree.tree_unflatten(grads_spec, values[n_saved:])
+    return saved, grads
+
+
+def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
+    """What a trace depends on: shapes, strides, dtypes, devices and requires-grad of the
+    tensors, and the values of everything else.
+
+    Returns the signature (a tuple), a :class:`Fallback` for leaves a trace can't take, or None
+    when ``flat`` and a leaf is a container (flatten it first).
+    """
+    key: list[Any] = [head]
+    for leaf in leaves:
+        kind = type(leaf)
+        if kind is _Tensor or kind is torch.nn.Parameter:
+            key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif kind is float:
+            key.append((float, leaf.hex()))  # exact, and nan equals nan
+        elif kind in _CONSTANTS:
+            key.append((kind, leaf))
+        elif flat:
+            return None
+        elif isinstance(leaf, _trace_types()):
+            return _INSIDE_TRACE
+        elif isinstance(leaf, _Tensor):
+            return Fallback(
+                f"a saved tensor or output gradient is a {kind.__qualname__} (a tensor subclass)",
+                "pass plain tensors to the op",
+            )
+        else:
+            return Fallback(
+                f"save_for_backward returned a {kind.__qualname__} object, which a trace would "
+                f"freeze as a constant",
+                "save tensors and plain values (int, float, bool, str, None, dtype, device) "
+                "instead",
+            )
+    return tuple(key)
 
 
 def describe_node(record: Any) -> str | None:
@@ -389,18 +423,14 @@ def _trace(
     op: OpSpec,
     fn: Callable[..., Any],
     make_ctx: Callable[[frozenset[str]], Any],
-    saved_leaves: list[Any],
-    saved_spec: Any,
-    grad_leaves: list[Any],
-    grads_spec: Any,
+    leaves: Sequence[Any],
+    structure: Any,
     requires: frozenset[str],
     recompute: bool,
     lock: threading.Lock,
 ) -> TracedSplit | Fallback:
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    leaves = [*saved_leaves, *grad_leaves]
-    n_saved = len(saved_leaves)
     tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
     template = [None if isinstance(leaf, _Tensor) else leaf for leaf in leaves]
     layouts: list[list[tuple[str, Any]]] = []
@@ -410,16 +440,16 @@ def _trace(
         values = list(template)
         for i, t in zip(tensor_idx, tensors):
             values[i] = t
-        saved = optree.tree_unflatten(saved_spec, values[:n_saved])
-        grads = optree.tree_unflatten(grads_spec, values[n_saved:])
+        saved, grads = _unflatten(structure, values)
         flat, layout = _flatten_result(sig, fn(make_ctx(requires), saved, *grads))
         layouts.append(layout)
         return flat
 
-    args = [leaves[i] for i in tensor_idx]
+    # Detached: the fake copies need no autograd metadata (copying it warns for non-leaves).
+    args = [leaves[i].detach() for i in tensor_idx]
     try:
         # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
-        with torch.no_grad(), _disable_current_modes(), _quiet_fake_tensor_log():
+        with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
             gm = make_fx(body, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
             if _mutating(gm):
                 # In-place ops: trace again, functionalized, so that every node is a pure
@@ -441,7 +471,8 @@ def _trace(
             f"it writes in place into a tensor it did not create ({mutated[0].target})",
             "compute out of place into new tensors",
         )
-    return TracedSplit(op, gm, layouts[-1], tensor_idx, requires, recompute, lock)
+    flat = isinstance(structure, int)
+    return TracedSplit(op, gm, layouts[-1], tensor_idx, flat, requires, recompute, lock)
 
 
 # --------------------------------------------------------------------------------------------
@@ -451,6 +482,55 @@ def _trace(
 def _free(node: fx.Node) -> bool:
     """Available in every pass without computing: an input of the trace, or a constant."""
     return node.op in _FREE_OPS
+
+
+class _SeenOps(TorchDispatchMode):
+    """Records the aten ops a call dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Sequence[type],
+        args: Sequence[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func.namespace != "prim":  # metadata queries (prim.device) are not ops that run
+            self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def _binding(node: fx.Node) -> Callable[..., Any] | None:
+    """torch's Python binding that runs exactly the node's aten op (``torch.mm`` for
+    ``aten.mm.default``), or None.
+
+    A binding parses its arguments in C++ and skips the boxed call of an ``OpOverload``: half
+    the overhead on small tensors. It is used only when calling it on the node's fake inputs
+    dispatches the node's op and nothing else.
+    """
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+        return None
+    name = target.overloadpacket.__name__
+    fn = getattr(torch._C._VariableFunctions, name, None)
+    if fn is None or getattr(torch, name, None) is not fn:  # torch.split & co. wrap theirs
+        fn = getattr(torch._C.TensorBase, name, None)
+    if fn is None:
+        return None
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+    fake = torch._guards.detect_fake_mode([*args, *kwargs.values()])
+    if fake is None:
+        return None
+    seen = _SeenOps()
+    try:
+        with fake, seen:
+            fn(*args, **kwargs)
+    except Exception:
+        return None
+    return fn if seen.ops == [target] else None
 
 
 def _cheap(node: fx.Node) -> bool:
@@ -526,6 +606,7 @@ class TracedSplit:
         gm: fx.GraphModule,
         layout: list[tuple[str, Any]],
         tensor_idx: list[int],
+        flat: bool,
         requires: frozenset[str],
         recompute: bool,
         lock: threading.Lock,
@@ -535,6 +616,9 @@ class TracedSplit:
         self.requires = requires
         self._layout = layout
         self._tensor_idx = tensor_idx
+        self._flat = flat
+        # The leaves are all tensors: they are the arguments of a pass as they are.
+        self._all_tensors = tensor_idx == list(range(len(tensor_idx))) and flat
         self._recompute = recompute
         self._lock = lock
         graph = gm.graph
@@ -542,7 +626,16 @@ class TracedSplit:
         self._placeholders = [n for n in self._nodes if n.op == "placeholder"]
         (out_node,) = (n for n in self._nodes if n.op == "output")
         self._outputs: list[fx.Node] = list(out_node.args[0])
+        self._fakes: dict[str, Any] = {}
+        for name, slot in layout:
+            if name not in requires and slot is not None:
+                slots = [slot] if isinstance(slot, int) else slot
+                vals = [None if i is None else self._outputs[i].meta.get("val") for i in slots]
+                if all(v is None or isinstance(v, _Tensor) for v in vals):
+                    self._fakes[name] = vals[0] if isinstance(slot, int) else vals
+        self._unchecked: bool | None = bool(self._fakes)
         self._passes: dict[Any, _Pass] = {}
+        self._bindings: dict[fx.Node, Any] = {}
         self._kept: dict[frozenset[str], tuple[list[fx.Node], set[fx.Node]]] = {}
 
     # -- running -------------------------------------------------------------------------------
@@ -559,23 +652,33 @@ class TracedSplit:
         ``handoff`` is what this node's earlier pass kept (or None); ``keep``: a later pass of
         this node will compute the remaining gradients, so keep what it shares with this one.
         """
-        leaves: list[Any] = optree.tree_leaves(saved, none_is_leaf=True)
-        leaves += optree.tree_leaves(grads, none_is_leaf=True)  # type: ignore[arg-type]
-        args = [leaves[i] for i in self._tensor_idx]
-        if handoff is not None:
-            owner, later, kept = handoff
-            if owner is self and needed <= later:
-                p = self._pass(("late", needed, later))
-                return p.result(p.fn(*args, *kept)), None
-        if keep:
+        if self._flat:
+            leaves: Sequence[Any] = saved + grads
+        else:
+            leaves = _flatten(saved, grads)[0]
+        args = leaves if self._all_tensors else [leaves[i] for i in self._tensor_idx]
+        kept: Any = None
+        if handoff is not None and handoff[0] is self and needed <= handoff[1]:
+            p = self._pass(("late", needed, handoff[1]))
+            result = p.result(p.fn(*args, *handoff[2]))
+        elif keep:
             later = self.requires - needed
             p = self._pass(("early", needed, later))
             outs = p.fn(*args)
-            if len(outs) == p.n_out:
-                return p.result(outs), None
-            return p.result(outs), (self, later, outs[p.n_out :])
-        p = self._pass(("alone", needed, None))
-        return p.result(p.fn(*args)), None
+            result = p.result(outs)
+            if len(outs) > p.n_out:
+                kept = (self, later, outs[p.n_out :])
+        else:
+            p = self._pass(("alone", needed, None))
+            result = p.result(p.fn(*args))
+        if self._unchecked:
+            # Once per signature: the gradients no pass computes (of arguments that don't
+            # require grad), as the trace's fake tensors, so that customgrad's validation sees
+            # every gradient the backward returns, as it does for a backward called as written.
+            self._unchecked = None
+            for name, value in self._fakes.items():
+                result.setdefault(name, value)
+        return result, kept
 
     # -- building the passes ---------------------------------------------------------------------
     def _pass(self, key: tuple[str, frozenset[str], frozenset[str] | None]) -> _Pass:
@@ -584,7 +687,8 @@ class TracedSplit:
             with self._lock:
                 p = self._passes.get(key)
                 if p is None:
-                    p = self._passes[key] = self._build(*key)
+                    with _disable_current_modes():  # checking bindings runs fake ops
+                        p = self._passes[key] = self._build(*key)
         return p
 
     def _slots(self, names: frozenset[str]) -> list[int]:
@@ -680,8 +784,13 @@ class TracedSplit:
             if node in todo or (
                 node.op == "get_attr" and (node in returned or any(u in todo for u in node.users))
             ):
-                env[node] = graph.node_copy(node, env.__getitem__)
-                n_ops += node.op == "call_function"
+                copy = env[node] = graph.node_copy(node, env.__getitem__)
+                if node.op == "call_function":
+                    n_ops += 1
+                    fast = self._bindings.get(node, node.target)
+                    if fast is node.target:
+                        fast = self._bindings[node] = _binding(node) or node.target
+                    copy.target = fast
         graph.output(tuple(env[n] for n in results))
         module = fx.GraphModule(self.graph_module, graph)
         return _Pass(module.forward, tuple(entries), n_out, len(kept_out), n_ops)

@@ -73,6 +73,10 @@ def table(self: SplitExplanation) -> str:
             )
     else:
         lines.append("Nothing computes twice.")
+    auto = [n for n in self.nodes if n.auto_split is not None]
+    if auto:
+        lines.append("Single backwards (split='auto'):")
+        lines += [f"  - {n.label}: {n.auto_split}." for n in auto]
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ import torch
 from torch.autograd.graph import Node
 
 from customgrad import _render
+from customgrad._autosplit import describe_node
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
 from customgrad._graph import children, grad_node
@@ -62,6 +63,9 @@ class NodeInfo:
         deferred: a customgrad op whose weight half the I pass set aside for W (customgrad's
             split); that work runs outside the node, so its W FLOPs are counted in
             :attr:`SplitExplanation.outside_flops`.
+        auto_split: for a customgrad op with one backward split automatically
+            (``split="auto"``): what each pass runs, or why it was not split (it then runs
+            whole in each pass that needs a gradient). None for other nodes.
     """
 
     label: str
@@ -71,6 +75,7 @@ class NodeInfo:
     depth: int
     computes_twice: bool
     deferred: bool = False
+    auto_split: str | None = None
 
     @property
     def repeated_flops(self) -> int:
@@ -381,7 +386,9 @@ def explain_split(
         deferred = node in handed_over
         if deferred:
             phases = frozenset({"input", "weight"})
-        nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice, deferred))
+        record = record_of(node)
+        auto = None if record is None else describe_node(record)
+        nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice, deferred, auto))
     totals = {p: counters[p].total for p in _PHASES}
     outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
     return SplitExplanation(nodes, edges, totals, outside, splitter_name)

@@ -35,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.gradcheck import GradcheckError
 
+from customgrad._autosplit import AutoSplitter
 from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGradError
 from customgrad._flops import FlopCounter
 from customgrad._op import CustomOp, autograd_impl
@@ -109,12 +110,17 @@ class CheckReport:
             (empty when the split was not run).
         calls: how often each backward function ran in each pass, e.g.
             ``calls["input"]["backward_input"] == 1``.
+        backward: how the op's backward splits, in words: the input/weight pair, a single
+            backward called per pass (``split="phase"``), or a single backward split
+            automatically, with what each pass runs, or why it was not (the reason of the
+            fallback).
     """
 
     op: str
     results: list[CheckResult] = field(default_factory=list)
     flops: dict[str, int] = field(default_factory=dict)
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    backward: str = ""
 
     @property
     def ok(self) -> bool:
@@ -158,6 +164,8 @@ class CheckReport:
             lines.append(
                 f"  FLOPs: full {f['full']}, input pass {f['input']}, weight pass {f['weight']}"
             )
+        if self.backward:
+            lines.append(f"  backward: {self.backward}")
         if self.calls:
             for p in ("input", "weight"):
                 ran = ", ".join(f"{k} x{v}" for k, v in sorted(self.calls.get(p, {}).items()))
@@ -253,6 +261,7 @@ def check_op(
         report.results.append(CheckResult(name, status, detail))
     report.flops = dict(case.flops)
     report.calls = {p: dict(c) for p, c in case.calls.items()}
+    report.backward = _backward_split(op)
     if raise_on_failure:
         report.raise_if_failed()
     return report
@@ -272,6 +281,21 @@ class _Slot:
 
     def label(self) -> str:
         return repr(self.name) if self.index is None else f"{self.name!r}[{self.index}]"
+
+
+def _backward_split(op: CustomOp[..., Any]) -> str:
+    """:attr:`CheckReport.backward`: how the op's backward splits."""
+    rules = op.rules
+    if rules.backward is None:
+        if rules.backward_input is None and rules.backward_weight is None:
+            return "no backward registered"
+        return "the input/weight pair (each half runs only in its own pass)"
+    if isinstance(rules.auto, AutoSplitter):
+        return f"one backward, {rules.auto.describe()}"
+    return (
+        "one backward, called in each pass with ctx.needs_input_grad set for the pass "
+        "(split='phase')"
+    )
 
 
 def _short_exc(e: BaseException, lines: int = 6) -> str:
@@ -557,6 +581,10 @@ class _Case:
                 f"the split repeats {f['input'] + f['weight'] - f['full']} FLOPs: input pass "
                 f"{f['input']} + weight pass {f['weight']} > full backward {f['full']}",
             )
+        auto = self.op.rules.auto
+        fallback = auto.fallback() if isinstance(auto, AutoSplitter) else None
+        if problems and fallback is not None:
+            problems.append(f"The single backward was {fallback.describe()}.")
         flops: tuple[Status, str] = ("passed", "")
         if problems:
             flops = ("failed", "\n".join([*problems, FIX_FLOPS]))

@@ -24,12 +24,17 @@ def linear_op(
     *,
     backward: Literal["pair", "single"] | None = "pair",
     spy: Spy | None = None,
+    split: Literal["auto", "phase"] = "auto",
 ) -> cg.CustomOp[..., Tensor]:
     """``x @ weight.mT`` as the customgrad op ``name`` (``weight`` is its weight).
 
     ``backward``: "pair" registers ``backward_input`` and ``backward_weight``; "single" one
-    ``backward`` that computes what ``ctx.needs_input_grad`` asks for; None registers none
-    (the caller does). The weight gradient sums over all leading dims of ``x``.
+    ``backward`` that computes what ``ctx.needs_input_grad`` asks for, registered with
+    ``split``; None registers none (the caller does). The weight gradient sums over all leading
+    dims of ``x``.
+
+    A ``spy`` in a single backward with ``split="auto"`` runs when the backward is traced (once
+    per input signature), not in each pass: use ``split="phase"`` to count calls per pass.
     """
 
     @cg.op(name, weights=("weight",))
@@ -67,7 +72,7 @@ def linear_op(
 
     elif backward == "single":
 
-        @linear.register_backward
+        @linear.register_backward(split=split)
         def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
             out: dict[str, Any] = {}
             if ctx.needs_input_grad("x"):

@@ -30,7 +30,8 @@ def _spy(half: str, phase: str) -> None:
         WEIGHT_CALLS.append(phase)
 
 
-linear = linear_op("queue_t::linear", backward="single", spy=_spy)
+# Called per pass (split="phase"), so that the spy sees which pass runs each weight half.
+linear = linear_op("queue_t::linear", backward="single", spy=_spy, split="phase")
 
 
 class Net(nn.Module):

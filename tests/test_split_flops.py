@@ -31,12 +31,18 @@ def _count(half: str, phase: str) -> None:
 
 
 pair_linear = linear_op("split_flops::pair_linear", spy=_count)
-single_linear = linear_op("split_flops::single_linear", backward="single", spy=_count)
+# A single backward called per pass (split="phase"), honouring ctx.needs_input_grad; spied.
+single_linear = linear_op(
+    "split_flops::single_linear", backward="single", spy=_count, split="phase"
+)
+# The same backward split automatically: traced once, so a spy would count the trace only.
+auto_linear = linear_op("split_flops::auto_linear", backward="single")
 
 
 LAYERS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "pair": pair_linear,
     "single": single_linear,
+    "auto": auto_linear,
     "fn": function_linear(spy=_count),
 }
 
@@ -110,7 +116,7 @@ def _measure(
     return flops, full_halves, split_halves
 
 
-@pytest.mark.parametrize("kind", ["pair", "single"])
+@pytest.mark.parametrize("kind", ["pair", "single", "auto"])
 @pytest.mark.parametrize("split", [_torch_split, _customgrad_split], ids=["torch", "customgrad"])
 def test_customgrad_ops_split_with_no_repeated_flops(kind: str, split: Callable[..., Any]) -> None:
     flops, full_halves, split_halves = _measure(kind, False, split)
@@ -121,7 +127,7 @@ def test_customgrad_ops_split_with_no_repeated_flops(kind: str, split: Callable[
     assert split_halves["input", "weight"] == 0
 
 
-@pytest.mark.parametrize("kind", ["pair", "single"])
+@pytest.mark.parametrize("kind", ["pair", "single", "auto"])
 def test_shared_weight_customgrad_split_does_no_repeated_work(kind: str) -> None:
     flops, full_halves, split_halves = _measure(kind, True, _customgrad_split)
     assert flops["I"] + flops["W"] == flops["full"]

@@ -110,7 +110,7 @@ def test_catches_wrong_fake_kernel_dtype_and_strides() -> None:
 greedy = linear_op("test_testing::greedy", backward=None)
 
 
-@greedy.register_backward
+@greedy.register_backward(split="phase")
 def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
     x, w = saved  # planted: ignores ctx.needs_input_grad, computes everything every pass
     return {"x": grad @ w, "weight": grad.mT @ x}
@@ -143,7 +143,7 @@ def opaque_mm(a: Tensor, b: Tensor) -> Tensor:
 opaque_greedy = linear_op("test_testing::opaque_greedy", backward=None)
 
 
-@opaque_greedy.register_backward
+@opaque_greedy.register_backward(split="phase")
 def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
     x, w = saved  # planted, through an opaque kernel that FLOP counters see as 0 FLOPs
     return {"x": opaque_mm(grad, w), "weight": opaque_mm(grad.mT, x)}
@@ -161,7 +161,7 @@ def test_catches_repeated_work_in_opaque_kernels() -> None:
 phase_dependent = linear_op("test_testing::phase_dependent", backward=None)
 
 
-@phase_dependent.register_backward
+@phase_dependent.register_backward(split="phase")  # called per pass, so ctx.phase varies
 def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
     x, w = saved
     out: dict[str, Any] = {}
@@ -197,7 +197,7 @@ def test_every_failure_is_listed_in_one_error() -> None:
     def _(inputs: Any, output: Tensor) -> Any:
         return inputs.x, inputs.weight
 
-    @op.register_backward
+    @op.register_backward(split="phase")  # called whole in each pass: repeats FLOPs
     def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
         x, w = saved
         return {"x": 3 * grad @ w, "weight": grad.mT @ x}
@@ -268,7 +268,8 @@ def test_list_and_keyword_only_arguments() -> None:
     scales = [torch.randn(3, generator=g) for _ in range(2)]
     report = check_op(weighted_sum, xs, scales, bias=0.5)
     assert report.ok
-    assert report.calls["input"] == {"backward": 1}
+    assert report.calls["input"] == {"backward (traced input part)": 1}
+    assert report.calls["weight"] == {"backward (traced weight part)": 1}
 
 
 # fake and save_for_backward, but no backward

@@ -1,5 +1,6 @@
-"""Every example op: check_op (opcheck, gradcheck, fake kernel, split, FLOPs), a stage split with
-customgrad.pipelining against the full backward, and torch.compile."""
+"""The basic example ops and RMSNorm: check_op (opcheck, gradcheck, fake kernel, split, FLOPs), a
+stage split with customgrad.pipelining against the full backward, and torch.compile. The other
+real ops are tested in test_real_ops.py."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from torch import Tensor
 import customgrad as cg
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from customgrad.testing import check_op
+from customgrad.testing import CHECKS, check_op
 from examples.ops import gelu_linear, linear, rms_norm, scale_shift
 
 Case = tuple[cg.CustomOp[..., Tensor], Callable[[torch.Generator], tuple[Any, ...]]]
@@ -34,11 +35,16 @@ CASES: dict[str, Case] = {
 }
 
 
+# rms_norm's backward uses its residual rstd: it is registered differentiable=False.
+ONCE_DIFFERENTIABLE = {"rms_norm", "rms_norm_eps"}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_check_op(name: str) -> None:
     op, make = CASES[name]
-    report = check_op(op, *make(torch.Generator().manual_seed(0)))
-    assert all(r.status == "passed" for r in report.results), str(report)
+    checks = [c for c in CHECKS if c != "gradgradcheck" or name not in ONCE_DIFFERENTIABLE]
+    report = check_op(op, *make(torch.Generator().manual_seed(0)), checks=checks)
+    assert all(r.status == "passed" for r in report.results if r.name in checks), str(report)
     assert report.calls["input"] == {"backward_input": 1}
     assert report.calls["weight"] == {"backward_weight": 1}
     assert report.flops["input"] + report.flops["weight"] == report.flops["full"]

@@ -611,6 +611,21 @@ class CustomOp(Generic[P, R]):
         return f"(ctx, saved, {', '.join(grads)}): one gradient per output"
 
     def _half_rules(self, half: Half, fn: Callable[..., Any], differentiable: bool) -> Any:
+        sig = self._sig
+        if half == "weight" and not sig.weights:
+            raise DefinitionError(
+                f"{self.name}: register_backward_weight on an op without weights. Its backward is "
+                f"its input half alone: register it with @{self._var}.register_backward_input "
+                f"(or name the weight arguments in cg.op(..., weights=...)). (backward_weight "
+                f"defined at {where(fn)})"
+            )
+        if half == "input" and sig.weights and not sig.input_names:
+            raise DefinitionError(
+                f"{self.name}: register_backward_input on an op whose Tensor arguments are all "
+                f"weights ({', '.join(sig.weights)}). Its backward is its weight half alone: "
+                f"register it with @{self._var}.register_backward_weight. (backward_input "
+                f"defined at {where(fn)})"
+            )
         _check_arity(
             self.name,
             f"the {half} backward",

@@ -65,6 +65,26 @@ def _arg_kind(t: Any) -> ArgKind:
 _TENSOR_OK = frozenset({"Scalar", "number", "Any"})
 
 
+MSG_UNSUPPORTED_ANNOTATION = """\
+{qualname}: cannot infer the op's schema from the annotations of the function defined at \
+{loc}: {detail}. Annotate each argument with a type torch.library understands (Tensor, \
+Tensor | None, list[Tensor], int, float, bool, str, list[int], torch.dtype, ...), or give the \
+schema yourself: cg.op(..., schema="(Tensor x, int[2] window=[-1, -1]) -> Tensor"). A Python \
+object the kernel and the backward read (a quantization state, a config) is passed as an opaque \
+object: register its class with torch first, then annotate with it:
+
+    @dataclasses.dataclass(frozen=True)          # a value: compared, hashed, baked into graphs
+    class QuantState:
+        blocksize: int
+        def __fx_repr__(self):
+            return f"QuantState({{self.blocksize}})", {{"QuantState": QuantState}}
+
+    torch._library.opaque_object.register_opaque_type(QuantState, typ="value")
+
+    @cg.op("mylib::dequant_linear", weights=("weight",))
+    def dequant_linear(x: Tensor, weight: Tensor, state: QuantState) -> Tensor: ..."""
+
+
 def parse_name(name: object) -> tuple[str, str]:
     """Split ``"ns::name"`` into its parts, raising :class:`DefinitionError` when invalid."""
     fix = 'Name ops "namespace::name", e.g. "mylib::linear", with identifiers on both sides.'
@@ -171,11 +191,11 @@ def make_schema(
         try:
             return str(torch.library.infer_schema(fn, mutates_args=mutates))
         except (ValueError, TypeError) as e:
+            detail = str(e).split(" The valid types are")[0].removeprefix("infer_schema(func): ")
             raise DefinitionError(
-                f"{qualname}: cannot infer the op's schema from the annotations of the function "
-                f"defined at {where(fn)}: {e} Annotate it with the types torch.library "
-                f'understands, or give the schema yourself: cg.op(..., schema="(Tensor x) -> '
-                f'Tensor").'
+                MSG_UNSUPPORTED_ANNOTATION.format(
+                    qualname=qualname, loc=where(fn), detail=detail.rstrip(".")
+                )
             ) from None
     if not isinstance(schema, str) or " -> " not in schema or not schema.startswith("("):
         raise DefinitionError(

@@ -169,11 +169,16 @@ class Case:
     dp: str  # "ddp" or "fsdp"
     stage: str  # "split" or "queue"
     native: tuple[int, ...] = ()  # stages whose block also has a native weight
+    find_unused: tuple[int, ...] = ()  # stages whose DDP has find_unused_parameters=True
 
     @property
     def id(self) -> str:
-        native = f"-native{''.join(map(str, self.native))}" if self.native else ""
-        return f"{self.schedule.removeprefix('Schedule')}-{self.dp}-{self.stage}{native}"
+        extra = "".join(
+            f"-{what}{''.join(map(str, stages))}"
+            for what, stages in (("native", self.native), ("find_unused", self.find_unused))
+            if stages
+        )
+        return f"{self.schedule.removeprefix('Schedule')}-{self.dp}-{self.stage}{extra}"
 
 
 @dataclass
@@ -293,12 +298,14 @@ def _hook_weights(rec: Recorder, stage: int, params: dict[str, nn.Parameter]) ->
         p.register_post_accumulate_grad_hook(post_hook)
 
 
-def _wrap_ddp(block: Block, stage: int, rec: Recorder, dp_group: dist.ProcessGroup) -> nn.Module:
+def _wrap_ddp(
+    block: Block, stage: int, rec: Recorder, dp_group: dist.ProcessGroup, find_unused: bool
+) -> nn.Module:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel
 
     _hook_weights(rec, stage, dict(block.named_parameters()))
-    ddp = DistributedDataParallel(block, process_group=dp_group)
+    ddp = DistributedDataParallel(block, process_group=dp_group, find_unused_parameters=find_unused)
     names = {id(p): f"{stage}.{n}" for n, p in block.named_parameters()}
 
     # No annotations: DDP checks them against dist.GradBucket, and this module's are strings.
@@ -343,7 +350,7 @@ def run_case(case: Case, mesh: Any, device: torch.device) -> Outcome:
     stages = []
     for s, block in blocks.items():
         if case.dp == "ddp":
-            mod = _wrap_ddp(block, s, rec, dp_group)
+            mod = _wrap_ddp(block, s, rec, dp_group, find_unused=s in case.find_unused)
         else:
             mod = _wrap_fsdp(block, s, rec, mesh["dp"])
         stage = RecordingStage(mod, s, n_stages, device, group=pp_group, queue=queue)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from customgrad.pipelining._stage import MSG_DDP_UNREDUCED
+from customgrad.pipelining._stage import MSG_DDP_FIND_UNUSED, MSG_DDP_UNREDUCED
 
 # Imported by the name pytest's doctest collection gives it (the ops it defines are global):
 # the spawned processes import it by that name too (the repository root is on sys.path).
@@ -45,9 +45,14 @@ NATIVE_CASES = [
     Case("ScheduleZBVZeroBubble", "fsdp", "split", native=ALL_STAGES),
     Case("ScheduleZBVZeroBubble", "fsdp", "queue", native=ALL_STAGES),
 ]
-# A native weight in stage 0 only: its ranks raise at stage 0's reduction, the last action of
-# their step under ZBV, so the other ranks finish theirs and the run goes on. Run last.
-UNSUPPORTED = Case("ScheduleZBVZeroBubble", "ddp", "queue", native=(0,))
+# Unsupported, made so in stage 0 only: its ranks raise in stage 0's last W or at its reduction,
+# the last actions of their step under ZBV, so the other ranks finish theirs and the run goes
+# on. Run last.
+NATIVE_WITH_QUEUE = Case("ScheduleZBVZeroBubble", "ddp", "queue", native=(0,))
+FIND_UNUSED = [
+    Case("ScheduleZBVZeroBubble", "ddp", stage, find_unused=(0,)) for stage in w.STAGE_KINDS
+]
+UNSUPPORTED = [NATIVE_WITH_QUEUE, *FIND_UNUSED]
 WORKING = CASES + NATIVE_CASES
 
 Results = list[dict[Case, Outcome]]  # per global rank
@@ -56,7 +61,7 @@ Results = list[dict[Case, Outcome]]  # per global rank
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     out = tmp_path_factory.mktemp("pp_dp") / "outcomes.pkl"
-    return w.spawn([*WORKING, UNSUPPORTED], str(out), device_type="cpu", timeout=240)
+    return w.spawn([*WORKING, *UNSUPPORTED], str(out), device_type="cpu", timeout=240)
 
 
 def _per_step(results: Results, case: Case) -> list[tuple[int, int, w.Step]]:
@@ -145,17 +150,35 @@ def test_hooks_fire_once_per_weight_per_microbatch(results: Results, case: Case)
     _check(_hook_problems(results, case), case)
 
 
+def _stage0_error(results: Results, case: Case) -> str:
+    """The error the ranks holding stage 0 stopped the case's first step with (the others ran
+    it without error), after checking that every rank stopped after that step."""
+    errors = set()
+    for r, outcome in enumerate(results):
+        steps = outcome[case].steps
+        assert len(steps) == 1, f"rank {r} ran {len(steps)} steps, not 1 (stopped)"
+        if 0 in outcome[case].stages:
+            errors.add(steps[0].error)
+        else:
+            assert not steps[0].error, f"rank {r}: {steps[0].error}"
+    assert len(errors) == 1, errors
+    return errors.pop()
+
+
 def test_ddp_with_queue_and_native_weights_raises_a_clear_error(results: Results) -> None:
     # DDP reduces in the step's last backward; a queue gives native weights their gradients in
     # I, before it, so DDP never sees them ready. customgrad says so at the end of the step
     # instead of leaving unreduced gradients (and DDP's own error at the next step).
-    for r, outcome in enumerate(results):
-        steps = outcome[UNSUPPORTED].steps
-        assert len(steps) == 1, f"rank {r} ran {len(steps)} steps, not 1 (stopped)"
-        if 0 not in outcome[UNSUPPORTED].stages:
-            assert not steps[0].error, f"rank {r}: {steps[0].error}"
-            continue
-        assert steps[0].error == f"PipeliningError: {MSG_DDP_UNREDUCED.format(stage=0)}"
+    error = _stage0_error(results, NATIVE_WITH_QUEUE)
+    assert error == f"PipeliningError: {MSG_DDP_UNREDUCED.format(stage=0)}"
+
+
+@pytest.mark.parametrize("case", FIND_UNUSED, ids=lambda c: c.id)
+def test_ddp_find_unused_parameters_raises_a_clear_error(results: Results, case: Case) -> None:
+    # Instead of DDP's "Expected to mark a variable ready only once" (it takes every weight for
+    # unused when the reduction starts, then W marks them again).
+    error = _stage0_error(results, case)
+    assert error == f"PipeliningError: {MSG_DDP_FIND_UNUSED.format(stage=0)}"
 
 
 def test_the_ddp_error_message_is_pinned() -> None:
@@ -172,6 +195,20 @@ def test_the_ddp_error_message_is_pinned() -> None:
         "device)\n"
         "    stage = PipelineStage(fully_shard(module, mesh=dp_mesh), stage_index, n_stages, "
         "device)\n"
+    )
+
+
+def test_the_find_unused_error_message_is_pinned() -> None:
+    assert MSG_DDP_FIND_UNUSED.format(stage=1) == (
+        "customgrad.pipelining.PipelineStage(stage_index=1): DDP(find_unused_parameters=True) "
+        "cannot reduce a split backward: DDP finds unused weights by walking the graph from the "
+        "stage's outputs, but the weight pass (W) starts inside the graph, after the input pass "
+        "(I) used the outputs, so DDP would take every weight for unused and reduce it before W "
+        "adds its gradient. Build DDP with find_unused_parameters=False (the default), or use "
+        "FSDP2:\n"
+        "\n"
+        "    DDP(module, process_group=dp_group)\n"
+        "    fully_shard(module, mesh=dp_mesh)\n"
     )
 
 

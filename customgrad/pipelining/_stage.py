@@ -39,6 +39,17 @@ which accumulates every weight in W, or FSDP2, which reduces once the step's bac
     stage = PipelineStage(fully_shard(module, mesh=dp_mesh), stage_index, n_stages, device)
 """
 
+MSG_DDP_FIND_UNUSED = """\
+customgrad.pipelining.PipelineStage(stage_index={stage}): DDP(find_unused_parameters=True) \
+cannot reduce a split backward: DDP finds unused weights by walking the graph from the stage's \
+outputs, but the weight pass (W) starts inside the graph, after the input pass (I) used the \
+outputs, so DDP would take every weight for unused and reduce it before W adds its gradient. \
+Build DDP with find_unused_parameters=False (the default), or use FSDP2:
+
+    DDP(module, process_group=dp_group)
+    fully_shard(module, mesh=dp_mesh)
+"""
+
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - older torch
@@ -131,7 +142,7 @@ class PipelineStage(_TorchPipelineStage):
             # torch's stage runs a dw_builder's W (the queue's) without going through
             # backward_maybe_with_nosync, so DDP's reducer would never be told that this W
             # ends the step and would not reduce at all.
-            self._arm_ddp_reducer([])
+            self._arm_ddp_reducer([], weight_pass=True)
         state = self.backward_state.get(bwd_chunk_id) if self.is_first else None
         if state is None or state[1] is None or bwd_chunk_id not in self.dw_runner:
             super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
@@ -174,11 +185,13 @@ class PipelineStage(_TorchPipelineStage):
                 return super()._prepare_forward_infra(*args, **kwargs)
         return super()._prepare_forward_infra(*args, **kwargs)
 
-    def _arm_ddp_reducer(self, outputs: Any) -> None:
+    def _arm_ddp_reducer(self, outputs: Any, weight_pass: bool) -> None:
         """Tell a DDP module's reducer that the backward about to run ends the step: the
         gradients it accumulates are all-reduced as they become ready, once."""
         submod = self.submod
         if isinstance(submod, DistributedDataParallel):
+            if weight_pass and submod.find_unused_parameters:
+                raise PipeliningError(MSG_DDP_FIND_UNUSED.format(stage=self.stage_index))
             submod.reducer.prepare_for_backward(
                 list(torch.nn.parallel.distributed._find_tensors(outputs))
             )
@@ -221,7 +234,9 @@ class PipelineStage(_TorchPipelineStage):
         if isinstance(submod, DistributedDataParallel):
             if last_backward:
                 # As torch's stage does: tell DDP's reducer which outputs this backward starts at.
-                self._arm_ddp_reducer(bwd_kwargs["stage_output"])
+                self._arm_ddp_reducer(
+                    bwd_kwargs["stage_output"], weight_pass=backward_type == "weight"
+                )
                 return perform()
             with submod.no_sync():
                 return perform()

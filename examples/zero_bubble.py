@@ -1,401 +1,289 @@
-"""Train customgrad ops through a real zero-bubble pipeline, and draw the schedule.
+"""Train a small language model of customgrad ops through a zero-bubble pipeline.
 
-Two processes on this machine (gloo on CPU; NCCL when each rank has its own GPU) train a
-small model of customgrad ops (linear, RMSNorm) with ``ScheduleZBVZeroBubble``. The first
-step's gradients are checked against a single-process reference; every F / I / W action
-is timed and its FLOPs counted; the same model with plain ``torch.autograd.Function`` ops
-runs next, to show the work torch's split backward repeats for them.
+A decoder-only transformer (token embedding, RMSNorm, causal attention, SwiGLU MLP, LM head with
+cross-entropy; every op a customgrad op, see ``lm_ops.py``) learns to predict the next byte of
+the Python standard library's own source files. ``ScheduleZBVZeroBubble`` runs it as 4 stages on
+2 processes (gloo on CPU, NCCL when each process has a GPU); the first step's gradients are
+checked against the same model on one process.
 
-    python examples/zero_bubble.py                       # spawns 2 local processes
-    python examples/zero_bubble.py --schedule DualPipeV  # or any of --help's schedules
-    torchrun --nproc-per-node 2 examples/zero_bubble.py  # the standard launcher
-    python examples/zero_bubble.py --check               # a few seconds, for CI
+    python examples/zero_bubble.py                           # spawns 2 local processes
+    torchrun --nproc-per-node 2 examples/zero_bubble.py      # torch's launcher (multi-node too)
+    python examples/zero_bubble.py --schedule DualPipeV      # any zero-bubble schedule
+    python examples/zero_bubble.py --check                   # a few seconds, for CI
 
-Writes ``<out>/zero_bubble.png`` (default ``out/``): one row per rank, F / I / W coloured,
-bubbles left white, the bubble fraction in each panel's title.
+Writes ``out/zero_bubble.png`` (each action of a step as measured, above the same schedule
+replayed with the measured action times and no waits) and ``out/loss.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
-import statistics
+import socket
 import sys
+import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _pipeline as pp
+import lm_ops as ops
+import pipeline_report
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+import torch.multiprocessing as mp
+from torch import Tensor, nn
 
-SHORT_NAMES = {name.removeprefix("Schedule"): name for name in pp.SCHEDULES}
-IMPL_ORDER = ("customgrad", "function")
-COLORS = {"F": "#4C72B0", "I": "#DD8452", "W": "#55A868", "B": "#8172B3"}
-BUBBLE = "#e4e4e4"
-LABELS = {"F": "forward", "I": "backward, input", "W": "backward, weight", "B": "full backward"}
-
-
-class GradientMismatch(pp.UserError):
-    """The pipeline's gradients differ from the single-process reference."""
+import customgrad.pipelining as cgp
 
 
-@dataclass
-class RankResult:
-    rank: int
-    stages: list[int]
-    step_times: list[float]  # seconds, every step, from the barrier before it
-    summary: dict[str, tuple[int, float]]  # kind -> (count per step, median seconds per step)
-    flops: dict[str, int]  # kind -> FLOPs of step 0
-    expected_backward_flops: int  # one plain full backward of the rank's stages, per step
-    events: list[list[pp.Event]]  # per step
-    losses: list[float]
+@dataclass(frozen=True)
+class Config:
+    vocab: int = 256  # bytes
+    dim: int = 128
+    heads: int = 4
+    hidden: int = 352  # SwiGLU width, about 8/3 of dim
+    layers: int = 4  # one per stage
+    seq: int = 64  # tokens per sequence
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then a SwiGLU MLP."""
+
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        d, h = cfg.dim, cfg.hidden
+        self.heads = cfg.heads
+        self.attn_norm = nn.Parameter(torch.ones(d))
+        self.qkv = nn.Parameter(torch.randn(3 * d, d) * d**-0.5)
+        self.proj = nn.Parameter(torch.randn(d, d) * (2 * d * cfg.layers) ** -0.5)
+        self.mlp_norm = nn.Parameter(torch.ones(d))
+        self.gate_up = nn.Parameter(torch.randn(2 * h, d) * d**-0.5)
+        self.down = nn.Parameter(torch.randn(d, h) * (2 * h * cfg.layers) ** -0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        qkv = ops.linear(ops.rms_norm(x, self.attn_norm), self.qkv)
+        q, k, v = qkv.view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = ops.causal_attention(q, k, v).transpose(1, 2).reshape(b, t, d)
+        x = x + ops.linear(attn, self.proj)
+        h = ops.silu_and_mul(ops.linear(ops.rms_norm(x, self.mlp_norm), self.gate_up))
+        return x + ops.linear(h, self.down)
+
+
+class Embedding(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.tokens = nn.Parameter(torch.randn(cfg.vocab, cfg.dim) * 0.1)
+        self.positions = nn.Parameter(torch.randn(cfg.seq, cfg.dim) * 0.1)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return ops.embedding(tokens, self.tokens) + ops.embedding(positions, self.positions)
+
+
+class Head(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(cfg.dim))
+        self.weight = nn.Parameter(torch.randn(cfg.vocab, cfg.dim) * cfg.dim**-0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(ops.rms_norm(x, self.norm), self.weight)  # logits
+
+
+class LanguageModel(nn.Module):
+    def __init__(self, cfg: Config) -> None:
+        super().__init__()
+        self.embed = Embedding(cfg)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.head = Head(cfg)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class Stage(nn.Module):
+    """Stage ``index`` of ``n``: an even share of the model's blocks (its own modules, not
+    copies); the first stage also embeds, the last also predicts."""
+
+    def __init__(self, model: LanguageModel, index: int, n: int) -> None:
+        super().__init__()
+        per = len(model.blocks) // n
+        self.embed = model.embed if index == 0 else None
+        self.blocks = nn.ModuleList(model.blocks[index * per : (index + 1) * per])
+        self.head = model.head if index == n - 1 else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.embed(x) if self.embed is not None else x
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) if self.head is not None else x
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    return ops.cross_entropy(logits, targets)
+
+
+def load_text(limit: int = 8 << 20) -> Tensor:
+    """The standard library's ``.py`` files as bytes, in a fixed order: the same on every rank."""
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    data = b"".join(f.read_bytes() for f in files)[:limit]
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def get_batch(text: Tensor, step: int, rows: int, seq: int) -> tuple[Tensor, Tensor]:
+    """``rows`` windows at random places (the same on every rank): inputs, and the next bytes."""
+    gen = torch.Generator().manual_seed(step)
+    starts = torch.randint(len(text) - seq - 1, (rows,), generator=gen)
+    windows = torch.stack([text[s : s + seq + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+def check_first_step(
+    model: LanguageModel,
+    stages: list[Stage],
+    reference: LanguageModel,
+    x: Tensor,
+    y: Tensor,
+    microbatches: int,
+) -> str:
+    """Compare this rank's gradients with one process's, microbatched as the schedule does
+    (it averages the microbatches' losses). Raises on every rank if any rank's differ."""
+    loss = sum(
+        loss_fn(reference(xm), ym) for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches))
+    )
+    (loss / microbatches).backward()  # type: ignore[operator]
+    names = {id(p): name for name, p in model.named_parameters()}
+    want = dict(reference.named_parameters())
+    worst = 0.0
+    for p in (p for stage in stages for p in stage.parameters()):
+        g, w = p.grad, want[names[id(p)]].grad
+        err = 1.0 if g is None or w is None else ((g - w).abs().max() / w.abs().max()).item()
+        worst = max(worst, err)
+    ok = torch.tensor([float(worst < 1e-4)], device=x.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    if not ok.item():
+        raise RuntimeError(f"first-step gradients differ from one process's ({worst:.2g} here)")
+    return (
+        f"check passed: first-step gradients equal one process's (max relative error {worst:.1g})"
+    )
+
+
+def train(args: argparse.Namespace) -> None:
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_world:
+        device, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(device)
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    try:
+        run(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, device: torch.device) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg, n_stages = args.config, 2 * world
+    torch.manual_seed(0)  # the same initial model on every rank
+    model = LanguageModel(cfg).to(device)
+    reference = copy.deepcopy(model)
+    timer = cgp.ActionTimer(device)
+    mine = sorted({rank, n_stages - 1 - rank})  # V-shaped: rank r holds stages r and 2w-1-r
+    stages = [Stage(model, s, n_stages) for s in mine]
+    pipeline_stages = [
+        timer.stage_class(cgp.PipelineStage)(m, s, n_stages, device) for m, s in zip(stages, mine)
+    ]
+    schedule = getattr(pipelining, args.schedule)(
+        pipeline_stages, args.microbatches, loss_fn=timer.time_loss(loss_fn)
+    )
+    weights = [p for m in stages for p in m.parameters()]
+    optimizer = torch.optim.AdamW(weights, lr=args.lr, weight_decay=0.0)
+    text, losses = load_text(), []
+    if rank == 0:
+        print(
+            f"{args.schedule}: {world} ranks x 2 stages, {dist.get_backend()} on {device.type}, "
+            f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, "
+            f"{len(text) / 1e6:.1f} MB of text, {args.steps} steps",
+            flush=True,
+        )
+    start = time.perf_counter()
+    for step in range(args.steps):
+        x, y = (t.to(device) for t in get_batch(text, step, args.batch, cfg.seq))
+        mb_losses: list[Tensor] = []
+        with timer.step():
+            schedule.step(
+                *([x] if 0 in mine else []),
+                **({"target": y, "losses": mb_losses} if n_stages - 1 in mine else {}),
+            )
+        if step == 0:
+            message = check_first_step(model, stages, reference, x, y, args.microbatches)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=device)
+        dist.all_reduce(loss)  # only the last stage's rank has it
+        losses.append(loss.item())
+        if rank == 0 and (step == 0 or (step + 1) % max(1, args.steps // 10) == 0):
+            if step == 0:
+                print(message, flush=True)
+            rate = (step + 1) / (time.perf_counter() - start)
+            print(
+                f"  step {step + 1:>4}/{args.steps}  loss {losses[-1]:.3f}  ({rate:.1f} steps/s)",
+                flush=True,
+            )
+    timeline = timer.gather()
+    if rank == 0:
+        pipeline_report.report(timeline, losses, schedule, args.out)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--schedule",
         default="ZBVZeroBubble",
-        help=f"one of {', '.join(SHORT_NAMES)} (default ZBVZeroBubble)",
+        choices=["ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"],
     )
-    p.add_argument("--stage", choices=pp.STAGE_KINDS, default="customgrad", help=pp.STAGE_HELP)
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step")
     p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=256, help="rows per step")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--no-plain", action="store_true", help="skip the autograd.Function run")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun")
     p.add_argument("--out", type=Path, default=Path("out"))
-    pp.add_launch_args(p, timeout=300.0)
-    p.add_argument("--check", action="store_true", help="tiny and fast: for CI")
+    p.add_argument("--check", action="store_true", help="a tiny model, 2 steps: for CI")
     args = p.parse_args(argv)
-    name = SHORT_NAMES.get(args.schedule.removeprefix("Schedule"))
-    if name is None:
-        p.error(f"unknown schedule {args.schedule!r}; choose from {', '.join(SHORT_NAMES)}")
-    args.schedule = name
+    args.schedule = "Schedule" + args.schedule
+    args.config = Config(dim=32, heads=2, hidden=64, seq=16) if args.check else Config()
     if args.check:
-        args.steps, args.microbatches, args.dim, args.hidden, args.batch = 2, 4, 32, 64, 16
+        args.steps, args.batch, args.microbatches = 2, 8, 4
     return args
 
 
-def model_config(args: argparse.Namespace, world: int) -> pp.ModelConfig:
-    return pp.ModelConfig(
-        dim=args.dim,
-        hidden=args.hidden,
-        blocks=2 * world,
-        batch=args.batch,
-        microbatches=args.microbatches,
+def _spawned(local_rank: int, args: argparse.Namespace) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(args.nproc),
+        LOCAL_WORLD_SIZE=str(args.nproc),
     )
+    train(args)
 
 
-class Run:
-    """One ops flavour's pipeline on this rank, trained a step at a time."""
-
-    def __init__(self, device: torch.device, args: argparse.Namespace, impl: str) -> None:
-        self.device, self.args, self.impl = device, args, impl
-        self.cfg = model_config(args, dist.get_world_size())
-        self.pipe = pp.build_pipeline(self.cfg, args.schedule, impl, args.stage, device)
-        self.expected = pp.expected_backward_flops(self.cfg, args.schedule, impl, device)
-        self.opt = torch.optim.SGD(self.pipe.parameters(), lr=args.lr)
-        self.step_times: list[float] = []
-        self.losses: list[float] = []
-        self.events: list[list[pp.Event]] = []
-        self.flops: dict[str, int] = {}
-
-    def step(self, step: int) -> None:
-        """Train one step; step 0 also counts FLOPs and checks the gradients."""
-        rec, device = self.pipe.recorder, self.device
-        x, target = pp.make_batch(self.cfg, step, device)
-        self.opt.zero_grad(set_to_none=True)
-        dist.barrier()
-        rec.start_step(count_flops=step == 0)
-        mb_losses = self.pipe.step(x, target)
-        rec.sync()
-        self.step_times.append(time.perf_counter() - rec.t0)
-        self.events.append(list(rec.events))
-        if step == 0:
-            self.flops = dict(rec.flops)
-            check_gradients(self.pipe, self.cfg, self.impl, device)
-        loss = torch.stack(mb_losses).mean() if mb_losses else torch.zeros((), device=device)
-        dist.all_reduce(loss)  # only the rank with the last stage has the losses
-        self.losses.append(loss.item())
-        self.opt.step()
-
-    def result(self) -> RankResult:
-        timed = self.events[1:] or self.events
-        summary = {
-            kind: (
-                sum(e.kind == kind for e in timed[0]),
-                statistics.median(
-                    sum(e.end - e.start for e in ev if e.kind == kind) for ev in timed
-                ),
-            )
-            for kind in {e.kind for e in timed[0]}
-        }
-        return RankResult(
-            rank=dist.get_rank(),
-            stages=[s.stage_index for s in self.pipe.stages],
-            step_times=self.step_times,
-            summary=summary,
-            flops=self.flops,
-            expected_backward_flops=sum(self.expected.values()),
-            events=self.events,
-            losses=self.losses,
-        )
-
-
-def check_gradients(
-    pipe: pp.Pipeline, cfg: pp.ModelConfig, impl: str, device: torch.device
-) -> None:
-    """Raise :class:`GradientMismatch` on every rank if any rank's gradients are off."""
-    want = pp.reference_grads(cfg, impl, 0, device)
-    got = pipe.named_grads()
-    report = pp.compare_grads(got, want, rtol=1e-4, atol=1e-5)
-    missing = [
-        f"{i}.{name}: no gradient"
-        for i, block in pipe.modules.items()
-        for name, _ in block.named_parameters()
-        if f"{i}.{name}" not in got
-    ]
-    report = "\n".join(filter(None, [report, *missing]))
-    bad = torch.tensor([int(bool(report))], device=device)
-    dist.all_reduce(bad)
-    if bad.item():
-        where = f"on rank {dist.get_rank()}:\n{report}" if report else "on another rank"
-        raise GradientMismatch(
-            f"{pp.IMPLS[impl].name} ops under {pipe.schedule.__class__.__name__}: the first"
-            f" step's gradients differ from the single-process reference {where}"
-        )
-
-
-def demo_worker(device: torch.device, args: argparse.Namespace) -> None:
-    rank = dist.get_rank()
-    impls = IMPL_ORDER[:1] if args.no_plain else IMPL_ORDER
-    if rank == 0:
-        world = dist.get_world_size()
-        backend = dist.get_backend()
-        print(
-            f"{args.schedule}: {world} ranks, {pp.num_stages(args.schedule, world)} stages,"
-            f" {args.microbatches} microbatches of {args.batch // args.microbatches} rows,"
-            f" dim {args.dim}/{args.hidden}, {device.type}/{backend}, stage: {args.stage}",
-            flush=True,
-        )
-    # The flavours take turns, step by step, so that both see the same machine.
-    runs = [Run(device, args, impl) for impl in impls]
-    for step in range(args.steps):
-        for run in runs:
-            run.step(step)
-        if rank == 0:
-            print(
-                f"  step {step + 1:>2}/{args.steps} "
-                + " | ".join(
-                    f" {pp.IMPLS[run.impl].name}: loss {run.losses[-1]:.4f},"
-                    f" {1e3 * run.step_times[-1]:6.1f} ms"
-                    for run in runs
-                ),
-                flush=True,
-            )
-    results = {run.impl: run.result() for run in runs}
-    gathered = pp.gather_to_rank0(results)
-    if gathered is None:
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # started by torchrun
+        train(args)
         return
-    by_impl = {impl: [r[impl] for r in gathered] for impl in impls}
-    print()
-    print(format_table(by_impl, args))
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / "zero_bubble.png"
-    try:
-        draw_timeline(by_impl, args, png)
-        print(f"\nschedule picture: {png}")
-    except ImportError as e:  # matplotlib is a dev dependency, not a customgrad one
-        print(f"\nno schedule picture ({e}); `pip install matplotlib` to get one")
-    if args.check:
-        verify_flops(by_impl, args)
-
-
-def timed_steps(results: list[RankResult]) -> list[int]:
-    """Steps that count for times: all but the first (FLOP counting, shape inference)."""
-    n = len(results[0].step_times)
-    return list(range(1, n)) if n > 1 else [0]
-
-
-def step_span(results: list[RankResult], step: int) -> float:
-    """A step's time: from the barrier before it to the end of the slowest rank."""
-    return max(r.step_times[step] for r in results)
-
-
-def median_step(results: list[RankResult]) -> int:
-    """The timed step of median length: the one to draw."""
-    steps = sorted(timed_steps(results), key=lambda s: step_span(results, s))
-    return steps[len(steps) // 2]
-
-
-def bubble_fraction(results: list[RankResult], step: int) -> float:
-    """Share of (ranks x step time) in which no F, I, W or B action ran."""
-    busy = sum(e.end - e.start for r in results for e in r.events[step])
-    return 1.0 - busy / (step_span(results, step) * len(results))
-
-
-def repeated_flops(r: RankResult) -> int:
-    """Backward FLOPs (I + W + B) beyond one plain full backward of the same stages."""
-    return sum(r.flops.get(k, 0) for k in "IWB") - r.expected_backward_flops
-
-
-def format_table(by_impl: dict[str, list[RankResult]], args: argparse.Namespace) -> str:
-    all_results = [r for rs in by_impl.values() for r in rs]
-    steps = timed_steps(all_results)
-    biggest = max(max(r.flops.values(), default=0) for r in all_results)
-    scale, unit = (1e9, "GFLOP") if biggest >= 1e9 else (1e6, "MFLOP")
-    head = (
-        f"{'ops':<17} {'rank':>4} {'stages':>6} |"
-        + "".join(f" {k + ' n':>4} {k + ' ms':>7}" for k in "FIWB")
-        + f" | {unit + ' F':>8} {'I':>7} {'W':>7} {'B':>7} {'repeated':>8} | {'step ms':>7}"
-    )
-    which = f"steps 2-{args.steps}" if len(steps) > 1 else "step 1"
-    lines = [
-        f"Per rank and step: actions run and their time (median of {which}), FLOPs (step 1),"
-        " step time (median)",
-        head,
-        "-" * len(head),
-    ]
-    for impl, results in by_impl.items():
-        for r in results:
-            acts = "".join(
-                f" {r.summary.get(k, (0, 0.0))[0]:>4} {1e3 * r.summary.get(k, (0, 0.0))[1]:>7.1f}"
-                for k in "FIWB"
-            )
-            f = {k: r.flops.get(k, 0) / scale for k in "FIWB"}
-            step_ms = 1e3 * statistics.median(r.step_times[s] for s in steps)
-            lines.append(
-                f"{pp.IMPLS[impl].name:<17} {r.rank:>4} {','.join(map(str, r.stages)):>6} |{acts}"
-                f" | {f['F']:>8.2f} {f['I']:>7.2f} {f['W']:>7.2f} {f['B']:>7.2f}"
-                f" {repeated_flops(r) / scale:>8.2f} | {step_ms:>7.1f}"
-            )
-    lines += [
-        "F forward, I input-gradient backward, W weight-gradient backward, B full backward;"
-        " repeated: I + W + B",
-        "minus one plain backward of the same stages. Stage 0 has no input gradient to send,"
-        " so torch runs its whole",
-        "backward in W.",
-        "",
-    ]
-    base: float | None = None
-    for impl, results in by_impl.items():
-        step = statistics.median(step_span(results, s) for s in steps)
-        rep = sum(repeated_flops(r) for r in results)
-        bwd = sum(r.expected_backward_flops for r in results)
-        rel = "" if base is None else f" ({step / base:.2f}x customgrad's)"
-        base = step if base is None else base
-        lines.append(
-            f"{pp.IMPLS[impl].name:>17}: step {1e3 * step:.1f} ms{rel}, bubble"
-            f" {bubble_fraction(results, median_step(results)):.0%}, repeated backward work"
-            f" {rep / scale:.2f} {unit} = {rep / bwd:.0%} of the backward"
-        )
-    return "\n".join(lines)
-
-
-def verify_flops(by_impl: dict[str, list[RankResult]], args: argparse.Namespace) -> None:
-    cg_rep = sum(repeated_flops(r) for r in by_impl["customgrad"])
-    if cg_rep != 0:
-        raise pp.UserError(f"customgrad ops repeated {cg_rep} FLOPs of backward work")
-    # With a queue as dw_builder, plain Functions do their whole backward in I: no repeat.
-    splits = args.schedule in pp.ZERO_BUBBLE and "queue" not in args.stage
-    plain = sum(repeated_flops(r) for r in by_impl.get("function", []))
-    if "function" in by_impl and splits and plain <= 0:
-        raise pp.UserError("plain autograd.Function ops should repeat work under a split backward")
-    print("check: gradients match the reference; customgrad repeats no FLOPs")
-
-
-def draw_timeline(
-    by_impl: dict[str, list[RankResult]], args: argparse.Namespace, path: Path
-) -> None:
-    """One panel per ops flavour, one row per rank, one bar per measured action.
-
-    Each panel draws its step of median length; the x axes are shared, so the panels'
-    lengths compare directly.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    world = len(next(iter(by_impl.values())))
-    fig, axes = plt.subplots(
-        len(by_impl), 1, figsize=(14, 1.2 + 1.2 * world * len(by_impl)), sharex=True, squeeze=False
-    )
-    longest = 0.0
-    kinds: set[str] = set()
-    for ax, (impl, results) in zip(axes[:, 0], by_impl.items()):
-        step = median_step(results)
-        span = 1e3 * step_span(results, step)
-        longest = max(longest, span)
-        for r in results:
-            y = world - 1 - r.rank
-            ax.barh(y, span, height=0.8, color=BUBBLE, lw=0)
-            second = r.stages[-1] if len(r.stages) > 1 else None
-            for e in r.events[step]:
-                kinds.add(e.kind)
-                start, width = 1e3 * e.start, 1e3 * (e.end - e.start)
-                ax.barh(
-                    y,
-                    width,
-                    left=start,
-                    height=0.8,
-                    color=COLORS[e.kind],
-                    edgecolor="white",
-                    lw=0.6,
-                    hatch="//" if e.stage == second else None,
-                )
-                if width > 0.012 * span:
-                    ax.text(
-                        start + width / 2,
-                        y,
-                        str(e.microbatch),
-                        ha="center",
-                        va="center",
-                        fontsize=7,
-                        color="white",
-                    )
-        ax.set_yticks(
-            [world - 1 - r.rank for r in results],
-            [f"rank {r.rank}\nstages {','.join(map(str, r.stages))}" for r in results],
-        )
-        ax.set_title(
-            f"{pp.IMPLS[impl].name} ops: step {step + 1}, {span:.1f} ms,"
-            f" bubble {bubble_fraction(results, step):.0%}",
-            fontsize=10,
-        )
-    axes[-1, 0].set_xlim(0, longest)
-    axes[-1, 0].set_xlabel("ms since the step started; each bar shows its microbatch")
-    handles = [
-        Patch(color=COLORS[k], label=f"{k}: {LABELS[k]}") for k in sorted(kinds, key="FIWB".index)
-    ]
-    handles.append(
-        Patch(facecolor="white", edgecolor="gray", hatch="//", label="the rank's second stage")
-    )
-    handles.append(Patch(facecolor=BUBBLE, label="bubble (idle)"))
-    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
-    fig.suptitle(
-        f"{args.schedule} on {world} ranks, measured (stage: {args.stage},"
-        f" {args.microbatches} microbatches; the step of median length of {args.steps})",
-        fontsize=11,
-    )
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def main(argv: list[str] | None = None) -> int:
-    start = time.perf_counter()
-    status = pp.launch(demo_worker, parse_args(argv))
-    if status == 0 and int(os.environ.get("RANK", "0")) == 0:
-        print(f"done in {time.perf_counter() - start:.1f} s")
-    return status
+    with socket.socket() as s:  # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    mp.spawn(_spawned, args=(args,), nprocs=args.nproc)  # stops the others if one fails
 
 
 if __name__ == "__main__":

@@ -277,9 +277,9 @@ def test_breakdown_splits_each_wait_at_the_end_of_the_action_it_waited_for() -> 
     assert step.stage_ranks() == {0: 0, 1: 1}
     b0, b1 = step.breakdown()
     assert (b0.compute, b0.peer, b0.transfer, b0.tail) == pytest.approx((4e-3, 4e-3, 1e-3, 0))
-    assert b0.other == pytest.approx(1e-3)  # 9 ms to 10 ms
+    assert b0.other == pytest.approx(1e-3)  # 9 ms to 10 ms: its own step's end
     assert (b1.compute, b1.peer, b1.transfer, b1.tail) == pytest.approx((4.5e-3, 2e-3, 1e-3, 2e-3))
-    assert b1.other == pytest.approx(2.5e-3)  # 7.5 ms to 10 ms, of which 2 ms after its end
+    assert b1.other == pytest.approx(0.5e-3)  # 7.5 ms to 8 ms; 8 ms to 10 ms is the tail
     assert b0.total == b1.total == pytest.approx(step.duration)
 
 

@@ -23,12 +23,15 @@ replays.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import statistics
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,7 +40,11 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
 from customgrad.pipelining._errors import PipeliningError
-from customgrad.pipelining._simulate import StageCosts
+from customgrad.pipelining._simulate import COLORS, StageCosts
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 __all__ = [
     "ActionEvent",
@@ -52,6 +59,8 @@ __all__ = [
 
 KINDS = ("F", "I", "W", "B")
 """Action kinds: forward, input-gradient backward, weight-gradient backward, full backward."""
+
+WAIT_COLOR = "#b8b8b8"
 
 _S = TypeVar("_S", bound=type[_PipelineStageBase])
 
@@ -74,7 +83,10 @@ class ActionEvent:
     """One action of one stage on one microbatch; times in seconds since the step started.
 
     ``flops`` is counted with torch's formulas when the step was timed with
-    ``count_flops=True`` (``None`` otherwise).
+    ``count_flops=True`` (``None`` otherwise). ``cpu`` is the CPU time of the thread that ran
+    the action, ``queued`` the time that thread was ready to run but waited for a core (other
+    processes had it; Linux only, else 0): on a CPU run with one intra-op thread, ``duration -
+    cpu - queued`` is time it blocked (e.g. in a CUDA synchronize).
     """
 
     kind: str
@@ -83,6 +95,8 @@ class ActionEvent:
     start: float
     end: float
     flops: int | None = None
+    cpu: float = 0.0
+    queued: float = 0.0
 
     @property
     def duration(self) -> float:
@@ -112,6 +126,19 @@ class RankStep:
     duration: float  # from the step's start to its end on this rank
     actions: tuple[ActionEvent, ...]
     waits: tuple[WaitEvent, ...]
+    cpu: float = 0.0  # CPU time of the thread that ran the step
+    queued: float = 0.0  # time that thread was ready to run but waited for a core
+
+    @property
+    def other_cpu(self) -> float:
+        """CPU seconds the step's thread spent outside actions: the schedule's own work
+        (Python, posting sends and receives)."""
+        return self.cpu - self.busy_cpu
+
+    @property
+    def other_queued(self) -> float:
+        """Seconds outside actions the step's thread waited for a core."""
+        return self.queued - sum(a.queued for a in self.actions)
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -121,6 +148,11 @@ class RankStep:
     def busy(self) -> float:
         """Seconds spent in actions."""
         return sum(a.duration for a in self.actions)
+
+    @property
+    def busy_cpu(self) -> float:
+        """CPU seconds of the threads that ran the actions (see :attr:`ActionEvent.cpu`)."""
+        return sum(a.cpu for a in self.actions)
 
     def time_in(self, kind: str) -> float:
         """Seconds spent in actions of ``kind`` ("F", "I", "W" or "B")."""
@@ -135,11 +167,11 @@ class RankStep:
 class RankBreakdown:
     """Where one rank's step went, in seconds; the five parts add up to the step's time.
 
-    ``peer``: waiting while the peer was still running the action this one depends on (its
-    forward, or its input-gradient backward); ``transfer``: waiting after the peer finished it
-    (the peer's send, the network, waking up); ``other``: time no action and no receive explains
-    (the schedule's Python, posting and waiting for sends), including the end of the step after
-    this rank's last action (``tail``, also counted in ``other``).
+    ``compute``: in actions. ``peer``: waiting for a received tensor while the peer was still
+    running the action that makes it (its forward, or its I or B); ``transfer``: waiting for it
+    after that action ended (the peer's send, the network, waking up). ``tail``: the step's end
+    after this rank's own (a slower rank). ``other``: the rest, time no action and no receive
+    explains (the schedule's Python, posting sends and receives, waiting for sends).
     """
 
     rank: int
@@ -151,7 +183,7 @@ class RankBreakdown:
 
     @property
     def total(self) -> float:
-        return self.compute + self.peer + self.transfer + self.other
+        return self.compute + self.peer + self.transfer + self.other + self.tail
 
 
 @dataclass(frozen=True)
@@ -175,7 +207,7 @@ class StepTimeline:
         return {s: r.rank for r in self.ranks for s in r.stages}
 
     def breakdown(self) -> list[RankBreakdown]:
-        """Each rank's step split into compute, waits (peer / transfer) and other.
+        """Each rank's step split into compute, waits (peer / transfer), tail and other.
 
         A wait before stage ``s``'s forward depends on stage ``s - 1``'s forward of the same
         microbatch; before its I or B, on stage ``s + 1``'s I or B. The part of the wait before
@@ -187,12 +219,76 @@ class StepTimeline:
         for r in self.ranks:
             peer = sum(p for rank, p, _ in waits if rank == r.rank)
             transfer = sum(t or 0.0 for rank, _, t in waits if rank == r.rank)
-            compute = r.busy
-            other = self.duration - compute - peer - transfer
-            out.append(
-                RankBreakdown(r.rank, compute, peer, transfer, other, self.duration - r.duration)
-            )
+            tail = self.duration - r.duration
+            other = r.duration - r.busy - peer - transfer
+            out.append(RankBreakdown(r.rank, r.busy, peer, transfer, other, tail))
         return out
+
+    def summary(self) -> str:
+        """One line: ranks, step time and bubble."""
+        return (
+            f"measured: {len(self.stage_ranks())} stages on {len(self.ranks)} ranks, step "
+            f"{1e3 * self.duration:.4g} ms, bubble {self.bubble:.1%}"
+        )
+
+    def draw(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        ax: Axes | None = None,
+        title: str | None = None,
+    ) -> Figure:
+        """Draw the step as :meth:`Simulation.draw <customgrad.pipelining.Simulation.draw>`
+        draws a replayed one (ranks as rows, one bar per action, the same colours), with the
+        waits for received tensors as grey bars.
+
+        Args:
+            path: where to save the picture (by suffix: PNG, SVG, ...); None: don't save.
+            ax: axes to draw into; None: a new figure.
+            title: the title; None: :meth:`summary`.
+
+        Returns:
+            The figure drawn on.
+        """
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch, Rectangle
+
+        n = len(self.ranks)
+        if ax is None:
+            fig = Figure(figsize=(14.0, 0.9 + 0.45 * n))
+            ax = fig.add_subplot()
+        else:
+            parent = ax.figure
+            fig = parent if isinstance(parent, Figure) else parent.figure
+        scale = 1e3
+        points = fig.get_figwidth() * 72 * 0.75 / max(self.duration, 1e-12)
+        for y, r in enumerate(self.ranks):
+            first = min(r.stages, default=0)
+            for w in r.waits:
+                ax.add_patch(Rectangle((w.start * scale, y - 0.4), w.duration * scale, 0.8,
+                                       facecolor=WAIT_COLOR, linewidth=0))  # fmt: skip
+            for a in r.actions:
+                ax.add_patch(Rectangle((a.start * scale, y - 0.4), a.duration * scale, 0.8,
+                                       facecolor=COLORS[a.kind], edgecolor="white",
+                                       linewidth=0.5, alpha=0.6 if a.stage != first else 1.0))  # fmt: skip
+                if a.duration * points >= 4.5 * len(str(a.microbatch)) + 2:
+                    ax.text((a.start + a.duration / 2) * scale, y, str(a.microbatch),
+                            ha="center", va="center", fontsize=7, color="white")  # fmt: skip
+        ax.set_xlim(0, max(self.duration, 1e-12) * scale)
+        ax.set_ylim(n - 0.5, -0.5)
+        ax.set_yticks(range(n), [f"rank {r.rank}" for r in self.ranks])
+        ax.set_xlabel("time (ms)")
+        ax.set_title(self.summary() if title is None else title, fontsize=9)
+        kinds = sorted({a.kind for r in self.ranks for a in r.actions}, key="FBIW".index)
+        names = {"F": "forward", "I": "backward input", "W": "backward weight", "B": "backward"}
+        handles = [Patch(color=COLORS[k], label=f"{k}: {names[k]}") for k in kinds]
+        handles.append(Patch(color=WAIT_COLOR, label="waiting for a receive"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
+                  frameon=False)  # fmt: skip
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(os.fspath(path), dpi=150)
+        return fig
 
 
 def _split_waits(step: StepTimeline) -> list[tuple[int, float, float | None]]:
@@ -261,6 +357,28 @@ def stage_costs(steps: Sequence[StepTimeline]) -> dict[int, StageCosts]:
             send=send,
         )
     return costs
+
+
+_SCHEDSTAT = threading.local()
+
+
+def _thread_clocks() -> tuple[float, float]:
+    """This thread's CPU time and the time it waited for a core, in seconds.
+
+    The wait is the second field of Linux's ``/proc/thread-self/schedstat`` (nanoseconds
+    runnable on a run queue; exact when read by the running thread itself, 0 elsewhere). Its
+    first field, time on the CPU, lags by up to a scheduler tick: ``time.thread_time()`` is
+    exact.
+    """
+    fd = getattr(_SCHEDSTAT, "fd", None)
+    if fd is None:
+        try:
+            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            fd = -1
+        _SCHEDSTAT.fd = fd
+    queued = int(os.pread(fd, 128, 0).split()[1]) * 1e-9 if fd >= 0 else 0.0
+    return time.thread_time(), queued
 
 
 @dataclass
@@ -338,14 +456,17 @@ class ActionTimer:
             raise ActionTimerError(MSG_NESTED_STEP)
         self._sync()
         rec = self._rec = _Recording(time.perf_counter(), count_flops)
+        cpu, queued = _thread_clocks()
         try:
             yield
             self._sync()
             duration = time.perf_counter() - rec.t0
+            cpu_end, queued_end = _thread_clocks()
         finally:
             self._rec = None
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        self.steps.append(RankStep(rank, duration, tuple(rec.actions), tuple(rec.waits)))
+        self.steps.append(RankStep(rank, duration, tuple(rec.actions), tuple(rec.waits),
+                                   cpu_end - cpu, queued_end - queued))  # fmt: skip
 
     @contextlib.contextmanager
     def action(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
@@ -371,12 +492,15 @@ class ActionTimer:
             rec.posted.discard(recv)
             rec.waits.append(WaitEvent(kind, stage, microbatch, rec.last_end, start))
         counter = FlopCounter() if rec.count_flops else None
+        cpu, queued = _thread_clocks()
         with counter if counter is not None else contextlib.nullcontext():
             yield
         self._sync()
         end = time.perf_counter() - rec.t0
+        cpu_end, queued_end = _thread_clocks()
         flops = counter.total if counter is not None else None
-        rec.actions.append(ActionEvent(kind, stage, microbatch, start, end, flops))
+        rec.actions.append(ActionEvent(kind, stage, microbatch, start, end, flops, cpu_end - cpu,
+                                       queued_end - queued))  # fmt: skip
         rec.last_end = end
 
     def time_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -392,12 +516,17 @@ class ActionTimer:
             if rec is None or last is None or last.kind != "F":
                 return loss_fn(*args, **kwargs)
             counter = FlopCounter() if rec.count_flops else None
+            cpu, queued = _thread_clocks()
             with counter if counter is not None else contextlib.nullcontext():
                 out = loss_fn(*args, **kwargs)
             self._sync()
             end = time.perf_counter() - rec.t0
+            cpu_end, queued_end = _thread_clocks()
             flops = None if last.flops is None or counter is None else last.flops + counter.total
-            rec.actions[-1] = ActionEvent("F", last.stage, last.microbatch, last.start, end, flops)
+            rec.actions[-1] = dataclasses.replace(
+                last, end=end, flops=flops, cpu=last.cpu + cpu_end - cpu,
+                queued=last.queued + queued_end - queued,
+            )  # fmt: skip
             rec.last_end = end
             return out
 

@@ -18,6 +18,7 @@ from customgrad._errors import KernelOutputError as KernelOutputError
 from customgrad._errors import MissingRegistrationError as MissingRegistrationError
 from customgrad._errors import MutationError as MutationError
 from customgrad._errors import UnsupportedError as UnsupportedError
+from customgrad._from_function import from_function as from_function
 from customgrad._op import BackwardFn as BackwardFn
 from customgrad._op import CustomOp as CustomOp
 from customgrad._op import JvpFn as JvpFn
@@ -45,5 +46,6 @@ __all__ = [
     "SaveForBackwardFn",
     "SharedFn",
     "UnsupportedError",
+    "from_function",
     "op",
 ]

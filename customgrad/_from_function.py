@@ -1,0 +1,444 @@
+"""``customgrad.from_function``: an existing ``torch.autograd.Function`` as a customgrad op.
+
+Code that already has ``autograd.Function`` subclasses gets zero-bubble-ready ops without a
+rewrite: the Function's ``forward`` becomes the op's kernel, run with a ctx that records what it
+saves, and its ``backward`` becomes the op's single backward, split automatically into an input
+and a weight part (:mod:`customgrad._autosplit`).
+
+What ``forward`` leaves on its ctx reaches the backward on every call path (eager, ``torch.ops``,
+``torch.compile``, fake tensors): saved inputs and outputs are saved as they are, views of them
+are rebuilt with ``as_strided``, and the other tensors it saves (intermediates) are returned by
+the kernel as one ``Tensor[]`` residual, which only ``save_for_backward`` sees. Everything else it
+records (non-tensor attributes, where each tensor comes from) is handed from the kernel to
+``save_for_backward`` on the same thread, right after the kernel ran.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import typing
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import optree
+import torch
+from torch.autograd.function import _is_setup_context_defined
+
+from customgrad._autograd import _raises_if_differentiated, _requiring_grad
+from customgrad._errors import (
+    DefinitionError,
+    GradientTypeError,
+    MissingRegistrationError,
+    UnsupportedError,
+    where,
+)
+from customgrad._op import CustomOp
+from customgrad._signature import _split_returns
+
+__all__ = ["from_function"]
+
+_Tensor = torch.Tensor
+_RESIDUAL = "saved"
+_is_alias_of: Any = torch._C._is_alias_of  # type: ignore[attr-defined]
+
+
+class _Stash(threading.local):
+    """What the kernel recorded on this thread, for the ``save_for_backward`` that follows."""
+
+    recipe: Any = None
+
+
+_stash = _Stash()
+
+
+# --------------------------------------------------------------------------------------------
+# The ctx objects the Function sees
+
+
+class _ForwardContext:
+    """The ``ctx`` of the Function's ``forward`` (or ``setup_context``): records what it keeps."""
+
+    def __init__(self, needs_input_grad: tuple[bool, ...], qualname: str, fn: Any) -> None:
+        object.__setattr__(self, "_cg", (qualname, fn))
+        object.__setattr__(self, "_cg_saved", ())
+        object.__setattr__(self, "_cg_attrs", {})
+        object.__setattr__(self, "_cg_nondiff", [])
+        object.__setattr__(self, "needs_input_grad", needs_input_grad)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._cg_attrs[name] = value
+
+    def __getattr__(self, name: str) -> Any:
+        attrs = object.__getattribute__(self, "_cg_attrs")
+        if name in attrs:
+            return attrs[name]
+        raise AttributeError(name)
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        object.__setattr__(self, "_cg_saved", tensors)
+
+    def mark_non_differentiable(self, *tensors: Any) -> None:
+        self._cg_nondiff.extend(tensors)
+
+    def set_materialize_grads(self, value: bool) -> None:
+        """Accepted; customgrad always passes a gradient (zeros for unused outputs)."""
+
+    def mark_dirty(self, *tensors: Any) -> None:
+        qualname, fn = self._cg
+        raise UnsupportedError(
+            f"{qualname}: the Function's forward calls ctx.mark_dirty: it modifies an input in "
+            f"place, which customgrad ops do not differentiate through. Return a new tensor "
+            f"instead, or keep this Function as it is. (forward defined at {where(fn)})"
+        )
+
+
+class _BackwardContext:
+    """The ``ctx`` of the Function's ``backward``: the saved tensors, the attributes ``forward``
+    set, and ``needs_input_grad`` for the running pass."""
+
+    def __init__(
+        self, saved: tuple[Any, ...], attrs: dict[str, Any], needs_input_grad: tuple[bool, ...]
+    ) -> None:
+        self.__dict__.update(attrs)
+        self.saved_tensors = saved
+        self.saved_variables = saved
+        self.needs_input_grad = needs_input_grad
+
+
+# --------------------------------------------------------------------------------------------
+# Where each saved tensor comes from
+
+
+def _sources(args: Sequence[Any], outs: Sequence[Any]) -> list[tuple[Any, tuple[Any, ...]]]:
+    """The tensors a saved tensor may be (or view): arguments (list items too), outputs."""
+    found: list[tuple[Any, tuple[Any, ...]]] = []
+    for i, a in enumerate(args):
+        if isinstance(a, _Tensor):
+            found.append((a, ("arg", i, None)))
+        elif isinstance(a, (list, tuple)):
+            found += [(t, ("arg", i, k)) for k, t in enumerate(a) if isinstance(t, _Tensor)]
+    found += [(t, ("out", j)) for j, t in enumerate(outs)]
+    return found
+
+
+def _place(
+    t: _Tensor, sources: list[tuple[Any, tuple[Any, ...]]], residuals: list[_Tensor]
+) -> tuple[Any, ...]:
+    """How ``save_for_backward`` finds ``t`` again: an argument or output, a view of one
+    (``as_strided``), or a residual the kernel returns."""
+    for s, where_ in sources:
+        if t is s:
+            return where_
+    for s, where_ in sources:
+        if _is_alias_of(t, s):
+            return ("view", where_, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    residuals.append(t)
+    return ("res", len(residuals) - 1)
+
+
+def _find(place: tuple[Any, ...], inputs: Sequence[Any], outs: Sequence[Any], res: Any) -> Any:
+    kind = place[0]
+    if kind == "arg":
+        a = inputs[place[1]]
+        return a if place[2] is None else a[place[2]]
+    if kind == "out":
+        return outs[place[1]]
+    if kind == "view":
+        base = _find(place[1], inputs, outs, res)
+        return base.as_strided(place[2], place[3], place[4])
+    return res[place[1]]
+
+
+MSG_COMPUTED_DOUBLE_BACKWARD = """\
+{op}: double backward (create_graph=True, gradient penalties) reached a tensor that the \
+Function's forward computed and saved on ctx: autograd sees it as a constant (as it did for the \
+Function), so the gradient through it would be silently wrong. Save the inputs and recompute it \
+in backward with differentiable torch ops if you need double backward. (forward defined at \
+{loc})"""
+
+
+def _guard_computed(
+    qualname: str, forward: Any, saved: Any, grads: tuple[Any, ...], computed: tuple[int, ...]
+) -> Any:
+    """``saved`` with each tensor that forward computed replaced by an alias whose backward
+    raises, in double backward (customgrad does the same for an op's residuals)."""
+    anchors = _requiring_grad(grads, saved)
+    if not anchors:
+        return saved
+    msg = MSG_COMPUTED_DOUBLE_BACKWARD.format(op=qualname, loc=where(forward))
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
+    for k in computed:
+        leaves[tensor_at[k]] = _raises_if_differentiated(msg, leaves[tensor_at[k]], anchors)
+    return optree.tree_unflatten(treespec, leaves)
+
+
+# --------------------------------------------------------------------------------------------
+# Reading the Function
+
+
+def _once_differentiable(fn: Any) -> bool:
+    """Whether ``fn`` is wrapped by ``torch.autograd.function.once_differentiable``."""
+    code = getattr(fn, "__code__", None)
+    return (
+        code is not None
+        and code.co_name == "wrapper"
+        and code.co_filename == getattr(torch.autograd.function, "__file__", None)
+        and hasattr(fn, "__wrapped__")
+    )
+
+
+def _parameters(
+    function: type[torch.autograd.Function], name: str, classic: bool
+) -> tuple[list[inspect.Parameter], Any]:
+    """The forward's parameters (without ``ctx``), with annotations resolved."""
+    forward = function.forward
+    label = f"{function.__qualname__}.forward"
+    try:
+        params = list(inspect.signature(forward).parameters.values())
+    except (TypeError, ValueError):
+        raise DefinitionError(
+            f"{name}: cannot read the signature of {label}. Give the Function a Python forward."
+        ) from None
+    if classic:
+        params = params[1:]  # ctx
+    bad = [
+        p
+        for p in params
+        if p.kind
+        in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if bad:
+        raise DefinitionError(
+            f"{name}: {label} takes {bad[0]}; autograd.Function.apply passes its inputs by "
+            f"position, and a customgrad op needs one named parameter per input. Name them: "
+            f"def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined at "
+            f"{where(forward)})"
+        )
+    try:
+        hints = typing.get_type_hints(forward)
+    except Exception:  # unresolvable string annotations: infer_schema reports them
+        hints = {}
+    params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in params]
+    return params, hints.get("return", inspect.signature(forward).return_annotation)
+
+
+def _public_schema(
+    function: type[torch.autograd.Function],
+    name: str,
+    params: list[inspect.Parameter],
+    returns: Any,
+    schema: str | None,
+) -> str:
+    forward = function.forward
+    if schema is not None:
+        return schema
+
+    def prototype(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    prototype.__signature__ = inspect.Signature(params, return_annotation=returns)  # type: ignore[attr-defined]
+    try:
+        return str(torch.library.infer_schema(prototype, mutates_args=()))
+    except (ValueError, TypeError) as e:
+        raise DefinitionError(
+            f"{name}: cannot infer the op's schema from the annotations of "
+            f"{function.__qualname__}.forward: {e} Annotate its parameters and return (without "
+            f"ctx), e.g. def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> "
+            f'torch.Tensor, or give the schema: cg.from_function(..., schema="(Tensor x, '
+            f'Tensor weight) -> Tensor"). (forward defined at {where(forward)})'
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# The op
+
+
+def from_function(
+    function: type[torch.autograd.Function],
+    name: str,
+    /,
+    *,
+    weights: Iterable[str] = (),
+    schema: str | None = None,
+    output_differentiability: Sequence[bool] | None = None,
+) -> CustomOp[..., Any]:
+    """Wrap an existing ``torch.autograd.Function`` subclass into a customgrad op.
+
+    The Function's ``forward`` becomes the op's kernel (for every device) and its fake kernel;
+    what it keeps on ``ctx`` (``save_for_backward``, attributes) reaches its ``backward``, which
+    becomes the op's single backward, split automatically into an input and a weight part.
+    ``ctx.needs_input_grad`` in that backward reflects the running pass. Functions written with
+    ``setup_context`` work too; ``once_differentiable`` backwards become
+    ``differentiable=False``.
+
+    Args:
+        function: the ``torch.autograd.Function`` subclass.
+        name: ``"namespace::name"`` of the op.
+        weights: names of ``forward``'s weight parameters (their gradients go to the W pass).
+        schema: the schema without the name, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``,
+            when ``forward``'s annotations can't give it.
+        output_differentiability: one bool per output; outputs the Function passes to
+            ``ctx.mark_non_differentiable`` must be declared False here.
+
+    Returns:
+        A :class:`~customgrad.CustomOp` called with ``forward``'s parameters (without ``ctx``).
+
+    Raises:
+        DefinitionError: ``function`` is not an ``autograd.Function`` subclass, its forward
+            takes ``*args``, or no schema can be had from its annotations or ``schema=``.
+
+    Example:
+        >>> import torch, customgrad as cg
+        >>> class Scale(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ...         ctx.save_for_backward(x, w)
+        ...         return x * w
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         x, w = ctx.saved_tensors
+        ...         return grad * w, (grad * x).sum(0)
+        >>> scale = cg.from_function(Scale, "doc_from_function::scale", weights=("w",))
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> w = torch.full((3,), 2.0, requires_grad=True)
+        >>> scale(x, w).sum().backward()
+        >>> w.grad
+        tensor([2., 2., 2.])
+    """
+    if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        raise DefinitionError(
+            f"{name}: from_function needs a torch.autograd.Function subclass (the class, not "
+            f"an instance or its apply), got {function!r}."
+        )
+    classic = not _is_setup_context_defined(function.setup_context)
+    params, returns = _parameters(function, name, classic)
+    public = _public_schema(function, name, params, returns, schema)
+    args_part, rets = _split_returns(public)
+    if rets == ["()"] or not rets or rets == [""]:
+        raise DefinitionError(
+            f"{name}: {function.__qualname__}.forward returns nothing; a customgrad op needs "
+            f"tensor outputs."
+        )
+    kernel_schema = f"{args_part} -> ({', '.join([*rets, 'Tensor[]'])})"
+    n_out = len(rets)
+    names = [p.name for p in params]
+    forward = function.forward
+    qualname = name
+    diff = None if output_differentiability is None else tuple(output_differentiability)
+
+    def kernel(*args: Any) -> Any:
+        needs = tuple(
+            (isinstance(a, _Tensor) and a.requires_grad)
+            or (isinstance(a, (list, tuple)) and any(getattr(t, "requires_grad", False) for t in a))
+            for a in args
+        )
+        ctx = _ForwardContext(needs, qualname, forward)
+        if classic:
+            out = forward(ctx, *args)
+        else:
+            out = forward(*args)
+            function.setup_context(ctx, args, out)
+        outs = out if isinstance(out, tuple) else (out,)
+        residuals: list[_Tensor] = []
+        sources = _sources(args, outs)
+
+        def place(value: Any) -> Any:
+            return _place(value, sources, residuals) if isinstance(value, _Tensor) else value
+
+        saved = tuple(place(t) for t in ctx._cg_saved)
+        attrs = {}
+        for attr, value in ctx._cg_attrs.items():
+            leaves, spec = optree.tree_flatten(value, none_is_leaf=True)
+            tensors = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor)]
+            attrs[attr] = (spec, [place(v) for v in leaves], tensors)
+        for t in ctx._cg_nondiff:
+            j = next((j for j, o in enumerate(outs) if o is t), None)
+            if j is not None and (diff is None or diff[j]):
+                raise DefinitionError(
+                    f"{qualname}: the Function's forward marks output {j} non-differentiable "
+                    f"(ctx.mark_non_differentiable); declare it when wrapping: "
+                    f"cg.from_function(..., output_differentiability=[...False at {j}...]). "
+                    f"(forward defined at {where(forward)})"
+                )
+        _stash.recipe = (saved, attrs, len(residuals))
+        return (*outs, residuals)
+
+    kernel.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    kernel.__wrapped__ = forward  # type: ignore[attr-defined]
+    kernel.__doc__ = function.__doc__
+    kernel.__name__ = kernel.__qualname__ = function.__name__
+
+    op: CustomOp[..., Any] = CustomOp(
+        name,
+        kernel,
+        weights=weights,
+        schema=kernel_schema,
+        residuals=(_RESIDUAL,),
+        output_differentiability=diff,
+    )
+    op.register_fake(kernel)
+    tensor_args = {a.name for a in op.signature.args if a.is_tensor}
+
+    @op.register_save_for_backward
+    def save_for_backward(inputs: Any, output: Any, residuals: Any) -> Any:
+        recipe, _stash.recipe = _stash.recipe, None
+        res = residuals.saved
+        if recipe is None or recipe[2] != len(res):
+            raise MissingRegistrationError(
+                f"{qualname}: the op's kernel is not the Function's forward on this call (a "
+                f"kernel registered with register_kernel replaced it?), so what forward saved "
+                f"on ctx is unknown. An op made with from_function runs its Function's forward "
+                f"as its kernel. (forward defined at {where(forward)})"
+            )
+        saved_places, attrs, _ = recipe
+        outs = output if n_out > 1 else (output,)
+        places = [p for p in saved_places if isinstance(p, tuple)]
+        saved = tuple(
+            p if not isinstance(p, tuple) else _find(p, inputs, outs, res) for p in saved_places
+        )
+        values = {}
+        for attr, (spec, leaves, tensors) in attrs.items():
+            leaves = list(leaves)
+            for i in tensors:
+                places.append(leaves[i])
+                leaves[i] = _find(leaves[i], inputs, outs, res)
+            values[attr] = optree.tree_unflatten(spec, leaves)
+        # Which saved tensors (in the order backward flattens them) forward computed itself.
+        computed = tuple(i for i, p in enumerate(places) if p[0] == "res")
+        return saved, values, computed
+
+    n_args = len(names)
+    label = f"{function.__qualname__}.backward"
+
+    def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
+        tensors, attrs, computed = saved
+        if computed and torch.is_grad_enabled():  # create_graph: see _guard_computed
+            tensors, attrs = _guard_computed(qualname, forward, (tensors, attrs), grads, computed)
+        needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
+        result = function.backward(_BackwardContext(tensors, attrs, needs), *grads)
+        got = result if isinstance(result, tuple) else (result,)
+        extra = got[n_args:]
+        if len(got) < n_args or any(g is not None for g in extra):
+            raise GradientTypeError(
+                f"{qualname}: {label} returned {len(got)} gradient(s), but forward takes "
+                f"{n_args} input(s) ({', '.join(names)}). Return one per input, in order (None "
+                f"for inputs without a gradient). ({label} defined at {where(function.backward)})"
+            )
+        out: dict[str, Any] = {}
+        for i, (arg, g) in enumerate(zip(names, got)):
+            if arg in tensor_args:
+                out[arg] = g
+            elif g is not None:
+                raise GradientTypeError(
+                    f"{qualname}: {label} returned a gradient at position {i}, for {arg!r}, "
+                    f"which is not a Tensor input. Return None there. ({label} defined at "
+                    f"{where(function.backward)})"
+                )
+        return out
+
+    backward.__signature__ = inspect.signature(backward)  # type: ignore[attr-defined]
+    backward.__wrapped__ = function.backward  # type: ignore[attr-defined]  # for file:line
+    op.register_backward(backward, differentiable=not _once_differentiable(function.backward))
+    return op

@@ -348,8 +348,13 @@ def _guard_residuals(
     spec: OpSpec, saved: Any, grads: tuple[Any, ...], slots: tuple[tuple[int, str], ...]
 ) -> Any:
     """``saved`` with each residual replaced by an alias whose backward raises (in double
-    backward, where the backward builds a graph)."""
-    anchors = _requiring_grad(grads, saved)
+    backward, where the backward builds a graph).
+
+    A residual depends on the op's inputs, not on the output gradients: its alias hangs off the
+    saved tensors that require grad, so double backward with respect to the output gradients
+    alone still works; only when no saved tensor requires grad does it hang off the gradients.
+    """
+    anchors = _requiring_grad((), saved) or _requiring_grad(grads, None)
     if not anchors:
         return saved
     names = dict(slots)

@@ -19,11 +19,14 @@ The model is defined here (customgrad ops under the ``pp_dp`` namespace), not ta
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import math
 import os
 import pickle
+import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -438,6 +441,9 @@ def _run_all(rank: int, cases: list[Case], out_path: str, device_type: str) -> N
 
 
 def _child(rank: int, port: int, *args: Any) -> None:
+    if sys.platform.startswith("linux"):  # die with the test process, even on SIGKILL
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         _run_all(rank, *args)

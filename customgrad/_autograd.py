@@ -193,9 +193,16 @@ class BackwardContext:
         """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
         split, kept for the later one and freed after it."""
         if self._shared is None:
+            var = self.op.name.split("::")[1]
             raise MissingRegistrationError(
-                f"{self.op.name}: ctx.shared is only available inside the backward halves of "
-                f"an op with register_backward_shared."
+                f"{self.op.name}: ctx.shared was read, but the op registers no shared work. "
+                f"ctx.shared is what register_backward_shared computes for the halves of the "
+                f"input/weight pair; register the work both halves need:\n\n"
+                f"    @{var}.register_backward_shared\n"
+                f"    def _(ctx, saved, grad):\n"
+                f"        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
+                f"(A single register_backward computes such work itself: its automatic split "
+                f"runs it once and hands it from I to W.)"
             )
         return self._shared.get(self)
 

@@ -205,9 +205,11 @@ def make_schema(
     try:
         parsed = torch._C.parse_schema("_cg_probe" + schema)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0]
+        first = str(e).strip().splitlines()[0].removesuffix(" here:")
         raise DefinitionError(
-            f"{qualname}: torch cannot parse schema={schema!r}: {first}"
+            f"{qualname}: torch cannot parse schema={schema!r}: {first}. Write it as torch "
+            f'schemas are written, e.g. "(Tensor x, int[2] window=[-1, -1], float? scale=None) '
+            f'-> (Tensor, Tensor?)", without the op name.'
         ) from None
     params = [
         p
@@ -276,12 +278,17 @@ class Signature:
         arg_part, return_parts = _split_returns(kernel_schema)
         kinds = tuple(_arg_kind(r.type) for r in parsed.returns)
         n_res = len(residuals)
-        if n_res and len(set(residuals)) != n_res:
-            raise DefinitionError(f"{qualname}: residuals={residuals!r} names one twice.")
         if n_res and not all(isinstance(r, str) and r.isidentifier() for r in residuals):
             raise DefinitionError(
                 f"{qualname}: residuals={residuals!r}: give the residuals names (identifiers), "
-                f'e.g. residuals=("rstd",).'
+                f'e.g. residuals=("rstd",), one per value the kernel returns after its outputs '
+                f"(function defined at {where(fn)})."
+            )
+        if n_res and len(set(residuals)) != n_res:
+            twice = next(r for r in residuals if residuals.count(r) > 1)
+            raise DefinitionError(
+                f"{qualname}: residuals={residuals!r} names {twice!r} twice. Give each residual "
+                f"its own name (function defined at {where(fn)})."
             )
         if n_res and len(kinds) - n_res < 1:
             raise DefinitionError(

@@ -1042,3 +1042,296 @@ def test_errors_are_the_matching_builtins() -> None:
 
 
 # --- definitions of real ops: residuals, hand-off, schema=, weightless ops ---------------------
+
+
+def residual_rms(differentiable: bool = True) -> cg.CustomOp[..., torch.Tensor]:
+    @cg.op(unique("rms"), weights=("weight",), residuals=("rstd",))
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return x * rstd * weight, rstd
+
+    rms.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[0], 1)))
+    rms.register_save_for_backward(lambda inputs, output, res: (inputs.x, inputs.weight, res.rstd))
+
+    @rms.register_backward_input(differentiable=differentiable)
+    def _(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        x, weight, rstd = saved
+        x_hat, m = x * rstd, g * weight
+        return {"x": rstd * (m - x_hat * (m * x_hat).mean(-1, keepdim=True))}
+
+    rms.register_backward_weight(lambda ctx, s, g: {"weight": (g * s[0] * s[2]).sum(0)})
+    return rms
+
+
+def test_double_backward_through_a_residual() -> None:
+    rms = residual_rms()
+    x, w = torch.randn(2, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    (gx,) = torch.autograd.grad(rms(x, w).sum(), x, create_graph=True)
+    with pytest.raises(
+        cg.UnsupportedError,
+        match=re.escape(
+            f"{rms.name}: double backward (create_graph=True, gradient penalties) reached "
+            "residual 'rstd', which the kernel computed in the forward: autograd sees it as a "
+            "constant, so the gradient through it would be silently wrong. Save the inputs and "
+            "recompute it in the backward with differentiable torch ops if you need double "
+            "backward; otherwise register the backward with differentiable=False to declare the "
+            f"op once differentiable. (kernel defined at {where(rms.__wrapped__)})"
+        ),
+    ):
+        gx.sum().backward()
+
+
+def test_double_backward_of_a_backward_registered_not_differentiable() -> None:
+    rms = residual_rms(differentiable=False)
+    bwd_in = rms.rules.backward_input
+    x, w = torch.randn(2, 4, requires_grad=True), torch.randn(4, requires_grad=True)
+    (gx,) = torch.autograd.grad(rms(x, w).sum(), x, create_graph=True)
+    with pytest.raises(
+        cg.UnsupportedError,
+        match=re.escape(
+            f"{rms.name}: backward_input was registered with differentiable=False, so its "
+            "gradients cannot be differentiated again (double backward, gradient penalties). "
+            "Register a differentiable backward_input, written with differentiable torch ops. "
+            f"(backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        torch.autograd.grad(gx.sum(), w)
+
+
+def test_backward_writing_into_a_saved_tensor() -> None:
+    def bwd_in(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        _, weight = saved
+        return {"x": g @ weight.mul_(1)}  # planted: in place on a saved tensor
+
+    op = linear_op(backward_input=bwd_in, backward_weight=good_weight)
+    out = op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True))
+    with pytest.raises(
+        cg.MutationError,
+        match=re.escape(
+            f"{op.name}: backward_input modified saved tensor 1 in place (its version went from "
+            "0 to 1). The other half of a split backward may still need it, and autograd may "
+            "share it with other nodes. Compute out of place (grad = grad * s, not "
+            f"grad.mul_(s)). (backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        out.backward(torch.ones(2, 4))
+
+
+def test_shared_work_writing_into_the_gradient() -> None:
+    def shared(ctx: Any, saved: Any, g: torch.Tensor) -> torch.Tensor:
+        return g.mul_(2)  # planted
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    op.register_backward_shared(shared)
+    op.register_backward_input(lambda ctx, s, g: {"x": ctx.shared @ s[1]})
+    out = op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True))
+    with pytest.raises(
+        cg.MutationError,
+        match=re.escape(
+            f"{op.name}: backward_shared modified the gradient of output 0 in place (its version "
+            "went from 0 to 1)."
+        )
+        + ".*"
+        + re.escape(f"(backward_shared defined at {where(shared)})"),
+    ):
+        out.backward(torch.ones(2, 4))
+
+
+def test_reading_ctx_shared_without_registering_shared_work() -> None:
+    op = linear_op(backward_input=lambda ctx, s, g: {"x": ctx.shared}, backward_weight=good_weight)
+    with pytest.raises(
+        cg.MissingRegistrationError,
+        match=re.escape(
+            f"{op.name}: ctx.shared was read, but the op registers no shared work. ctx.shared is "
+            "what register_backward_shared computes for the halves of the input/weight pair; "
+            "register the work both halves need:\n\n"
+            "    @linear.register_backward_shared\n"
+            "    def _(ctx, saved, grad):\n"
+            "        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
+            "(A single register_backward computes such work itself: its automatic split runs it "
+            "once and hands it from I to W.)"
+        ),
+    ):
+        run_backward(op)
+
+
+def test_weight_half_of_an_op_without_weights() -> None:
+    @cg.op(unique("square"))
+    def square(x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+    def bwd_w(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{square.name}: register_backward_weight on an op without weights. Its backward is "
+            "its input half alone: register it with @square.register_backward_input (or name "
+            f"the weight arguments in cg.op(..., weights=...)). (backward_weight defined at "
+            f"{where(bwd_w)})"
+        ),
+    ):
+        square.register_backward_weight(bwd_w)
+
+
+def test_input_half_of_an_op_whose_tensors_are_all_weights() -> None:
+    @cg.op(unique("bias_only"), weights=("bias",))
+    def bias_only(bias: torch.Tensor, n: int) -> torch.Tensor:
+        return bias.repeat(n)
+
+    def bwd_in(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        return {}
+
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{bias_only.name}: register_backward_input on an op whose Tensor arguments are all "
+            "weights (bias). Its backward is its weight half alone: register it with "
+            f"@bias_only.register_backward_weight. (backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        bias_only.register_backward_input(bwd_in)
+
+
+def kernel_with_residual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return x * 2, x.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    ("residuals", "message"),
+    [
+        (
+            ("r", "r"),
+            "residuals=('r', 'r') names 'r' twice. Give each residual its own name (function "
+            f"defined at {where(kernel_with_residual)}).",
+        ),
+        (
+            ("1r",),
+            "residuals=('1r',): give the residuals names (identifiers), e.g. "
+            'residuals=("rstd",), one per value the kernel returns after its outputs (function '
+            f"defined at {where(kernel_with_residual)}).",
+        ),
+        (
+            ("a", "b"),
+            "residuals=('a', 'b') names 2 residual(s), but the kernel returns 2 value(s) "
+            "((Tensor, Tensor)). The kernel returns its outputs, then the residuals: annotate it "
+            "-> tuple[Tensor, Tensor] for one output and one residual (function defined at "
+            f"{where(kernel_with_residual)}).",
+        ),
+    ],
+    ids=["twice", "not_identifiers", "no_output_left"],
+)
+def test_invalid_residuals(residuals: tuple[str, ...], message: str) -> None:
+    name = unique("f")
+    with pytest.raises(cg.DefinitionError, match=re.escape(f"{name}: {message}")):
+        cg.op(name, kernel_with_residual, residuals=residuals)
+
+
+def test_save_for_backward_without_the_residuals_parameter() -> None:
+    op = cg.op(unique("f"), kernel_with_residual, residuals=("r",))
+
+    def save(inputs: Any, output: Any) -> Any:
+        return inputs.x
+
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{op.name}: save_for_backward takes 2 positional parameter(s), but customgrad calls "
+            f"it with 3: (inputs, output, residuals). (defined at {where(save)})"
+        ),
+    ):
+        op.register_save_for_backward(save)
+
+
+def test_kernel_that_forgets_its_residual() -> None:
+    def forgot(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2  # type: ignore[return-value]
+
+    op = cg.op(unique("f"), forgot, residuals=("r",))
+    with pytest.raises(
+        cg.KernelOutputError,
+        match=re.escape(
+            f"{op.name}: the kernel returned a Tensor of shape (2,), but the schema ((Tensor x) -> "
+            "(Tensor, Tensor)) asks for a tuple of 2 values. Return what the annotations say "
+            f"(kernel defined at {where(forgot)})."
+        ),
+    ):
+        op(torch.ones(2))
+
+
+def test_no_fake_kernel_mentions_the_residuals() -> None:
+    op = cg.op(unique("f"), kernel_with_residual, residuals=("r",))
+    with pytest.raises(
+        cg.MissingRegistrationError,
+        match=re.escape("return <empty tensor(s) shaped like the output and the residuals>"),
+    ):
+        op(torch.ones(2, 3, device="meta"))
+
+
+def kernel_x(x: torch.Tensor, *, n: int = 1) -> torch.Tensor:
+    return x * n
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            "Tensor x -> Tensor",
+            "schema='Tensor x -> Tensor' is not a schema string. Give it like \"(Tensor x, "
+            'int[2] window=[-1, -1]) -> Tensor", without the op name.',
+        ),
+        (
+            "(Tensor x, *, int[2 n=1) -> Tensor",
+            "torch cannot parse schema='(Tensor x, *, int[2 n=1) -> Tensor': expected ] but found "
+            "'ident'. Write it as torch schemas are written, e.g. \"(Tensor x, int[2] "
+            'window=[-1, -1], float? scale=None) -> (Tensor, Tensor?)", without the op name.',
+        ),
+        (
+            "(Tensor y, *, int n=1) -> Tensor",
+            "schema='(Tensor y, *, int n=1) -> Tensor' names the arguments ['y', 'n'], but the "
+            f"kernel defined at {where(kernel_x)} takes ['x', 'n']. Give the schema the kernel's "
+            "parameters, in order.",
+        ),
+        (
+            "(Tensor x, int n=1) -> Tensor",
+            "argument 'n' is keyword-only in the kernel but not in the schema. Put '*' before it "
+            f"in both, or in neither (kernel defined at {where(kernel_x)}).",
+        ),
+    ],
+    ids=["not_a_schema", "unparsable", "other_names", "keyword_only"],
+)
+def test_invalid_schema(schema: str, message: str) -> None:
+    name = unique("f")
+    with pytest.raises(cg.DefinitionError, match=re.escape(f"{name}: {message}")):
+        cg.op(name, kernel_x, schema=schema)
+
+
+class QuantState:
+    """A Python object never registered as an opaque type."""
+
+    blocksize = 64
+
+
+def test_python_object_argument_without_an_opaque_type() -> None:
+    def f(x: torch.Tensor, state: QuantState) -> torch.Tensor:
+        return x.clone()
+
+    name = unique("f")
+    with pytest.raises(
+        cg.DefinitionError,
+        match="(?s)"
+        + re.escape(
+            f"{name}: cannot infer the op's schema from the annotations of the function defined at "
+            f"{where(f)}: Parameter state has unsupported type "
+        )
+        + ".*"
+        + re.escape(
+            "A Python object the kernel and the backward read (a quantization state, a config) "
+            "is passed as an opaque object: register its class with torch first, then annotate "
+            "with it:"
+        )
+        + ".*"
+        + re.escape('torch._library.opaque_object.register_opaque_type(QuantState, typ="value")'),
+    ):
+        cg.op(name, f)

@@ -518,8 +518,8 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     fn = getattr(torch._C._VariableFunctions, name, None)
     if fn is None or getattr(torch, name, None) is not fn:  # torch.split & co. wrap theirs
         fn = getattr(torch._C.TensorBase, name, None)
-    if fn is None:
-        return None
+        if fn is None or getattr(torch.Tensor, name, None) is not fn:  # Tensor.split too
+            return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     fake = torch._guards.detect_fake_mode([*args, *kwargs.values()])
     if fake is None:
@@ -652,6 +652,11 @@ class TracedSplit:
         ``handoff`` is what this node's earlier pass kept (or None); ``keep``: a later pass of
         this node will compute the remaining gradients, so keep what it shares with this one.
         """
+        if torch.is_grad_enabled():
+            # Outside the engine (a create_graph backward calls the function as written): a
+            # deferred weight pass, whose gradients go to .grad. Build no graph for them.
+            with torch.no_grad():
+                return self.run(saved, grads, needed, handoff, keep)
         if self._flat:
             leaves: Sequence[Any] = saved + grads
         else:

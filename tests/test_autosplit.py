@@ -1,0 +1,680 @@
+"""The automatic split of a single backward (``register_backward``, ``split="auto"``).
+
+A backward that returns every gradient is traced once per input signature and cut into an input
+and a weight pass. Checked against references written with native ops (float64): gradients of
+the input pass (I), the weight pass (W) and a full backward; exact FLOPs with torch's
+``FlopCounterMode``: FLOPs(I) + FLOPs(W) == FLOPs(full) == FLOPs of the backward called as
+written; shared work done once and handed from I to W; the fallback for untraceable backwards;
+the trace cache; torch.compile, double backward, functorch; lists, several outputs, None.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.pipelining import _backward as torch_backward
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import customgrad as cg
+from customgrad._autosplit import AutoSplitter, Fallback, TracedSplit
+from customgrad._record import NO_HANDOFF, record_of
+from customgrad.graph import explain_split
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from customgrad.testing import check_op
+
+_ids = itertools.count()
+DT = torch.float64
+
+
+def unique(name: str) -> str:
+    return f"test_autosplit{next(_ids)}::{name}"
+
+
+def auto_of(op: cg.CustomOp[..., Any]) -> AutoSplitter:
+    auto = op.rules.auto
+    assert isinstance(auto, AutoSplitter)
+    return auto
+
+
+def randn(*shape: int, grad: bool = True, seed: int | None = None) -> Tensor:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=DT, generator=gen).requires_grad_(grad)
+
+
+# --------------------------------------------------------------------------------------------
+# Ops, each with one naive backward that computes every gradient
+
+
+def make_linear(split: str = "auto") -> cg.CustomOp[..., Tensor]:
+    """``x @ weight.mT + bias`` with an Optional bias; the backward ignores needs_input_grad."""
+
+    @cg.op(unique("linear"), weights=("weight", "bias"))
+    def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        out = x @ weight.mT
+        return out if bias is None else out + bias
+
+    linear.register_fake(lambda x, weight, bias=None: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    linear.register_save_for_backward(lambda i, o: (i.x, i.weight, i.bias is not None))
+
+    @linear.register_backward(split=split)  # type: ignore[call-overload]
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, has_bias = saved
+        gs, xs = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        return {"x": g @ w, "weight": gs.mT @ xs, "bias": gs.sum(0) if has_bias else None}
+
+    return linear
+
+
+def ref_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    out = x @ weight.mT
+    return out if bias is None else out + bias
+
+
+def make_mlp(split: str = "auto", recompute: str = "none") -> cg.CustomOp[..., Tensor]:
+    """``silu(x @ up.mT) @ down.mT``: the input and the ``up`` gradients share ``dy @ down`` and
+    the activation's derivative (as in a LoRA MLP)."""
+
+    @cg.op(unique("mlp"), weights=("up", "down"))
+    def mlp(x: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        return F.silu(x @ up.mT) @ down.mT
+
+    mlp.register_fake(lambda x, up, down: x.new_empty((x.shape[0], down.shape[0])))
+    mlp.register_save_for_backward(lambda i, o: (i.x, i.up, i.down))
+
+    @mlp.register_backward(split=split, recompute=recompute)  # type: ignore[call-overload]
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, up, down = saved
+        h = x @ up.mT
+        s = torch.sigmoid(h)
+        dh = (g @ down) * (s * (1 + h * (1 - s)))  # shared by x and up
+        return {"x": dh @ up, "up": dh.mT @ x, "down": g.mT @ (h * s)}
+
+    return mlp
+
+
+def ref_mlp(x: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    return F.silu(x @ up.mT) @ down.mT
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring: gradients and FLOPs of I, W and a full backward
+
+
+Splitter = tuple[Callable[..., Any], Callable[..., Any]]
+SPLITTERS: dict[str, Splitter] = {
+    "customgrad": (stage_backward_input, stage_backward_weight),
+    "torch": (torch_backward.stage_backward_input, torch_backward.stage_backward_weight),
+}
+
+
+def grad_for(out: Tensor) -> Tensor:
+    """The output gradient :func:`measure` uses."""
+    return torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(3))
+
+
+def flops_of(fn: Callable[[], Any]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def measure(
+    op: Callable[..., Tensor],
+    args: Callable[[], tuple[list[Tensor], list[Tensor], tuple[Any, ...]]],
+    splitter: str = "customgrad",
+) -> tuple[dict[str, int], list[Tensor | None], list[Tensor | None]]:
+    """FLOPs of I, W and a full backward of ``op(*call_args)`` (after a warm-up backward, which
+    traces), and the split and full gradients of inputs then weights.
+
+    ``args()`` returns fresh ``(inputs, weights, call_args)``.
+    """
+    backward_input, backward_weight = SPLITTERS[splitter]
+    inputs, weights, call = args()
+    out = op(*call)
+    g = grad_for(out)
+    torch.autograd.backward(out, g)  # warm-up: traces the backward for this signature
+
+    inputs, weights, call = args()
+    out = op(*call)
+    flops = {}
+    groups: Any = None
+
+    def run_i() -> None:
+        nonlocal groups
+        _, groups = backward_input([out], [g], inputs, iter(weights))
+
+    flops["I"] = flops_of(run_i)
+    flops["W"] = flops_of(lambda: backward_weight(iter(weights), groups))
+    split = [t.grad for t in inputs + weights]
+
+    inputs, weights, call = args()
+    out = op(*call)
+    flops["full"] = flops_of(lambda: torch.autograd.backward(out, g))
+    full = [t.grad for t in inputs + weights]
+    return flops, split, full
+
+
+def assert_grads(got: list[Tensor | None], want: tuple[Tensor, ...]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a is not None
+        torch.testing.assert_close(a, b)
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients and exact FLOPs
+
+
+@pytest.mark.parametrize("splitter", ["customgrad", "torch"])
+@pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias=None"])
+def test_naive_linear_splits_with_exact_flops(
+    splitter: str, shape: tuple[int, ...], with_bias: bool
+) -> None:
+    linear, naive = make_linear(), make_linear(split="phase")
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(*shape, seed=0), randn(4, 5, seed=1)
+        b = randn(4, seed=2) if with_bias else None
+        weights = [w] if b is None else [w, b]
+        return [x], weights, (x, w, b)
+
+    flops, split, full = measure(linear, args, splitter)
+    inputs, weights, call = args()
+    out = ref_linear(*call)
+    want = torch.autograd.grad(out, inputs + weights, grad_for(out))
+    assert_grads(split, want)
+    assert_grads(full, want)
+
+    rows = 1 if len(shape) == 2 else shape[0]
+    mm = 2 * rows * shape[-2] * 5 * 4  # one matmul of the backward
+    assert flops == {"I": mm, "W": mm, "full": 2 * mm}
+    naive_flops, _, naive_full = measure(naive, args, splitter)
+    assert naive_flops["full"] == flops["full"]  # the backward called as written
+    assert naive_flops["I"] + naive_flops["W"] == 2 * flops["full"]  # called whole in each pass
+    assert_grads(naive_full, want)
+
+
+@pytest.mark.parametrize("splitter", ["customgrad", "torch"])
+@pytest.mark.parametrize("recompute", ["none", "cheap"])
+def test_shared_work_is_done_once_and_handed_to_the_weight_pass(
+    splitter: str, recompute: str
+) -> None:
+    mlp, naive = make_mlp(recompute=recompute), make_mlp(split="phase")
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, up, down = randn(8, 6, seed=0), randn(5, 6, seed=1), randn(4, 5, seed=2)
+        return [x], [up, down], (x, up, down)
+
+    flops, split, full = measure(mlp, args, splitter)
+    inputs, weights, call = args()
+    out = ref_mlp(*call)
+    want = torch.autograd.grad(out, inputs + weights, grad_for(out))
+    assert_grads(split, want)
+    assert_grads(full, want)
+
+    naive_flops, _, _ = measure(naive, args, splitter)
+    # h = x @ up.mT (480), dy @ down (320), dx (480), d_up (480), d_down (320)
+    assert flops["full"] == naive_flops["full"] == 2080
+    assert flops["I"] + flops["W"] == flops["full"]
+    assert flops == {"I": 1280, "W": 800, "full": 2080}
+
+
+def test_a_full_backward_and_the_split_run_each_matmul_once() -> None:
+    mlp, naive = make_mlp(), make_mlp(split="phase")
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+    g = torch.randn(8, 4, dtype=DT)
+    for op in (mlp, naive):
+        torch.autograd.backward(op(x, up, down), g)  # traces
+    counts = {}
+    for name, op in (("auto", mlp), ("naive", naive)):
+        with CountOps() as full:
+            torch.autograd.backward(op(x, up, down), g)
+        counts[name] = full.ops["aten.mm"]
+    out = mlp(x, up, down)
+    with CountOps() as i_pass:
+        _, groups = stage_backward_input([out], [g], [x], iter([up, down]))
+    with CountOps() as w_pass:
+        stage_backward_weight(iter([up, down]), groups)
+    mm = counts["naive"]  # the forward is one call of the op: its matmuls are not seen
+    assert counts["auto"] == mm == 5
+    assert i_pass.ops["aten.mm"] + w_pass.ops["aten.mm"] == mm
+    assert (i_pass.ops["aten.mm"], w_pass.ops["aten.mm"]) == (3, 2)
+
+
+def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
+    for recompute, kept in (("none", 3), ("cheap", 2)):
+        mlp = make_mlp(recompute=recompute)
+        x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+        g = torch.randn(8, 4, dtype=DT)
+        out = mlp(x, up, down)
+        record = record_of(out.grad_fn)
+        assert record is not None
+        (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+        owner, later, values = record.handoff
+        assert isinstance(owner, TracedSplit) and later == {"up", "down"}
+        # recompute="cheap" keeps the two matmul results (h and dy @ down) and recomputes the
+        # elementwise work; "none" also keeps dh, which the up gradient needs.
+        assert len(values) == kept
+        gw = torch.autograd.grad(out, [up, down], g)  # W
+        assert record.handoff is NO_HANDOFF
+        want = torch.autograd.grad(ref_mlp(x, up, down), [x, up, down], g)
+        assert_grads([gx, *gw], want)
+
+
+def test_dead_code_is_dropped() -> None:
+    @cg.op(unique("scale"), weights=("w",))
+    def scale(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    scale.register_fake(lambda x, w: torch.empty_like(x))
+    scale.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @scale.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w = saved
+        unused = x.mT @ x  # computed, never returned
+        del unused
+        return {"x": g * w, "w": (g * x).sum(0)}
+
+    x, w = randn(4, 3), randn(3)
+    torch.autograd.backward(scale(x, w), torch.ones(4, 3, dtype=DT))
+    out = scale(x, w)
+    assert flops_of(lambda: torch.autograd.backward(out, torch.ones(4, 3, dtype=DT))) == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Traced once per input signature
+
+
+def test_traced_once_per_input_signature() -> None:
+    calls: list[tuple[bool, bool]] = []
+
+    @cg.op(unique("mul"), weights=("w",))
+    def mul(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    mul.register_fake(lambda x, w: torch.empty_like(x))
+    mul.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @mul.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        calls.append((ctx.needs_input_grad("x"), ctx.needs_input_grad("w")))
+        x, w = saved
+        return {"x": g * w, "w": g * x}
+
+    auto = auto_of(mul)
+
+    def step(n: int, dtype: torch.dtype = DT, grad: str = "ones") -> None:
+        x = torch.randn(n, dtype=dtype, requires_grad=True)
+        w = torch.randn(n, dtype=dtype, requires_grad=True)
+        out = mul(x, w)
+        if grad == "sum":  # an expanded gradient: other strides
+            out.sum().backward()
+        else:
+            out.backward(torch.ones_like(out))
+        torch.testing.assert_close(x.grad, w.detach())
+        torch.testing.assert_close(w.grad, x.detach())
+
+    step(3)
+    step(3)
+    assert auto.traces == 1
+    step(5)
+    assert auto.traces == 2
+    step(3)
+    step(5)
+    assert auto.traces == 2
+    step(3, torch.float32)
+    assert auto.traces == 3
+    step(3, grad="sum")
+    assert auto.traces == 4
+    # Only traces call the function, with every argument that requires grad asked for.
+    assert calls == [(True, True)] * 4
+    # Splitting needs no new trace: the same trace serves each pass.
+    x, w = randn(3), randn(3)
+    out = mul(x, w)
+    torch.autograd.grad(out, [x], torch.ones(3, dtype=DT), retain_graph=True)
+    torch.autograd.grad(out, [w], torch.ones(3, dtype=DT))
+    assert auto.traces == 4
+
+
+def test_phase_split_calls_the_function_per_pass_and_auto_only_to_trace() -> None:
+    counts = Counter[str]()
+
+    def backward(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        counts[ctx.phase] += 1
+        x, w, _ = saved
+        return {"x": g @ w, "weight": g.mT @ x}
+
+    ops = {}
+    for split in ("auto", "phase"):
+        op = make_linear()
+        op.register_backward(backward, split=split)  # type: ignore[call-overload]
+        ops[split] = op
+    for split, op in ops.items():
+        counts.clear()
+        for _ in range(3):
+            x, w = randn(4, 3), randn(2, 3)
+            out = op(x, w)
+            _, groups = stage_backward_input([out], [torch.ones(4, 2, dtype=DT)], [x], [w])
+            stage_backward_weight([w], groups)
+        expected = {"full": 1} if split == "auto" else {"input": 3, "weight": 3}
+        assert dict(counts) == expected
+
+
+# --------------------------------------------------------------------------------------------
+# The fallback
+
+
+def branchy(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+    x, w, _ = saved
+    if g.sum() > 0:  # Python control flow on a tensor value
+        return {"x": g @ w, "weight": g.mT @ x}
+    return {"x": g @ w, "weight": g.mT @ x}
+
+
+def pointer(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+    x, w, _ = saved
+    assert g.data_ptr() != 0  # what a raw kernel launch does with its arguments
+    return {"x": g @ w, "weight": g.mT @ x}
+
+
+@pytest.mark.parametrize(
+    ("backward", "why"),
+    [
+        (branchy, "it branches on tensor values in Python (if tensor:, bool(), .item() in a "
+                  "condition)"),
+        (pointer, "it launches a kernel on raw data pointers (Triton, ctypes), which fake "
+                  "tensors do not have"),
+    ],
+    ids=["branch", "data_ptr"],
+)  # fmt: skip
+def test_untraceable_backward_falls_back_with_one_log_line(
+    backward: Callable[..., Any], why: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    op = make_linear()
+    op.register_backward(backward)
+    caplog.set_level(logging.WARNING, logger="customgrad")
+    for _ in range(2):
+        x, w = randn(4, 3), randn(2, 3)
+        g = torch.randn(4, 2, dtype=DT)
+        out = op(x, w)
+        (gx,), groups = stage_backward_input([out], [g], [x], [w])
+        stage_backward_weight([w], groups)
+        want = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+        assert_grads([gx, w.grad], want)
+    records = [r for r in caplog.records if r.name == "customgrad"]
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert message.startswith(f"{op.name}: the single backward cannot be split automatically: ")
+    assert why in message
+    assert "register_backward(fn, split='phase')" in message
+    fallback = auto_of(op).last
+    assert isinstance(fallback, Fallback) and fallback.why == why
+    report = check_op(op, torch.randn(4, 3), torch.randn(2, 3), raise_on_failure=False)
+    assert report.backward.startswith(f"one backward, not split automatically ({why})")
+    assert report["flops"].status == "failed"
+    assert f"The single backward was not split automatically ({why})" in report["flops"].detail
+
+
+def test_in_place_ops_in_the_backward_are_traced_functionalized() -> None:
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        gx = g @ w
+        gx.mul_(2).div_(2)  # in place, on tensors the backward created
+        gw = torch.zeros_like(w)
+        gw.add_(g.mT @ x)
+        return {"x": gx, "weight": gw}
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(4, 3, seed=0), randn(2, 3, seed=1)
+        return [x], [w], (x, w)
+
+    flops, split, full = measure(op, args)
+    assert isinstance(auto_of(op).last, TracedSplit)
+    assert flops == {"I": 48, "W": 48, "full": 96}
+    inputs, weights, call = args()
+    out = ref_linear(*call)
+    want = torch.autograd.grad(out, inputs + weights, grad_for(out))
+    assert_grads(split, want)
+    assert_grads(full, want)
+
+
+def test_writing_into_a_saved_tensor_is_still_refused(caplog: pytest.LogCaptureFixture) -> None:
+    op = make_linear()
+
+    @op.register_backward
+    def bwd(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w.mul_(1), "weight": g.mT @ x}
+
+    x, w = randn(4, 3), randn(2, 3).detach()
+    with pytest.raises(cg.MutationError, match="modified saved tensor 1 in place"):
+        op(x, w).sum().backward()
+    assert isinstance(auto_of(op).last, Fallback)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments and outputs
+
+
+def test_list_arguments() -> None:
+    @cg.op(unique("weighted_sum"), weights=("scales",))
+    def weighted_sum(xs: list[Tensor], scales: list[Tensor]) -> Tensor:
+        return sum((x @ s for x, s in zip(xs, scales)), torch.zeros(()))
+
+    weighted_sum.register_fake(
+        lambda xs, scales: xs[0].new_empty(xs[0].shape[0], scales[0].shape[1])
+    )
+    weighted_sum.register_save_for_backward(lambda i, o: (i.xs, i.scales))
+
+    @weighted_sum.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        xs, scales = saved
+        return {"xs": [g @ s.mT for s in scales], "scales": [x.mT @ g for x in xs]}
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        xs = [randn(4, 3, seed=0), randn(4, 2, seed=1)]
+        ss = [randn(3, 5, seed=2), randn(2, 5, seed=3)]
+        return xs, ss, (xs, ss)
+
+    flops, split, full = measure(weighted_sum, args)
+    xs, ss, _ = args()
+    out = xs[0] @ ss[0] + xs[1] @ ss[1]
+    want = torch.autograd.grad(out, xs + ss, grad_for(out))
+    assert_grads(split, want)
+    assert_grads(full, want)
+    mm = 2 * 4 * 5 * (3 + 2)
+    assert flops == {"I": mm, "W": mm, "full": 2 * mm}
+
+
+def test_several_outputs() -> None:
+    @cg.op(unique("two"), weights=("w",))
+    def two(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        return x @ w, torch.tanh(x) @ w
+
+    two.register_fake(lambda x, w: (x.new_empty(x.shape[0], w.shape[1]),) * 2)
+    two.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @two.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g1: Tensor, g2: Tensor) -> dict[str, Any]:
+        x, w = saved
+        t = torch.tanh(x)
+        return {"x": g1 @ w.mT + (g2 @ w.mT) * (1 - t * t), "w": x.mT @ g1 + t.mT @ g2}
+
+    x, w = randn(4, 3), randn(3, 2)
+    g1, g2 = torch.randn(4, 2, dtype=DT), torch.randn(4, 2, dtype=DT)
+    a, b = two(x, w)
+    (gx,), groups = stage_backward_input([a, b], [g1, g2], [x], [w])
+    stage_backward_weight([w], groups)
+    want = torch.autograd.grad([x @ w, torch.tanh(x) @ w], [x, w], [g1, g2])
+    assert_grads([gx, w.grad], want)
+    # Only one output used: the other's gradient is zeros.
+    (gx, gw) = torch.autograd.grad(two(x, w)[1].sum(), [x, w])
+    want = torch.autograd.grad((torch.tanh(x) @ w).sum(), [x, w])
+    assert_grads([gx, gw], want)
+    assert isinstance(auto_of(two).last, TracedSplit)
+
+
+def test_opaque_kernels_stay_one_call_in_their_pass() -> None:
+    calls: list[str] = []
+
+    @cg.op(unique("opaque_mm"))
+    def opaque_mm(a: Tensor, b: Tensor) -> Tensor:
+        calls.append("mm")
+        return a @ b
+
+    opaque_mm.register_fake(lambda a, b: a.new_empty(a.shape[0], b.shape[1]))
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": opaque_mm(g, w), "weight": opaque_mm(g.mT, x)}
+
+    x, w = randn(4, 3), randn(2, 3)
+    op(x, w).sum().backward()
+    assert calls == ["mm", "mm"]  # the trace ran the fake kernel, the full backward the real
+    graph = next(iter(auto_of(op)._cache.values()))
+    assert isinstance(graph, TracedSplit)
+    targets = [str(n.target) for n in graph.graph_module.graph.nodes if n.op == "call_function"]
+    assert targets.count(f"{opaque_mm.name.replace('::', '.')}.default") == 2
+    calls.clear()
+    out = op(x, w)
+    _, groups = stage_backward_input([out], [torch.ones(4, 2, dtype=DT)], [x], [w])
+    assert calls == ["mm"]
+    stage_backward_weight([w], groups)
+    assert calls == ["mm", "mm"]
+
+
+# --------------------------------------------------------------------------------------------
+# Inside other traces and transforms
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend: str) -> None:
+    torch._dynamo.reset()
+    mlp = make_mlp()
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+
+    def f(x: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        return torch.tanh(mlp(x, up, down)).sum()
+
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend=backend)(x, up, down),
+                              [x, up, down])  # fmt: skip
+    want = torch.autograd.grad(torch.tanh(ref_mlp(x, up, down)).sum(), [x, up, down])
+    assert_grads(list(got), want)
+
+
+def test_double_backward() -> None:
+    mlp = make_mlp()
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+    g = torch.randn(8, 4, dtype=DT)
+    mlp(x, up, down).backward(g)  # a traced split exists for this signature
+    for op in (mlp, ref_mlp):
+        (gx,) = torch.autograd.grad(op(x, up, down), [x], g, create_graph=True)
+        got = torch.autograd.grad((gx * gx).sum(), [x, up, down])
+        if op is mlp:
+            result = got
+        else:
+            want = got
+    assert_grads(list(result), want)
+    torch.autograd.gradgradcheck(lambda *a: mlp(*a), (x, up, down))
+
+
+def test_not_differentiable_backward_still_refuses_double_backward() -> None:
+    op = make_linear()
+
+    @op.register_backward(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w, "weight": g.mT @ x}
+
+    x, w = randn(4, 3), randn(2, 3)
+    op(x, w).sum().backward()  # traced
+    (gx,) = torch.autograd.grad(op(x, w).sum(), [x], create_graph=True)
+    with pytest.raises(cg.UnsupportedError, match="registered with differentiable=False"):
+        torch.autograd.grad(gx.sum(), [w])
+
+
+def test_functorch_and_make_fx_get_the_backward_as_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mlp = make_mlp()
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+
+    def loss(x: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        return torch.tanh(mlp(x, up, down)).sum()
+
+    want = torch.autograd.grad(torch.tanh(ref_mlp(x, up, down)).sum(), [x, up, down])
+    caplog.set_level(logging.WARNING, logger="customgrad")
+    got = torch.func.grad(loss, argnums=(0, 1, 2))(x, up, down)
+    assert_grads(list(got), want)
+    traced = make_fx(lambda *a: torch.autograd.grad(loss(*a), a))(x, up, down)
+    assert_grads(list(traced(x, up, down)), want)
+    assert "called inside another trace" in auto_of(mlp).describe()
+    assert not [r for r in caplog.records if r.name == "customgrad"]
+
+
+# --------------------------------------------------------------------------------------------
+# Reports
+
+
+def test_check_op_and_explain_split_say_how_the_backward_split() -> None:
+    mlp = make_mlp()
+    report = check_op(mlp, torch.randn(8, 6), torch.randn(5, 6), torch.randn(4, 5))
+    assert report.backward == (
+        "one backward, split automatically (traced: 15 ops; the input pass runs 10, the weight "
+        "pass 5; 3 tensor(s) handed from the input pass to the weight pass, 0 op(s) recomputed "
+        "there)"
+    )
+    assert f"  backward: {report.backward}" in str(report)
+    assert report.calls == {
+        "full": {"backward (traced full part)": 1},
+        "input": {"backward (traced input part)": 1},
+        "weight": {"backward (traced weight part)": 1},
+    }
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+    explained = explain_split(mlp(x, up, down), [x], {"up": up, "down": down})
+    (node,) = [n for n in explained.nodes if n.kind == "customgrad"]
+    assert node.auto_split is not None and node.auto_split.startswith("split automatically")
+    assert f"  - {mlp.name}: {node.auto_split}." in str(explained)
+    assert explained.repeated_flops == 0
+
+
+def test_reports_of_a_pair_and_of_split_phase() -> None:
+    phase = make_linear(split="phase")
+    report = check_op(phase, torch.randn(4, 3), torch.randn(2, 3), checks=["split"])
+    assert report.backward == (
+        "one backward, called in each pass with ctx.needs_input_grad set for the pass "
+        "(split='phase')"
+    )
+    x, w = randn(4, 3), randn(2, 3)
+    (node,) = [n for n in explain_split(phase(x, w), [x], [w]).nodes if n.kind == "customgrad"]
+    assert node.auto_split is None

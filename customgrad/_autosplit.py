@@ -515,7 +515,7 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
     name = target.overloadpacket.__name__
-    fn = getattr(torch._C._VariableFunctions, name, None)
+    fn: Any = getattr(torch._C._VariableFunctions, name, None)
     if fn is None or getattr(torch, name, None) is not fn:  # torch.split & co. wrap theirs
         fn = getattr(torch._C.TensorBase, name, None)
         if fn is None or getattr(torch.Tensor, name, None) is not fn:  # Tensor.split too

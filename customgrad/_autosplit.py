@@ -515,11 +515,15 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
         return None
     name = target.overloadpacket.__name__
-    fn: Any = getattr(torch._C._VariableFunctions, name, None)
-    if fn is None or getattr(torch, name, None) is not fn:  # torch.split & co. wrap theirs
-        fn = getattr(torch._C.TensorBase, name, None)
-        if fn is None or getattr(torch.Tensor, name, None) is not fn:  # Tensor.split too
-            return None
+    # torch.split and Tensor.split (& co.) are Python wrappers: only the builtins themselves.
+    function = getattr(torch._C._VariableFunctions, name, None)
+    method = getattr(torch._C.TensorBase, name, None)
+    if function is not None and getattr(torch, name, None) is function:
+        fn: Callable[..., Any] = function
+    elif method is not None and getattr(torch.Tensor, name, None) is method:
+        fn = method
+    else:
+        return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
     fake = torch._guards.detect_fake_mode([*args, *kwargs.values()])
     if fake is None:

@@ -516,8 +516,8 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
         return None
     name = target.overloadpacket.__name__
     # torch.split and Tensor.split (& co.) are Python wrappers: only the builtins themselves.
-    function = getattr(torch._C._VariableFunctions, name, None)
-    method = getattr(torch._C.TensorBase, name, None)
+    function: Any = getattr(torch._C._VariableFunctions, name, None)
+    method: Any = getattr(torch._C.TensorBase, name, None)
     if function is not None and getattr(torch, name, None) is function:
         fn: Callable[..., Any] = function
     elif method is not None and getattr(torch.Tensor, name, None) is method:

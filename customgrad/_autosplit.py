@@ -519,7 +519,7 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     function: Any = getattr(torch._C._VariableFunctions, name, None)
     method: Any = getattr(torch._C.TensorBase, name, None)
     if function is not None and getattr(torch, name, None) is function:
-        fn: Callable[..., Any] = function
+        fn: Any = function
     elif method is not None and getattr(torch.Tensor, name, None) is method:
         fn = method
     else:

@@ -1,21 +1,23 @@
 """Predicted at scale: ZBV and DualPipeV against 1F1B for 2 to 64 pipeline ranks.
 
-Measures one block of the demo's model (``examples/_pipeline.py``: RMSNorm, two linears, a
-residual) on this CPU, action by action, once with customgrad ops and once with plain
-``autograd.Function`` ops: F, I and W under the split each pipeline stage runs (customgrad's
-for customgrad ops, torch's for plain Functions, which repeats their whole backward in I and in
-W), and a full backward B. Then :func:`customgrad.pipelining.simulate` replays torch's own
-schedules with those costs.
+Measures one transformer block of the demo's language model (``examples/zero_bubble.py``:
+RMSNorm, causal attention, SwiGLU MLP, every op a customgrad op from ``examples/lm_ops.py``) on
+this CPU, action by action: forward F, then I and W under customgrad's split (what
+``customgrad.pipelining.PipelineStage`` runs), and a full backward B. The same block made of
+plain ``autograd.Function``\\ s would run its whole backward in I and again in W under torch's
+split: those costs are :meth:`StageCosts.repeating_backward` of the measured F and B. Then
+:func:`customgrad.pipelining.simulate` replays torch's own schedules with both.
 
-Every rank holds the same share of the model: two blocks. 1F1B puts them in one stage per
-rank; ZBV and DualPipeV in two stages of one block (the V). Microbatches: m = 2p, the fewest
-DualPipeV accepts (ZBV wants 2p - 1, 1F1B p). Speed-up is 1F1B's step time over the
-schedule's, with the same ops; communication is free unless ``--send`` says otherwise.
+Every rank holds the same share of the model: two blocks (the demo's 4 layers on 2 ranks).
+1F1B puts them in one stage per rank; ZBV and DualPipeV in two stages of one block (the V).
+Microbatches: m = 2p, the fewest DualPipeV accepts (ZBV wants 2p - 1, 1F1B p). Speed-up is
+1F1B's step time over the schedule's, with the same ops; communication is free unless
+``--send`` says otherwise.
 
-Run: ``python benchmarks/scale.py [--dim 256] [--hidden 1024] [--rows 32] [--send 0]
-[--out docs/img/scale.png]``; ``--costs FILE`` replays costs from a JSON file instead of
-measuring (``{"customgrad": {"forward": s, "backward_input": s, "backward_weight": s,
-"backward": s}, "function": {...}}``, seconds per block and microbatch).
+Run: ``python benchmarks/scale.py [--rows 2] [--send 0] [--out docs/img/scale.png]``;
+``--costs FILE`` replays per-block costs from a JSON file instead of measuring
+(``{"forward": s, "backward_input": s, "backward_weight": s, "backward": s}``, seconds per
+block and microbatch with customgrad ops).
 """
 
 from __future__ import annotations
@@ -35,7 +37,6 @@ from torch.distributed.pipelining import (
     ScheduleDualPipeV,
     ScheduleZBVZeroBubble,
 )
-from torch.distributed.pipelining import _backward as torch_split
 
 from customgrad import pipelining as cg_split
 from customgrad.pipelining import Simulation, StageCosts, simulate
@@ -43,53 +44,47 @@ from customgrad.pipelining import Simulation, StageCosts, simulate
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 
-import _pipeline as pp  # noqa: E402
+import zero_bubble as demo  # noqa: E402
 
 RANKS = (2, 4, 8, 16, 32, 64)
 BLOCKS_PER_RANK = 2
 SCHEDULES = {"ZBV": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
 IMPLS = {"customgrad": "customgrad ops", "function": "plain Functions"}
+# Not measured: customgrad's halves rescaled so that I + W cost what its B does (what the
+# split would give with no per-pass overhead), to show what that overhead costs.
+EVEN = "customgrad, I + W = B"
 
 
-def measure_blocks(
-    dim: int, hidden: int, rows: int, reps: int
-) -> dict[str, tuple[StageCosts, dict[str, float]]]:
-    """Best seconds of F, I, W and B of one block, per kind of op, over ``reps`` rounds (the
-    kinds take turns, so load from other processes falls on both), and the median's excess
-    over the best (other processes only ever add time)."""
-    x0 = torch.randn(rows, dim, generator=torch.Generator().manual_seed(1))
-    g = torch.randn(rows, dim, generator=torch.Generator().manual_seed(2))
-    blocks = {impl: pp.Block(dim, hidden, impl, torch.Generator().manual_seed(0)) for impl in IMPLS}
-    times: dict[str, dict[str, list[float]]] = {impl: {k: [] for k in "FIWB"} for impl in IMPLS}
+def measure_block(cfg: Any, rows: int, reps: int) -> tuple[StageCosts, dict[str, float]]:
+    """Best seconds of F, I, W and B of one demo block over ``reps`` rounds (other processes
+    only ever add time), and the median's excess over the best."""
+    torch.manual_seed(0)
+    block = demo.Block(cfg)
+    params = list(block.parameters())
+    x0 = torch.randn(rows, cfg.seq, cfg.dim)
+    g = torch.randn(rows, cfg.seq, cfg.dim)
+    times: dict[str, list[float]] = {k: [] for k in "FIWB"}
 
-    def timed(impl: str, kind: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def timed(kind: str, fn: Callable[..., Any], *args: Any) -> Any:
         t = time.perf_counter()
         out = fn(*args)
-        times[impl][kind].append(time.perf_counter() - t)
+        times[kind].append(time.perf_counter() - t)
         return out
 
     for rep in range(reps + 2):  # two warm-up rounds, dropped
-        for impl, block in blocks.items():
-            # customgrad ops under customgrad's split, plain Functions under torch's
-            split: Any = cg_split if impl == "customgrad" else torch_split
-            params = list(block.parameters())
-            x = x0.clone().requires_grad_()
-            out = timed(impl, "F", block, x)
-            _, groups = timed(impl, "I", split.stage_backward_input, [out], [g], [x], params)
-            timed(impl, "W", split.stage_backward_weight, params, groups)
-            x = x0.clone().requires_grad_()
-            timed(impl, "B", block(x).backward, g)
-            block.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        out = timed("F", block, x)
+        _, groups = timed("I", cg_split.stage_backward_input, [out], [g], [x], params)
+        timed("W", cg_split.stage_backward_weight, params, groups)
+        x = x0.clone().requires_grad_()
+        timed("B", block(x).backward, g)
+        block.zero_grad(set_to_none=True)
         if rep < 2:
-            for kinds in times.values():
-                for v in kinds.values():
-                    v.clear()
-    out = {}
-    for impl, kinds in times.items():
-        best = {k: min(v) for k, v in kinds.items()}
-        spread = {k: statistics.median(v) / best[k] - 1 for k, v in kinds.items()}
-        out[impl] = StageCosts(best["F"], best["I"], best["W"], backward=best["B"]), spread
-    return out
+            for v in times.values():
+                v.clear()
+    best = {k: min(v) for k, v in times.items()}
+    spread = {k: statistics.median(v) / best[k] - 1 for k, v in times.items()}
+    return StageCosts(best["F"], best["I"], best["W"], backward=best["B"]), spread
 
 
 def stage_costs(block: StageCosts, blocks: int, send: float) -> StageCosts:
@@ -103,8 +98,15 @@ def stage_costs(block: StageCosts, blocks: int, send: float) -> StageCosts:
     )
 
 
+def even_split(c: StageCosts) -> StageCosts:
+    """``c`` with I and W scaled to add up to B."""
+    scale = c.full_backward / (c.backward_input + c.backward_weight)
+    return StageCosts(c.forward, c.backward_input * scale, c.backward_weight * scale, c.backward)
+
+
 def predict(blocks: dict[str, StageCosts], send: float) -> dict[tuple[int, str, str], Simulation]:
     """``{(p, schedule, impl): Simulation}`` for every rank count, schedule and op kind."""
+    blocks = {**blocks, EVEN: even_split(blocks["customgrad"])}
     out = {}
     for p in RANKS:
         m = 2 * p
@@ -121,7 +123,7 @@ def table(sims: dict[tuple[int, str, str], Simulation]) -> str:
     head = ["p", "m", "1F1B bubble"]
     for name in SCHEDULES:
         for impl in IMPLS:
-            head += [f"{name} {impl} bubble", "speed-up"]
+            head += [f"{name}, {IMPLS[impl]}: bubble", "speed-up"]
     rows = [head]
     for p in RANKS:
         row = [str(p), str(2 * p), f"{sims[p, '1F1B', 'customgrad'].bubble:.1%}"]
@@ -140,14 +142,14 @@ def draw(
 ) -> None:
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4))
+    fig = Figure(figsize=(11, 4.8))
     bubble_ax, speed_ax = fig.subplots(1, 2)
-    styles = {"customgrad": "-", "function": "--"}
+    styles = {"customgrad": "-", "function": "--", EVEN: ":"}
     colors = {"1F1B": "#777777", "ZBV": "#4C72B0", "DualPipeV": "#C44E52"}
-    for impl, label in IMPLS.items():
+    for impl, label in {**IMPLS, EVEN: EVEN}.items():
         for name in ("1F1B", *SCHEDULES):
-            if name == "1F1B" and impl == "function":
-                continue  # 1F1B runs full backwards: the same for both kinds of op
+            if name == "1F1B" and impl != "customgrad":
+                continue  # 1F1B runs full backwards: the same for every kind of op
             bubbles = [sims[p, name, impl].bubble * 100 for p in RANKS]
             who = name if name == "1F1B" else f"{name}, {label}"
             bubble_ax.plot(RANKS, bubbles, styles[impl], marker="o", color=colors[name], label=who)
@@ -166,58 +168,66 @@ def draw(
     bubble_ax.set_title("Predicted bubble", fontsize=10)
     speed_ax.set_ylabel("step-time speed-up over 1F1B")
     speed_ax.set_title("Predicted speed-up over 1F1B (same ops)", fontsize=10)
-    bubble_ax.legend(fontsize=8)
-    cg, fn = blocks["customgrad"], blocks["function"]
+    handles, labels = bubble_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8, frameon=False)
+    cg = blocks["customgrad"]
     fig.suptitle(
-        f"One block per stage: customgrad F/I/W/B = {cg.forward * 1e3:.2f}/"
-        f"{cg.backward_input * 1e3:.2f}/{cg.backward_weight * 1e3:.2f}/"
-        f"{cg.full_backward * 1e3:.2f} ms; plain Functions {fn.forward * 1e3:.2f}/"
-        f"{fn.backward_input * 1e3:.2f}/{fn.backward_weight * 1e3:.2f}/"
-        f"{fn.full_backward * 1e3:.2f} ms (measured on this CPU)",
+        f"One demo block per stage, measured on this CPU: F {cg.forward * 1e3:.2f}, "
+        f"I {cg.backward_input * 1e3:.2f}, W {cg.backward_weight * 1e3:.2f}, "
+        f"B {cg.full_backward * 1e3:.2f} ms with customgrad ops; plain Functions: I = W = B",
         fontsize=9,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=130)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dim", type=int, default=256)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--rows", type=int, default=32, help="rows per microbatch")
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
+    parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--send", type=float, default=0.0, help="seconds per hand-over")
     parser.add_argument("--costs", type=Path, help="JSON of per-block costs (skip measuring)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "scale.png")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one core per pipeline rank, as in the 2-process demo
+    cfg = demo.Config()
     if args.costs is not None:
-        raw = json.loads(args.costs.read_text())
-        blocks = {impl: StageCosts(**raw[impl]) for impl in IMPLS}
+        block = StageCosts(**json.loads(args.costs.read_text()))
         print(f"per-block costs from {args.costs}")
     else:
-        blocks = {}
         print(
-            f"measuring one block (dim {args.dim}, hidden {args.hidden}, {args.rows} rows per "
-            f"microbatch, 1 thread, best of {args.reps}):"
+            f"measuring one block of the demo's model (dim {cfg.dim}, {cfg.heads} heads, SwiGLU "
+            f"{cfg.hidden}, {args.rows} x {cfg.seq} tokens per microbatch, 1 thread, best of "
+            f"{args.reps}):"
         )
-        measured = measure_blocks(args.dim, args.hidden, args.rows, args.reps)
-        for impl, label in IMPLS.items():
-            blocks[impl], spread = measured[impl]
-            c = blocks[impl]
-            print(
-                f"  {label:>15}: F {c.forward * 1e3:.3f}  I {c.backward_input * 1e3:.3f}  "
-                f"W {c.backward_weight * 1e3:.3f}  B {c.full_backward * 1e3:.3f} ms"
-                f"  (median over best: "
-                + " ".join(f"{k} +{v:.0%}" for k, v in spread.items())
-                + ")"
-            )
+        block, spread = measure_block(cfg, args.rows, args.reps)
+        print("  median over best: " + ", ".join(f"{k} +{v:.0%}" for k, v in spread.items()))
+    blocks = {
+        "customgrad": block,
+        "function": StageCosts.repeating_backward(block.forward, block.full_backward),
+    }
+    for impl, label in IMPLS.items():
+        c = blocks[impl]
+        print(
+            f"  {label:>15}: F {c.forward * 1e3:.3f}  I {c.backward_input * 1e3:.3f}  "
+            f"W {c.backward_weight * 1e3:.3f}  B {c.full_backward * 1e3:.3f} ms"
+            + ("  (I = W = B: repeating_backward)" if impl == "function" else "")
+        )
     t = time.perf_counter()
     sims = predict(blocks, args.send)
     print(f"\npredicted ({len(sims)} simulations, {time.perf_counter() - t:.1f} s):\n")
     print(table(sims))
+    p = RANKS[-1]
+    print(
+        f"\nif customgrad's I + W cost what its B does (no per-pass overhead), at p = {p}: "
+        + ", ".join(
+            f"{name} {sims[p, name, EVEN].bubble:.1%} bubble, "
+            f"{sims[p, '1F1B', EVEN].step_time / sims[p, name, EVEN].step_time:.2f}x"
+            for name in SCHEDULES
+        )
+    )
     draw(sims, blocks, args.out)
     print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 

@@ -1,60 +1,79 @@
 """Worker for ``tests/test_simulate_mp.py``: time real pipeline steps, action by action.
 
-Lives in its own module, importable by name, so spawned processes can unpickle it. The model
-and launcher are the demo's (``examples/_pipeline.py``); the stages are customgrad's
-``PipelineStage`` timed by :class:`customgrad.pipelining.ActionTimer`.
+Lives in its own module, importable by name, so spawned processes can unpickle it. The model is
+residual MLP blocks of a customgrad linear op, big enough that an action (a few ms on one core)
+dwarfs the schedule's Python around it; the stages are customgrad's ``PipelineStage`` timed by
+:class:`customgrad.pipelining.ActionTimer`. Launch with ``tests._mp_workers.spawn``.
 """
 
 from __future__ import annotations
 
 import pickle
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.distributed.pipelining as pipelining
+from torch import Tensor, nn
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-if str(EXAMPLES) not in sys.path:
-    sys.path.insert(0, str(EXAMPLES))
+import customgrad.pipelining as cgp
+from tests.conftest import linear_op
 
-import _pipeline as pp  # noqa: E402
+DIM, HIDDEN, ROWS, MICROBATCHES, BLOCKS = 384, 1536, 512, 8, 4
 
-import customgrad.pipelining as cgp  # noqa: E402
-
-# Big enough that an action (a few ms on one core) dwarfs the schedule's Python around it.
-CFG = pp.ModelConfig(dim=384, hidden=1536, blocks=4, batch=512, microbatches=8)
+linear = linear_op("simulate_mp::linear")
 
 
-def time_steps(device: torch.device, schedules: list[str], steps: int, out_path: str) -> None:
+class Block(nn.Module):
+    """``x + w2 @ relu(w1 @ x)`` with customgrad linear ops."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(HIDDEN, DIM, generator=generator) / DIM**0.5)
+        self.w2 = nn.Parameter(torch.randn(DIM, HIDDEN, generator=generator) / HIDDEN**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + linear(torch.relu(linear(x, self.w1)), self.w2)
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return ((output - target) ** 2).mean()
+
+
+def stage_indices(schedule: str, rank: int, world: int) -> list[int]:
+    """The stages ``rank`` runs: one for 1F1B, the V's two (``rank``, ``2 world - 1 - rank``)."""
+    return [rank] if schedule == "Schedule1F1B" else [rank, 2 * world - 1 - rank]
+
+
+def time_steps(schedules: list[str], steps: int, out_path: str) -> None:
     """Run ``steps`` timed training steps per schedule (after one untimed); rank 0 pickles
     ``{schedule: [StepTimeline, ...]}`` to ``out_path``."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    gen = torch.Generator().manual_seed(0)
+    blocks = nn.ModuleList(Block(gen) for _ in range(BLOCKS))
+    x = torch.randn(ROWS, DIM, generator=gen)
+    target = torch.tanh(x.flip(-1))
     results = {}
     for schedule in schedules:
-        n_stages = pp.num_stages(schedule, world)
-        blocks = pp.build_blocks(CFG, "customgrad").to(device)
+        mine = stage_indices(schedule, rank, world)
+        n_stages = world * len(mine)
+        per_stage = BLOCKS // n_stages
         timer = cgp.ActionTimer(device)
         stage_cls = timer.stage_class(cgp.PipelineStage)
-        mine = pp.stages_of_rank(schedule, rank, world)
         stages = [
             stage_cls(
-                nn.Sequential(*(blocks[i] for i in pp.stage_blocks(CFG, s, n_stages))),
-                s,
-                n_stages,
-                device,
+                nn.Sequential(*blocks[s * per_stage : (s + 1) * per_stage]), s, n_stages, device
             )
             for s in mine
         ]
-        cls = pp.SCHEDULES[schedule]
-        loss_fn = timer.time_loss(pp.loss_fn)
+        cls = getattr(pipelining, schedule)
+        loss = timer.time_loss(loss_fn)
         sched = (
-            cls(stages[0], CFG.microbatches, loss_fn=loss_fn)
+            cls(stages[0], MICROBATCHES, loss_fn=loss)
             if len(stages) == 1
-            else cls(stages, CFG.microbatches, loss_fn=loss_fn)
+            else cls(stages, MICROBATCHES, loss_fn=loss)
         )
-        x, target = pp.make_batch(CFG, 0, device)
         args = (x,) if 0 in mine else ()
         kwargs = {"target": target} if n_stages - 1 in mine else {}
         for step in range(steps + 1):

@@ -19,18 +19,14 @@ killed).
 from __future__ import annotations
 
 import statistics
-import sys
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
 import torch.distributed.pipelining as pipelining
 
 from customgrad.pipelining import StageCosts, StepTimeline, simulate
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import _simulate_worker as w
+from tests import _simulate_worker as w
+from tests._mp_workers import spawn
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -44,7 +40,7 @@ def measured(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[StepTim
     import pickle
 
     out = tmp_path_factory.mktemp("simulate") / "steps.pkl"
-    w.pp.spawn(w.time_steps, (list(SCHEDULES), STEPS, str(out)), world=2, timeout=150, device="cpu")
+    spawn(w.time_steps, (list(SCHEDULES), STEPS, str(out)), world=2, timeout=150)
     result: dict[str, list[StepTimeline]] = pickle.loads(out.read_bytes())
     return result
 
@@ -90,7 +86,7 @@ def test_predicted_step_time_is_within_10_percent_of_measured(
 ) -> None:
     steps = measured[schedule]
     costs = measured_costs(steps)
-    sim = simulate(getattr(pipelining, schedule), len(costs), w.CFG.microbatches, costs)
+    sim = simulate(getattr(pipelining, schedule), len(costs), w.MICROBATCHES, costs)
     step = statistics.median(s.duration for s in steps)
     bubble = statistics.median(s.bubble for s in steps)
     share = cpu_share(steps)
@@ -117,7 +113,7 @@ def test_the_run_did_what_the_simulation_replays(measured: dict[str, list[StepTi
     # Same stages on the same ranks, the same actions in the same order on every rank.
     for schedule, steps in measured.items():
         costs = measured_costs(steps)
-        sim = simulate(getattr(pipelining, schedule), len(costs), w.CFG.microbatches, costs)
+        sim = simulate(getattr(pipelining, schedule), len(costs), w.MICROBATCHES, costs)
         assert steps[0].stage_ranks() == dict(enumerate(sim.stage_to_rank))
         for step in steps:
             for rank in step.ranks:

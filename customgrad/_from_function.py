@@ -29,6 +29,7 @@ from customgrad._autograd import _raises_if_differentiated, _requiring_grad
 from customgrad._errors import (
     DefinitionError,
     GradientTypeError,
+    GradientValueError,
     MissingRegistrationError,
     UnsupportedError,
     where,
@@ -356,11 +357,13 @@ def from_function(
         for t in ctx._cg_nondiff:
             j = next((j for j, o in enumerate(outs) if o is t), None)
             if j is not None and (diff is None or diff[j]):
+                declared = list(diff or (True,) * n_out)
+                declared[j] = False
                 raise DefinitionError(
                     f"{qualname}: the Function's forward marks output {j} non-differentiable "
-                    f"(ctx.mark_non_differentiable); declare it when wrapping: "
-                    f"cg.from_function(..., output_differentiability=[...False at {j}...]). "
-                    f"(forward defined at {where(forward)})"
+                    f"(ctx.mark_non_differentiable), but the op declares it differentiable. "
+                    f"Declare it when wrapping: cg.from_function(..., "
+                    f"output_differentiability={declared}). (forward defined at {where(forward)})"
                 )
         _stash.recipe = (saved, attrs, len(residuals))
         return (*outs, residuals)
@@ -421,7 +424,7 @@ def from_function(
         got = result if isinstance(result, tuple) else (result,)
         extra = got[n_args:]
         if len(got) < n_args or any(g is not None for g in extra):
-            raise GradientTypeError(
+            raise GradientValueError(
                 f"{qualname}: {label} returned {len(got)} gradient(s), but forward takes "
                 f"{n_args} input(s) ({', '.join(names)}). Return one per input, in order (None "
                 f"for inputs without a gradient). ({label} defined at {where(function.backward)})"

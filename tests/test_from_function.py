@@ -1,0 +1,363 @@
+"""``cg.from_function``: existing ``torch.autograd.Function`` subclasses as customgrad ops.
+
+The wrapped op gives the Function's gradients (checked against native references in float64),
+splits its backward into an input and a weight pass with exact FLOPs (FLOPs(I) + FLOPs(W) ==
+FLOPs(full) == the Function's own full backward, where the Function itself repeats its backward
+under a split), and carries what ``forward`` left on ``ctx`` on every call path.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+from torch.distributed.pipelining import _backward as torch_backward
+from torch.utils.flop_counter import FlopCounterMode
+
+import customgrad as cg
+from customgrad._autosplit import TracedSplit
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from customgrad.testing import check_op
+
+_ids = itertools.count()
+DT = torch.float64
+
+
+def unique(name: str) -> str:
+    return f"test_from_function{next(_ids)}::{name}"
+
+
+def randn(*shape: int, seed: int) -> Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=DT, generator=gen).requires_grad_()
+
+
+class Linear(torch.autograd.Function):
+    """A linear layer as people write it: needs_input_grad honoured, bias optional."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = x @ weight.mT
+        return out if bias is None else out + bias
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = grad @ weight
+        if ctx.needs_input_grad[1]:
+            dw = grad.reshape(-1, grad.shape[-1]).mT @ x.reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return dx, dw, db
+
+
+class NaiveLinear(torch.autograd.Function):
+    """The same, computing every gradient whatever is asked."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return x @ weight.mT
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.mT @ x
+
+
+class TanhLinear(torch.autograd.Function):
+    """``tanh(x @ w.mT)`` written with ``setup_context``, saving its output."""
+
+    @staticmethod
+    def forward(x: Tensor, w: Tensor) -> Tensor:
+        return torch.tanh(x @ w.mT)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+        x, w = inputs
+        ctx.save_for_backward(x, w, output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, w, y = ctx.saved_tensors
+        gh = grad * (1 - y * y)  # shared by both gradients
+        return gh @ w, gh.mT @ x
+
+
+class RMSLinear(torch.autograd.Function):
+    """Saves what forward computed (``rstd``), a view of an input, a shape and a dict."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        h = x @ w.mT
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x.reshape(-1), w, rstd)
+        ctx.shape = x.shape
+        ctx.extra = {"h": h, "eps": eps}
+        return h * rstd
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x_flat, w, rstd = ctx.saved_tensors
+        x = x_flat.view(ctx.shape)
+        y = ctx.extra["h"] * rstd
+        gh = rstd * (grad - y * (grad * y).mean(-1, keepdim=True))
+        dw = gh.reshape(-1, gh.shape[-1]).mT @ x.reshape(-1, x.shape[-1])
+        return gh @ w, dw, None
+
+
+def rms_linear(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    h = x @ w.mT
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+
+
+linear = cg.from_function(Linear, unique("linear"), weights=("weight", "bias"))
+naive = cg.from_function(NaiveLinear, unique("naive"), weights=("weight",))
+tanh_linear = cg.from_function(TanhLinear, unique("tanh_linear"), weights=("w",))
+rms = cg.from_function(RMSLinear, unique("rms_linear"), weights=("w",))
+
+
+# --------------------------------------------------------------------------------------------
+# Measuring
+
+
+def flops_of(fn: Callable[[], Any]) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+Args = Callable[[], tuple[list[Tensor], list[Tensor], tuple[Any, ...]]]
+
+
+def split_flops(
+    fn: Callable[..., Tensor], args: Args, splitter: str = "customgrad"
+) -> tuple[dict[str, int], list[Tensor | None]]:
+    """FLOPs of the input pass, the weight pass and a full backward (after a warm-up that
+    traces), and the gradients of the split (inputs, then weights)."""
+    if splitter == "customgrad":
+        backward_input, backward_weight = stage_backward_input, stage_backward_weight
+    else:
+        backward_input = torch_backward.stage_backward_input
+        backward_weight = torch_backward.stage_backward_weight
+    inputs, weights, call = args()
+    out = fn(*call)
+    g = torch.randn(out.shape, dtype=DT, generator=torch.Generator().manual_seed(9))
+    out.backward(g)
+    inputs, weights, call = args()
+    out = fn(*call)
+    groups: Any = None
+
+    def run_i() -> None:
+        nonlocal groups
+        _, groups = backward_input([out], [g], inputs, iter(weights))
+
+    flops = {"I": flops_of(run_i), "W": flops_of(lambda: backward_weight(iter(weights), groups))}
+    grads = [t.grad for t in inputs + weights]
+    inputs, weights, call = args()
+    out = fn(*call)
+    flops["full"] = flops_of(lambda: out.backward(g))
+    return flops, grads
+
+
+def reference(fn: Callable[..., Tensor], args: Args) -> tuple[Tensor, ...]:
+    inputs, weights, call = args()
+    out = fn(*call)
+    g = torch.randn(out.shape, dtype=DT, generator=torch.Generator().manual_seed(9))
+    return torch.autograd.grad(out, inputs + weights, g)
+
+
+def assert_grads(got: list[Tensor | None], want: tuple[Tensor, ...]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a is not None
+        torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------------------------
+# Gradients and FLOPs
+
+
+@pytest.mark.parametrize("splitter", ["customgrad", "torch"])
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias=None"])
+@pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
+def test_wrapped_linear_splits_with_exact_flops(
+    splitter: str, with_bias: bool, shape: tuple[int, ...]
+) -> None:
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(*shape, seed=0), randn(4, 5, seed=1)
+        b = randn(4, seed=2) if with_bias else None
+        return [x], [w] if b is None else [w, b], (x, w, b)
+
+    flops, grads = split_flops(linear, args, splitter)
+    want = reference(lambda x, w, b: x @ w.mT + (0 if b is None else b), args)
+    assert_grads(grads, want)
+    fn_flops, fn_grads = split_flops(Linear.apply, args, splitter)
+    assert_grads(fn_grads, want)
+    mm = 2 * (shape[0] * shape[1] if len(shape) == 3 else shape[0]) * 5 * 4
+    assert flops == {"I": mm, "W": mm, "full": 2 * mm}
+    assert fn_flops["full"] == flops["full"]  # the Function's own full backward
+    assert fn_flops["I"] + fn_flops["W"] == 2 * fn_flops["full"]  # repeated under the split
+    assert isinstance(linear.rules.auto.last, TracedSplit)
+
+
+def test_a_function_that_computes_every_gradient_splits_too() -> None:
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(6, 5, seed=0), randn(4, 5, seed=1)
+        return [x], [w], (x, w)
+
+    flops, grads = split_flops(naive, args)
+    assert_grads(grads, reference(lambda x, w: x @ w.mT, args))
+    assert flops == {"I": 240, "W": 240, "full": 480}
+    assert flops["full"] == split_flops(NaiveLinear.apply, args)[0]["full"]
+
+
+def test_setup_context_function_hands_its_shared_work_to_the_weight_pass() -> None:
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(6, 5, seed=0), randn(4, 5, seed=1)
+        return [x], [w], (x, w)
+
+    flops, grads = split_flops(tanh_linear, args)
+    assert_grads(grads, reference(lambda x, w: torch.tanh(x @ w.mT), args))
+    assert (
+        flops["I"] + flops["W"] == flops["full"] == split_flops(TanhLinear.apply, args)[0]["full"]
+    )
+    assert (flops["I"], flops["W"]) == (240, 240)
+    assert "1 tensor(s) handed from the input pass" in tanh_linear.rules.auto.describe()
+
+
+def test_what_forward_computed_and_kept_reaches_backward() -> None:
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(2, 6, 5, seed=0), randn(4, 5, seed=1)
+        return [x], [w], (x, w, 1e-5)
+
+    flops, grads = split_flops(rms, args)
+    want = reference(rms_linear, args)
+    assert_grads(grads, want)
+    assert flops["I"] + flops["W"] == flops["full"]
+    assert flops["full"] == split_flops(RMSLinear.apply, args)[0]["full"]
+    # The dispatcher path and the compiled path see the same saved values.
+    inputs, weights, call = args()
+    out = torch.ops.__getattr__(rms.name.split("::")[0]).rms_linear(*call)
+    g = torch.randn(out.shape, dtype=DT, generator=torch.Generator().manual_seed(9))
+    assert_grads(list(torch.autograd.grad(out, inputs + weights, g)), want)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_fullgraph(backend: str) -> None:
+    torch._dynamo.reset()
+    x, w = randn(2, 6, 5, seed=0), randn(4, 5, seed=1)
+
+    def f(x: Tensor, w: Tensor) -> Tensor:
+        return rms(x, w, 1e-5).sin().sum() + tanh_linear(x.sum(0), w).sum()
+
+    def ref(x: Tensor, w: Tensor) -> Tensor:
+        return rms_linear(x, w, 1e-5).sin().sum() + torch.tanh(x.sum(0) @ w.mT).sum()
+
+    got = torch.autograd.grad(torch.compile(f, fullgraph=True, backend=backend)(x, w), [x, w])
+    assert_grads(list(got), torch.autograd.grad(ref(x, w), [x, w]))
+
+
+def test_check_op_passes_a_wrapped_function() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*s, generator=gen) for s in ((4, 3), (5, 3), (5,)))
+    report = check_op(linear, x, w, b)
+    assert report.ok
+    assert report.flops == {"full": 240, "input": 120, "weight": 120}
+    assert report.backward.startswith("one backward, split automatically (traced: ")
+    assert check_op(tanh_linear, x, w).ok
+    report = check_op(rms, x, w, 1e-5, checks=["opcheck", "fake", "gradcheck", "split", "flops"])
+    assert report.ok, str(report)
+
+
+# --------------------------------------------------------------------------------------------
+# What a Function may do
+
+
+def test_non_differentiable_outputs_are_declared() -> None:
+    class WithStats(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+            ctx.save_for_backward(x, w)
+            out = x @ w.mT
+            stats = out.abs().amax(-1)
+            ctx.mark_non_differentiable(stats)
+            return out, stats
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor, grad_stats: Tensor) -> tuple[Tensor, Tensor]:
+            x, w = ctx.saved_tensors
+            return grad @ w, grad.mT @ x
+
+    op = cg.from_function(
+        WithStats, unique("with_stats"), weights=("w",), output_differentiability=[True, False]
+    )
+    x, w = randn(4, 3, seed=0), randn(5, 3, seed=1)
+    out, stats = op(x, w)
+    assert out.requires_grad and not stats.requires_grad
+    torch.testing.assert_close(stats, (x @ w.mT).abs().amax(-1))
+    assert_grads(list(torch.autograd.grad(out.sum(), [x, w])),
+                 torch.autograd.grad((x @ w.mT).sum(), [x, w]))  # fmt: skip
+
+
+def test_once_differentiable_backward_refuses_double_backward() -> None:
+    from torch.autograd.function import once_differentiable
+
+    class Once(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+            ctx.save_for_backward(x, w)
+            return x @ w.mT
+
+        @staticmethod
+        @once_differentiable
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+            x, w = ctx.saved_tensors
+            return grad @ w, grad.mT @ x
+
+    op = cg.from_function(Once, unique("once"), weights=("w",))
+    assert op.rules.nondifferentiable == frozenset({"full"})
+    x, w = randn(4, 3, seed=0), randn(5, 3, seed=1)
+    (gx,) = torch.autograd.grad(op(x, w).sum(), [x], create_graph=True)
+    with pytest.raises(cg.UnsupportedError, match="registered with differentiable=False"):
+        torch.autograd.grad(gx.sum(), [w])
+
+
+def test_double_backward_through_saved_inputs_and_outputs() -> None:
+    x, w = randn(4, 5, seed=0), randn(3, 5, seed=1)
+    got = torch.autograd.gradgradcheck(tanh_linear, (x, w))
+    assert got
+    (gx,) = torch.autograd.grad(tanh_linear(x, w).sum(), [x], create_graph=True)
+    (want,) = torch.autograd.grad(torch.tanh(x @ w.mT).sum(), [x], create_graph=True)
+    torch.testing.assert_close(torch.autograd.grad(gx.sum(), [w])[0],
+                               torch.autograd.grad(want.sum(), [w])[0])  # fmt: skip
+
+
+def test_schema_given_for_an_unannotated_forward() -> None:
+    class Plain(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, scale):  # type: ignore[no-untyped-def]
+            ctx.save_for_backward(x, w)
+            ctx.scale = scale
+            return (x * w) * scale
+
+        @staticmethod
+        def backward(ctx, grad):  # type: ignore[no-untyped-def]
+            x, w = ctx.saved_tensors
+            return grad * w * ctx.scale, (grad * x * ctx.scale).sum(0), None
+
+    op = cg.from_function(
+        Plain, unique("plain"), weights=("w",), schema="(Tensor x, Tensor w, float scale) -> Tensor"
+    )
+    assert op.schema == "(Tensor x, Tensor w, float scale) -> Tensor"
+    x, w = randn(4, 3, seed=0), randn(3, seed=1)
+    assert_grads(list(torch.autograd.grad(op(x, w, 2.0).sum(), [x, w])),
+                 torch.autograd.grad((x * w * 2.0).sum(), [x, w]))  # fmt: skip

@@ -1,7 +1,7 @@
 """Predict a pipeline schedule's step time and bubble from per-action costs.
 
 Renting a cluster to learn what a zero-bubble schedule gives at 64 stages is expensive; replaying
-the schedule is not. :func:`simulate` asks torch for the schedule's own action lists (each
+the schedule is not. ``simulate`` asks torch for the schedule's own action lists (each
 rank's ``pipeline_order``, built by the schedule class itself from stand-in stages, so the
 simulator never disagrees with the schedules it models) and replays them against per-stage costs:
 every rank runs its list in order, and an action starts when its rank is free and its inputs
@@ -10,7 +10,7 @@ have arrived.
 Two facts about the split backward make the prediction worth having. customgrad ops do each
 backward matmul once, split between I and W; a plain ``torch.autograd.Function`` (or a
 ``torch.library.custom_op``) runs its whole backward in both I and W under torch's split, which
-:meth:`StageCosts.repeating_backward` expresses. The same schedule then predicts very different
+``StageCosts.repeating_backward`` expresses. The same schedule then predicts very different
 step times for the two.
 """
 
@@ -166,7 +166,8 @@ class Simulation:
         n_microbatches: microbatches per step.
         stage_to_rank: the rank of each stage, as the schedule placed them.
         timeline: every compute action, by rank then start time.
-        step_time: seconds from the first action's start to the last one's end.
+        step_time: seconds from the step's start (every rank starts at 0) to the last action's
+            end.
         busy: seconds each rank spends computing.
     """
 
@@ -214,7 +215,7 @@ class Simulation:
         Args:
             path: where to save the picture (PNG, SVG, ... by suffix); None: don't save.
             ax: axes to draw into; None: a new figure.
-            title: the title; None: :meth:`summary`.
+            title: the title; None: ``summary``.
 
         Returns:
             The figure drawn on.
@@ -229,6 +230,7 @@ class Simulation:
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch, Rectangle
 
+        own = ax is None
         if ax is None:
             fig = Figure(figsize=(min(16.0, 4.0 + 0.12 * len(self.timeline) / self.n_ranks),
                                   0.9 + 0.45 * self.n_ranks))  # fmt: skip
@@ -259,7 +261,8 @@ class Simulation:
         names = {"F": "forward", "I": "backward input", "W": "backward weight", "B": "backward"}
         ax.legend(handles=[Patch(color=COLORS[k], label=f"{k}: {names[k]}") for k in kinds],
                   loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # fmt: skip
-        fig.tight_layout()
+        if own:
+            fig.tight_layout()
         if path is not None:
             fig.savefig(os.fspath(path), dpi=150)
         return fig
@@ -292,17 +295,17 @@ def simulate(
             ``ScheduleZBVZeroBubble``, or torch's name for it (``"ZBVZeroBubble"``).
         n_stages: number of pipeline stages.
         n_microbatches: microbatches per step.
-        costs: one :class:`StageCosts` for every stage, or one per stage (by stage index).
+        costs: one ``StageCosts`` for every stage, or one per stage (by stage index).
         n_ranks: pipeline ranks. Default: one stage per rank for single-stage schedules, two
             for multi-stage ones (which ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
             require).
 
     Returns:
-        The :class:`Simulation`: timeline, step time, bubble and busy time per rank.
+        Simulation: the timeline, step time, bubble and busy time per rank.
 
     Raises:
         ArgumentTypeError: ``schedule_class`` is not a schedule class or name, or ``costs``
-            are not :class:`StageCosts`.
+            are not ``StageCosts``.
         ArgumentValueError: an unknown schedule name, or stages, ranks and microbatches the
             schedule cannot run.
 

@@ -1,7 +1,13 @@
-"""The Python in the getting-started page and the home page runs as written."""
+"""The Python in the documentation runs as written, and excerpts of example files match them.
+
+Blocks fenced as ```` ```python ```` run (every such block of a page, in order, in one
+namespace); blocks with a title (```` ```python title="examples/ops/rms_norm.py" ````) are
+excerpts of that file, checked to be in it (``...`` lines separate the excerpt's pieces).
+"""
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -15,14 +21,60 @@ def _python_blocks(page: str) -> str:
     return "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL))
 
 
-@pytest.mark.parametrize("page", ["index.md", "getting-started.md"])
-def test_page_code_runs(page: str) -> None:
+PAGES = [
+    "index.md",
+    "getting-started.md",
+    "guides/real-ops.md",
+    "guides/testing.md",
+    "guides/simulate.md",
+]
+
+
+@functools.cache
+def _run_page(page: str) -> dict[str, object]:
+    """Run the page's Python once per test session; its names by name."""
     # Op names are global: give each page its own namespace.
-    code = _python_blocks(page).replace(
-        "mylib::", f"test_docs_{page.split('.')[0].replace('-', '_')}::"
-    )
+    namespace = page.removesuffix(".md").replace("/", "_").replace("-", "_")
+    code = _python_blocks(page).replace("mylib::", f"test_docs_{namespace}::")
     assert code
-    exec(compile(code, str(DOCS / page), "exec"), {"__name__": "docs_page"})
+    scope: dict[str, object] = {"__name__": "docs_page"}
+    # dont_inherit: the page runs as written, without this module's __future__ imports.
+    exec(compile(code, str(DOCS / page), "exec", dont_inherit=True), scope)
+    return scope
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_code_runs(page: str) -> None:
+    _run_page(page)
+
+
+def test_home_page_op_passes_check_op_and_splits() -> None:
+    import torch
+
+    from customgrad.testing import check_op
+
+    scale = _run_page("index.md")["scale"]
+    report = check_op(scale, torch.randn(2, 4, 3), torch.randn(3))  # type: ignore[arg-type]
+    assert report.ok, str(report)
+    assert report.calls["input"] == {"backward_input": 1}
+    assert report.calls["weight"] == {"backward_weight": 1}
+
+
+EXCERPT = re.compile(r'```python title="(examples/[^"]+)"\n(.*?)```', flags=re.DOTALL)
+
+
+@pytest.mark.parametrize(
+    "page", ["guides/real-ops.md", "guides/example-ops.md", "guides/kernels.md"]
+)
+def test_excerpts_of_example_files_match_the_files(page: str) -> None:
+    excerpts = EXCERPT.findall((DOCS / page).read_text())
+    if page == "guides/real-ops.md":
+        assert len(excerpts) >= 6
+    for path, body in excerpts:
+        source = (DOCS.parent / path).read_text()
+        for piece in re.split(r"^\.\.\.$", body, flags=re.MULTILINE):
+            piece = piece.strip("\n")
+            assert piece in source, f"{page}: this excerpt is not in {path}:\n{piece}"
 
 
 def test_readme_example_runs_and_is_correct() -> None:

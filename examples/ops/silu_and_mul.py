@@ -1,6 +1,6 @@
 """``examples::silu_and_mul``: the gate of a SwiGLU MLP, ``silu(x[..., :d]) * x[..., d:]``.
 
-The fused activation that LLM training and serving stacks (torchtitan, vLLM) register as a custom
+The fused activation that LLM training and serving stacks (vLLM among them) register as a custom
 op: one read of the ``(..., 2d)`` projection, one write of the ``(..., d)`` result.
 
 It has **no weights**, so it registers only the input half of the backward: customgrad asks for

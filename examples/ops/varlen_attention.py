@@ -10,8 +10,9 @@ Facts carried over from flash-attention:
 - ``softmax_scale`` defaults to ``1 / sqrt(head_dim)``; ``causal`` masks are aligned to the
   bottom-right corner when a sequence has more keys than queries; ``window_size=(left, right)``
   limits local attention, ``-1`` meaning unlimited;
-- the forward keeps the row-wise ``logsumexp`` of the scores, ``(heads, total_q)`` in float32,
-  and the backward recomputes the probabilities from it instead of keeping them;
+- the forward keeps the row-wise ``logsumexp`` of the scores, ``(heads, total_q)`` in float32
+  (``+inf`` for a query that may attend to no key, whose output is 0), and the backward
+  recomputes the probabilities from it instead of keeping them;
 - the backward is its own kernel (``_flash_attn_varlen_backward``, an opaque op under
   ``torch.compile``), computing ``dq``, ``dk`` and ``dv`` together.
 
@@ -69,8 +70,9 @@ def varlen_attention(
         qs, ks, vs = q[rows], _repeat_heads(k[cols], q), _repeat_heads(v[cols], q)
         scores = torch.einsum("qhd,khd->hqk", qs, ks).to(lse.dtype) * scale
         scores = scores.masked_fill(~mask, -math.inf)
-        lse_s = torch.logsumexp(scores, dim=-1)  # (heads, L_q); -inf for a row with no key
-        p = torch.where(mask, torch.exp(scores - lse_s[..., None]), 0.0)
+        # a query with no key to attend to gets lse = +inf (as in flash-attention): p = 0, out = 0
+        lse_s = torch.logsumexp(scores, dim=-1).nan_to_num(neginf=math.inf)  # (heads, L_q)
+        p = torch.exp(scores - lse_s[..., None])
         out[rows] = torch.einsum("hqk,khd->qhd", p.to(q.dtype), vs)
         lse[:, rows] = lse_s
     return out, lse
@@ -125,7 +127,7 @@ def varlen_attention_backward(
         qs, ks, vs = q[rows], _repeat_heads(k[cols], q), _repeat_heads(v[cols], q)
         dos = dout[rows]
         scores = torch.einsum("qhd,khd->hqk", qs, ks).to(lse.dtype) * scale
-        p = torch.where(mask, torch.exp(scores - lse[:, rows, None]), 0.0)
+        p = torch.exp(scores.masked_fill(~mask, -math.inf) - lse[:, rows, None])
         dp = torch.einsum("qhd,khd->hqk", dos, vs).to(lse.dtype)
         ds = (p * (dp - delta[:, rows, None])).to(q.dtype)
         dq[rows] = torch.einsum("hqk,khd->qhd", ds, ks) * scale

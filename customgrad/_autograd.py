@@ -280,7 +280,8 @@ def _call_user(
 
 def _requiring_grad(grads: tuple[Any, ...], saved: Any) -> list[torch.Tensor]:
     """The output gradients and saved tensors that require grad (in double backward)."""
-    leaves = optree.tree_leaves((grads, saved), none_is_leaf=True)
+    tree: Any = (grads, saved)
+    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
     return [t for t in leaves if isinstance(t, _Tensor) and t.requires_grad]
 
 
@@ -304,7 +305,7 @@ class _RaiseIfDifferentiated(torch.autograd.Function):
 def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:
     if not (t.is_floating_point() or t.is_complex()):
         return t
-    return _RaiseIfDifferentiated.apply(msg, t, *anchors)
+    return _RaiseIfDifferentiated.apply(msg, t, *anchors)  # type: ignore[no-untyped-call]
 
 
 def _delay_error(
@@ -968,13 +969,14 @@ def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
     """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
     Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
     attrs = getattr(leaf, "__dict__", None)
-    values = list(attrs.values()) if isinstance(attrs, dict) else []
+    values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
     for name in getattr(type(leaf), "__slots__", ()):
         values.append(getattr(leaf, name, None))
     is_dataclass = dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
     if is_dataclass:
         values += [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
-    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(values, none_is_leaf=True)):
+    tree: Any = values
+    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(tree, none_is_leaf=True)):
         return
     if is_dataclass:
         what = f"a dataclass ({type(leaf).__qualname__})"

@@ -211,10 +211,12 @@ def _parameters(
         in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD, p.KEYWORD_ONLY)
     ]
     if bad:
+        kinds = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+        stars = kinds.get(bad[0].kind, "keyword-only ")
         raise DefinitionError(
-            f"{name}: {label} takes {bad[0]}; autograd.Function.apply passes its inputs by "
-            f"position, and a customgrad op needs one named parameter per input. Name them: "
-            f"def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined at "
+            f"{name}: {label} takes {stars}{bad[0].name}; autograd.Function.apply passes its "
+            f"inputs by position, and a customgrad op needs one named parameter per input. Name "
+            f"them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined at "
             f"{where(forward)})"
         )
     try:
@@ -309,9 +311,13 @@ def from_function(
         tensor([2., 2., 2.])
     """
     if not (isinstance(function, type) and issubclass(function, torch.autograd.Function)):
+        owner = getattr(function, "__self__", None)
+        if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):
+            got, fix = f"{owner.__qualname__}.apply", f" Pass the class: {owner.__qualname__}."
+        else:
+            got, fix = repr(function), ""
         raise DefinitionError(
-            f"{name}: from_function needs a torch.autograd.Function subclass (the class, not "
-            f"an instance or its apply), got {function!r}."
+            f"{name}: from_function needs a torch.autograd.Function subclass, got {got}.{fix}"
         )
     classic = not _is_setup_context_defined(function.setup_context)
     params, returns = _parameters(function, name, classic)

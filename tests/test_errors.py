@@ -1041,6 +1041,219 @@ def test_errors_are_the_matching_builtins() -> None:
 # --- automatic split of a single backward, and wrapped autograd.Functions --------------------
 
 
+def _plain_linear(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    ctx.save_for_backward(x, w)
+    return x @ w.mT
+
+
+def _function(
+    forward: Callable[..., Any] = _plain_linear,
+    backward: Callable[..., Any] | None = None,
+    **methods: Any,
+) -> type[torch.autograd.Function]:
+    def default_backward(ctx: Any, g: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        return g @ w, g.mT @ x
+
+    namespace = {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward or default_backward),
+        **{k: staticmethod(v) for k, v in methods.items()},
+    }
+    return type("Fn", (torch.autograd.Function,), namespace)
+
+
+def test_untraceable_single_backward_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    def backward(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        x, w = saved
+        scale = 2.0 if bool(g.sum() > 0) else 1.0
+        return {"x": scale * g @ w, "weight": g.mT @ x, "bias": g.sum(0)}
+
+    op = linear_op(backward)
+    caplog.set_level("WARNING", logger="customgrad")
+    run_backward(op)
+    run_backward(op)
+    assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
+        f"{op.name}: the single backward cannot be split automatically: it branches on tensor "
+        "values in Python (if tensor:, bool(), .item() in a condition). Each pass of a split "
+        "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), "
+        "so compute only what ctx.needs_input_grad asks for. To split it automatically, compute "
+        "with tensor ops instead (torch.where, masks), so the same ops run for every value. To "
+        "silence this, register it with register_backward(fn, split='phase'), or register the "
+        f"register_backward_input/_weight pair. (backward defined at {where(backward)})"
+    ]
+
+
+def test_from_function_needs_a_function_class() -> None:
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            "mylib::f: from_function needs a torch.autograd.Function subclass, got Fn.apply. "
+            "Pass the class: Fn."
+        ),
+    ):
+        cg.from_function(_function().apply, "mylib::f")  # type: ignore[arg-type]
+
+
+def test_from_function_without_annotations_or_schema() -> None:
+    def forward(ctx: Any, x, w):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        return x @ w.mT
+
+    fn = _function(forward)
+    name = unique("f")
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{name}: cannot infer the op's schema from the annotations of Fn.forward: "
+            "infer_schema(func): Parameter x must have a type annotation. Got func with signature "
+            "(x, w)) Annotate its parameters and return (without ctx), "
+            "e.g. def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor, or "
+            'give the schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> '
+            f'Tensor"). (forward defined at {where(forward)})'
+        ),
+    ):
+        cg.from_function(fn, name)
+
+
+def test_from_function_with_varargs_forward() -> None:
+    def forward(ctx: Any, *tensors: torch.Tensor) -> torch.Tensor:
+        return tensors[0] * 2
+
+    name = unique("f")
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{name}: Fn.forward takes *tensors; autograd.Function.apply passes "
+            "its inputs by position, and a customgrad op needs one named parameter per input. "
+            "Name them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined "
+            f"at {where(forward)})"
+        ),
+    ):
+        cg.from_function(_function(forward), name)
+
+
+def test_from_function_undeclared_non_differentiable_output() -> None:
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(x, w)
+        out = x @ w.mT
+        stats = out.amax(-1)
+        ctx.mark_non_differentiable(stats)
+        return out, stats
+
+    name = unique("f")
+    op = cg.from_function(_function(forward), name, weights=("w",))
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{name}: the Function's forward marks output 1 non-differentiable "
+            "(ctx.mark_non_differentiable), but the op declares it differentiable. Declare it "
+            "when wrapping: cg.from_function(..., output_differentiability=[True, False]). "
+            f"(forward defined at {where(forward)})"
+        ),
+    ):
+        op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3))
+
+
+def test_from_function_forward_that_marks_dirty() -> None:
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(x)
+        return x.mul_(2)
+
+    name = unique("f")
+    op = cg.from_function(_function(forward), name)
+    with pytest.raises(
+        cg.UnsupportedError,
+        match=re.escape(
+            f"{name}: the Function's forward calls ctx.mark_dirty: it modifies an input in place, "
+            "which customgrad ops do not differentiate through. Return a new tensor instead, or "
+            f"keep this Function as it is. (forward defined at {where(forward)})"
+        ),
+    ):
+        op(torch.randn(2))
+
+
+def test_from_function_backward_with_too_few_gradients() -> None:
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return g @ ctx.saved_tensors[1]  # only the first
+
+    fn = _function(backward=backward)
+    name = unique("f")
+    op = cg.from_function(fn, name, weights=("w",))
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            f"{name}: Fn.backward returned 1 gradient(s), but forward takes 2 input(s) (x, w). "
+            "Return one per input, in order (None for inputs without a gradient). (Fn.backward "
+            f"defined at {where(backward)})"
+        ),
+    ):
+        op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3)).sum().backward()
+
+
+def test_from_function_gradient_for_a_non_tensor_input() -> None:
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x * scale
+
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        return g * ctx.scale, g.sum()
+
+    name = unique("f")
+    op = cg.from_function(_function(forward, backward), name)
+    with pytest.raises(
+        cg.GradientTypeError,
+        match=re.escape(
+            f"{name}: Fn.backward returned a gradient at position 1, for 'scale', which is not a "
+            f"Tensor input. Return None there. (Fn.backward defined at {where(backward)})"
+        ),
+    ):
+        op(torch.randn(3, requires_grad=True), 2.0).sum().backward()
+
+
+def test_from_function_double_backward_through_a_computed_tensor() -> None:
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        y = torch.exp(x)
+        ctx.save_for_backward(x, y.clone())  # the clone: neither an input nor an output
+        return y * x
+
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        x, y = ctx.saved_tensors
+        return g * y * (1 + x)
+
+    name = unique("f")
+    op = cg.from_function(_function(forward, backward), name)
+    x = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    (gx,) = torch.autograd.grad(op(x).sum(), [x], create_graph=True)
+    with pytest.raises(
+        cg.UnsupportedError,
+        match=re.escape(
+            f"{name}: double backward (create_graph=True, gradient penalties) reached a tensor "
+            "that the Function's forward computed and saved on ctx: autograd sees it as a "
+            "constant (as it did for the Function), so the gradient through it would be silently "
+            "wrong. Save the inputs and recompute it in backward with differentiable torch ops if "
+            f"you need double backward. (forward defined at {where(forward)})"
+        ),
+    ):
+        torch.autograd.grad(gx.sum(), [x])
+
+
+def test_from_function_op_whose_kernel_was_replaced() -> None:
+    name = unique("f")
+    op = cg.from_function(_function(), name, weights=("w",))
+    op.register_kernel("cpu", lambda x, w: (x @ w.mT, []))
+    with pytest.raises(
+        cg.MissingRegistrationError,
+        match=re.escape(
+            f"{name}: the op's kernel is not the Function's forward on this call (a kernel "
+            "registered with register_kernel replaced it?), so what forward saved on ctx is "
+            "unknown. An op made with from_function runs its Function's forward as its kernel. "
+            f"(forward defined at {where(_plain_linear)})"
+        ),
+    ):
+        op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3))
+
+
 # --- definitions of real ops: residuals, hand-off, schema=, weightless ops ---------------------
 
 

@@ -110,10 +110,9 @@ class CheckReport:
             (empty when the split was not run).
         calls: how often each backward function ran in each pass, e.g.
             ``calls["input"]["backward_input"] == 1``.
-        backward: how the op's backward splits, in words: the input/weight pair, a single
-            backward called per pass (``split="phase"``), or a single backward split
-            automatically, with what each pass runs, or why it was not (the reason of the
-            fallback).
+        backward: for an op with one backward (``register_backward``), how it splits, in
+            words: split automatically, with what each pass runs, or why it was not (the reason
+            of the fallback), or called per pass (``split="phase"``). Empty for the pair.
     """
 
     op: str
@@ -287,9 +286,7 @@ def _backward_split(op: CustomOp[..., Any]) -> str:
     """:attr:`CheckReport.backward`: how the op's backward splits."""
     rules = op.rules
     if rules.backward is None:
-        if rules.backward_input is None and rules.backward_weight is None:
-            return "no backward registered"
-        return "the input/weight pair (each half runs only in its own pass)"
+        return ""
     if isinstance(rules.auto, AutoSplitter):
         return f"one backward, {rules.auto.describe()}"
     return (

@@ -225,7 +225,8 @@ def test_plain_functions_repeat_their_backward() -> None:
 
 
 def test_per_stage_costs() -> None:
-    # A slow last stage: 1F1B's step is set by it, (m + p - 1) rounds of it at best.
+    # A slow last stage sets 1F1B's pace: its 4 F + B run back to back, after rank 0's first
+    # F and before rank 0's last B.
     fast, slow = StageCosts(1.0, 1.0, 1.0), StageCosts(2.0, 2.0, 2.0)
     sim = simulate(Schedule1F1B, 2, 4, [fast, slow])
     assert sim.busy == (12.0, 24.0)

@@ -568,7 +568,9 @@ def test_guide_example_runs_and_prints_what_it_says(
     code = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL))
     assert "simulate(" in code
     monkeypatch.chdir(tmp_path)
-    exec(compile(code, str(page), "exec"), {"__name__": "guide"})
-    assert (tmp_path / "zbv.png").exists()
+    scope: dict[str, object] = {"__name__": "guide"}
+    exec(compile(code, str(page), "exec"), scope)
+    assert len(scope["fig"].axes[0].patches) == len(scope["zbv"].timeline)  # type: ignore[attr-defined]
+    assert not list(tmp_path.iterdir())  # the page writes no file when it runs
     printed = "".join(re.findall(r"prints\n\n```text\n(.*?)```", text, flags=re.DOTALL))
     assert capsys.readouterr().out == printed

@@ -1,16 +1,20 @@
-"""The MLP that ``split.py`` and ``split_memory.py`` measure, in three kinds of linear layer.
+"""The models the benchmarks measure, each in customgrad ops, plain Functions and native ops.
 
-``x @ weight.mT`` as a customgrad op (separate input and weight halves), as a plain
-``autograd.Function`` and as ``nn.functional.linear``.
+- :class:`MLP` (``split.py``, ``split_memory.py``): ``x @ weight.mT`` as a customgrad op
+  (separate input and weight halves), as a plain ``autograd.Function`` and as
+  ``nn.functional.linear``.
+- :class:`Block` (``pipeline.py``): a pre-norm MLP block, RMSNorm and two linears with bias.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.flop_counter import register_flop_formula
 
 import customgrad as cg
 
@@ -78,3 +82,141 @@ class MLP(nn.Module):
         for w in self.ws:
             x = self.act(self.layer(x, w))
         return x
+
+
+# --- the pipeline benchmark's block: pre-norm MLP, in three kinds of op ---------------------
+
+EPS = 1e-6
+
+
+@cg.op("benchmarks::biased_linear", weights=("weight", "bias"))
+def cg_biased_linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return torch.addmm(bias, x.flatten(0, -2), weight.mT).unflatten(0, x.shape[:-1])
+
+
+@cg_biased_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@cg_biased_linear.register_save_for_backward
+def _(inputs: Any, output: Tensor) -> Any:
+    return inputs.x, inputs.weight
+
+
+@cg_biased_linear.register_backward_input
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    return {"x": grad @ saved[1]}
+
+
+@cg_biased_linear.register_backward_weight
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    g, x = grad.flatten(0, -2), saved[0].flatten(0, -2)
+    return {"weight": g.mT @ x, "bias": g.sum(0)}
+
+
+@register_flop_formula(torch.ops.benchmarks.biased_linear)
+def _(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
+    # A custom op is opaque to a FLOP counter: its forward's cost (its backward halves are aten
+    # ops, which have formulas).
+    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
+
+
+@cg.op("benchmarks::rms_norm", weights=("weight",))
+def cg_rms_norm(x: Tensor, weight: Tensor) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+
+
+@cg_rms_norm.register_fake
+def _(x: Tensor, weight: Tensor) -> Tensor:
+    return torch.empty_like(x)
+
+
+@cg_rms_norm.register_save_for_backward
+def _(inputs: Any, output: Tensor) -> Any:
+    rstd = torch.rsqrt(inputs.x.pow(2).mean(-1, keepdim=True) + EPS)
+    return inputs.x * rstd, rstd, inputs.weight
+
+
+@cg_rms_norm.register_backward_input
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    x_hat, rstd, weight = saved
+    gw = grad * weight
+    return {"x": rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))}
+
+
+@cg_rms_norm.register_backward_weight
+def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+    return {"weight": (grad * saved[0]).flatten(0, -2).sum(0)}
+
+
+class FnBiasedLinear(torch.autograd.Function):
+    """The same linear as a plain ``autograd.Function``: its backward does both halves."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return torch.addmm(bias, x.flatten(0, -2), weight.mT).unflatten(0, x.shape[:-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        g, xs = grad.flatten(0, -2), x.flatten(0, -2)
+        need_x, need_w, need_b = ctx.needs_input_grad  # fixed at forward time
+        return (
+            grad @ weight if need_x else None,
+            g.mT @ xs if need_w else None,
+            g.sum(0) if need_b else None,
+        )
+
+
+class FnRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+        ctx.save_for_backward(x * rstd, rstd, weight)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x_hat, rstd, weight = ctx.saved_tensors
+        gw = grad * weight
+        gx = rstd * (gw - x_hat * (gw * x_hat).mean(-1, keepdim=True))
+        return gx, (grad * x_hat).flatten(0, -2).sum(0)
+
+
+def _native_rms_norm(x: Tensor, weight: Tensor) -> Tensor:
+    return nn.functional.rms_norm(x, x.shape[-1:], weight, EPS)
+
+
+BLOCK_OPS: dict[str, tuple[Callable[..., Tensor], Callable[[Tensor, Tensor], Tensor]]] = {
+    "customgrad": (cg_biased_linear, cg_rms_norm),
+    "native": (nn.functional.linear, _native_rms_norm),
+    "function": (FnBiasedLinear.apply, FnRMSNorm.apply),
+}
+"""Linear (with bias) and RMSNorm of each kind: customgrad ops, torch's own (``nn.Linear``'s
+and ``nn.RMSNorm``'s functions), plain ``autograd.Function``\\ s."""
+
+
+class Block(nn.Module):
+    """``x + fc2(relu(fc1(rms_norm(x))))`` in the ops of ``impl`` (a key of ``BLOCK_OPS``).
+
+    The same ``generator`` state gives the same parameters for every ``impl``.
+    """
+
+    def __init__(self, dim: int, hidden: int, impl: str, generator: torch.Generator) -> None:
+        super().__init__()
+        self.linear, self.rms_norm = BLOCK_OPS[impl]
+
+        def param(*shape: int, scale: float) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=generator) * scale)
+
+        self.norm = param(dim, scale=0.1)
+        with torch.no_grad():
+            self.norm += 1.0
+        self.w1, self.b1 = param(hidden, dim, scale=dim**-0.5), param(hidden, scale=0.02)
+        self.w2, self.b2 = param(dim, hidden, scale=hidden**-0.5), param(dim, scale=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear(self.rms_norm(x, self.norm), self.w1, self.b1)
+        return x + self.linear(torch.relu(h), self.w2, self.b2)

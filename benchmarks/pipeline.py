@@ -1,147 +1,226 @@
-"""Step time of a zero-bubble schedule against a full-backward one, customgrad vs plain ops.
+"""Zero-bubble schedules against 1F1B: customgrad ops, native layers and plain Functions.
 
-One run, two local processes (gloo on CPU; NCCL when each rank has its own GPU). The same
-model (pre-norm MLP blocks of linear + RMSNorm, ``examples/_pipeline.py``) runs under
-``ScheduleZBVZeroBubble`` and ``ScheduleInterleaved1F1B`` (same 4 stages, same microbatches),
-built from customgrad ops and from plain ``torch.autograd.Function`` ops. Configurations
-are interleaved round by round so that drifts of the machine hit all of them alike; the
-table gives the median and the minimum step time (the slowest rank's) and their ratios:
-on a shared machine the minimum is the least disturbed.
+One run, 2 processes (gloo on CPU; NCCL when each process has its own GPU). The same model,
+pre-norm MLP blocks (RMSNorm, two linears with bias, ``benchmarks/_models.py``), in three kinds
+of op: native layers (``nn.Linear``'s and ``nn.RMSNorm``'s functions, the anchor), customgrad
+ops, plain ``torch.autograd.Function``\\ s. Each runs under ``Schedule1F1B`` (one stage a rank),
+``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``, ``ScheduleDualPipeV`` and
+``ScheduleInterleavedZeroBubble`` (two stages a rank); every rank holds the same blocks under
+every schedule. customgrad ops run on ``customgrad.pipelining.PipelineStage``, the others on
+torch's (what their users have); ``customgrad ops, torch's stage`` shows what customgrad's stage
+adds. All configurations take turns step by step, so drifts of a shared machine hit them alike.
 
-    python benchmarks/pipeline.py                 # about a minute on 2 CPU cores
-    python benchmarks/pipeline.py --rounds 40     # steadier
+The step time is the slowest rank's, from a barrier to the end of ``schedule.step``; the ratio
+to 1F1B is taken step by step (each step against the 1F1B step of the same round), then its
+median. The last line: ZBV's ratio to 1F1B for each kind of op.
+
+    python benchmarks/pipeline.py                       # spawns 2 local processes
+    python benchmarks/pipeline.py --rounds 60           # steadier
     torchrun --nproc-per-node 2 benchmarks/pipeline.py
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 import statistics
 import sys
-import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+import torch.multiprocessing as mp
+from _models import Block
+from torch import Tensor, nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import customgrad.pipelining as cgp
 
-import _pipeline as pp
-
-ZB, FULL = "ScheduleZBVZeroBubble", "ScheduleInterleaved1F1B"
-CONFIGS = [(impl, sched) for impl in pp.IMPLS for sched in (ZB, FULL)]
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
-    p.add_argument("--stage", choices=pp.STAGE_KINDS, default="customgrad", help=pp.STAGE_HELP)
-    p.add_argument("--rounds", type=int, default=20, help="rounds over all configurations")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per configuration a round")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=256)
-    pp.add_launch_args(p, timeout=500.0)
-    return p.parse_args(argv)
+SCHEDULES = (
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+    "ScheduleInterleavedZeroBubble",
+)
+ZERO_BUBBLE = "ScheduleZBVZeroBubble"  # the schedule of the last line
+# (label, kind of op, stage class)
+OPS = (
+    ("native", "native", pipelining.PipelineStage),
+    ("customgrad", "customgrad", cgp.PipelineStage),
+    ("function", "function", pipelining.PipelineStage),
+    ("customgrad ops, torch's stage", "customgrad", pipelining.PipelineStage),
+)
 
 
-def bench_worker(device: torch.device, args: argparse.Namespace) -> None:
-    world = dist.get_world_size()
-    cfg = pp.ModelConfig(
-        dim=args.dim,
-        hidden=args.hidden,
-        blocks=2 * world,
-        batch=args.batch,
-        microbatches=args.microbatches,
-    )
-    pipes = {c: pp.build_pipeline(cfg, c[1], c[0], args.stage, device) for c in CONFIGS}
-    x, target = pp.make_batch(cfg, 0, device)
-    flops: dict[tuple[str, str], int] = {}
-    bubbles: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
-    times: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
+@dataclass(frozen=True)
+class Config:
+    ops: str  # a label of OPS
+    schedule: str
 
-    def step(c: tuple[str, str], count_flops: bool = False) -> float:
-        pipe = pipes[c]
-        for p in pipe.parameters():
-            p.grad = None
-        dist.barrier()
-        pipe.recorder.start_step(count_flops=count_flops)
-        pipe.step(x, target)
-        pipe.recorder.sync()
-        elapsed = torch.tensor([time.perf_counter() - pipe.recorder.t0], dtype=torch.float64)
-        busy = torch.tensor(
-            [sum(e.end - e.start for e in pipe.recorder.events)], dtype=torch.float64
+
+def configs() -> list[Config]:
+    out = [Config(label, s) for label, _, _ in OPS[:3] for s in SCHEDULES]
+    return [*out, Config(OPS[3][0], ZERO_BUBBLE)]
+
+
+def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+    return nn.functional.mse_loss(output, target)
+
+
+class Pipeline:
+    """One configuration's stages and schedule on this rank, timed by an ``ActionTimer``."""
+
+    def __init__(self, config: Config, args: argparse.Namespace, device: torch.device) -> None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        _, impl, stage_cls = next(o for o in OPS if o[0] == config.ops)
+        single = config.schedule == "Schedule1F1B"
+        n_stages = world if single else 2 * world
+        gen = torch.Generator().manual_seed(0)  # the same model for every configuration
+        blocks = [Block(args.dim, args.hidden, impl, gen) for _ in range(2 * world)]
+        if single:
+            mine = [rank]
+        elif config.schedule in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
+            mine = [rank, 2 * world - 1 - rank]  # the V
+        else:
+            mine = [rank, rank + world]  # looped
+        per = len(blocks) // n_stages
+        self.modules = [nn.Sequential(*blocks[s * per : (s + 1) * per]).to(device) for s in mine]
+        self.timer = cgp.ActionTimer(device)
+        timed = self.timer.stage_class(stage_cls)
+        stages = [timed(m, s, n_stages, device) for m, s in zip(self.modules, mine)]
+        cls = getattr(pipelining, config.schedule)
+        self.schedule = cls(
+            stages[0] if single else stages,
+            args.microbatches,
+            loss_fn=self.timer.time_loss(loss_fn),
         )
-        stats = torch.cat([elapsed, busy]).to(device)
-        dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
-        dist.all_reduce(stats[1:])
-        span, busy_all = stats.tolist()
-        bubbles[c].append(1 - busy_all / (span * world))
-        if count_flops:
-            total = torch.tensor([sum(pipe.recorder.flops.values())], device=device)
-            dist.all_reduce(total)
-            flops[c] = int(total.item())
-        return span
+        self.first, self.last = 0 in mine, n_stages - 1 in mine
 
-    for c in CONFIGS:  # warm up: metadata inference, allocator, FLOP count
-        step(c, count_flops=True)
-        step(c)
+    def step(self, x: Tensor, target: Tensor, count_flops: bool = False) -> None:
+        for m in self.modules:
+            m.zero_grad(set_to_none=True)
+        dist.barrier()  # the ranks' clocks start together
+        with self.timer.step(count_flops=count_flops):
+            self.schedule.step(
+                *([x] if self.first else []), **({"target": target} if self.last else {})
+            )
+
+
+def bench(args: argparse.Namespace, device: torch.device) -> None:
+    rank = dist.get_rank()
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.dim, generator=gen).to(device)
+    target = torch.randn(args.batch, args.dim, generator=gen).to(device)
+    pipes = {c: Pipeline(c, args, device) for c in configs()}
+    for pipe in pipes.values():  # warm up: shape inference, allocator; FLOPs counted once
+        pipe.step(x, target)
+        pipe.step(x, target, count_flops=True)
     for r in range(args.rounds):
-        for c in CONFIGS:
-            times[c].extend(step(c) for _ in range(args.steps))
-        if dist.get_rank() == 0 and (r + 1) % max(1, args.rounds // 5) == 0:
+        for pipe in pipes.values():
+            pipe.step(x, target)
+        if rank == 0 and (r + 1) % max(1, args.rounds // 5) == 0:
             print(f"  round {r + 1}/{args.rounds}", flush=True)
-    if dist.get_rank() == 0:
-        print(report(times, bubbles, flops, args, device))
+    steps = {c: pipe.timer.gather() for c, pipe in pipes.items()}
+    if rank == 0:
+        print(report(steps, args, device))
 
 
 def report(
-    times: dict[tuple[str, str], list[float]],
-    bubbles: dict[tuple[str, str], list[float]],
-    flops: dict[tuple[str, str], int],
-    args: argparse.Namespace,
-    device: torch.device,
+    steps: dict[Config, list[cgp.StepTimeline]], args: argparse.Namespace, device: torch.device
 ) -> str:
-    med = {c: statistics.median(t) for c, t in times.items()}
-    n = len(next(iter(times.values())))
+    flops = {c: sum(a.flops or 0 for r in s[1].ranks for a in r.actions) for c, s in steps.items()}
+    timed = {c: s[2:] for c, s in steps.items()}
+    ms = {c: [t.duration * 1e3 for t in s] for c, s in timed.items()}
+    world = len(next(iter(timed.values()))[0].ranks)
+
+    def vs_1f1b(c: Config) -> float:
+        ops = "customgrad" if c.ops == OPS[3][0] else c.ops
+        base = ms[Config(ops, "Schedule1F1B")]
+        return statistics.median(a / b for a, b in zip(ms[c], base))
+
+    head = f"{'ops':<30} {'schedule':<30} {'median ms':>9} {'min ms':>7} {'bubble':>6}"
+    head += f" {'GFLOP':>6} {'/ 1F1B':>6}"
     lines = [
-        f"pipeline step time, {dist.get_world_size()} ranks on {device.type}"
-        f" ({dist.get_backend()}), stage: {args.stage}, {args.microbatches} microbatches x"
-        f" {args.batch // args.microbatches} rows, dim {args.dim}/{args.hidden}, {n} steps each",
-        f"{'ops':<18} {'schedule':<24} {'median ms':>9} {'min ms':>7} {'bubble':>6} {'GFLOP':>7}",
+        f"pipeline step time, {world} ranks on {device.type} ({dist.get_backend()}),"
+        f" {args.microbatches} microbatches x {args.batch // args.microbatches} rows,"
+        f" dim {args.dim}/{args.hidden}, {len(next(iter(ms.values())))} steps each (median and"
+        f" min of the slowest rank); / 1F1B: median of step-by-step ratios to the same ops'"
+        f" Schedule1F1B",
+        head,
+        "-" * len(head),
     ]
-    for c in CONFIGS:
+    for c in steps:
+        bubble = statistics.median(t.bubble for t in timed[c])
         lines.append(
-            f"{pp.IMPLS[c[0]].name:<18} {c[1]:<24} {1e3 * med[c]:>9.1f}"
-            f" {1e3 * min(times[c]):>7.1f} {statistics.median(bubbles[c]):>6.0%}"
-            f" {flops[c] / 1e9:>7.2f}"
+            f"{c.ops:<30} {c.schedule:<30} {statistics.median(ms[c]):>9.1f} {min(ms[c]):>7.1f}"
+            f" {bubble:>6.1%} {flops[c] / 1e9:>6.2f} {vs_1f1b(c):>6.3f}"
         )
-    low = {c: min(t) for c, t in times.items()}
-
-    def ratio(a: tuple[str, str], b: tuple[str, str]) -> str:
-        return f"{med[a] / med[b]:>6.2f} {low[a] / low[b]:>6.2f}"
-
-    cg_zb, cg_full, fn_zb, fn_full = (
-        ("customgrad", ZB),
-        ("customgrad", FULL),
-        ("function", ZB),
-        ("function", FULL),
+    ratios = {o: vs_1f1b(Config(o, ZERO_BUBBLE)) for o in ("customgrad", "native", "function")}
+    lines.append(
+        "zero-bubble/1F1B step time: " + " ".join(f"{o}={r:.3f}" for o, r in ratios.items())
     )
-    lines += [
-        "",
-        f"{'ratio of step times':<48} {'median':>6} {'min':>6}",
-        f"{'ZBV / Interleaved1F1B, customgrad ops':<48} {ratio(cg_zb, cg_full)}",
-        f"{'ZBV / Interleaved1F1B, autograd.Function ops':<48} {ratio(fn_zb, fn_full)}",
-        f"{'ZBV, autograd.Function / customgrad':<48} {ratio(fn_zb, cg_zb)}",
-        f"{'Interleaved1F1B, autograd.Function / customgrad':<48} {ratio(fn_full, cg_full)}",
-    ]
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return pp.launch(bench_worker, parse_args(argv))
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=30, help="steps of each configuration")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=256, help="rows per step")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        help="local processes when not under torchrun (default 2; with --device cuda, one per"
+        " GPU, at most 2)",
+    )
+    args = p.parse_args(argv)
+    if args.nproc is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        args.nproc = max(1, min(2, gpus)) if args.device == "cuda" else 2
+    return args
+
+
+def run(args: argparse.Namespace) -> None:
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" or (args.device == "auto" and gpus >= local_world):
+        device = torch.device("cuda", local_rank % max(gpus, 1))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    try:
+        bench(args, device)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(local_rank: int, args: argparse.Namespace) -> None:
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(args.nproc),
+        LOCAL_WORLD_SIZE=str(args.nproc),
+    )
+    run(args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if "RANK" in os.environ:  # started by torchrun
+        run(args)
+        return
+    with socket.socket() as s:  # a free port for the process group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+    mp.spawn(_spawned, args=(args,), nprocs=args.nproc)  # stops the others if one fails
 
 
 if __name__ == "__main__":

@@ -291,3 +291,39 @@ def test_stage_costs_are_medians_and_send_is_the_median_transfer() -> None:
     assert [getattr(costs[1], f) for f in fields] == pytest.approx([2e-3, 1e-3, 1.5e-3, 1e-3])
     assert costs[0].backward is None and costs[1].backward is None
     assert isinstance(costs[0], StageCosts)
+
+
+# --- what the timer showed: W copied every weight gradient it accumulated first ---------------
+
+SEEN: list[int] = []  # data pointers: a reference would make the engine copy
+kept_linear = linear_op("timing::kept_linear", spy=None)
+
+
+def test_weight_pass_keeps_the_weight_half_gradient_as_grad() -> None:
+    # A weight's first gradient becomes its .grad as computed, without a weight-sized copy (the
+    # engine copies gradients its caller still references), on customgrad's split and queue.
+    from customgrad.pipelining import WeightGradQueue, stage_backward_input, stage_backward_weight
+
+    @kept_linear.register_backward_weight
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
+        dw = grad.flatten(0, -2).mT @ saved[0].flatten(0, -2)
+        SEEN.append(dw.data_ptr())
+        return {"weight": dw}
+
+    for use_queue in (False, True):
+        SEEN.clear()
+        w = nn.Parameter(torch.randn(WIDTH, WIDTH))
+        x = torch.randn(ROWS, WIDTH, requires_grad=True)
+        if use_queue:
+            queue = WeightGradQueue()
+            with queue.microbatch(0, 0):
+                y = kept_linear(x, w)
+            queue.backward([y], [torch.ones_like(y)], inputs=[x])
+            queue.run(0, 0)
+        else:
+            y = kept_linear(x, w)
+            _, groups = stage_backward_input([y], [torch.ones_like(y)], [x], [w])
+            stage_backward_weight([w], groups)
+        (computed,) = SEEN
+        assert w.grad is not None and w.grad.data_ptr() == computed
+        torch.testing.assert_close(w.grad, torch.ones(ROWS, WIDTH).mT @ x.detach())

@@ -33,7 +33,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
-from customgrad._graph import InputPassPlan, grad_node, plan_input_pass
+from customgrad._graph import InputPassPlan, grad_node, is_leaf_accumulator, plan_input_pass
 from customgrad._record import NodeRecord
 from customgrad._routing import routing
 from customgrad.pipelining._errors import SplitStateError
@@ -347,9 +347,11 @@ def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
         roots.append(GradientEdge(node, nr))
         values.append(g)
     for work in state.deferred:
-        edges, grads = work.gradients()
+        with torch.no_grad():  # as inside the engine: no graph of the weight halves' own ops
+            edges, grads = work.gradients()
         roots.extend(edges)
         values.extend(grads)
+        del edges, grads  # send_gradients must hold the only references (see there)
     if not roots:
         return
 
@@ -366,15 +368,68 @@ def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
                                                               torch.Tensor)]  # fmt: skip
     try:
         with routing(plan.weight_routes):
-            torch.autograd.backward(
-                roots,
-                grad_tensors=values,
-                inputs=leaves or None,
-                retain_graph=retain_graph,
-            )
+            send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:
             h.remove()
+
+
+class _HandOver(torch.autograd.Function):
+    """A node whose backward returns gradients computed before it ran, one per leaf input.
+
+    The autograd engine lets a leaf's ``AccumulateGrad`` keep an incoming gradient as ``.grad``
+    only when nothing else references it; gradients passed to ``torch.autograd.backward`` as
+    ``grad_tensors`` are referenced by the caller (and the engine's graph root), so each is
+    copied into a new ``.grad``: a weight-sized copy per weight. Returned from a node's backward,
+    they are not.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, holder: list[list[torch.Tensor]], *leaves: torch.Tensor) -> torch.Tensor:
+        ctx.holder = holder
+        return leaves[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (None, *ctx.holder.pop())
+
+
+def send_gradients(
+    roots: list[GradientEdge],
+    values: list[torch.Tensor],
+    inputs: list[torch.Tensor] | None = None,
+    retain_graph: bool = False,
+) -> None:
+    """``torch.autograd.backward(roots, values, ...)``, emptying ``values``: gradients bound for
+    a leaf's accumulator become its ``.grad`` without a copy when the caller holds no other
+    reference to them (see :class:`_HandOver`); hooks and accumulation are the engine's."""
+    leaves: list[torch.Tensor] = []
+    handed: list[torch.Tensor] = []
+    other_roots: list[torch.Tensor | GradientEdge] = []
+    other_values: list[torch.Tensor] = []
+    grad: torch.Tensor | None = None
+    for edge, grad in zip(roots, values):
+        if is_leaf_accumulator(edge.node):
+            leaves.append(edge.node.variable)  # type: ignore[attr-defined]
+            handed.append(grad)
+        else:
+            other_roots.append(edge)
+            other_values.append(grad)
+    values.clear()
+    grad = None  # no reference left here to what is handed over
+    if leaves:
+        with torch.enable_grad():
+            out = _HandOver.apply([handed], *leaves)  # type: ignore[no-untyped-call]
+        del handed
+        other_roots.append(out)
+        other_values.append(torch.zeros_like(out))
+    if other_roots:
+        torch.autograd.backward(
+            other_roots,  # type: ignore[arg-type]
+            grad_tensors=other_values,
+            inputs=inputs,
+            retain_graph=retain_graph,
+        )
 
 
 def _flatten_outputs(

@@ -35,6 +35,7 @@ from torch.utils.hooks import RemovableHandle
 from customgrad._graph import grad_node, is_leaf_accumulator, plan_input_pass, reach
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Route, install_for_task, routing, tagging
+from customgrad.pipelining._backward import send_gradients
 from customgrad.pipelining._errors import (
     MissingInputPassError,
     PendingWeightWorkError,
@@ -411,7 +412,7 @@ class WeightGradQueue:
             del self._pending[key]
             self._done.add(key)
         if roots:
-            torch.autograd.backward(roots, grad_tensors=values)
+            send_gradients(roots, values)
 
     def _collect(
         self, key: Key, item: _Work, roots: list[GradientEdge], values: list[torch.Tensor]

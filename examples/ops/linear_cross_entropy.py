@@ -99,10 +99,10 @@ def linear_cross_entropy(
         picked = logits.gather(1, t.clamp(min=0)[:, None])[:, 0]
         z_losses[rows] = torch.where(valid, lse_square_scale * lse**2, 0.0)
         losses[rows] = torch.where(valid, lse - picked, 0.0) + z_losses[rows]
-        if ahead:
+        if grad_input is not None and grad_weight is not None:  # reduction "mean" or "sum"
             dlogits = _dlogits(logits, lse, t, valid, lse_square_scale) / divisor
-            grad_input[rows] = (dlogits.to(x.dtype) @ weight).to(x.dtype)  # type: ignore[index]
-            grad_weight += (dlogits.mT @ x.to(dlogits.dtype)).to(weight.dtype)  # type: ignore[operator]
+            grad_input[rows] = dlogits.to(x.dtype) @ weight
+            grad_weight += (dlogits.mT @ x.to(dlogits.dtype)).to(weight.dtype)
             if grad_bias is not None:
                 grad_bias += dlogits.sum(0).to(grad_bias.dtype)
 

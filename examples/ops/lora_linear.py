@@ -52,7 +52,7 @@ def _(inputs: Any, output: Tensor) -> Any:
 @lora_linear.register_backward_shared
 def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> Tensor:
     """``grad @ B``: both halves need it."""
-    _, _, _, lora_b, _ = saved
+    lora_b: Tensor = saved[3]
     return grad @ lora_b.to(grad.dtype)
 
 

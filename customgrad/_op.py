@@ -675,8 +675,11 @@ class CustomOp(Generic[P, R]):
         traced once per input signature and partitioned into the part input gradients need and
         the part weight gradients need (work both need is done once, in the earlier pass, and
         handed to the later one); a backward that can't be traced falls back to
-        ``split="phase"`` with one log line. With ``split="phase"`` it is called once per pass
-        with ``ctx.needs_input_grad`` set for that pass.
+        ``split="phase"`` with one log line. Traced, the function runs only when a new input
+        signature is traced (on fake tensors, with every argument that requires grad asked for):
+        Python side effects in it (prints, counters) happen then, not at every backward. With
+        ``split="phase"`` it is called once per pass with ``ctx.needs_input_grad`` set for that
+        pass.
 
         Args:
             fn: ``backward(ctx, saved, *grads) -> dict``.

@@ -383,6 +383,36 @@ def test_phase_split_calls_the_function_per_pass_and_auto_only_to_trace() -> Non
         assert dict(counts) == expected
 
 
+def test_threads_trace_and_split_concurrently() -> None:
+    import threading
+
+    mlp = make_mlp()
+    errors: list[BaseException] = []
+    start = threading.Barrier(6)
+
+    def work(rows: int) -> None:
+        try:
+            start.wait()
+            for seed in range(3):
+                x, up, down = randn(rows, 6, seed=seed), randn(5, 6, seed=9), randn(4, 5, seed=8)
+                g = torch.randn(rows, 4, dtype=DT)
+                out = mlp(x, up, down)
+                (gx,), groups = stage_backward_input([out], [g], [x], [up, down])
+                stage_backward_weight([up, down], groups)
+                want = torch.autograd.grad(ref_mlp(x, up, down), [x, up, down], g)
+                assert_grads([gx, up.grad, down.grad], want)
+        except BaseException as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(rows,)) for rows in (2, 3, 2, 3, 2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert auto_of(mlp).traces == 2  # one per shape, however many threads asked at once
+
+
 # --------------------------------------------------------------------------------------------
 # The fallback
 

@@ -61,7 +61,6 @@ MSG_FALLBACK = (
 )
 
 _Tensor = torch.Tensor
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 # Saved values a trace may keep as constants (the signature compares them by value).
 _CONSTANTS = (
     type(None),
@@ -637,7 +636,7 @@ class TracedSplit:
                 vals = [None if i is None else self._outputs[i].meta.get("val") for i in slots]
                 if all(v is None or isinstance(v, _Tensor) for v in vals):
                     self._fakes[name] = vals[0] if isinstance(slot, int) else vals
-        self._unchecked: bool | None = bool(self._fakes)
+        self._unchecked = bool(self._fakes)
         self._passes: dict[Any, _Pass] = {}
         self._bindings: dict[fx.Node, Any] = {}
         self._kept: dict[frozenset[str], tuple[list[fx.Node], set[fx.Node]]] = {}
@@ -684,7 +683,7 @@ class TracedSplit:
             # Once per signature: the gradients no pass computes (of arguments that don't
             # require grad), as the trace's fake tensors, so that customgrad's validation sees
             # every gradient the backward returns, as it does for a backward called as written.
-            self._unchecked = None
+            self._unchecked = False
             for name, value in self._fakes.items():
                 result.setdefault(name, value)
         return result, kept

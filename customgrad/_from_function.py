@@ -204,15 +204,14 @@ def _parameters(
         ) from None
     if classic:
         params = params[1:]  # ctx
-    bad = [
-        p
-        for p in params
-        if p.kind
-        in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD, p.KEYWORD_ONLY)
-    ]
+    kinds: dict[Any, str] = {
+        inspect.Parameter.VAR_POSITIONAL: "*",
+        inspect.Parameter.VAR_KEYWORD: "**",
+        inspect.Parameter.KEYWORD_ONLY: "keyword-only ",
+    }
+    bad = [p for p in params if p.kind in kinds]
     if bad:
-        kinds = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
-        stars = kinds.get(bad[0].kind, "keyword-only ")
+        stars = kinds[bad[0].kind]
         raise DefinitionError(
             f"{name}: {label} takes {stars}{bad[0].name}; autograd.Function.apply passes its "
             f"inputs by position, and a customgrad op needs one named parameter per input. Name "

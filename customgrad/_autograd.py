@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -55,6 +56,7 @@ _will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_ex
 _warned_no_engine_query = False
 
 _Tensor = torch.Tensor
+_version_of = operator.attrgetter("_version")
 _Parameter = torch.nn.Parameter
 _functorch_active: Callable[[], bool] | None = getattr(
     torch._C, "_are_functorch_transforms_active", None
@@ -234,11 +236,11 @@ class _Watch:
             leaves = optree.tree_leaves(saved, none_is_leaf=True)
             tensors += [t for t in leaves if isinstance(t, _Tensor)]
         self.tensors = tensors
-        self.before = [t._version for t in tensors]
+        self.before = [*map(_version_of, tensors)]
 
     def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
         """Raise :class:`MutationError` if ``fn`` moved a version counter."""
-        if [t._version for t in self.tensors] == self.before:
+        if [*map(_version_of, self.tensors)] == self.before:
             return
         for i, (t, version) in enumerate(zip(self.tensors, self.before)):
             if t._version != version:
@@ -420,6 +422,7 @@ class AutogradImpl:
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
         self._ready_for: AutogradRules | None = None
+        self._simple_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -471,17 +474,17 @@ class AutogradImpl:
             raise MissingRegistrationError(spec.missing_autograd_message())
         sig = spec.signature
         call = _Call(kernel)
+        flat: Sequence[Any] = args
         if sig.has_lists:
-            lens, flat = _flatten_args(sig, args)
-            call.lens = lens
+            call.lens, flat = _flatten_args(sig, args)
+        if _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
             out = self._function_apply(self, call, *flat)
-        elif _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
-            out = self._function_apply(self, call, *args)
         else:
-            # Function.apply without a functorch transform: unwrap dead wrappers, then apply.
+            # What Function.apply does without a functorch transform (unwrap dead wrappers,
+            # then apply), minus its per-call signature binding.
             unwrap = _unwrap_if_dead
             out = self._c_apply(
-                self, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in args]
+                self, call, *[unwrap(a) if isinstance(a, _Tensor) else a for a in flat]
             )
         if sig.plain_output:
             return out
@@ -651,6 +654,80 @@ class AutogradImpl:
                 o("backward_shared", phase, ctx, shared.value)
         return grads_out
 
+    def _is_simple(self, rules: AutogradRules) -> bool:
+        """Whether :meth:`_compute_simple` may run ``rules``: the input/weight pair or a single
+        backward called as written (no shared work, automatic split, observer or
+        ``differentiable=False``), cached per rules object."""
+        if self.observers:
+            return False
+        if rules is self._simple_for:
+            return True
+        if rules.backward_shared is not None or rules.auto is not None or rules.nondifferentiable:
+            return False
+        self._simple_for = rules
+        return True
+
+    def _compute_simple(
+        self,
+        out: list[Any],
+        record: NodeRecord,
+        plan: PassPlan,
+        saved: Any,
+        grads: tuple[Any, ...],
+    ) -> None:
+        """:meth:`compute` for a node without list arguments whose rules are simple
+        (:meth:`_is_simple`) and that keeps nothing for a later pass: the same calls, checks
+        and errors, with the gradients written straight into the node's ``out`` slots."""
+        spec = self.spec
+        sig = spec.signature
+        rules = spec.rules
+        metas = record.metas
+        index = sig.index
+        watch = _Watch(saved, grads)
+        ctx = BackwardContext(spec, plan.phase, plan.needed)
+        bwd = rules.backward
+        if bwd is not None:
+            steps: tuple[tuple[Any, Half, frozenset[str], frozenset[str]], ...] = (
+                (bwd, "full", sig.tensor_set, plan.needed),
+            )
+        else:
+            steps = ()
+            if plan.need_in:
+                steps += ((rules.backward_input, "input", sig.input_set, plan.need_in),)
+            if plan.need_w:
+                steps += ((rules.backward_weight, "weight", sig.weight_set, plan.need_w),)
+                record.handoff = NO_HANDOFF
+        for fn, half, allowed, needed in steps:
+            if fn is None:
+                raise MissingRegistrationError(spec.missing_autograd_message())
+            result = fn(ctx, saved, *grads)
+            watch.check(spec, half, fn)
+            # The common case inline: a dict of valid gradients. Anything else goes through
+            # collect_grads, which accepts exactly the same dicts and raises the errors.
+            if type(result) is dict:
+                placed = 0
+                for name, g in result.items():
+                    if name not in allowed:
+                        break
+                    if g is not None:
+                        meta = metas[index[name]]
+                        if not (
+                            type(g) is _Tensor
+                            and meta is not None
+                            and g.shape == meta[0]
+                            and g.dtype is meta[1]
+                            and g.device == meta[2]
+                        ):
+                            break
+                    if name in needed:
+                        out[index[name] + 2] = g
+                        placed += 1
+                else:
+                    if placed == len(needed):
+                        continue
+            for name, g in collect_grads(sig, half, fn, result, allowed, needed, metas).items():
+                out[index[name] + 2] = g
+
     def _auto_split(
         self,
         record: NodeRecord,
@@ -730,7 +807,13 @@ class AutogradImpl:
         out_lens = record.out_lens
         out_grads = grads if out_lens is None else _regroup(out_lens, grads)
         keep = bool(plan.later_w) and bool(plan.need_in)
-        result = self.compute(record, plan, saved, out_grads, keep) if plan.needed else {}
+        if not plan.needed:
+            result: dict[str, Any] = {}
+        elif lens is None and not keep and self._is_simple(self.spec.rules):
+            self._compute_simple(out, record, plan, saved, out_grads)
+            result = {}
+        else:
+            result = self.compute(record, plan, saved, out_grads, keep)
         if deferred and target is not None:
             target.defer(record, _deferred(self, node, record, plan, deferred, saved, out_grads))
         if lens is None:
@@ -930,9 +1013,9 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
     if kind is tuple:
         for v in saved:
             k = type(v)
-            if k is not _Tensor and k is not _Parameter:
+            if k is not _Tensor and k is not _Parameter and v is not None:
                 break
-        else:  # a tuple of Tensors: saved_tensors as it is
+        else:  # Tensors and Nones: saved_tensors gives the same tuple back
             ctx.save_for_backward(*saved)
             record.kept = _SAVED_TENSORS
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import os
 import socket
 import sys
@@ -44,7 +45,7 @@ class Config:
     dim: int = 128
     heads: int = 4
     hidden: int = 352  # SwiGLU width, about 8/3 of dim
-    layers: int = 4  # one per stage
+    layers: int = 4  # one per stage: 2 per process
     seq: int = 64  # tokens per sequence
 
 
@@ -191,12 +192,16 @@ def train(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg, n_stages = args.config, 2 * world
+    n_stages = 2 * world
+    cfg = dataclasses.replace(args.config, layers=n_stages)  # a block per stage
     torch.manual_seed(0)  # the same initial model on every rank
     model = LanguageModel(cfg).to(device)
     reference = copy.deepcopy(model)
     timer = cgp.ActionTimer(device)
-    mine = sorted({rank, n_stages - 1 - rank})  # V-shaped: rank r holds stages r and 2w-1-r
+    if args.schedule == "ScheduleInterleavedZeroBubble":
+        mine = [rank, rank + world]  # looped: stage s on rank s % world
+    else:
+        mine = [rank, n_stages - 1 - rank]  # V-shaped: rank r holds stages r and 2w-1-r
     stages = [Stage(model, s, n_stages) for s in mine]
     pipeline_stages = [
         timer.stage_class(cgp.PipelineStage)(m, s, n_stages, device) for m, s in zip(stages, mine)

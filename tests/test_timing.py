@@ -291,6 +291,11 @@ def test_stage_costs_are_medians_and_send_is_the_median_transfer() -> None:
     assert [getattr(costs[1], f) for f in fields] == pytest.approx([2e-3, 1e-3, 1.5e-3, 1e-3])
     assert costs[0].backward is None and costs[1].backward is None
     assert isinstance(costs[0], StageCosts)
+    # per action, outside actions and waits: rank 0 1 ms / 3 actions, rank 1 0.5 ms / 3
+    assert costs[0].overhead == costs[1].overhead == pytest.approx((1e-3 / 3 + 0.5e-3 / 3) / 2)
+    highest = stage_costs([_two_rank_step()], statistic=max)
+    assert highest[0].overhead == pytest.approx(1e-3 / 3)
+    assert highest[1].send == pytest.approx(1e-3)
 
 
 # --- what the timer showed: W copied every weight gradient it accumulated first ---------------

@@ -317,46 +317,61 @@ def _split_waits(step: StepTimeline) -> list[tuple[int, float, float | None]]:
     return out
 
 
-def stage_costs(steps: Sequence[StepTimeline]) -> dict[int, StageCosts]:
-    """Each stage's median action times over ``steps``, as ``StageCosts`` for ``simulate``.
+def stage_costs(
+    steps: Sequence[StepTimeline],
+    statistic: Callable[[Sequence[float]], float] = statistics.median,
+) -> dict[int, StageCosts]:
+    """Each stage's action times over ``steps``, as ``StageCosts`` for ``simulate``.
 
     ``forward``, ``backward_input``, ``backward_weight`` (and ``backward`` for a stage that ran
-    full backwards) are medians over every microbatch of every step; ``send`` is the median
-    transfer part of the waits (see :meth:`StepTimeline.breakdown`) of all ranks: what a
-    tensor took from the end of the action that made it to the start of the one that used it.
+    full backwards): ``statistic`` of that stage's actions of every microbatch of every step.
+    For all stages alike: ``send``, of the transfer parts of all waits (see
+    :meth:`StepTimeline.breakdown`: from the end of the action that made a tensor to the start
+    of the one that used it); ``overhead``, of each rank's time per action in neither an action
+    nor a wait (the schedule runtime's own).
+
+    Args:
+        steps: measured steps (:meth:`ActionTimer.gather`).
+        statistic: ``statistics.median`` (default) for typical costs; ``statistics.mean`` to
+            predict a step's time, a sum in which occasional slow actions count.
 
     Raises:
         ArgumentValueError: ``steps`` is empty or recorded no action.
     """
     times: dict[tuple[int, str], list[float]] = defaultdict(list)
     transfers: list[float] = []
+    overheads: list[float] = []
     for step in steps:
         for r in step.ranks:
             for a in r.actions:
                 times[a.stage, a.kind].append(a.duration)
+            if r.actions:
+                idle = r.duration - r.busy - sum(w.duration for w in r.waits)
+                overheads.append(idle / len(r.actions))
         transfers.extend(t for _, _, t in _split_waits(step) if t is not None)
     if not times:
         raise ArgumentValueError(
             "stage_costs: the steps recorded no action. Time steps with ActionTimer.step() "
             "around schedule.step(...), on stages built from ActionTimer.stage_class(...)."
         )
-    send = statistics.median(transfers) if transfers else 0.0
 
-    def med(stage: int, kind: str) -> float:
+    def of(stage: int, kind: str) -> float:
         values = times.get((stage, kind))
-        return statistics.median(values) if values else 0.0
+        return statistic(values) if values else 0.0
 
-    costs = {}
-    for stage in sorted({s for s, _ in times}):
-        full = med(stage, "B") if (stage, "B") in times else None
-        costs[stage] = StageCosts(
-            forward=med(stage, "F"),
-            backward_input=med(stage, "I"),
-            backward_weight=med(stage, "W"),
-            backward=full,
+    send = statistic(transfers) if transfers else 0.0
+    overhead = max(0.0, statistic(overheads))
+    return {
+        stage: StageCosts(
+            forward=of(stage, "F"),
+            backward_input=of(stage, "I"),
+            backward_weight=of(stage, "W"),
+            backward=of(stage, "B") if (stage, "B") in times else None,
             send=send,
+            overhead=overhead,
         )
-    return costs
+        for stage in sorted({s for s, _ in times})
+    }
 
 
 _SCHEDSTAT = threading.local()

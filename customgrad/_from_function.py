@@ -160,19 +160,26 @@ in backward with differentiable torch ops if you need double backward. (forward 
 
 
 def _guard_computed(
-    qualname: str, forward: Any, saved: Any, grads: tuple[Any, ...], computed: tuple[int, ...]
-) -> Any:
-    """``saved`` with each tensor that forward computed replaced by an alias whose backward
-    raises, in double backward (customgrad does the same for an op's residuals)."""
-    anchors = _requiring_grad(grads, saved)
+    qualname: str,
+    forward: Any,
+    tensors: tuple[Any, ...],
+    attrs: dict[str, Any],
+    grads: tuple[Any, ...],
+    computed: tuple[tuple[str | None, int], ...],
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The saved tensors and attributes with each tensor that forward computed replaced by an
+    alias whose backward raises, in double backward (as customgrad does for residuals)."""
+    anchors = _requiring_grad(grads, (tensors, attrs))
     if not anchors:
-        return saved
+        return tensors, attrs
     msg = MSG_COMPUTED_DOUBLE_BACKWARD.format(op=qualname, loc=where(forward))
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-    tensor_at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
-    for k in computed:
-        leaves[tensor_at[k]] = _raises_if_differentiated(msg, leaves[tensor_at[k]], anchors)
-    return optree.tree_unflatten(treespec, leaves)
+    saved = list(tensors)
+    leaves = {a: optree.tree_flatten(v, none_is_leaf=True) for a, v in attrs.items()}
+    for attr, i in computed:
+        where_ = saved if attr is None else leaves[attr][0]
+        where_[i] = _raises_if_differentiated(msg, where_[i], anchors)
+    values = {a: optree.tree_unflatten(spec, ls) for a, (ls, spec) in leaves.items()}
+    return tuple(saved), values
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,20 +409,23 @@ def from_function(
             )
         saved_places, attrs, _ = recipe
         outs = output if n_out > 1 else (output,)
-        places = [p for p in saved_places if isinstance(p, tuple)]
+        # The tensors forward computed itself: (None, index in saved_tensors) or (attribute,
+        # index among the leaves of its value).
+        computed = [
+            (None, i) for i, p in enumerate(saved_places) if isinstance(p, tuple) and p[0] == "res"
+        ]
         saved = tuple(
-            p if not isinstance(p, tuple) else _find(p, inputs, outs, res) for p in saved_places
+            _find(p, inputs, outs, res) if isinstance(p, tuple) else p for p in saved_places
         )
         values = {}
         for attr, (spec, leaves, tensors) in attrs.items():
             leaves = list(leaves)
             for i in tensors:
-                places.append(leaves[i])
+                if leaves[i][0] == "res":
+                    computed.append((attr, i))
                 leaves[i] = _find(leaves[i], inputs, outs, res)
             values[attr] = optree.tree_unflatten(spec, leaves)
-        # Which saved tensors (in the order backward flattens them) forward computed itself.
-        computed = tuple(i for i, p in enumerate(places) if p[0] == "res")
-        return saved, values, computed
+        return saved, values, tuple(computed)
 
     n_args = len(names)
     label = f"{function.__qualname__}.backward"
@@ -423,7 +433,7 @@ def from_function(
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
         tensors, attrs, computed = saved
         if computed and torch.is_grad_enabled():  # create_graph: see _guard_computed
-            tensors, attrs = _guard_computed(qualname, forward, (tensors, attrs), grads, computed)
+            tensors, attrs = _guard_computed(qualname, forward, tensors, attrs, grads, computed)
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
         result = function.backward(_BackwardContext(tensors, attrs, needs), *grads)
         got = result if isinstance(result, tuple) else (result,)

@@ -341,6 +341,29 @@ def test_double_backward_through_saved_inputs_and_outputs() -> None:
                                torch.autograd.grad(want.sum(), [w])[0])  # fmt: skip
 
 
+def test_tensors_kept_as_attributes() -> None:
+    class Attrs(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+            h = x @ w.mT
+            ctx.z_x, ctx.a_w, ctx.m_h = x, w, h  # an input, a weight, a computed tensor
+            return torch.tanh(h)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+            t = torch.tanh(ctx.m_h)
+            gh = grad * (1 - t * t)
+            return gh @ ctx.a_w, gh.mT @ ctx.z_x
+
+    op = cg.from_function(Attrs, unique("attrs"), weights=("w",))
+    x, w = randn(4, 3, seed=0), randn(5, 3, seed=1)
+    want = torch.autograd.grad(torch.tanh(x @ w.mT).sum(), [x, w], create_graph=True)
+    got = torch.autograd.grad(op(x, w).sum(), [x, w], create_graph=True)
+    assert_grads(list(got), tuple(t.detach() for t in want))
+    with pytest.raises(cg.UnsupportedError, match="reached a tensor that the Function's forward"):
+        torch.autograd.grad(got[0].sum(), [x])  # through h, which forward computed
+
+
 def test_schema_given_for_an_unannotated_forward() -> None:
     class Plain(torch.autograd.Function):
         @staticmethod

@@ -41,6 +41,7 @@ __all__ = ["from_function"]
 
 _Tensor = torch.Tensor
 _RESIDUAL = "saved"
+_LEAVES = (_Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype, torch.Size)
 _is_alias_of: Any = torch._C._is_alias_of  # type: ignore[attr-defined]
 
 
@@ -111,21 +112,26 @@ class _BackwardContext:
 # Where each saved tensor comes from
 
 
-def _sources(args: Sequence[Any], outs: Sequence[Any]) -> list[tuple[Any, tuple[Any, ...]]]:
+class _Place(tuple):  # type: ignore[type-arg]
+    """Where a saved tensor comes from: ``("arg", i, item)``, ``("out", j)``, ``("view",
+    place, size, stride, offset)`` or ``("res", k)`` (the kernel's ``k``-th residual)."""
+
+    __slots__ = ()
+
+
+def _sources(args: Sequence[Any], outs: Sequence[Any]) -> list[tuple[Any, _Place]]:
     """The tensors a saved tensor may be (or view): arguments (list items too), outputs."""
-    found: list[tuple[Any, tuple[Any, ...]]] = []
+    found: list[tuple[Any, _Place]] = []
     for i, a in enumerate(args):
         if isinstance(a, _Tensor):
-            found.append((a, ("arg", i, None)))
+            found.append((a, _Place(("arg", i, None))))
         elif isinstance(a, (list, tuple)):
-            found += [(t, ("arg", i, k)) for k, t in enumerate(a) if isinstance(t, _Tensor)]
-    found += [(t, ("out", j)) for j, t in enumerate(outs)]
+            found += [(t, _Place(("arg", i, k))) for k, t in enumerate(a) if isinstance(t, _Tensor)]
+    found += [(t, _Place(("out", j))) for j, t in enumerate(outs)]
     return found
 
 
-def _place(
-    t: _Tensor, sources: list[tuple[Any, tuple[Any, ...]]], residuals: list[_Tensor]
-) -> tuple[Any, ...]:
+def _place(t: _Tensor, sources: list[tuple[Any, _Place]], residuals: list[_Tensor]) -> _Place:
     """How ``save_for_backward`` finds ``t`` again: an argument or output, a view of one
     (``as_strided``), or a residual the kernel returns."""
     for s, where_ in sources:
@@ -133,12 +139,12 @@ def _place(
             return where_
     for s, where_ in sources:
         if _is_alias_of(t, s):
-            return ("view", where_, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+            return _Place(("view", where_, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
     residuals.append(t)
-    return ("res", len(residuals) - 1)
+    return _Place(("res", len(residuals) - 1))
 
 
-def _find(place: tuple[Any, ...], inputs: Sequence[Any], outs: Sequence[Any], res: Any) -> Any:
+def _find(place: _Place, inputs: Sequence[Any], outs: Sequence[Any], res: Any) -> Any:
     kind = place[0]
     if kind == "arg":
         a = inputs[place[1]]
@@ -160,26 +166,41 @@ in backward with differentiable torch ops if you need double backward. (forward 
 
 
 def _guard_computed(
-    qualname: str,
-    forward: Any,
-    tensors: tuple[Any, ...],
-    attrs: dict[str, Any],
-    grads: tuple[Any, ...],
-    computed: tuple[tuple[str | None, int], ...],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The saved tensors and attributes with each tensor that forward computed replaced by an
-    alias whose backward raises, in double backward (as customgrad does for residuals)."""
-    anchors = _requiring_grad(grads, (tensors, attrs))
+    qualname: str, forward: Any, saved: tuple[Any, ...], grads: tuple[Any, ...], computed: Any
+) -> tuple[Any, ...]:
+    """``saved`` with each tensor that forward computed (at positions ``computed``) replaced by
+    an alias whose backward raises, in double backward (as customgrad does for residuals)."""
+    anchors = _requiring_grad(grads, saved)
     if not anchors:
-        return tensors, attrs
+        return saved
     msg = MSG_COMPUTED_DOUBLE_BACKWARD.format(op=qualname, loc=where(forward))
-    saved = list(tensors)
-    leaves = {a: optree.tree_flatten(v, none_is_leaf=True) for a, v in attrs.items()}
-    for attr, i in computed:
-        where_ = saved if attr is None else leaves[attr][0]
-        where_[i] = _raises_if_differentiated(msg, where_[i], anchors)
-    values = {a: optree.tree_unflatten(spec, ls) for a, (ls, spec) in leaves.items()}
-    return tuple(saved), values
+    guarded = list(saved)
+    for i in computed:
+        guarded[i] = _raises_if_differentiated(msg, guarded[i], anchors)
+    return tuple(guarded)
+
+
+class _Layouts:
+    """Numbers for the layouts of what an op's forward saved (how many saved tensors, which
+    attributes with which structure, which tensors it computed), so that the saved values are
+    one flat tuple of tensors and plain values."""
+
+    def __init__(self) -> None:
+        self._numbers: dict[Any, int] = {}
+        self._layouts: list[Any] = []
+        self._lock = threading.Lock()
+
+    def number(self, layout: Any) -> int:
+        found = self._numbers.get(layout)
+        if found is None:
+            with self._lock:
+                found = self._numbers.setdefault(layout, len(self._layouts))
+                if found == len(self._layouts):
+                    self._layouts.append(layout)
+        return found
+
+    def layout(self, number: int) -> Any:
+        return self._layouts[number]
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,11 +382,13 @@ def from_function(
             return _place(value, sources, residuals) if isinstance(value, _Tensor) else value
 
         saved = tuple(place(t) for t in ctx._cg_saved)
-        attrs = {}
+        attrs: dict[str, tuple[Any, list[Any]]] = {}
         for attr, value in ctx._cg_attrs.items():
+            if type(value) in _LEAVES:  # a plain value or a tensor: no flattening
+                attrs[attr] = (None, [place(value)])
+                continue
             leaves, spec = optree.tree_flatten(value, none_is_leaf=True)
-            tensors = [i for i, v in enumerate(leaves) if isinstance(v, _Tensor)]
-            attrs[attr] = (spec, [place(v) for v in leaves], tensors)
+            attrs[attr] = (None if spec.is_leaf() else spec, [place(v) for v in leaves])
         for t in ctx._cg_nondiff:
             j = next((j for j, o in enumerate(outs) if o is t), None)
             if j is not None and (diff is None or diff[j]):
@@ -396,6 +419,8 @@ def from_function(
     op.register_fake(kernel)
     tensor_args = {a.name for a in op.signature.args if a.is_tensor}
 
+    layouts = _Layouts()
+
     @op.register_save_for_backward
     def save_for_backward(inputs: Any, output: Any, residuals: Any) -> Any:
         recipe, _stash.recipe = _stash.recipe, None
@@ -409,31 +434,35 @@ def from_function(
             )
         saved_places, attrs, _ = recipe
         outs = output if n_out > 1 else (output,)
-        # The tensors forward computed itself: (None, index in saved_tensors) or (attribute,
-        # index among the leaves of its value).
-        computed = [
-            (None, i) for i, p in enumerate(saved_places) if isinstance(p, tuple) and p[0] == "res"
-        ]
-        saved = tuple(
-            _find(p, inputs, outs, res) if isinstance(p, tuple) else p for p in saved_places
-        )
-        values = {}
-        for attr, (spec, leaves, tensors) in attrs.items():
-            leaves = list(leaves)
-            for i in tensors:
-                if leaves[i][0] == "res":
-                    computed.append((attr, i))
-                leaves[i] = _find(leaves[i], inputs, outs, res)
-            values[attr] = optree.tree_unflatten(spec, leaves)
-        return saved, values, tuple(computed)
+        # One flat tuple (customgrad saves it, and the automatic split reads it, without
+        # flattening): the layout's number, the saved tensors, then each attribute's leaves.
+        flat: list[Any] = [None]
+        computed: list[int] = []
+        for p in [*saved_places, *(v for _, leaves in attrs.values() for v in leaves)]:
+            if isinstance(p, _Place):
+                if p[0] == "res":
+                    computed.append(len(flat))
+                p = _find(p, inputs, outs, res)
+            flat.append(p)
+        specs = tuple((attr, spec, len(leaves)) for attr, (spec, leaves) in attrs.items())
+        flat[0] = layouts.number((len(saved_places), specs, tuple(computed)))
+        return tuple(flat)
 
     n_args = len(names)
     label = f"{function.__qualname__}.backward"
 
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
-        tensors, attrs, computed = saved
+        n_saved, specs, computed = layouts.layout(saved[0])
         if computed and torch.is_grad_enabled():  # create_graph: see _guard_computed
-            tensors, attrs = _guard_computed(qualname, forward, tensors, attrs, grads, computed)
+            saved = _guard_computed(qualname, forward, saved, grads, computed)
+        tensors = saved[1 : 1 + n_saved]
+        attrs: dict[str, Any] = {}
+        at = 1 + n_saved
+        for attr, spec, n in specs:
+            attrs[attr] = (
+                saved[at] if spec is None else optree.tree_unflatten(spec, saved[at : at + n])
+            )
+            at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
         result = function.backward(_BackwardContext(tensors, attrs, needs), *grads)
         got = result if isinstance(result, tuple) else (result,)

@@ -10,6 +10,7 @@ import torch
 import torch.autograd.forward_ad as _fwad
 from typing_extensions import ParamSpec
 
+from customgrad import _fastpath
 from customgrad._autograd import AutogradImpl
 from customgrad._errors import (
     DefinitionError,
@@ -36,6 +37,7 @@ R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _OPS: dict[str, CustomOp[..., Any]] = {}
+_DECLINED = _fastpath.DECLINED
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _tf_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
 _dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
@@ -242,6 +244,7 @@ class CustomOp(Generic[P, R]):
         self.rules = AutogradRules()
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
+        self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
         self._registered_keys: set[str] = set()
 
         self._lib = torch.library.Library(ns, "FRAGMENT")
@@ -333,6 +336,11 @@ class CustomOp(Generic[P, R]):
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        fast = self._fast_call
+        if fast is not None and not kwargs:
+            out = fast(args)
+            if out is not _DECLINED:
+                return out  # type: ignore[no-any-return]
         sig = self._sig
         if kwargs or len(args) != sig.nargs or sig.kwonly_names:
             args = sig.bind(args, kwargs)  # type: ignore[assignment]
@@ -531,7 +539,24 @@ class CustomOp(Generic[P, R]):
         return out
 
     # -- registration ----------------------------------------------------------------------
+    def _set_rules(self, rules: AutogradRules) -> None:
+        """Swap in new autograd registrations (whole, so a backward sees one consistent set)."""
+        self.rules = rules
+        self._refresh_fast()
+
+    def _refresh_fast(self) -> None:
+        """Rebuild the fast path for the current registrations and kernels."""
+        self._fast_call = _fastpath.build(
+            self._impl, self._kernels.by_device, self._checked_output, bool(self._mutates)
+        )
+
     def _register_kernel(self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]) -> None:
+        self._register_kernel_for(keys, fn)
+        self._refresh_fast()
+
+    def _register_kernel_for(
+        self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]
+    ) -> None:
         if keys is None:
             self._kernels.by_device[None] = fn
             return
@@ -602,7 +627,7 @@ class CustomOp(Generic[P, R]):
             _check_arity(self.name, "save_for_backward", fn, 3, "(inputs, output, residuals)")
         else:
             _check_arity(self.name, "save_for_backward", fn, 2, "(inputs, output)")
-        self.rules = self.rules.replace(save=fn)
+        self._set_rules(self.rules.replace(save=fn))
         return fn
 
     def _grads_shape(self) -> str:
@@ -701,15 +726,17 @@ class CustomOp(Generic[P, R]):
                     f"'cheap'."
                 )
             nondiff = self._half_rules("full", f, differentiable)
-            self.rules = self.rules.replace(
-                backward=f,
-                backward_input=None,
-                backward_weight=None,
-                backward_shared=None,
-                split=split,
-                recompute=recompute,
-                nondifferentiable=nondiff,
-                auto=_auto_split(self, f, split, recompute),
+            self._set_rules(
+                self.rules.replace(
+                    backward=f,
+                    backward_input=None,
+                    backward_weight=None,
+                    backward_shared=None,
+                    split=split,
+                    recompute=recompute,
+                    nondifferentiable=nondiff,
+                    auto=_auto_split(self, f, split, recompute),
+                )
             )
             return f
 
@@ -733,8 +760,10 @@ class CustomOp(Generic[P, R]):
 
         def register(f: F) -> F:
             nondiff = self._half_rules("input", f, differentiable)
-            self.rules = self.rules.replace(
-                backward_input=f, backward=None, auto=None, nondifferentiable=nondiff
+            self._set_rules(
+                self.rules.replace(
+                    backward_input=f, backward=None, auto=None, nondifferentiable=nondiff
+                )
             )
             return f
 
@@ -755,8 +784,10 @@ class CustomOp(Generic[P, R]):
 
         def register(f: F) -> F:
             nondiff = self._half_rules("weight", f, differentiable)
-            self.rules = self.rules.replace(
-                backward_weight=f, backward=None, auto=None, nondifferentiable=nondiff
+            self._set_rules(
+                self.rules.replace(
+                    backward_weight=f, backward=None, auto=None, nondifferentiable=nondiff
+                )
             )
             return f
 
@@ -775,7 +806,7 @@ class CustomOp(Generic[P, R]):
             2 + len(self._sig.output_kinds),
             self._grads_shape(),
         )
-        self.rules = self.rules.replace(backward_shared=fn, backward=None, auto=None)
+        self._set_rules(self.rules.replace(backward_shared=fn, backward=None, auto=None))
         return fn
 
     def register_jvp(self, fn: F) -> F:
@@ -785,7 +816,7 @@ class CustomOp(Generic[P, R]):
         (or None) per argument, by name.
         """
         _check_arity(self.name, "jvp", fn, 3, "(inputs, output, tangents)")
-        self.rules = self.rules.replace(jvp=fn)
+        self._set_rules(self.rules.replace(jvp=fn))
         return fn
 
     # -- identity --------------------------------------------------------------------------

@@ -1,0 +1,219 @@
+"""The fast path (generated per op, ``customgrad._fastpath``) and the general path agree.
+
+Every op with a simple signature runs the generated call, forward and backward; an op whose fast
+path is switched off runs ``customgrad._autograd`` only. Random signatures, registrations,
+gradients (valid and invalid), requires-grad patterns and backward passes must give the same
+gradients and the same errors on both.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import customgrad as cg
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
+
+_names = itertools.count()
+KINDS = {"T": "torch.Tensor", "O": "torch.Tensor | None", "F": "float"}
+FAULTS = ("none", "shape", "dtype", "missing", "unknown", "not_dict", "extra_none", "wrong_half")
+
+
+def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: bool) -> Any:
+    """An op ``a0 * 1 + a1 * 2 + ...`` (float args scale the first tensor) with ``fault``
+    injected into what its backward returns."""
+    trailing = len(kinds) - len(kinds.rstrip("O"))  # trailing Optionals default to None
+    params = ", ".join(
+        f"a{i}: {KINDS[k]}" + (" = None" if i >= len(kinds) - trailing else "")
+        for i, k in enumerate(kinds)
+    )
+    terms = " + ".join(
+        f"(0 if a{i} is None else a{i} * {i + 1})" if k == "O" else f"a{i} * {i + 1}"
+        for i, k in enumerate(kinds)
+        if k != "F"
+    )
+    scale = " * ".join([f"a{i}" for i, k in enumerate(kinds) if k == "F"] or ["1.0"])
+    scope: dict[str, Any] = {"torch": torch}
+    exec(f"def kernel({params}) -> torch.Tensor:\n    return ({terms}) * {scale}\n", scope)
+    name = f"test_fastpath::op{next(_names)}"
+    op = cg.op(name, scope["kernel"], weights=tuple(f"a{i}" for i in weights))
+    tensors = [f"a{i}" for i, k in enumerate(kinds) if k != "F"]
+    floats = [f"a{i}" for i, k in enumerate(kinds) if k == "F"]
+
+    @op.register_save_for_backward
+    def _(inputs: Any, output: torch.Tensor) -> Any:
+        scale = 1.0
+        for f in floats:
+            scale *= getattr(inputs, f)
+        return (*(getattr(inputs, t) for t in tensors), scale)
+
+    def grads(allowed: set[str], saved: Any, g: torch.Tensor) -> Any:
+        out: dict[str, Any] = {}
+        for i, t in enumerate(tensors):
+            if t in allowed:
+                value = saved[i]
+                out[t] = None if value is None else g * (int(t[1:]) + 1) * saved[-1]
+        target = next(iter(sorted(allowed)), None)
+        if fault == "not_dict":
+            return list(out.values())
+        if fault == "unknown":
+            out["nope"] = g
+        if fault == "extra_none" and target is not None:
+            out[target] = None
+        if target is not None and out.get(target) is not None:
+            if fault == "shape":
+                out[target] = out[target][:1]
+            elif fault == "dtype":
+                out[target] = out[target].float()
+            elif fault == "missing":
+                del out[target]
+        return out
+
+    inputs = {t for t in tensors if int(t[1:]) not in weights}
+    weight_names = {t for t in tensors if int(t[1:]) in weights}
+    if style == "pair":
+        wrong = weight_names if fault == "wrong_half" else set()
+
+        if inputs:
+
+            @op.register_backward_input
+            def _(ctx: Any, saved: Any, g: torch.Tensor) -> Any:
+                return grads(inputs | wrong, saved, g)
+
+        if weight_names:
+
+            @op.register_backward_weight
+            def _(ctx: Any, saved: Any, g: torch.Tensor) -> Any:
+                return grads(weight_names, saved, g)
+    else:
+
+        @op.register_backward(split="phase")
+        def _(ctx: Any, saved: Any, g: torch.Tensor) -> Any:
+            return grads(inputs | weight_names, saved, g)
+
+    if not fast:
+        op._fast_call = None
+    return op
+
+
+def _run(
+    op: Any,
+    kinds: str,
+    weights: tuple[int, ...],
+    requires: tuple[bool, ...],
+    present: tuple[bool, ...],
+    how: str,
+) -> Any:
+    """Call the op and run one backward; return the gradients or the error."""
+    torch.manual_seed(0)
+    args: list[Any] = []
+    for i, k in enumerate(kinds):
+        if k == "F":
+            args.append(1.5 + i)
+        elif k == "O" and not present[i]:
+            args.append(None)
+        else:
+            args.append(torch.randn(3, 4, dtype=torch.float64, requires_grad=requires[i]))
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    try:
+        out = op(*args)
+        g = torch.randn_like(out)
+        if how == "backward":
+            if not out.requires_grad:
+                return ("no grad",)
+            out.backward(g)
+            return [None if a.grad is None else a.grad.clone() for a in leaves]
+        if how == "grad_first":
+            if not leaves:
+                return ("no grad",)
+            return list(torch.autograd.grad(out, leaves[:1], g, allow_unused=True))
+        ws = [a for i, a in enumerate(args) if i in weights and any(a is t for t in leaves)]
+        inputs = [a for a in leaves if not any(a is w for w in ws)]
+        dinputs, groups = stage_backward_input([out], [g], inputs, ws)
+        stage_backward_weight(ws, groups)
+        return [*dinputs, *(w.grad for w in ws)]
+    except Exception as e:  # the same error on both paths is the point
+        return (type(e).__name__, re.sub(r"op\d+", "op", str(e)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kinds=st.text(alphabet="TOF", min_size=1, max_size=4).filter(lambda s: "T" in s or "O" in s),
+    data=st.data(),
+)
+def test_fast_and_general_paths_agree(kinds: str, data: st.DataObject) -> None:
+    tensor_idx = [i for i, k in enumerate(kinds) if k != "F"]
+    weights = tuple(data.draw(st.sets(st.sampled_from(tensor_idx))) if tensor_idx else ())
+    style = data.draw(st.sampled_from(("pair", "single")))
+    fault = data.draw(st.sampled_from(FAULTS))
+    requires = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))
+    present = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))
+    how = data.draw(st.sampled_from(("backward", "grad_first", "split")))
+    results = []
+    for fast in (True, False):
+        op = _define(kinds, weights, style, fault, fast)
+        results.append(_run(op, kinds, weights, requires, present, how))
+    fast_result, general_result = results
+    if isinstance(fast_result, tuple) or isinstance(general_result, tuple):
+        assert fast_result == general_result
+    else:
+        assert len(fast_result) == len(general_result)
+        for a, b in zip(fast_result, general_result):
+            assert (a is None) == (b is None)
+            if a is not None:
+                torch.testing.assert_close(a, b)
+
+
+def test_simple_ops_take_the_fast_path() -> None:
+    op = _define("TTO", (1, 2), "pair", "none", fast=True)
+    assert op._fast_call is not None
+    x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = op(x, w)  # the trailing Optional takes its default
+    assert type(out.grad_fn).__name__ == f"CustomGrad[{op.name}]Backward"
+    assert out.grad_fn.__class__ is not op._impl._function_apply.__self__._backward_cls
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.ones(3, 4, dtype=torch.float64))
+    torch.testing.assert_close(w.grad, torch.full((3, 4), 2.0, dtype=torch.float64))
+
+
+@pytest.mark.parametrize(
+    "kinds, weights, why",
+    [("OT", (), "an Optional Tensor first"), ("T", (), "mutated argument")],
+)
+def test_ops_the_fast_path_declines(kinds: str, weights: tuple[int, ...], why: str) -> None:
+    if why == "mutated argument":
+
+        @cg.op(f"test_fastpath::mut{next(_names)}", mutates_args=("a0",))
+        def op(a0: torch.Tensor) -> torch.Tensor:
+            return a0.clone()
+
+        op.register_save_for_backward(lambda i, o: None)
+        op.register_backward_input(lambda c, s, g: {"a0": g})
+    else:
+        op = _define(kinds, weights, "pair", "none", fast=True)
+    assert op._fast_call is None
+
+
+def test_rules_registered_after_the_first_call_are_used() -> None:
+    op = _define("TT", (1,), "pair", "none", fast=True)
+    x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    op(x, w).sum().backward()
+    op.register_backward_weight(lambda ctx, saved, g: {"a1": g * 10})
+    x.grad = w.grad = None
+    op(x, w).sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3, 4), 10.0, dtype=torch.float64))
+
+
+def test_a_node_created_fast_is_run_by_the_general_path_after_new_rules() -> None:
+    op = _define("TT", (1,), "pair", "none", fast=True)
+    x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = op(x, w)
+    op.register_backward_weight(lambda ctx, saved, g: {"a1": g * 10})
+    out.sum().backward()
+    torch.testing.assert_close(w.grad, torch.full((3, 4), 10.0, dtype=torch.float64))

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.customgrad-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck pytest examples docs gpu-check clean
+.PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,5 +48,31 @@ gpu-check: $(STAMP)
 	$(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
 	$(PY) benchmarks/pipeline.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
 
+# Release check on the other supported torch releases (2.14.1 and the newest below 2.16): a venv
+# per release (.compat/venv-<v>),
+# the test suite and the demo's check in each, one table at the end. Those releases come from
+# the registry as CUDA builds (several GB each; they run on the CPU). PIP_CONSTRAINT=/dev/null
+# lifts this machine's pip cap for these venvs only; CI (make test) stays on $(TORCH_PIN).
+COMPAT_TORCH ?= 2.14.1 newest
+
+compat:
+	@mkdir -p .compat; rm -f .compat/results.tsv
+	@for v in $(COMPAT_TORCH); do \
+	  if [ "$$v" = newest ]; then pin='torch<2.16'; else pin="torch==$$v"; fi; \
+	  dir=".compat/venv-$$v"; log=".compat/$$v.log"; \
+	  echo "== $$pin ($$dir, log $$log)"; \
+	  { test -x $$dir/bin/python || $(PYTHON) -m venv $$dir; } > $$log 2>&1; \
+	  PIP_CONSTRAINT=/dev/null $$dir/bin/python -m pip install --quiet --disable-pip-version-check "$$pin" >> $$log 2>&1 \
+	    && PIP_CONSTRAINT=/dev/null $$dir/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" >> $$log 2>&1 \
+	    || { printf '%s\t%s\t%s\t%s\n' "$$pin" "install failed" "-" "-" >> .compat/results.tsv; continue; }; \
+	  version=$$($$dir/bin/python -c 'import torch; print(torch.__version__)'); \
+	  tests=$$($$dir/bin/python -m pytest -q -p no:cacheprovider customgrad tests 2>&1 | tee -a $$log | tail -n 1); \
+	  if $$dir/bin/python examples/zero_bubble.py --check >> $$log 2>&1; then demo=ok; else demo=FAILED; fi; \
+	  printf '%s\t%s\t%s\t%s\n' "$$pin" "$$version" "$$tests" "$$demo" >> .compat/results.tsv; \
+	done
+	@printf '\n%-22s %-14s %-50s %s\n' "asked" "torch" "pytest" "zero_bubble --check"
+	@awk -F'\t' '{ printf "%-22s %-14s %-50s %s\n", $$1, $$2, $$3, $$4 }' .compat/results.tsv
+	@! grep -qE 'failed|error|FAILED' .compat/results.tsv
+
 clean:
-	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache .compat

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
-import operator
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -56,7 +56,8 @@ _will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_ex
 _warned_no_engine_query = False
 
 _Tensor = torch.Tensor
-_version_of = operator.attrgetter("_version")
+_VERSION = itertools.repeat("_version")
+_NO_VERSION = itertools.repeat(None)
 _Parameter = torch.nn.Parameter
 _functorch_active: Callable[[], bool] | None = getattr(
     torch._C, "_are_functorch_transforms_active", None
@@ -220,39 +221,47 @@ class BackwardContext:
 
 
 class _Watch:
-    """The tensors a backward function must not write to in place (the output gradients and
-    the saved tensors), and their version counters before the node's backward ran."""
+    """What a backward function must not write to in place (the output gradients and the saved
+    values), and their version counters before the node's backward ran.
 
-    __slots__ = ("before", "n_grads", "tensors")
+    Versions are read with ``getattr(v, "_version", None)`` over every value (C-level ``map``,
+    no Python frame per value): non-tensors read as None and never change.
+    """
+
+    __slots__ = ("before", "n_grads", "values")
 
     def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
-        tensors = [g for g in grads if type(g) is _Tensor]
-        self.n_grads = len(tensors)
         if type(saved) is tuple:
-            tensors += [t for t in saved if isinstance(t, _Tensor)]
+            values = (*grads, *saved)
+        elif saved is None:
+            values = grads
         elif isinstance(saved, _Tensor):
-            tensors.append(saved)
-        elif saved is not None:
-            leaves = optree.tree_leaves(saved, none_is_leaf=True)
-            tensors += [t for t in leaves if isinstance(t, _Tensor)]
-        self.tensors = tensors
-        self.before = [*map(_version_of, tensors)]
+            values = (*grads, saved)
+        else:
+            values = (*grads, *optree.tree_leaves(saved, none_is_leaf=True))
+        self.values = values
+        self.n_grads = len(grads)
+        self.before = [*map(getattr, values, _VERSION, _NO_VERSION)]
 
     def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
         """Raise :class:`MutationError` if ``fn`` moved a version counter."""
-        if [*map(_version_of, self.tensors)] == self.before:
+        if [*map(getattr, self.values, _VERSION, _NO_VERSION)] == self.before:
             return
-        for i, (t, version) in enumerate(zip(self.tensors, self.before)):
-            if t._version != version:
+        saved_tensors = 0
+        for i, (v, version) in enumerate(zip(self.values, self.before)):
+            is_grad = i < self.n_grads
+            if not is_grad and isinstance(v, _Tensor):
+                saved_tensors += 1
+            if version is not None and v._version != version:
                 what = (
                     f"the gradient of output {i}"
-                    if i < self.n_grads
-                    else f"saved tensor {i - self.n_grads}"
+                    if is_grad
+                    else f"saved tensor {saved_tensors - 1}"
                 )
                 label = HALF_NAMES[half]
                 raise MutationError(
                     f"{spec.name}: {label} modified {what} in place (its version went from "
-                    f"{version} to {t._version}). The other half of a split backward may still "
+                    f"{version} to {v._version}). The other half of a split backward may still "
                     f"need it, and autograd may share it with other nodes. Compute out of place "
                     f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
                 )

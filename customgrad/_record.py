@@ -44,20 +44,16 @@ class NodeRecord:
             the kernel returned it (guarded in double backward), or None.
     """
 
-    __slots__ = (
-        "forward_ad",
-        "handoff",
-        "impl",
-        "kept",
-        "lens",
-        "metas",
-        "out_lens",
-        "residual_slots",
-        "route",
-        "split",
-        "tag",
-        "weight_edges",
-    )
+    # Set at forward: impl, metas, lens, tag (and kept). The rest keep these class-level
+    # defaults until something sets them, which keeps creating a record cheap (one per op call).
+    out_lens: list[int | None] | None = None
+    kept: Any = None
+    route: Route | None = None
+    handoff: Any = NO_HANDOFF
+    split: Any = None
+    forward_ad: Any = None
+    residual_slots: tuple[tuple[int, str], ...] | None = None
+    weight_edges: tuple[bool, ...] | None = None
 
     def __init__(
         self,
@@ -70,14 +66,6 @@ class NodeRecord:
         self.metas = metas
         self.lens = lens
         self.tag = tag
-        self.out_lens: list[int | None] | None = None
-        self.kept: Any = None
-        self.route: Route | None = None
-        self.handoff: Any = NO_HANDOFF
-        self.split: Any = None
-        self.forward_ad: Any = None
-        self.residual_slots: tuple[tuple[int, str], ...] | None = None
-        self.weight_edges: tuple[bool, ...] | None = None
 
     @property
     def op(self) -> OpSpec:

@@ -66,64 +66,48 @@ def attribution(
         vals = [statistics.mean(getattr(b, f) for b in parts if b.rank == r) * ms for f in fields]
         lines.append(f"  rank {r}: " + " | ".join(f"{v:6.1f}" for v in vals))
     mean = {f: statistics.mean(getattr(b, f) for b in parts) for f in fields}
-    rank_steps = [r for st in timed for r in st.ranks]
-    for f in ("busy_cpu", "other_cpu", "other_queued"):
-        mean[f] = statistics.mean(getattr(r, f) for r in rank_steps)
-    mean["busy_queued"] = statistics.mean(sum(a.queued for a in r.actions) for r in rank_steps)
+    ranks = [r for st in timed for r in st.ranks]
+    mean["other_cpu"] = statistics.mean(r.other_cpu for r in ranks)
+    mean["other_queued"] = statistics.mean(r.other_queued for r in ranks)
+    mean["waits_queued"] = statistics.mean(sum(w.queued for w in r.waits) for r in ranks)
+    mean["busy_queued"] = statistics.mean(sum(a.queued for a in r.actions) for r in ranks)
     step = mean["total"]
 
     def replay(c: list[StageCosts]) -> Any:
         return cgp.simulate(schedule_cls, n_stages, n_mb, c)
 
-    avg = StageCosts(
-        *(
-            statistics.mean(getattr(c, f) for c in costs)
-            for f in ("forward", "backward_input", "backward_weight")
-        )
-    )
+    kinds = ("forward", "backward_input", "backward_weight")
+    avg = StageCosts(*(statistics.mean(getattr(c, k) for c in costs) for k in kinds))
     balanced, replayed = replay([avg] * n_stages), replay(costs)
     busy = statistics.mean(replayed.busy)  # the replay's compute per rank
-    first = costs[0]
-    torch_first = [
-        dataclasses.replace(
-            first, backward_input=0.0, backward_weight=first.backward_input + first.backward_weight
-        ),
-        *costs[1:],
-    ]
+    # torch's PipelineStage runs stage 0's whole backward in W:
+    s0 = costs[0]
+    torch_s0 = dataclasses.replace(
+        s0, backward_input=0.0, backward_weight=s0.backward_input + s0.backward_weight
+    )
     shares = [
-        (
-            balanced.step_time - busy,
-            "the schedule itself (replayed, every stage at the mean"
-            f" action times, no waits: bubble {balanced.bubble:.1%})",
-        ),
-        (
-            replayed.step_time - balanced.step_time,
-            "unequal stages (replayed with each stage's"
-            f" measured times: bubble {replayed.bubble:.1%})",
-        ),
-        (
-            mean["peer"] + mean["tail"] - (replayed.step_time - busy),
-            "waiting for a peer beyond the replay's (a peer held up by what follows)",
-        ),
-        (mean["transfer"], "transfers (the peer's action ended, its tensor not here yet)"),
-        (
-            mean["other"],
-            "between actions, no receive pending (the schedule's Python, posting"
-            f" and waiting for sends; {mean['other_cpu'] * ms:.1f} ms of CPU work)",
-        ),
-    ]
+        (balanced.step_time - busy, "the schedule itself (replayed with every stage at the mean"
+         f" action times and no waits: bubble {balanced.bubble:.1%})"),
+        (replayed.step_time - balanced.step_time, "unequal stages (replayed with each stage's"
+         f" own times: bubble {replayed.bubble:.1%})"),
+        (mean["peer"] + mean["tail"] - (replayed.step_time - busy), "waiting for a peer longer"
+         " than in the replay (it was held up by what follows; < 0: shorter)"),
+        (mean["transfer"], "transfers: the peer's action had ended, its tensor was not here yet"),
+        (mean["other_cpu"], "between actions: the schedule's own CPU work (Python, posting)"),
+        (mean["other"] - mean["other_cpu"], "between actions: off the CPU (waiting for a core:"
+         f" {mean['other_queued'] * ms:.1f} ms; blocked in sends)"),
+    ]  # fmt: skip
     lines += [
         "",
-        f"bubble of the measured steps: {1 - mean['compute'] / step:.1%} of"
-        f" {step * ms:.1f} ms (mean); as shares of the step, it comes from:",
-    ]
-    lines += [f"  {v / step:+6.1%}  {what}" for v, what in shares]
-    lines += [
-        f"each rank's thread waited for a core (other processes had it) {mean['busy_queued'] * ms:.1f}"
-        f" ms in actions and {mean['other_queued'] * ms:.1f} ms between them per step",
-        f"with stage 0's whole backward in W (torch's PipelineStage does that), the replay takes"
-        f" {replay(torch_first).step_time * ms:.1f} ms (customgrad's: {replayed.step_time * ms:.1f}"
-        " ms)",
+        f"bubble of the measured steps: {1 - mean['compute'] / step:.1%} of {step * ms:.1f} ms"
+        " (mean); as shares of the step, it comes from:",
+        *(f"  {v / step:+6.1%}  {what}" for v, what in shares),
+        f"waiting for a core also delayed the actions by {mean['busy_queued'] * ms:.1f} ms and"
+        f" the end of waits by {mean['waits_queued'] * ms:.1f} ms per rank and step (machine"
+        " load; in the lines above)",
+        f"with stage 0's whole backward in W (torch's PipelineStage), the replay takes"
+        f" {replay([torch_s0, *costs[1:]]).step_time * ms:.1f} ms (customgrad's stage:"
+        f" {replayed.step_time * ms:.1f} ms)",
     ]
     return "\n".join(lines)
 
@@ -140,6 +124,7 @@ def draw(timed: Sequence[StepTimeline], sim: Any, losses: list[float], out: Path
         title=f"the same schedule replayed with the measured action times and no"
         f" waits: step {sim.step_time * 1e3:.4g} ms, bubble {sim.bubble:.1%}",
     )
+    top.set_xlabel("")
     bottom.set_xlim(0, median.duration * 1e3)
     fig.tight_layout()
     fig.savefig(out / "zero_bubble.png", dpi=120)

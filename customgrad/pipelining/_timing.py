@@ -112,6 +112,8 @@ class WaitEvent:
     microbatch: int
     start: float
     end: float
+    cpu: float = 0.0  # of which, the thread ran (e.g. polling)
+    queued: float = 0.0  # of which, ready to run but waiting for a core (Linux only, else 0)
 
     @property
     def duration(self) -> float:
@@ -131,14 +133,14 @@ class RankStep:
 
     @property
     def other_cpu(self) -> float:
-        """CPU seconds the step's thread spent outside actions: the schedule's own work
-        (Python, posting sends and receives)."""
-        return self.cpu - self.busy_cpu
+        """CPU seconds the step's thread spent outside actions and waits: the schedule's own
+        work (Python, posting sends and receives)."""
+        return self.cpu - self.busy_cpu - sum(w.cpu for w in self.waits)
 
     @property
     def other_queued(self) -> float:
-        """Seconds outside actions the step's thread waited for a core."""
-        return self.queued - sum(a.queued for a in self.actions)
+        """Seconds outside actions and waits the step's thread waited for a core."""
+        return self.queued - sum(a.queued for a in self.actions) - sum(w.queued for w in self.waits)
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -403,6 +405,8 @@ class _Recording:
     actions: list[ActionEvent] = field(default_factory=list)
     waits: list[WaitEvent] = field(default_factory=list)
     last_end: float = 0.0  # end of the rank's latest event (action or posted receive)
+    last_cpu: float = 0.0  # the thread's CPU time, then
+    last_queued: float = 0.0  # the thread's time waiting for a core, then
     posted: set[tuple[str, int, int]] = field(default_factory=set)  # ("F"|"B", stage, mb)
 
 
@@ -472,6 +476,7 @@ class ActionTimer:
         self._sync()
         rec = self._rec = _Recording(time.perf_counter(), count_flops)
         cpu, queued = _thread_clocks()
+        rec.last_cpu, rec.last_queued = cpu, queued
         try:
             yield
             self._sync()
@@ -502,12 +507,13 @@ class ActionTimer:
             return
         self._sync()
         start = time.perf_counter() - rec.t0
+        cpu, queued = _thread_clocks()
         recv = ("F" if kind == "F" else "B", stage, microbatch)
         if kind != "W" and recv in rec.posted:
             rec.posted.discard(recv)
-            rec.waits.append(WaitEvent(kind, stage, microbatch, rec.last_end, start))
+            rec.waits.append(WaitEvent(kind, stage, microbatch, rec.last_end, start,
+                                       cpu - rec.last_cpu, queued - rec.last_queued))  # fmt: skip
         counter = FlopCounter() if rec.count_flops else None
-        cpu, queued = _thread_clocks()
         with counter if counter is not None else contextlib.nullcontext():
             yield
         self._sync()
@@ -516,7 +522,7 @@ class ActionTimer:
         flops = counter.total if counter is not None else None
         rec.actions.append(ActionEvent(kind, stage, microbatch, start, end, flops, cpu_end - cpu,
                                        queued_end - queued))  # fmt: skip
-        rec.last_end = end
+        rec.last_end, rec.last_cpu, rec.last_queued = end, cpu_end, queued_end
 
     def time_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         """``loss_fn``, timed as part of the last stage's forward it follows.
@@ -542,7 +548,7 @@ class ActionTimer:
                 last, end=end, flops=flops, cpu=last.cpu + cpu_end - cpu,
                 queued=last.queued + queued_end - queued,
             )  # fmt: skip
-            rec.last_end = end
+            rec.last_end, rec.last_cpu, rec.last_queued = end, cpu_end, queued_end
             return out
 
         return timed_loss
@@ -554,6 +560,7 @@ class ActionTimer:
         if rec is not None:
             rec.posted.add((direction, stage, microbatch))
             rec.last_end = time.perf_counter() - rec.t0
+            rec.last_cpu, rec.last_queued = _thread_clocks()
 
     def gather(self) -> list[StepTimeline]:
         """Every rank's recorded steps, on every rank (a collective: call it on all ranks).

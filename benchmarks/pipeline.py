@@ -140,22 +140,34 @@ def report(
         base = ms[Config(ops, "Schedule1F1B")]
         return statistics.median(a / b for a, b in zip(ms[c], base))
 
-    head = f"{'ops':<30} {'schedule':<30} {'median ms':>9} {'min ms':>7} {'bubble':>6}"
-    head += f" {'GFLOP':>6} {'/ 1F1B':>6}"
+    head = f"{'ops':<30} {'schedule':<30} {'median ms':>9} {'min ms':>7} {'GFLOP':>6}"
+    head += f" {'/ 1F1B':>6} | {'bubble':>6} {'peer':>5} {'xfer':>5} {'cpu':>5} {'off':>5}"
     lines = [
         f"pipeline step time, {world} ranks on {device.type} ({dist.get_backend()}),"
         f" {args.microbatches} microbatches x {args.batch // args.microbatches} rows,"
         f" dim {args.dim}/{args.hidden}, {len(next(iter(ms.values())))} steps each (median and"
-        f" min of the slowest rank); / 1F1B: median of step-by-step ratios to the same ops'"
-        f" Schedule1F1B",
+        " min of the slowest rank); / 1F1B: median of step-by-step ratios to the same ops'"
+        " Schedule1F1B; bubble: idle share of ranks x step (median), and where it went (mean"
+        " shares of the step): waiting while the peer computed or had finished (peer, with the"
+        " step's tail), transfers (xfer), the runtime's CPU work between actions (cpu), off the"
+        " CPU between actions (off: waiting for a core, blocked in sends)",
         head,
         "-" * len(head),
     ]
     for c in steps:
-        bubble = statistics.median(t.bubble for t in timed[c])
+        parts = [b for t in timed[c] for b in t.breakdown()]
+        ranks = [r for t in timed[c] for r in t.ranks]
+        share = {
+            "peer": statistics.mean((b.peer + b.tail) / b.total for b in parts),
+            "xfer": statistics.mean(b.transfer / b.total for b in parts),
+            "cpu": statistics.mean(r.other_cpu / b.total for r, b in zip(ranks, parts)),
+            "off": statistics.mean((b.other - r.other_cpu) / b.total for r, b in zip(ranks, parts)),
+        }
         lines.append(
             f"{c.ops:<30} {c.schedule:<30} {statistics.median(ms[c]):>9.1f} {min(ms[c]):>7.1f}"
-            f" {bubble:>6.1%} {flops[c] / 1e9:>6.2f} {vs_1f1b(c):>6.3f}"
+            f" {flops[c] / 1e9:>6.2f} {vs_1f1b(c):>6.3f} |"
+            f" {statistics.median(t.bubble for t in timed[c]):>6.1%}"
+            + "".join(f" {v:>5.1%}" for v in share.values())
         )
     ratios = {o: vs_1f1b(Config(o, ZERO_BUBBLE)) for o in ("customgrad", "native", "function")}
     lines.append(
@@ -166,11 +178,11 @@ def report(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=30, help="steps of each configuration")
+    p.add_argument("--rounds", type=int, default=20, help="steps of each configuration")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=256, help="rows per step")
+    p.add_argument("--batch", type=int, default=512, help="rows per step")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--nproc",

@@ -173,6 +173,15 @@ class PipelineStage(_TorchPipelineStage):
                 raise PipeliningError(MSG_DDP_UNREDUCED.format(stage=self.stage_index)) from None
         super().perform_reduce_grad(grad_scale_factor)
 
+    if hasattr(_TorchPipelineStage, "start_gradient_reduction"):  # torch >= 2.15
+
+        def start_gradient_reduction(self) -> None:
+            # From torch 2.15 the schedules end an FSDP stage's step here, not in
+            # perform_reduce_grad: the step's weight work must be done by now.
+            if self.queue is not None:
+                self.queue.finish(self.stage_index)
+            super().start_gradient_reduction()  # type: ignore[misc]
+
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # The schedule's first step infers the stage's shapes by running the module's real
         # forward with grad enabled (torch 2.13). A DDP module outside no_sync() then expects

@@ -26,7 +26,9 @@ import os
 import socket
 import statistics
 import sys
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ import torch.distributed.pipelining as pipelining
 import torch.multiprocessing as mp
 from _models import Block
 from torch import Tensor, nn
+from torch.distributed.pipelining import _backward as torch_split
 
 import customgrad.pipelining as cgp
 
@@ -127,6 +130,46 @@ def bench(args: argparse.Namespace, device: torch.device) -> None:
         print(report(steps, args, device))
 
 
+def replayed(args: argparse.Namespace) -> str:
+    """ZBV against 1F1B replayed from one block's F, I, W and B measured on this process in
+    CPU time (free of other processes and of the schedule's runtime), for each kind of op."""
+    rows = args.batch // args.microbatches
+    gen = torch.Generator().manual_seed(1)
+    x0, g = torch.randn(rows, args.dim, generator=gen), torch.randn(rows, args.dim, generator=gen)
+    ratios = {}
+    for label, impl, stage_cls in OPS[:3]:
+        split: Any = cgp if stage_cls is cgp.PipelineStage else torch_split
+        block = Block(args.dim, args.hidden, impl, torch.Generator().manual_seed(0))
+        times: dict[str, list[float]] = {k: [] for k in "FIWB"}
+        for _ in range(25):
+            x = x0.clone().requires_grad_()
+            t = time.thread_time()
+            y = block(x)
+            times["F"].append(time.thread_time() - t)
+            t = time.thread_time()
+            _, groups = split.stage_backward_input([y], [g], [x], block.parameters())
+            times["I"].append(time.thread_time() - t)
+            t = time.thread_time()
+            split.stage_backward_weight(block.parameters(), groups)
+            times["W"].append(time.thread_time() - t)
+            x = x0.clone().requires_grad_()
+            y = block(x)
+            t = time.thread_time()
+            y.backward(g)
+            times["B"].append(time.thread_time() - t)
+        f, i, w, b = (statistics.median(times[k][5:]) for k in "FIWB")
+        one = cgp.StageCosts(f, i, w, b)
+        two = cgp.StageCosts(2 * f, 2 * i, 2 * w, 2 * b)  # 1F1B: two blocks a stage
+        zb = cgp.simulate(getattr(pipelining, ZERO_BUBBLE), 4, args.microbatches, one)
+        base = cgp.simulate(pipelining.Schedule1F1B, 2, args.microbatches, two)
+        ratios[label] = (zb.step_time / base.step_time, (i + w) / b)
+    return (
+        "replayed from one block's F / I / W / B in CPU time on one process (no other load, no"
+        " runtime): zero-bubble/1F1B "
+        + " ".join(f"{o}={r:.3f} ((I+W)/B {iw:.3f})" for o, (r, iw) in ratios.items())
+    )
+
+
 def report(
     steps: dict[Config, list[cgp.StepTimeline]], args: argparse.Namespace, device: torch.device
 ) -> str:
@@ -169,6 +212,7 @@ def report(
             f" {statistics.median(t.bubble for t in timed[c]):>6.1%}"
             + "".join(f" {v:>5.1%}" for v in share.values())
         )
+    lines.append(replayed(args))
     ratios = {o: vs_1f1b(Config(o, ZERO_BUBBLE)) for o in ("customgrad", "native", "function")}
     lines.append(
         "zero-bubble/1F1B step time: " + " ".join(f"{o}={r:.3f}" for o, r in ratios.items())

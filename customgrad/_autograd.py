@@ -430,6 +430,8 @@ class AutogradImpl:
         self._plans: dict[tuple[int, int], PassPlan] = {}
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
+        self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
+        """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
         self._simple_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
@@ -818,7 +820,7 @@ class AutogradImpl:
         keep = bool(plan.later_w) and bool(plan.need_in)
         if not plan.needed:
             result: dict[str, Any] = {}
-        elif lens is None and not keep and self._is_simple(self.spec.rules):
+        elif lens is None and self._is_simple(self.spec.rules):  # no shared work: keep is moot
             self._compute_simple(out, record, plan, saved, out_grads)
             result = {}
         else:
@@ -1180,41 +1182,80 @@ class DeferredWork:
 
     :meth:`gradients` computes the weight gradients and returns them with the edges they go
     along, so that a caller can send the work of many nodes through the engine in one call (one
-    accumulation per weight, as in a full backward); calling the object does both.
+    accumulation per weight, as in a full backward); calling the object does both. Everything
+    is worked out then, in W: the input pass only keeps what W will need.
 
     Attributes:
         record: the node's record.
-        device: the device of the node's first tensor input (for stream handling).
     """
 
-    __slots__ = ("_compute", "device", "record")
+    __slots__ = ("_grads", "_impl", "_node", "_plan", "_saved", "_weights", "record")
 
     def __init__(
         self,
+        impl: AutogradImpl,
+        node: Any,
         record: NodeRecord,
-        compute: Callable[[], tuple[list[GradientEdge], list[torch.Tensor]]],
+        plan: PassPlan,
+        weights: frozenset[str],
+        saved: Any,
+        grads: tuple[Any, ...],
     ) -> None:
+        self._impl = impl
+        self._node = node
         self.record = record
-        self._compute = compute
-        self.device = next((m[2] for m in record.metas if m is not None), torch.device("cpu"))
+        self._plan = plan
+        self._weights = weights
+        self._saved = saved
+        self._grads = grads
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the node's first tensor input (for stream handling)."""
+        return next((m[2] for m in self.record.metas if m is not None), torch.device("cpu"))
 
     def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Compute the weight gradients; return ``(edges, gradients)`` to send through autograd."""
-        return self._compute()
+        impl, node, record, plan, weights = (
+            self._impl,
+            self._node,
+            self.record,
+            self._plan,
+            self._weights,
+        )
+        sig = impl.spec.signature
+        later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
+        found = impl.compute(record, later, self._saved, self._grads, keep=False)
+        slots = _slots(sig, record.lens) if record.lens is not None else None
+        edge_of: list[int] = []
+        e = 0
+        for m in record.metas:
+            edge_of.append(e)
+            if m is not None:
+                e += 1
+        req = node.needs_input_grad
+        next_fns = node.next_functions
+        roots: list[GradientEdge] = []
+        values: list[torch.Tensor] = []
+        for name in sorted(weights, key=sig.index.__getitem__):
+            g = found.get(name)
+            if g is None:
+                continue
+            start, n = (sig.index[name], None) if slots is None else slots[name]
+            for i in range(1 if n is None else n):
+                j = start + i
+                gi = g if n is None else g[i]
+                if gi is not None and req[j + 2]:
+                    fn, idx = next_fns[edge_of[j]]
+                    if fn is not None:
+                        roots.append(GradientEdge(fn, idx))
+                        values.append(gi)
+        return roots, values
 
     def __call__(self) -> None:
         roots, values = self.gradients()
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
-
-
-class _WeightEdge(NamedTuple):
-    """Where one weight's gradient goes: argument, list index, and the node edge."""
-
-    name: str
-    item: int | None
-    node: Any
-    input_nr: int
 
 
 def _deferred(
@@ -1227,40 +1268,7 @@ def _deferred(
     grads: tuple[Any, ...],
 ) -> DeferredWork:
     """The weight half for later: compute it, then send it along the weight edges."""
-    sig = impl.spec.signature
-    slots = _slots(sig, record.lens) if record.lens is not None else None
-    edge_of: list[int] = []
-    e = 0
-    for m in record.metas:
-        edge_of.append(e)
-        if m is not None:
-            e += 1
-    req = node.needs_input_grad
-    next_fns = node.next_functions
-    edges: list[_WeightEdge] = []
-    for name in sorted(weights, key=sig.index.__getitem__):
-        start, n = (sig.index[name], None) if slots is None else slots[name]
-        for i in range(1 if n is None else n):
-            j = start + i
-            if req[j + 2]:
-                fn, idx = next_fns[edge_of[j]]
-                edges.append(_WeightEdge(name, None if n is None else i, fn, idx))
-    later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
-
-    def compute() -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        found = impl.compute(record, later, saved, grads, keep=False)
-        roots: list[GradientEdge] = []
-        values: list[torch.Tensor] = []
-        for name, i, fn, idx in edges:
-            g = found.get(name)
-            if i is not None and g is not None:
-                g = g[i]
-            if g is not None and fn is not None:
-                roots.append(GradientEdge(fn, idx))
-                values.append(g)
-        return roots, values
-
-    return DeferredWork(record, compute)
+    return DeferredWork(impl, node, record, plan, weights, saved, grads)
 
 
 def _masks(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> tuple[int, int]:

@@ -21,6 +21,7 @@ whose weights nothing else in I touches), and ``customgrad.graph.explain_split``
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from customgrad._record import NodeRecord, record_of
 from customgrad._routing import DeferTarget, Route
 
 _ACCUMULATE: type = getattr(torch._C._functions, "AccumulateGrad", type(None))
+_target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 """The node class that accumulates a leaf's gradient into ``.grad``."""
 
 __all__ = [
@@ -163,7 +165,7 @@ def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node
     for root in roots:
         if root in edges:
             continue
-        kids = [] if root in stop else [e[0] for e in root.next_functions]
+        kids = [] if root in stop else [*map(_target, root.next_functions)]
         edges[root] = kids
         stack: list[tuple[Node, list[Any], int]] = [(root, kids, 0)]
         while stack:
@@ -173,7 +175,7 @@ def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node
                 child = kids[i]
                 i += 1
                 if child is not None and child not in edges:
-                    grand = [] if child in stop else [e[0] for e in child.next_functions]
+                    grand = [] if child in stop else [*map(_target, child.next_functions)]
                     edges[child] = grand
                     stack.append((node, kids, i))
                     stack.append((child, grand, 0))
@@ -279,15 +281,12 @@ def plan_input_pass(
                     executed.add(node)
                     break
 
-        def on_weight_side(fn: Node, executed: set[Node] = executed) -> bool:
-            return fn not in executed and fn not in input_nodes and fn in leads_w
-
+        # The weight side: nodes that lead only to leaf accumulators and that I does not run.
+        weight_side = {n for n in leads_w if n not in executed and n not in input_nodes}
         bad = []
         for node in candidates:
             others, weights = split[node]
-            if any(not on_weight_side(fn) for fn in weights) or any(
-                on_weight_side(fn) for fn in others
-            ):
+            if not weight_side.issuperset(weights) or not weight_side.isdisjoint(others):
                 bad.append(node)  # I needs a "weight" gradient, or W an input one
             elif not defer_native:
                 side = _reach_in(edges, weights)

@@ -6,6 +6,7 @@ only through :func:`record_of`; nothing else is stored on the node.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING, Any
 
 from customgrad._signature import ArgKind
@@ -78,17 +79,21 @@ class NodeRecord:
         argument's gradient."""
         cached = self.weight_edges
         if cached is None:
-            sig = self.op.signature
-            flags: list[bool] = []
-            lens = iter(self.lens or ())
-            metas = iter(self.metas)
-            for spec in sig.args:
-                n = next(lens) if spec.kind is ArgKind.TENSOR_LIST else 1
-                is_weight = spec.name in sig.weight_set
-                for _ in range(n):
-                    if next(metas) is not None:
-                        flags.append(is_weight)
-            cached = self.weight_edges = tuple(flags)
+            # One flag per flat input (list items inline); the inputs that were tensors (a meta,
+            # not None) are the node's edges.
+            cache = self.impl.weight_flags  # per list lengths
+            flags = cache.get(self.lens)
+            if flags is None:
+                sig = self.op.signature
+                lens = iter(self.lens or ())
+                flags = tuple(
+                    spec.name in sig.weight_set
+                    for spec in sig.args
+                    for _ in range(next(lens) if spec.kind is ArgKind.TENSOR_LIST else 1)
+                )
+                if len(cache) < 256:
+                    cache[self.lens] = flags
+            cached = self.weight_edges = tuple(itertools.compress(flags, self.metas))
         return cached
 
     def __repr__(self) -> str:

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -96,6 +97,88 @@ dicts and NamedTuples. Return those instead:
     return inputs.x, inputs.weight, rstd            # or a dict / a NamedTuple
 
 (save_for_backward defined at {loc})"""
+
+
+_ACCUMULATE: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
+_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_RUN_BACKWARD_CODE = getattr(_run_backward, "__code__", None)
+_GRAD_CODE = getattr(torch.autograd.grad, "__code__", None)
+
+
+_NOTHING: frozenset[int] = frozenset()
+
+
+class CaptureMemo:
+    """Which leaves the running ``torch.autograd.grad`` captures, remembered per graph task.
+
+    The engine's query (``_will_engine_execute_node``) raises for a leaf that ``autograd.grad``
+    captures, and each raise costs about as much as a small op's whole backward. The caller
+    that started the pass knows its inputs: torch's own ``_engine_run_backward`` frame, below
+    the node's backward on the calling thread (the engine runs CPU graph tasks there), holds
+    them. :meth:`captured_now` reads them once per graph task; a captured leaf is then needed
+    without asking the engine. Every other edge is still asked, so a frame that is missing or
+    not what it seems costs only speed, never a gradient.
+    """
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[int, frozenset[int]] = (-2, _NOTHING)
+
+    def captured_now(self) -> frozenset[int]:
+        """The ``id`` of each leaf tensor the running ``autograd.grad`` captures (none when
+        unknown, or in a ``.backward()``)."""
+        task = _graph_task_id()
+        last = self._last  # one tuple, replaced whole: threads never see half an update
+        if last[0] == task:
+            return last[1]
+        captured = _captured_by_caller()
+        self._last = (task, captured)
+        return captured
+
+
+def _captured_by_caller() -> frozenset[int]:
+    if _RUN_BACKWARD_CODE is None:
+        return _NOTHING
+    frame: Any = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            return _NOTHING
+        if frame.f_code is _RUN_BACKWARD_CODE:
+            caller = frame.f_back
+            if caller is None or caller.f_code is not _GRAD_CODE:
+                return _NOTHING  # .backward() captures nothing; other callers: ask the engine
+            local = frame.f_locals
+            args, kwargs = local.get("args"), local.get("kwargs")
+            if (
+                not isinstance(kwargs, dict)
+                or kwargs.get("accumulate_grad", True)
+                or not isinstance(args, tuple)
+                or len(args) < 4
+                or not isinstance(args[3], tuple)
+            ):
+                return _NOTHING  # a .backward() (nothing captured) or a call we don't know
+            ids = set()
+            for t in args[3]:
+                if isinstance(t, GradientEdge):
+                    t = getattr(t.node, "variable", None)
+                if t is not None:
+                    ids.add(id(t))
+            return frozenset(ids)
+        frame = frame.f_back
+    return _NOTHING
+
+
+def _edge_needed(fn: Any, memo: CaptureMemo) -> bool:
+    """Whether the running pass uses the gradient sent along an edge to ``fn``."""
+    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now():  # type: ignore[attr-defined]
+        return True
+    if _will_execute is None:
+        return engine_needs(fn)
+    try:
+        return _will_execute(fn)
+    except Exception:  # a leaf captured by autograd.grad: needed
+        return True
 
 
 def engine_needs(fn: Any) -> bool:
@@ -430,6 +513,7 @@ class AutogradImpl:
         self._plans: dict[tuple[int, int], PassPlan] = {}
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
+        self.captures = CaptureMemo()
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
@@ -774,7 +858,6 @@ class AutogradImpl:
         lens = record.lens
         arg_of = self._flat_arg_of if lens is None else self.arg_of(lens)
         req = node.needs_input_grad  # (impl, call, *flat)
-        will_execute = _will_execute
         next_fns = None
         requires_mask = 0
         needed_mask = 0
@@ -790,13 +873,7 @@ class AutogradImpl:
                     if need is None:
                         if next_fns is None:
                             next_fns = node.next_functions
-                        if will_execute is None:
-                            need = engine_needs(None)  # warns once: every gradient, every pass
-                        else:
-                            try:
-                                need = will_execute(next_fns[edge][0])
-                            except Exception:  # a leaf captured by autograd.grad: needed
-                                need = True
+                        need = _edge_needed(next_fns[edge][0], self.captures)
                     if need:
                         needed_mask |= bit
                         if needed_items is not None:

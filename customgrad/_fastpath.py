@@ -32,6 +32,7 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from customgrad._autograd import (
+    _ACCUMULATE,
     _SAVED_TENSORS,
     BackwardContext,
     _CustomGradNode,
@@ -222,11 +223,15 @@ def build(
         bit = 1 << i
         ask = (
             f"        rmask |= {bit}\n"
-            f"        try:\n"
-            f"            if _will(nf[e][0]):\n"
+            f"        fn = nf[e][0]\n"
+            f"        if type(fn) is _ACC and id(fn.variable) in _captured():\n"
+            f"            nmask |= {bit}  # a leaf that autograd.grad captures\n"
+            f"        else:\n"
+            f"            try:\n"
+            f"                if _will(fn):\n"
+            f"                    nmask |= {bit}\n"
+            f"            except Exception:  # a captured leaf the caller's frame did not name\n"
             f"                nmask |= {bit}\n"
-            f"        except Exception:  # a leaf captured by autograd.grad: needed\n"
-            f"            nmask |= {bit}\n"
         )
         if kinds[i] is ArgKind.TENSOR:
             edges.append(f"    if req[{i + 2}]:\n{ask}    e += 1\n")
@@ -320,6 +325,8 @@ def build(
         "_functorch": torch._C._are_functorch_transforms_active,
         "_compiling": torch.compiler.is_compiling,
         "_will": torch._C._will_engine_execute_node,
+        "_ACC": _ACCUMULATE,
+        "_captured": impl.captures.captured_now,
         "_alias": _alias_check,
         "_checked_output": checked_output,
         "_KERNEL": kernels.get(None),

@@ -217,3 +217,32 @@ def test_a_node_created_fast_is_run_by_the_general_path_after_new_rules() -> Non
     op.register_backward_weight(lambda ctx, saved, g: {"a1": g * 10})
     out.sum().backward()
     torch.testing.assert_close(w.grad, torch.full((3, 4), 10.0, dtype=torch.float64))
+
+
+def test_autograd_grad_finds_captured_leaves_without_asking_the_engine() -> None:
+    """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
+    leaf, so the node reads the inputs from the caller instead and asks only about the rest."""
+    op = _define("TT", (1,), "pair", "none", fast=True)
+    assert op._fast_call is not None
+    namespace = op._fast_call.__globals__
+    asked: list[object] = []
+    will = namespace["_will"]
+
+    def counting(fn: object) -> bool:
+        asked.append(fn)
+        return bool(will(fn))
+
+    namespace["_will"] = counting
+    x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = op(x, w)
+    (gw,) = torch.autograd.grad(out.sum(), [w], retain_graph=True)
+    torch.testing.assert_close(gw, torch.full((3, 4), 2.0, dtype=torch.float64))
+    assert len(asked) == 1  # x's edge only (not needed: False without a raise); w's is known
+    asked.clear()
+    gx, gw = torch.autograd.grad(out.sum(), [x, torch.autograd.graph.get_gradient_edge(w)])
+    torch.testing.assert_close(gx, torch.ones(3, 4, dtype=torch.float64))
+    torch.testing.assert_close(gw, torch.full((3, 4), 2.0, dtype=torch.float64))
+    assert asked == []
+    out = op(x, w)
+    out.sum().backward()  # nothing captured: every edge is asked (cheap: no raise)
+    assert len(asked) == 2

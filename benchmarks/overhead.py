@@ -14,7 +14,8 @@ A small linear (8x16 input, 16x16 weight), as a customgrad op with the input/wei
 against the same maths as a plain ``torch.autograd.Function`` and as a
 ``torch.library.custom_op`` with ``register_autograd``. Then the input (I) and weight (W) passes
 of a 4-layer MLP (width 16) of customgrad ops through ``customgrad.pipelining``, against the
-same passes of ``nn.Linear`` layers through torch's own ``stage_backward_input``/``_weight``.
+same passes of ``nn.Linear`` layers and of plain ``autograd.Function`` layers through torch's
+own ``stage_backward_input``/``_weight`` (a Function computes its whole backward in both).
 
 Times are **CPU time of this process** (``process_time``), the minimum over rounds that each
 time every implementation in turn, with ``torch.set_num_threads(1)``: load on a shared machine
@@ -264,14 +265,22 @@ def _time_all(fns: dict[Any, Callable[[], Any]], number: int, repeat: int) -> di
 
 
 class MLP(nn.Module):
-    def __init__(self, native: bool, width: int = 16, depth: int = 4) -> None:
+    """Linear layers with ReLU between: native ``nn.Linear``, customgrad ops, or plain
+    ``autograd.Function`` layers (``kind``)."""
+
+    def __init__(self, kind: str, width: int = 16, depth: int = 4) -> None:
         super().__init__()
-        self.native = native
+        self.kind = kind
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
 
     def forward(self, x: Tensor) -> Tensor:
         for i, layer in enumerate(self.layers):
-            x = layer(x) if self.native else CG["linear", "pair"](x, layer.weight, layer.bias)
+            if self.kind == "native":
+                x = layer(x)
+            elif self.kind == "customgrad":
+                x = CG["linear", "pair"](x, layer.weight, layer.bias)
+            else:
+                x = LinearFn.apply(x, layer.weight, layer.bias)
             if i < len(self.layers) - 1:
                 x = torch.relu(x)
         return x
@@ -287,12 +296,17 @@ def _time_passes(number: int, repeat: int) -> dict[tuple[str, str], float]:
     g = torch.ones(8, 16)
     impls = {
         "nn.Linear, torch's split": (
-            MLP(native=True),
+            MLP("native"),
+            torch_split.stage_backward_input,
+            torch_split.stage_backward_weight,
+        ),
+        "autograd.Function, torch's split": (
+            MLP("function"),
             torch_split.stage_backward_input,
             torch_split.stage_backward_weight,
         ),
         "customgrad ops, customgrad.pipelining": (
-            MLP(native=False),
+            MLP("customgrad"),
             stage_backward_input,
             stage_backward_weight,
         ),
@@ -357,19 +371,23 @@ def main() -> None:
             )
 
     pipe = _time_passes(max(1, number // 5), repeat)
-    print("\nA 4-layer MLP (width 16, batch 8): µs per microbatch and pass, forward excluded")
+    print()
+    print("A 4-layer MLP (width 16, batch 8): µs per microbatch and pass, forward excluded")
     print("| implementation | I | W | I + W |")
     print("|---|---:|---:|---:|")
     for impl in sorted({k[0] for k in pipe}):
         i, w = pipe[impl, "I"], pipe[impl, "W"]
         print(f"| {impl} | {i:.1f} | {w:.1f} | {i + w:.1f} |")
     native, ours = "nn.Linear, torch's split", "customgrad ops, customgrad.pipelining"
-    ratio = {p: pipe[ours, p] / pipe[native, p] for p in ("I", "W")}
-    total = (pipe[ours, "I"] + pipe[ours, "W"]) / (pipe[native, "I"] + pipe[native, "W"])
-    print(
-        f"\ncustomgrad.pipelining passes / nn.Linear under torch's split [<= 1.10]: "
-        f"I {ratio['I']:.2f}, W {ratio['W']:.2f}, I + W {total:.2f}"
-    )
+    function = "autograd.Function, torch's split"
+    print()
+    for anchor, target in ((native, " [<= 1.10]"), (function, "")):
+        ratio = {p: pipe[ours, p] / pipe[anchor, p] for p in ("I", "W")}
+        total = (pipe[ours, "I"] + pipe[ours, "W"]) / (pipe[anchor, "I"] + pipe[anchor, "W"])
+        print(
+            f"customgrad.pipelining passes / {anchor}{target}: "
+            f"I {ratio['I']:.2f}, W {ratio['W']:.2f}, I + W {total:.2f}"
+        )
 
 
 if __name__ == "__main__":

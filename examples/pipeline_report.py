@@ -59,19 +59,20 @@ def attribution(
             for w, k in zip(walls, "FIW")
         ]
         lines.append(f"{s:>5} {ranks[s]:>4} " + " ".join(cells))
-    parts = [b for step in timed for b in step.breakdown()]
+    step = median_step(timed)
+    parts = step.breakdown()
     fields = ("compute", "peer", "transfer", "other", "tail", "total")
-    lines += ["", "per rank, mean ms per step: " + " | ".join(fields)]
-    for r in sorted({b.rank for b in parts}):
-        vals = [statistics.mean(getattr(b, f) for b in parts if b.rank == r) * ms for f in fields]
-        lines.append(f"  rank {r}: " + " | ".join(f"{v:6.1f}" for v in vals))
-    mean = {f: statistics.mean(getattr(b, f) for b in parts) for f in fields}
-    ranks = [r for st in timed for r in st.ranks]
-    mean["other_cpu"] = statistics.mean(r.other_cpu for r in ranks)
-    mean["other_queued"] = statistics.mean(r.other_queued for r in ranks)
-    mean["waits_queued"] = statistics.mean(sum(w.queued for w in r.waits) for r in ranks)
-    mean["busy_queued"] = statistics.mean(sum(a.queued for a in r.actions) for r in ranks)
-    step = mean["total"]
+    lines += ["", "the step of median length, ms: " + " | ".join(fields)]
+    for b in parts:
+        lines.append(
+            f"  rank {b.rank}: " + " | ".join(f"{getattr(b, f) * ms:6.1f}" for f in fields)
+        )
+    mean = {f: statistics.mean(getattr(b, f) for b in parts) for f in fields}  # over ranks
+    mean["other_cpu"] = statistics.mean(r.other_cpu for r in step.ranks)
+    mean["other_queued"] = statistics.mean(r.other_queued for r in step.ranks)
+    mean["waits_queued"] = statistics.mean(sum(w.queued for w in r.waits) for r in step.ranks)
+    mean["busy_queued"] = statistics.mean(sum(a.queued for a in r.actions) for r in step.ranks)
+    total = mean["total"]
 
     def replay(c: list[StageCosts]) -> Any:
         return cgp.simulate(schedule_cls, n_stages, n_mb, c)
@@ -99,12 +100,15 @@ def attribution(
     ]  # fmt: skip
     lines += [
         "",
-        f"bubble of the measured steps: {1 - mean['compute'] / step:.1%} of {step * ms:.1f} ms"
-        " (mean); as shares of the step, it comes from:",
-        *(f"  {v / step:+6.1%}  {what}" for v, what in shares),
+        f"its bubble: {step.bubble:.1%} of {total * ms:.1f} ms; as shares of the step (mean of"
+        " the ranks), it comes from:",
+        *(f"  {v / total:+6.1%}  {what}" for v, what in shares),
         f"waiting for a core also delayed the actions by {mean['busy_queued'] * ms:.1f} ms and"
-        f" the end of waits by {mean['waits_queued'] * ms:.1f} ms per rank and step (machine"
-        " load; in the lines above)",
+        f" the end of waits by {mean['waits_queued'] * ms:.1f} ms a rank (in the lines above)",
+        f"all {len(timed)} timed steps: median {statistics.median(t.duration for t in timed) * ms:.1f}"
+        f" ms, mean {statistics.mean(t.duration for t in timed) * ms:.1f} ms, mean bubble"
+        f" {statistics.mean(t.bubble for t in timed):.1%} (the longest steps lost their cores"
+        " most)",
         f"with stage 0's whole backward in W (torch's PipelineStage), the replay takes"
         f" {replay([torch_s0, *costs[1:]]).step_time * ms:.1f} ms (customgrad's stage:"
         f" {replayed.step_time * ms:.1f} ms)",
@@ -112,10 +116,14 @@ def attribution(
     return "\n".join(lines)
 
 
+def median_step(timed: Sequence[StepTimeline]) -> StepTimeline:
+    return sorted(timed, key=lambda s: s.duration)[len(timed) // 2]
+
+
 def draw(timed: Sequence[StepTimeline], sim: Any, losses: list[float], out: Path) -> None:
     from matplotlib.figure import Figure
 
-    median = sorted(timed, key=lambda s: s.duration)[len(timed) // 2]
+    median = median_step(timed)
     fig = Figure(figsize=(14, 4.6))
     top, bottom = fig.subplots(2, 1, sharex=True)
     median.draw(ax=top, title=f"{sim.schedule}, {median.summary()} (the step of median length)")

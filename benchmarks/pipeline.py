@@ -130,42 +130,50 @@ def bench(args: argparse.Namespace, device: torch.device) -> None:
         print(report(steps, args, device))
 
 
-def replayed(args: argparse.Namespace) -> str:
-    """ZBV against 1F1B replayed from one block's F, I, W and B measured on this process in
-    CPU time (free of other processes and of the schedule's runtime), for each kind of op."""
+def replayed(args: argparse.Namespace, device: torch.device) -> str:
+    """ZBV against 1F1B replayed from one block's F, I, W and B measured on one process (on a
+    CPU in CPU time: free of other processes), without the schedule's runtime, per kind of op."""
     rows = args.batch // args.microbatches
     gen = torch.Generator().manual_seed(1)
-    x0, g = torch.randn(rows, args.dim, generator=gen), torch.randn(rows, args.dim, generator=gen)
+    x0, g = (torch.randn(rows, args.dim, generator=gen).to(device) for _ in range(2))
+
+    def clock() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return time.thread_time()
+
     ratios = {}
     for label, impl, stage_cls in [*OPS[:3], *OPS[:3]]:  # the first round warms the allocator
         split: Any = cgp if stage_cls is cgp.PipelineStage else torch_split
-        block = Block(args.dim, args.hidden, impl, torch.Generator().manual_seed(0))
+        block = Block(args.dim, args.hidden, impl, torch.Generator().manual_seed(0)).to(device)
         times: dict[str, list[float]] = {k: [] for k in "FIWB"}
         for _ in range(25):
             x = x0.clone().requires_grad_()
-            t = time.thread_time()
+            t = clock()
             y = block(x)
-            times["F"].append(time.thread_time() - t)
-            t = time.thread_time()
+            times["F"].append(clock() - t)
+            t = clock()
             _, groups = split.stage_backward_input([y], [g], [x], block.parameters())
-            times["I"].append(time.thread_time() - t)
-            t = time.thread_time()
+            times["I"].append(clock() - t)
+            t = clock()
             split.stage_backward_weight(block.parameters(), groups)
-            times["W"].append(time.thread_time() - t)
+            times["W"].append(clock() - t)
             x = x0.clone().requires_grad_()
             y = block(x)
-            t = time.thread_time()
+            t = clock()
             y.backward(g)
-            times["B"].append(time.thread_time() - t)
+            times["B"].append(clock() - t)
         f, i, w, b = (statistics.median(times[k][5:]) for k in "FIWB")
         one = cgp.StageCosts(f, i, w, b)
         two = cgp.StageCosts(2 * f, 2 * i, 2 * w, 2 * b)  # 1F1B: two blocks a stage
         zb = cgp.simulate(getattr(pipelining, ZERO_BUBBLE), 4, args.microbatches, one)
         base = cgp.simulate(pipelining.Schedule1F1B, 2, args.microbatches, two)
         ratios[label] = (zb.step_time / base.step_time, (i + w) / b)
+    how = "CPU time" if device.type == "cpu" else "time"
     return (
-        "replayed from one block's F / I / W / B in CPU time on one process (no other load, no"
-        " runtime): zero-bubble/1F1B "
+        f"replayed from one block's F / I / W / B in {how} on one process (no runtime, no other"
+        " rank): zero-bubble/1F1B "
         + " ".join(f"{o}={r:.3f} ((I+W)/B {iw:.3f})" for o, (r, iw) in ratios.items())
     )
 
@@ -215,7 +223,7 @@ def report(
             f" {statistics.median(t.bubble for t in timed[c]):>6.1%}"
             + "".join(f" {v:>5.1%}" for v in share.values())
         )
-    lines.append(replayed(args))
+    lines.append(replayed(args, device))
     ratios = {o: vs_1f1b(Config(o, ZERO_BUBBLE)) for o in ("customgrad", "native", "function")}
     lines.append(
         "zero-bubble/1F1B step time: " + " ".join(f"{o}={r:.3f}" for o, r in ratios.items())

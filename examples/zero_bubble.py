@@ -9,7 +9,7 @@ checked against the same model on one process.
     python examples/zero_bubble.py                           # spawns 2 local processes
     torchrun --nproc-per-node 2 examples/zero_bubble.py      # torch's launcher (multi-node too)
     python examples/zero_bubble.py --schedule DualPipeV      # any zero-bubble schedule
-    python examples/zero_bubble.py --check                   # a few seconds, for CI
+    python examples/zero_bubble.py --check                   # seconds, for CI
 
 Writes ``out/zero_bubble.png`` (each action of a step as measured, above the same schedule
 replayed with the measured action times and no waits) and ``out/loss.png``.
@@ -246,6 +246,8 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     timeline = timer.gather()
     if rank == 0:
         pipeline_report.report(timeline, losses, schedule, args.out)
+        if sum(losses[-5:]) / len(losses[-5:]) >= losses[0]:
+            raise RuntimeError(f"the loss did not go down: {losses[0]:.3f} -> {losses[-5:]}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -36,6 +36,7 @@ from customgrad._autograd import (
     _SAVED_TENSORS,
     BackwardContext,
     _CustomGradNode,
+    _metas_by_name,
     _restore,
     _save,
     _Watch,
@@ -75,11 +76,17 @@ def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
     return tuple(reversed(defaults))
 
 
-def _first_tensor_is_required(kinds: tuple[ArgKind, ...]) -> bool:
-    for kind in kinds:
+_MAX_LAYOUTS = 64
+"""List lengths an op's fast path is written for; calls with other lengths decline."""
+
+
+def _kernel_picker(kinds: tuple[ArgKind, ...]) -> int | None:
+    """The argument whose (first) tensor picks the kernel, as in the general path: the first
+    Tensor or list argument, when that is not an Optional one."""
+    for i, kind in enumerate(kinds):
         if kind is not ArgKind.OTHER:
-            return kind is ArgKind.TENSOR
-    return False
+            return i if kind in (ArgKind.TENSOR, ArgKind.TENSOR_LIST) else None
+    return None
 
 
 def eligible(impl: AutogradImpl, rules: AutogradRules, mutates: bool) -> bool:
@@ -87,11 +94,13 @@ def eligible(impl: AutogradImpl, rules: AutogradRules, mutates: bool) -> bool:
     sig = impl.spec.signature
     if (
         mutates
-        or sig.has_lists
         or sig.kwonly_names
         or sig.residual_names
-        or not sig.flat_node
-        or not _first_tensor_is_required(sig.kinds)  # it picks the kernel, as in the general path
+        or not sig.plain_output
+        or _kernel_picker(sig.kinds) is None
+        or any(  # lists of Optional[Tensor]: items without edges
+            a.kind is ArgKind.TENSOR_LIST and "?" in a.type_str for a in sig.args
+        )
     ):
         return False
     params = list(sig.pysig.parameters)
@@ -122,41 +131,10 @@ def build(
     Returns:
         ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``.
     """
-    spec = impl.spec
-    rules = spec.rules
-    if not eligible(impl, rules, mutates):
+    if not eligible(impl, impl.spec.rules, mutates):
         return None
-    sig = spec.signature
-    names = [f"a{i}" for i in range(sig.nargs)]
-    kinds = sig.kinds
-    first = kinds.index(ArgKind.TENSOR)
-    arglist = ", ".join(names)
-    argtuple = f"({arglist},)"
-    tensor_args = [(i, n) for i, (n, k) in enumerate(zip(names, kinds)) if k is not ArgKind.OTHER]
-
-    def is_plain(n: str) -> str:
-        return f"(type({n}) is _T or type({n}) is _P)"
-
-    # -- the call ----------------------------------------------------------------------------
-    checks: list[str] = []
-    requires: list[str] = []
-    for n, k in zip(names, kinds):
-        if k is ArgKind.TENSOR:
-            checks.append(f"not {is_plain(n)}")
-            requires.append(f"{n}.requires_grad")
-        elif k is ArgKind.OPTIONAL_TENSOR:
-            checks.append(f"({n} is not None and not {is_plain(n)})")
-            requires.append(f"({n} is not None and {n}.requires_grad)")
-        else:
-            checks.append(f"isinstance({n}, _T)")
-    if set(kernels) == {None}:
-        pick = "    kernel = _KERNEL\n"
-    else:
-        pick = (
-            f"    kernel = _KERNELS.get(a{first}.device.type) or _KERNELS.get(None)\n"
-            f"    if kernel is None:\n"
-            f"        return _DECLINED\n"
-        )
+    sig = impl.spec.signature
+    lists = [i for i, k in enumerate(sig.kinds) if k is ArgKind.TENSOR_LIST]
     defaults = _trailing_defaults(sig.pysig, sig.nargs)
     n_min = sig.nargs - len(defaults)
     if defaults:
@@ -173,204 +151,416 @@ def build(
         count = (
             f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
         )
-    call_src = (
+    if not lists:
+        return _Writer(impl, kernels, checked_output, (), count).write()
+
+    # List arguments: one fast path per list-length layout, written on first use.
+    layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
+
+    def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
+        if len(layouts) >= _MAX_LAYOUTS:
+            return _decline
+        call = _Writer(impl, kernels, checked_output, lens, "").write()
+        layouts[lens] = call
+        return call
+
+    lengths = ", ".join(
+        f"len(args[{i}]) if type(args[{i}]) is list or type(args[{i}]) is tuple else -1"
+        for i in lists
+    )
+    source = (
         f"def call(args):\n"
         f"{count}"
-        f"    {arglist}, = args\n"
-        f"    if {' or '.join(checks)}:\n"
-        f"        return _DECLINED\n"
-        f"    if not ({' or '.join(requires)}):\n"
-        f"        return _DECLINED\n"
-        f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
-        f"            or _dispatch_len() or _tf_mode() or _functorch() or a{first}.is_meta\n"
-        f"            or _SPEC.rules is not _RULES or _IMPL.observers):\n"
-        f"        return _DECLINED\n"
-        f"{pick}"
-        f"    return _c_apply(_IMPL, kernel, {arglist})\n"
+        f"    lens = ({lengths},)\n"
+        f"    return (_LAYOUTS.get(lens) or _layout(lens))(args)\n"
     )
-
-    # -- Function.forward and setup_context --------------------------------------------------
-    alias = (
-        f"type(out) is not _T or _alias({argtuple}, _EMPTY, (out,))"
-        if _alias_check is not None
-        else "type(out) is not _T"
-    )
-    metas = ", ".join(
-        f"({n}.shape, {n}.dtype, {n}.device)"
-        if k is ArgKind.TENSOR
-        else f"None if {n} is None else ({n}.shape, {n}.dtype, {n}.device)"
-        if k is ArgKind.OPTIONAL_TENSOR
-        else "None"
-        for n, k in zip(names, kinds)
-    )
-    forward_src = (
-        f"def forward(impl, kernel, {arglist}):\n"
-        f"    out = kernel({arglist})\n"
-        f"    if {alias}:\n"
-        f"        out = _checked_output({argtuple}, out)[0]\n"
-        f"    return out\n"
-        f"\n"
-        f"def setup_context(ctx, inputs, out):\n"
-        f"    impl, kernel, {arglist} = inputs\n"
-        f"    record = _Record(_IMPL, [{metas}], None, _tag())\n"
-        f"    _keep(ctx, record, _SPEC, _SAVE(_new(_Inputs, {argtuple}), out))\n"
-        f"    ctx._cg = record\n"
-    )
-
-    # -- the backward ------------------------------------------------------------------------
-    edges: list[str] = []
-    for i, _ in tensor_args:
-        bit = 1 << i
-        ask = (
-            f"        rmask |= {bit}\n"
-            f"        fn = nf[e][0]\n"
-            f"        if type(fn) is _ACC and id(fn.variable) in _captured():\n"
-            f"            nmask |= {bit}  # a leaf that autograd.grad captures\n"
-            f"        else:\n"
-            f"            try:\n"
-            f"                if _will(fn):\n"
-            f"                    nmask |= {bit}\n"
-            f"            except Exception:  # a captured leaf the caller's frame did not name\n"
-            f"                nmask |= {bit}\n"
-        )
-        if kinds[i] is ArgKind.TENSOR:
-            edges.append(f"    if req[{i + 2}]:\n{ask}    e += 1\n")
-        else:
-            ask = "".join("    " + line + "\n" for line in ask.splitlines())
-            edges.append(
-                f"    if metas[{i}] is not None:\n        if req[{i + 2}]:\n{ask}        e += 1\n"
-            )
-
-    def half(fn: str, label: str, allowed: frozenset[str], need: str) -> str:
-        """Call one registered function, check it, put its gradients in the ``gN`` slots."""
-        lines = [
-            f"        r = {fn}(ctx, saved, *grads)",
-            f"        watch.check(_SPEC, {label!r}, {fn})",
-            f"        ok = type(r) is dict and r.keys() <= _ALLOWED_{label}",
-        ]
-        for i, _ in tensor_args:
-            name = sig.names[i]
-            if name not in allowed:
-                continue
-            lines += [
-                "        if ok:",
-                f"            g = r.get({name!r}, _MISSING)",
-                "            if g is _MISSING:",
-                f"                ok = {name!r} not in {need}",
-                "            elif g is not None:",
-                f"                m = metas[{i}]",
-                "                ok = (type(g) is _T and m is not None and g.shape == m[0]",
-                "                      and g.dtype is m[1] and g.device == m[2])",
-                f"            if ok and {name!r} in {need}:",
-                f"                g{i} = g",
-            ]
-        lines += [
-            "        if not ok:",
-            f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need}, metas)",
-        ]
-        lines += [
-            f"            g{i} = got.get({sig.names[i]!r}, g{i})"
-            for i, _ in tensor_args
-            if sig.names[i] in allowed
-        ]
-        return "\n".join(lines) + "\n"
-
-    if rules.backward is not None:
-        body = "    if True:\n" + half("_BWD", "full", sig.tensor_set, "needed")
-    else:
-        body = ""
-        if sig.input_names:
-            body += "    if plan.need_in:\n" + half(
-                "_BWD_IN", "input", sig.input_set, "plan.need_in"
-            )
-        if sig.weights:
-            body += "    if plan.need_w:\n" + half(
-                "_BWD_W", "weight", sig.weight_set, "plan.need_w"
-            )
-    slots = ", ".join(f"g{i}" if i in dict(tensor_args) else "None" for i in range(sig.nargs))
-    inits = "".join(f"    g{i} = None\n" for i, _ in tensor_args)
-    backward_src = (
-        "def apply(node, *grads):\n"
-        "    record = node._cg\n"
-        "    if record.route is not None or _SPEC.rules is not _RULES or _IMPL.observers:\n"
-        "        return _general(node, grads)\n"
-        "    metas = record.metas\n"
-        "    req = node.needs_input_grad\n"
-        "    nf = node.next_functions\n"
-        "    rmask = nmask = e = 0\n" + "".join(edges) + "    plan = _PLANS.get((rmask, nmask))\n"
-        "    if plan is None:\n"
-        "        plan = _plan(rmask, nmask)\n"
-        "    needed = plan.needed\n"
-        "    if not needed:\n"
-        "        return _NONES\n"
-        "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-        "    watch = _Watch(saved, grads)\n"
-        "    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
-        + inits
-        + body
-        + f"    return (None, None, {slots})\n"
-    )
-
     ns: dict[str, Any] = {
-        "_T": torch.Tensor,
-        "_P": torch.nn.Parameter,
-        "_DECLINED": DECLINED,
-        "_MISSING": object(),
-        "_EMPTY": _EMPTY,
         "_grad_enabled": torch.is_grad_enabled,
-        "_fwad": _fwad,
-        "_prof": torch.autograd.profiler,
-        "_dispatch_len": torch._C._len_torch_dispatch_stack,
-        "_tf_mode": torch._C._is_torch_function_mode_enabled,
-        "_functorch": torch._C._are_functorch_transforms_active,
-        "_compiling": torch.compiler.is_compiling,
-        "_will": torch._C._will_engine_execute_node,
-        "_ACC": _ACCUMULATE,
-        "_captured": impl.captures.captured_now,
-        "_alias": _alias_check,
-        "_checked_output": checked_output,
-        "_KERNEL": kernels.get(None),
-        "_KERNELS": kernels,
-        "_SPEC": spec,
-        "_SIG": sig,
-        "_RULES": rules,
-        "_IMPL": impl,
-        "_SAVE": rules.save,
-        "_BWD": rules.backward,
-        "_BWD_IN": rules.backward_input,
-        "_BWD_W": rules.backward_weight,
-        "_ALLOWED_full": sig.tensor_set,
-        "_ALLOWED_input": sig.input_set,
-        "_ALLOWED_weight": sig.weight_set,
-        "_Inputs": sig.inputs_type,
-        "_new": tuple.__new__,
-        "_Record": NodeRecord,
-        "_tag": current_tag,
-        "_keep": _save,
-        "_restore": _restore,
-        "_SAVED_TENSORS": _SAVED_TENSORS,
-        "_Watch": _Watch,
-        "_Ctx": BackwardContext,
-        "_collect": collect_grads,
-        "_PLANS": impl._plans,
-        "_plan": impl.plan,
-        "_general": impl.backward,
-        "_NONES": (None,) * (sig.nargs + 2),
+        "_DECLINED": DECLINED,
         "_DEFAULTS": defaults,
+        "_LAYOUTS": layouts,
+        "_layout": layout,
     }
-    source = call_src + "\n" + forward_src + "\n" + backward_src
-    exec(compile(source, f"<customgrad fast path of {spec.name}>", "exec"), ns)
+    exec(compile(source, f"<customgrad fast path of {impl.spec.name}>", "exec"), ns)
+    dispatch: Callable[[tuple[Any, ...]], Any] = ns["call"]
+    dispatch.__customgrad_source__ = source  # type: ignore[attr-defined]
+    return dispatch
 
-    function: Any = type(
-        f"CustomGrad[{spec.name}]",
-        (_CustomGradNode,),
-        {
-            "forward": staticmethod(ns["forward"]),
-            "setup_context": staticmethod(ns["setup_context"]),
-        },
-    )
-    function._backward_cls.apply = ns["apply"]
-    ns["_c_apply"] = super(torch.autograd.Function, function).apply
-    call: Callable[[tuple[Any, ...]], Any] = ns["call"]
-    call.__customgrad_source__ = source  # type: ignore[attr-defined]
-    return call
+
+def _decline(args: tuple[Any, ...]) -> Any:
+    return DECLINED
+
+
+class _Writer:
+    """Writes the fast path of one op for one layout of its list arguments' lengths.
+
+    Each Tensor argument is one *slot* (a flat input of the autograd node, named ``aI``); a
+    ``list[Tensor]`` argument of length ``n`` is ``n`` slots (``aI_0``...); other arguments are
+    passed through. The written code has one statement per slot where the general path loops.
+    """
+
+    def __init__(
+        self,
+        impl: AutogradImpl,
+        kernels: Mapping[str | None, Callable[..., Any]],
+        checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
+        lens: tuple[int, ...],
+        count: str,
+    ) -> None:
+        self.impl = impl
+        self.kernels = kernels
+        self.checked_output = checked_output
+        self.lens = lens
+        self.count = count
+        sig = impl.spec.signature
+        self.sig = sig
+        self.rules = impl.spec.rules
+        it = iter(lens)
+        # per argument: its name and its slots (None for a non-tensor argument)
+        self.args: list[tuple[int, str, ArgKind, list[str] | None]] = []
+        self.slots: list[tuple[int, str, ArgKind]] = []  # (argument, slot name, argument kind)
+        for i, kind in enumerate(sig.kinds):
+            if kind is ArgKind.TENSOR_LIST:
+                names = [f"a{i}_{k}" for k in range(next(it))]
+            elif kind is ArgKind.OTHER:
+                names = None
+            else:
+                names = [f"a{i}"]
+            self.args.append((i, f"a{i}", kind, names))
+            for n in names or ():
+                self.slots.append((i, n, kind))
+
+    def _regrouped(self) -> str:
+        """The op's arguments, as a tuple expression of the slot names."""
+        parts = []
+        for _, name, kind, names in self.args:
+            parts.append(f"[{', '.join(names or ())}]" if kind is ArgKind.TENSOR_LIST else name)
+        return f"({', '.join(parts)},)"
+
+    def write(self) -> Callable[[tuple[Any, ...]], Any]:
+        sig = self.sig
+        arglist = ", ".join(name for _, name, _, _ in self.args)
+
+        # -- the call --------------------------------------------------------------------------
+        unpack: list[str] = []
+        checks: list[str] = []
+        requires: list[str] = []
+
+        def plain(n: str) -> str:
+            return f"(type({n}) is _T or type({n}) is _P)"
+
+        for _, name, kind, names in self.args:
+            if kind is ArgKind.TENSOR_LIST:
+                assert names is not None
+                n = len(names)
+                unpack.append(
+                    f"    if (type({name}) is not list and type({name}) is not tuple)"
+                    f" or len({name}) != {n}:\n        return _DECLINED\n"
+                )
+                if names:
+                    unpack.append(f"    {', '.join(names)}, = {name}\n")
+                checks += [f"not {plain(x)}" for x in names]
+                requires += [f"{x}.requires_grad" for x in names]
+            elif kind is ArgKind.TENSOR:
+                checks.append(f"not {plain(name)}")
+                requires.append(f"{name}.requires_grad")
+            elif kind is ArgKind.OPTIONAL_TENSOR:
+                checks.append(f"({name} is not None and not {plain(name)})")
+                requires.append(f"({name} is not None and {name}.requires_grad)")
+            else:
+                checks.append(f"isinstance({name}, _T)")
+        picker = _kernel_picker(sig.kinds)
+        first = next((n for i, n, _ in self.slots if i == picker), None)
+        if first is None:  # an empty list picks the kernel: the general path decides
+            return _decline
+        if set(self.kernels) == {None}:
+            pick = "    kernel = _KERNEL\n"
+        else:
+            pick = (
+                f"    kernel = _KERNELS.get({first}.device.type) or _KERNELS.get(None)\n"
+                f"    if kernel is None:\n"
+                f"        return _DECLINED\n"
+            )
+        call_src = (
+            f"def call(args):\n"
+            f"{self.count}"
+            f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
+            f"        return _DECLINED\n"
+            f"    if not ({' or '.join(requires) or 'False'}):\n"
+            f"        return _DECLINED\n"
+            f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
+            f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
+            f"            or _SPEC.rules is not _RULES or _IMPL.observers):\n"
+            f"        return _DECLINED\n"
+            f"{pick}"
+            f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
+        )
+
+        # -- Function.forward and setup_context ------------------------------------------------
+        regrouped = self._regrouped()
+        alias = (
+            "type(out) is not _T or _alias(args, _EMPTY, (out,))"
+            if _alias_check is not None
+            else "type(out) is not _T"
+        )
+        node_inputs = self._node_inputs()
+        forward_src = (
+            f"def forward(impl, kernel, {node_inputs}):\n"
+            f"    args = {regrouped}\n"
+            f"    out = kernel(*args)\n"
+            f"    if {alias}:\n"
+            f"        out = _checked_output(args, out)[0]\n"
+            f"    return out\n"
+            f"\n"
+            f"def setup_context(ctx, inputs, out):\n"
+            f"    impl, kernel, {node_inputs}, = inputs\n"
+            f"    record = _Record(_IMPL, [{self._all_metas()}], _LENS, _tag())\n"
+            f"    _keep(ctx, record, _SPEC, _SAVE(_new(_Inputs, {regrouped}), out))\n"
+            f"    ctx._cg = record\n"
+        )
+        source = call_src + "\n" + forward_src + "\n" + self._backward_source()
+        return self._compile(source)
+
+    def _node_inputs(self) -> str:
+        """The autograd node's inputs after ``(impl, kernel)``: every argument in order, list
+        items inline (the general path's flat layout, which ``needs_input_grad`` and the
+        record's ``metas`` follow)."""
+        return ", ".join(n for _, n, _, _ in self._flat())
+
+    def _flat(self) -> list[tuple[int, str, ArgKind, bool]]:
+        """Every node input in order: (argument, name, kind, is a tensor slot)."""
+        out: list[tuple[int, str, ArgKind, bool]] = []
+        for i, name, kind, names in self.args:
+            if names is None:
+                out.append((i, name, kind, False))
+            else:
+                out += [(i, n, kind, True) for n in names]
+        return out
+
+    def _all_metas(self) -> str:
+        parts = []
+        for _, n, kind, is_slot in self._flat():
+            if not is_slot:
+                parts.append("None")
+            elif kind is ArgKind.OPTIONAL_TENSOR:
+                parts.append(f"None if {n} is None else ({n}.shape, {n}.dtype, {n}.device)")
+            else:
+                parts.append(f"({n}.shape, {n}.dtype, {n}.device)")
+        return ", ".join(parts)
+
+    def _backward_source(self) -> str:
+        sig = self.sig
+        flat = self._flat()
+        edges: list[str] = []
+        for p, (i, _, kind, is_slot) in enumerate(flat):
+            if not is_slot:
+                continue
+            bit = 1 << i
+            item = kind is ArgKind.TENSOR_LIST
+            mark = f"nmask |= {bit}" + (f"; n{p} = True" if item else "")
+            ask = (
+                f"        rmask |= {bit}\n"
+                f"        fn = nf[e][0]\n"
+                f"        if type(fn) is _ACC and id(fn.variable) in _captured():\n"
+                f"            {mark}  # a leaf that autograd.grad captures\n"
+                f"        else:\n"
+                f"            try:\n"
+                f"                if _will(fn):\n"
+                f"                    {mark}\n"
+                f"            except Exception:  # a captured leaf the caller's frame did not name\n"
+                f"                {mark}\n"
+            )
+            if kind is ArgKind.OPTIONAL_TENSOR:
+                ask = "".join("    " + line + "\n" for line in ask.splitlines())
+                edges.append(
+                    f"    if metas[{p}] is not None:\n        if req[{p + 2}]:\n{ask}        e += 1\n"
+                )
+            else:
+                edges.append(f"    if req[{p + 2}]:\n{ask}    e += 1\n")
+        positions: dict[int, list[int]] = {}  # argument -> its flat positions
+        for p, (i, _, _, is_slot) in enumerate(flat):
+            if is_slot:
+                positions.setdefault(i, []).append(p)
+        items = [p for p, (_, _, kind, _) in enumerate(flat) if kind is ArgKind.TENSOR_LIST]
+
+        def half(fn: str, label: str, allowed: frozenset[str], need: str) -> str:
+            """Call one registered function, check it, put its gradients in the slots."""
+            lines = [
+                f"        r = {fn}(ctx, saved, *grads)",
+                f"        watch.check(_SPEC, {label!r}, {fn})",
+                f"        ok = type(r) is dict and r.keys() <= _ALLOWED_{label}",
+            ]
+            for i, ps in positions.items():
+                name = sig.names[i]
+                if name not in allowed:
+                    continue
+                lines += [
+                    "        if ok:",
+                    f"            g = r.get({name!r}, _MISSING)",
+                    "            if g is _MISSING:",
+                    f"                ok = {name!r} not in {need}",
+                    "            elif g is not None:",
+                ]
+                if sig.kinds[i] is ArgKind.TENSOR_LIST:
+                    lines.append(
+                        f"                ok = (type(g) is list or type(g) is tuple) and len(g) == {len(ps)}"
+                    )
+                    for k, p in enumerate(ps):
+                        lines += [
+                            "                if ok:",
+                            f"                    gi = g[{k}]",
+                            f"                    m = metas[{p}]",
+                            "                    ok = gi is None or (type(gi) is _T and gi.shape == m[0]",
+                            "                          and gi.dtype is m[1] and gi.device == m[2])",
+                        ]
+                    lines.append(f"            if ok and g is not None and {name!r} in {need}:")
+                    lines += [
+                        f"                if n{p}:\n                    g{p} = g[{k}]"
+                        for k, p in enumerate(ps)
+                    ]
+                else:
+                    (p,) = ps
+                    lines += [
+                        f"                m = metas[{p}]",
+                        "                ok = (type(g) is _T and m is not None and g.shape == m[0]",
+                        "                      and g.dtype is m[1] and g.device == m[2])",
+                        f"            if ok and {name!r} in {need}:",
+                        f"                g{p} = g",
+                    ]
+            lines += ["        if not ok:"]
+            if self.lens:
+                lines.append(
+                    f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need},"
+                    f" None, _by_name(_SIG, record))"
+                )
+            else:
+                lines.append(
+                    f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need},"
+                    f" metas)"
+                )
+            for i, ps in positions.items():
+                name = sig.names[i]
+                if name not in allowed:
+                    continue
+                if sig.kinds[i] is ArgKind.TENSOR_LIST:
+                    lines.append(f"            g = got.get({name!r})")
+                    lines.append("            if g is not None:")
+                    lines += [
+                        f"                if n{p}:\n                    g{p} = g[{k}]"
+                        for k, p in enumerate(ps)
+                    ]
+                else:
+                    (p,) = ps
+                    lines.append(f"            g{p} = got.get({name!r}, g{p})")
+            return "\n".join(lines) + "\n"
+
+        rules = self.rules
+        if rules.backward is not None:
+            body = "    if True:\n" + half("_BWD", "full", sig.tensor_set, "needed")
+        else:
+            body = ""
+            if sig.input_names:
+                body += "    if plan.need_in:\n" + half(
+                    "_BWD_IN", "input", sig.input_set, "plan.need_in"
+                )
+            if sig.weights:
+                body += "    if plan.need_w:\n" + half(
+                    "_BWD_W", "weight", sig.weight_set, "plan.need_w"
+                )
+        outs = ", ".join(
+            f"g{p}" if is_slot else "None" for p, (_, _, _, is_slot) in enumerate(flat)
+        )
+        inits = "".join(f"    g{p} = None\n" for p, (_, _, _, s) in enumerate(flat) if s)
+        inits += "".join(f"    n{p} = False\n" for p in items)
+        return (
+            "def apply(node, *grads):\n"
+            "    record = node._cg\n"
+            "    if record.route is not None or _SPEC.rules is not _RULES or _IMPL.observers:\n"
+            "        return _general(node, grads)\n"
+            "    metas = record.metas\n"
+            "    req = node.needs_input_grad\n"
+            "    nf = node.next_functions\n"
+            "    rmask = nmask = e = 0\n"
+            + inits
+            + "".join(edges)
+            + "    plan = _PLANS.get((rmask, nmask))\n"
+            "    if plan is None:\n"
+            "        plan = _plan(rmask, nmask)\n"
+            "    needed = plan.needed\n"
+            "    if not needed:\n"
+            "        return _NONES\n"
+            "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
+            "    watch = _Watch(saved, grads)\n"
+            "    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
+            + body
+            + f"    return (None, None, {outs})\n"
+        )
+
+    def _compile(self, source: str) -> Callable[[tuple[Any, ...]], Any]:
+        impl, sig, rules = self.impl, self.sig, self.rules
+        spec = impl.spec
+        n_inputs = len(self._flat())
+        ns: dict[str, Any] = {
+            "_T": torch.Tensor,
+            "_P": torch.nn.Parameter,
+            "_DECLINED": DECLINED,
+            "_MISSING": object(),
+            "_EMPTY": _EMPTY,
+            "_grad_enabled": torch.is_grad_enabled,
+            "_fwad": _fwad,
+            "_prof": torch.autograd.profiler,
+            "_dispatch_len": torch._C._len_torch_dispatch_stack,
+            "_tf_mode": torch._C._is_torch_function_mode_enabled,
+            "_functorch": torch._C._are_functorch_transforms_active,
+            "_compiling": torch.compiler.is_compiling,
+            "_will": torch._C._will_engine_execute_node,
+            "_ACC": _ACCUMULATE,
+            "_captured": impl.captures.captured_now,
+            "_alias": _alias_check,
+            "_checked_output": self.checked_output,
+            "_KERNEL": self.kernels.get(None),
+            "_KERNELS": self.kernels,
+            "_SPEC": spec,
+            "_SIG": sig,
+            "_RULES": rules,
+            "_IMPL": impl,
+            "_LENS": self.lens or None,
+            "_SAVE": rules.save,
+            "_BWD": rules.backward,
+            "_BWD_IN": rules.backward_input,
+            "_BWD_W": rules.backward_weight,
+            "_ALLOWED_full": sig.tensor_set,
+            "_ALLOWED_input": sig.input_set,
+            "_ALLOWED_weight": sig.weight_set,
+            "_Inputs": sig.inputs_type,
+            "_new": tuple.__new__,
+            "_Record": NodeRecord,
+            "_tag": current_tag,
+            "_keep": _save,
+            "_restore": _restore,
+            "_SAVED_TENSORS": _SAVED_TENSORS,
+            "_Watch": _Watch,
+            "_Ctx": BackwardContext,
+            "_collect": collect_grads,
+            "_by_name": _metas_by_name,
+            "_PLANS": impl._plans,
+            "_plan": impl.plan,
+            "_general": impl.backward,
+            "_NONES": (None,) * (n_inputs + 2),
+            "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
+        }
+        where = f"{spec.name}" + (f", list lengths {self.lens}" if self.lens else "")
+        exec(compile(source, f"<customgrad fast path of {where}>", "exec"), ns)
+        function: Any = type(
+            f"CustomGrad[{spec.name}]",
+            (_CustomGradNode,),
+            {
+                "forward": staticmethod(ns["forward"]),
+                "setup_context": staticmethod(ns["setup_context"]),
+            },
+        )
+        function._backward_cls.apply = ns["apply"]
+        ns["_c_apply"] = super(torch.autograd.Function, function).apply  # type: ignore[misc]
+        call: Callable[[tuple[Any, ...]], Any] = ns["call"]
+        call.__customgrad_source__ = source  # type: ignore[attr-defined]
+        return call

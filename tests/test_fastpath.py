@@ -21,8 +21,18 @@ import customgrad as cg
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
 _names = itertools.count()
-KINDS = {"T": "torch.Tensor", "O": "torch.Tensor | None", "F": "float"}
-FAULTS = ("none", "shape", "dtype", "missing", "unknown", "not_dict", "extra_none", "wrong_half")
+KINDS = {"T": "torch.Tensor", "O": "torch.Tensor | None", "F": "float", "L": "list[torch.Tensor]"}
+FAULTS = (
+    "none",
+    "shape",
+    "dtype",
+    "missing",
+    "unknown",
+    "not_dict",
+    "extra_none",
+    "wrong_half",
+    "length",
+)
 
 
 def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: bool) -> Any:
@@ -34,7 +44,11 @@ def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: 
         for i, k in enumerate(kinds)
     )
     terms = " + ".join(
-        f"(0 if a{i} is None else a{i} * {i + 1})" if k == "O" else f"a{i} * {i + 1}"
+        f"(0 if a{i} is None else a{i} * {i + 1})"
+        if k == "O"
+        else f"sum(t * {i + 1} for t in a{i})"
+        if k == "L"
+        else f"a{i} * {i + 1}"
         for i, k in enumerate(kinds)
         if k != "F"
     )
@@ -58,8 +72,19 @@ def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: 
         for i, t in enumerate(tensors):
             if t in allowed:
                 value = saved[i]
-                out[t] = None if value is None else g * (int(t[1:]) + 1) * saved[-1]
+                scale = (int(t[1:]) + 1) * saved[-1]
+                if isinstance(value, list):
+                    out[t] = [g * scale for _ in value]
+                else:
+                    out[t] = None if value is None else g * scale
         target = next(iter(sorted(allowed)), None)
+        if target is not None and isinstance(out.get(target), list):
+            items = out[target]
+            if fault == "length":
+                out[target] = items[:-1]
+            elif items and fault in ("shape", "dtype"):
+                items[0] = items[0][:1] if fault == "shape" else items[0].float()
+            return out
         if fault == "not_dict":
             return list(out.values())
         if fault == "unknown":
@@ -109,18 +134,28 @@ def _run(
     requires: tuple[bool, ...],
     present: tuple[bool, ...],
     how: str,
+    lengths: tuple[int, ...] = (),
 ) -> Any:
     """Call the op and run one backward; return the gradients or the error."""
     torch.manual_seed(0)
     args: list[Any] = []
+    length = iter(lengths)
     for i, k in enumerate(kinds):
         if k == "F":
             args.append(1.5 + i)
         elif k == "O" and not present[i]:
             args.append(None)
+        elif k == "L":  # items alternate whether they require grad, starting with requires[i]
+            args.append(
+                [
+                    torch.randn(3, 4, dtype=torch.float64, requires_grad=requires[i] ^ (j % 2 == 1))
+                    for j in range(next(length))
+                ]
+            )
         else:
             args.append(torch.randn(3, 4, dtype=torch.float64, requires_grad=requires[i]))
-    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    flat = [t for a in args for t in (a if isinstance(a, list) else [a])]
+    leaves = [a for a in flat if isinstance(a, torch.Tensor) and a.requires_grad]
     try:
         out = op(*args)
         g = torch.randn_like(out)
@@ -133,7 +168,13 @@ def _run(
             if not leaves:
                 return ("no grad",)
             return list(torch.autograd.grad(out, leaves[:1], g, allow_unused=True))
-        ws = [a for i, a in enumerate(args) if i in weights and any(a is t for t in leaves)]
+        ws = [
+            t
+            for i, a in enumerate(args)
+            if i in weights
+            for t in (a if isinstance(a, list) else [a])
+            if any(t is x for x in leaves)
+        ]
         inputs = [a for a in leaves if not any(a is w for w in ws)]
         dinputs, groups = stage_backward_input([out], [g], inputs, ws)
         stage_backward_weight(ws, groups)
@@ -142,9 +183,9 @@ def _run(
         return (type(e).__name__, re.sub(r"op\d+", "op", str(e)))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
-    kinds=st.text(alphabet="TOF", min_size=1, max_size=4).filter(lambda s: "T" in s or "O" in s),
+    kinds=st.text(alphabet="TOFL", min_size=1, max_size=4).filter(lambda s: "T" in s or "L" in s),
     data=st.data(),
 )
 def test_fast_and_general_paths_agree(kinds: str, data: st.DataObject) -> None:
@@ -155,10 +196,11 @@ def test_fast_and_general_paths_agree(kinds: str, data: st.DataObject) -> None:
     requires = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))
     present = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))
     how = data.draw(st.sampled_from(("backward", "grad_first", "split")))
+    lengths = tuple(data.draw(st.integers(0, 3)) for k in kinds if k == "L")
     results = []
     for fast in (True, False):
         op = _define(kinds, weights, style, fault, fast)
-        results.append(_run(op, kinds, weights, requires, present, how))
+        results.append(_run(op, kinds, weights, requires, present, how, lengths))
     fast_result, general_result = results
     if isinstance(fast_result, tuple) or isinstance(general_result, tuple):
         assert fast_result == general_result

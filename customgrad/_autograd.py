@@ -125,23 +125,33 @@ class CaptureMemo:
     def __init__(self) -> None:
         self._last: tuple[int, frozenset[int]] = (-2, _NOTHING)
 
-    def captured_now(self) -> frozenset[int]:
+    def captured_now(self, above: int = 1) -> frozenset[int]:
         """The ``id`` of each leaf tensor the running ``autograd.grad`` captures (none when
-        unknown, or in a ``.backward()``)."""
+        unknown, or in a ``.backward()``).
+
+        Args:
+            above: Python frames between the caller and torch's ``_engine_run_backward`` (1
+                for the node's ``apply``, which the engine calls).
+        """
         task = _graph_task_id()
         last = self._last  # one tuple, replaced whole: threads never see half an update
         if last[0] == task:
             return last[1]
-        captured = _captured_by_caller()
+        captured = _captured_by_caller(2 + above)
         self._last = (task, captured)
         return captured
 
 
-def _captured_by_caller() -> frozenset[int]:
+def _captured_by_caller(depth: int) -> frozenset[int]:
+    """What ``torch.autograd.grad`` captures, read from its ``_engine_run_backward`` frame,
+    expected ``depth`` frames up (a few more are looked at, in case)."""
     if _RUN_BACKWARD_CODE is None:
         return _NOTHING
-    frame: Any = sys._getframe(1)
-    for _ in range(6):
+    try:
+        frame: Any = sys._getframe(depth)
+    except ValueError:  # not that deep: not called from torch's engine on this thread
+        return _NOTHING
+    for _ in range(3):
         if frame is None:
             return _NOTHING
         if frame.f_code is _RUN_BACKWARD_CODE:
@@ -171,7 +181,8 @@ def _captured_by_caller() -> frozenset[int]:
 
 def _edge_needed(fn: Any, memo: CaptureMemo) -> bool:
     """Whether the running pass uses the gradient sent along an edge to ``fn``."""
-    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now():  # type: ignore[attr-defined]
+    # frames above: AutogradImpl.backward, _node_apply
+    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now(3):  # type: ignore[attr-defined]
         return True
     if _will_execute is None:
         return engine_needs(fn)

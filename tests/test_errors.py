@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.pipelining as pipelining
+from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
+import customgrad
 import customgrad as cg
 from customgrad._errors import where
+from customgrad.pipelining import ActionTimer, ActionTimerError, StageCosts, simulate, stage_costs
+from customgrad.pipelining._simulate import _StandInStage
+from customgrad.pipelining._stage import MSG_DDP_FIND_UNUSED, MSG_DDP_UNREDUCED
+from customgrad.pipelining._timing import MSG_NESTED_STEP
+
+Schedule1F1B = pipelining.Schedule1F1B
+ScheduleDualPipeV = pipelining.ScheduleDualPipeV
+ScheduleInterleaved1F1B = pipelining.ScheduleInterleaved1F1B
+ScheduleZBVZeroBubble = pipelining.ScheduleZBVZeroBubble
+UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
 
 _ids = itertools.count()
 
@@ -1548,3 +1563,208 @@ def test_python_object_argument_without_an_opaque_type() -> None:
         + re.escape('torch._library.opaque_object.register_opaque_type(QuantState, typ="value")'),
     ):
         cg.op(name, f)
+
+
+# --- pipelining: the schedule simulator, the action timer, data parallelism -------------------
+
+
+def test_simulate_errors_unknown_schedule() -> None:
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: unknown schedule name 'ZeroBubble'. torch's schedule names: 1F1B, GPipe, "
+        "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; or pass "
+        "a schedule class."
+    )):  # fmt: skip
+        simulate("ZeroBubble", 4, 8, UNIT)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: expected one of torch.distributed.pipelining's schedule classes (or its "
+        "name), got <class 'int'>. Pass the class itself, for example:"
+    )):  # fmt: skip
+        simulate(int, 4, 8, UNIT)
+    stage = _StandInStage(0, 2, 2, 0)
+    instance = Schedule1F1B(stage, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=re.escape("got <torch.distributed.pipelining")):
+        simulate(instance, 2, 2, UNIT)  # type: ignore[arg-type]
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: PipelineScheduleSingle is an abstract base class, with no action list to "
+        "replay. Use a schedule that trains: Schedule1F1B, ScheduleGPipe, "
+        "ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, "
+        "ScheduleZBVZeroBubble, ScheduleDualPipeV, or a subclass of one."
+    )):  # fmt: skip
+        simulate(PipelineScheduleSingle, 2, 2, UNIT)
+
+    class NoOrder(PipelineScheduleSingle):
+        def _step_microbatches(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: NoOrder has no action list (pipeline_order) to replay. Use a schedule that "
+        "trains: Schedule1F1B,"
+    )):  # fmt: skip
+        simulate(NoOrder, 2, 2, UNIT)
+
+
+def test_simulate_errors_stages_the_schedule_cannot_run() -> None:
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: ScheduleZBVZeroBubble places several stages on each rank, and 5 stages do "
+        "not make 2 per rank. Pass n_ranks= (n_stages must be a multiple of it), or an even "
+        "n_stages."
+    )):  # fmt: skip
+        simulate(ScheduleZBVZeroBubble, 5, 8, UNIT)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: torch's ScheduleZBVZeroBubble cannot run 6 stages on 2 ranks (3 per rank) "
+        "with 8 microbatches: ZBV requires exactly 2 stages per rank, but got 3. Change "
+        "n_stages, n_ranks or n_microbatches to what the schedule supports."
+    )):  # fmt: skip
+        simulate(ScheduleZBVZeroBubble, 6, 8, UNIT, n_ranks=2)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: torch's ScheduleDualPipeV cannot run 8 stages on 4 ranks (2 per rank) with "
+        "4 microbatches: DualPipeV requires at least as many microbatches as stages, but got 4 "
+        "microbatches and 8 stages."
+    )):  # fmt: skip
+        simulate(ScheduleDualPipeV, 8, 4, UNIT)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: torch's Schedule1F1B cannot run 4 stages on 4 ranks (1 per rank) with 2 "
+        "microbatches: Number of microbatches (2) must be greater than"
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 4, 2, UNIT)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: Schedule1F1B runs one stage per rank, so 4 stages need 4 ranks, got "
+        "n_ranks=2. Leave n_ranks out, or use a multi-stage schedule (ScheduleInterleaved1F1B, "
+        "ScheduleZBVZeroBubble, ...)."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 4, 8, UNIT, n_ranks=2)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: ScheduleInterleaved1F1B places the same number of stages on each rank, so "
+        "n_stages (7) must be a multiple of n_ranks (2). Pass n_stages=8, or another n_ranks."
+    )):  # fmt: skip
+        simulate(ScheduleInterleaved1F1B, 7, 8, UNIT, n_ranks=2)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: n_microbatches is 0, expected at least 1."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2, 0, UNIT)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: n_stages is a float (2.0), expected an int."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2.0, 4, UNIT)  # type: ignore[arg-type]
+
+
+def test_simulate_errors_costs() -> None:
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "StageCosts: backward_weight is -0.5 seconds, expected a finite number >= 0. Pass the "
+        "measured seconds per microbatch (0.0 for an action that costs nothing)."
+    )):  # fmt: skip
+        StageCosts(1.0, 1.0, -0.5)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "StageCosts: send is nan seconds"
+    )):  # fmt: skip
+        StageCosts(1.0, 1.0, 1.0, send=math.nan)
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "StageCosts: backward is -1.0 seconds"
+    )):  # fmt: skip
+        StageCosts(1.0, 1.0, 1.0, backward=-1.0)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "StageCosts: forward is a str ('1ms'), expected seconds as a float. Pass a number, "
+        "e.g. forward=0.004."
+    )):  # fmt: skip
+        StageCosts("1ms", 1.0, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+        "simulate: 3 StageCosts for 4 stages. Pass one per stage, in stage order, or a single "
+        "StageCosts for all of them."
+    )):  # fmt: skip
+        simulate(ScheduleZBVZeroBubble, 4, 8, [UNIT] * 3)
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: costs[1] is a dict, expected StageCosts. Pass StageCosts(forward=..., "
+        "backward_input=..., backward_weight=...) for each stage."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2, 4, [UNIT, {"forward": 1.0}])  # type: ignore[list-item]
+    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+        "simulate: costs is a float, expected StageCosts or a sequence of them (one per stage)."
+    )):  # fmt: skip
+        simulate(Schedule1F1B, 2, 4, 1.0)  # type: ignore[arg-type]
+
+
+def test_simulate_errors_are_value_and_type_errors() -> None:
+    with pytest.raises(ValueError):
+        simulate("nope", 2, 2, UNIT)
+    with pytest.raises(TypeError):
+        simulate(Schedule1F1B, 2, 2, "fast")  # type: ignore[arg-type]
+
+
+def test_nested_steps_are_refused() -> None:
+    timer = ActionTimer()
+    with (
+        timer.step(),
+        pytest.raises(ActionTimerError, match=re.escape(MSG_NESTED_STEP)),
+        timer.step(),
+    ):
+        pass
+    assert len(timer.steps) == 1  # the outer step is still recorded
+
+
+def test_stage_class_wants_a_stage_class() -> None:
+    stage = nn.Linear(2, 2)
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "ActionTimer.stage_class: expected a pipeline stage class (a subclass of "
+            "torch.distributed.pipelining.PipelineStage), got Linear(in_features=2, "
+            "out_features=2, bias=True). Pass the class, not a stage: "
+            "timer.stage_class(PipelineStage)(module, stage_index, ...)."
+        ),
+    ):
+        ActionTimer().stage_class(stage)  # type: ignore[type-var]
+
+
+def test_action_kinds_are_checked() -> None:
+    with (
+        pytest.raises(
+            cg.ArgumentValueError,
+            match=re.escape(
+                "ActionTimer.action: kind must be one of ('F', 'I', 'W', 'B'), got 'X'."
+            ),
+        ),
+        ActionTimer().action("X", 0, 0),
+    ):
+        pass
+
+
+def test_stage_costs_of_no_steps_explains() -> None:
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "stage_costs: the steps recorded no action. Time steps with ActionTimer.step() "
+            "around schedule.step(...), on stages built from ActionTimer.stage_class(...)."
+        ),
+    ):
+        stage_costs([])
+
+
+def test_the_ddp_error_message_is_pinned() -> None:
+    assert MSG_DDP_UNREDUCED.format(stage=3) == (
+        "customgrad.pipelining.PipelineStage(stage_index=3): DDP did not reduce this step's "
+        "gradients: some weights of the stage got their last gradient before the last backward "
+        "of the step, where DDP's reduction runs, so DDP never saw them ready and left the "
+        "reduction unfinished. With queue=, the weights of native modules and plain "
+        "autograd.Functions get their gradients in the input pass (I); only customgrad ops' "
+        "weights wait for W. Use the plain split, which accumulates every weight in W, or "
+        "FSDP2, which reduces once the step's backwards are done:\n"
+        "\n"
+        "    stage = PipelineStage(DDP(module, process_group=dp_group), stage_index, n_stages, "
+        "device)\n"
+        "    stage = PipelineStage(fully_shard(module, mesh=dp_mesh), stage_index, n_stages, "
+        "device)\n"
+    )
+
+
+def test_the_find_unused_error_message_is_pinned() -> None:
+    assert MSG_DDP_FIND_UNUSED.format(stage=1) == (
+        "customgrad.pipelining.PipelineStage(stage_index=1): DDP(find_unused_parameters=True) "
+        "cannot reduce a split backward: DDP finds unused weights by walking the graph from the "
+        "stage's outputs, but the weight pass (W) starts inside the graph, after the input pass "
+        "(I) used the outputs, so DDP would take every weight for unused and reduce it before W "
+        "adds its gradient. Build DDP with find_unused_parameters=False (the default), or use "
+        "FSDP2:\n"
+        "\n"
+        "    DDP(module, process_group=dp_group)\n"
+        "    fully_shard(module, mesh=dp_mesh)\n"
+    )

@@ -181,37 +181,6 @@ def test_ddp_find_unused_parameters_raises_a_clear_error(results: Results, case:
     assert error == f"PipeliningError: {MSG_DDP_FIND_UNUSED.format(stage=0)}"
 
 
-def test_the_ddp_error_message_is_pinned() -> None:
-    assert MSG_DDP_UNREDUCED.format(stage=3) == (
-        "customgrad.pipelining.PipelineStage(stage_index=3): DDP did not reduce this step's "
-        "gradients: some weights of the stage got their last gradient before the last backward "
-        "of the step, where DDP's reduction runs, so DDP never saw them ready and left the "
-        "reduction unfinished. With queue=, the weights of native modules and plain "
-        "autograd.Functions get their gradients in the input pass (I); only customgrad ops' "
-        "weights wait for W. Use the plain split, which accumulates every weight in W, or "
-        "FSDP2, which reduces once the step's backwards are done:\n"
-        "\n"
-        "    stage = PipelineStage(DDP(module, process_group=dp_group), stage_index, n_stages, "
-        "device)\n"
-        "    stage = PipelineStage(fully_shard(module, mesh=dp_mesh), stage_index, n_stages, "
-        "device)\n"
-    )
-
-
-def test_the_find_unused_error_message_is_pinned() -> None:
-    assert MSG_DDP_FIND_UNUSED.format(stage=1) == (
-        "customgrad.pipelining.PipelineStage(stage_index=1): DDP(find_unused_parameters=True) "
-        "cannot reduce a split backward: DDP finds unused weights by walking the graph from the "
-        "stage's outputs, but the weight pass (W) starts inside the graph, after the input pass "
-        "(I) used the outputs, so DDP would take every weight for unused and reduce it before W "
-        "adds its gradient. Build DDP with find_unused_parameters=False (the default), or use "
-        "FSDP2:\n"
-        "\n"
-        "    DDP(module, process_group=dp_group)\n"
-        "    fully_shard(module, mesh=dp_mesh)\n"
-    )
-
-
 CUDA_GPUS = torch.cuda.device_count()
 
 

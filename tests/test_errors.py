@@ -10,11 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.pipelining as pipelining
 from torch import nn
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-import customgrad
 import customgrad as cg
 from customgrad._errors import where
 from customgrad.pipelining import ActionTimer, ActionTimerError, StageCosts, simulate, stage_costs
@@ -22,10 +26,6 @@ from customgrad.pipelining._simulate import _StandInStage
 from customgrad.pipelining._stage import MSG_DDP_FIND_UNUSED, MSG_DDP_UNREDUCED
 from customgrad.pipelining._timing import MSG_NESTED_STEP
 
-Schedule1F1B = pipelining.Schedule1F1B
-ScheduleDualPipeV = pipelining.ScheduleDualPipeV
-ScheduleInterleaved1F1B = pipelining.ScheduleInterleaved1F1B
-ScheduleZBVZeroBubble = pipelining.ScheduleZBVZeroBubble
 UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
 
 _ids = itertools.count()
@@ -1569,13 +1569,13 @@ def test_python_object_argument_without_an_opaque_type() -> None:
 
 
 def test_simulate_errors_unknown_schedule() -> None:
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: unknown schedule name 'ZeroBubble'. torch's schedule names: 1F1B, GPipe, "
         "Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; or pass "
         "a schedule class."
     )):  # fmt: skip
         simulate("ZeroBubble", 4, 8, UNIT)
-    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(
         "simulate: expected one of torch.distributed.pipelining's schedule classes (or its "
         "name), got <class 'int'>. Pass the class itself, for example:"
     )):  # fmt: skip
@@ -1584,7 +1584,7 @@ def test_simulate_errors_unknown_schedule() -> None:
     instance = Schedule1F1B(stage, 2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=re.escape("got <torch.distributed.pipelining")):
         simulate(instance, 2, 2, UNIT)  # type: ignore[arg-type]
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: PipelineScheduleSingle is an abstract base class, with no action list to "
         "replay. Use a schedule that trains: Schedule1F1B, ScheduleGPipe, "
         "ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble, "
@@ -1596,7 +1596,7 @@ def test_simulate_errors_unknown_schedule() -> None:
         def _step_microbatches(self, *args: object, **kwargs: object) -> None:
             pass
 
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: NoOrder has no action list (pipeline_order) to replay. Use a schedule that "
         "trains: Schedule1F1B,"
     )):  # fmt: skip
@@ -1604,80 +1604,80 @@ def test_simulate_errors_unknown_schedule() -> None:
 
 
 def test_simulate_errors_stages_the_schedule_cannot_run() -> None:
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: ScheduleZBVZeroBubble places several stages on each rank, and 5 stages do "
         "not make 2 per rank. Pass n_ranks= (n_stages must be a multiple of it), or an even "
         "n_stages."
     )):  # fmt: skip
         simulate(ScheduleZBVZeroBubble, 5, 8, UNIT)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: torch's ScheduleZBVZeroBubble cannot run 6 stages on 2 ranks (3 per rank) "
         "with 8 microbatches: ZBV requires exactly 2 stages per rank, but got 3. Change "
         "n_stages, n_ranks or n_microbatches to what the schedule supports."
     )):  # fmt: skip
         simulate(ScheduleZBVZeroBubble, 6, 8, UNIT, n_ranks=2)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: torch's ScheduleDualPipeV cannot run 8 stages on 4 ranks (2 per rank) with "
         "4 microbatches: DualPipeV requires at least as many microbatches as stages, but got 4 "
         "microbatches and 8 stages."
     )):  # fmt: skip
         simulate(ScheduleDualPipeV, 8, 4, UNIT)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: torch's Schedule1F1B cannot run 4 stages on 4 ranks (1 per rank) with 2 "
         "microbatches: Number of microbatches (2) must be greater than"
     )):  # fmt: skip
         simulate(Schedule1F1B, 4, 2, UNIT)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: Schedule1F1B runs one stage per rank, so 4 stages need 4 ranks, got "
         "n_ranks=2. Leave n_ranks out, or use a multi-stage schedule (ScheduleInterleaved1F1B, "
         "ScheduleZBVZeroBubble, ...)."
     )):  # fmt: skip
         simulate(Schedule1F1B, 4, 8, UNIT, n_ranks=2)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: ScheduleInterleaved1F1B places the same number of stages on each rank, so "
         "n_stages (7) must be a multiple of n_ranks (2). Pass n_stages=8, or another n_ranks."
     )):  # fmt: skip
         simulate(ScheduleInterleaved1F1B, 7, 8, UNIT, n_ranks=2)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: n_microbatches is 0, expected at least 1."
     )):  # fmt: skip
         simulate(Schedule1F1B, 2, 0, UNIT)
-    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(
         "simulate: n_stages is a float (2.0), expected an int."
     )):  # fmt: skip
         simulate(Schedule1F1B, 2.0, 4, UNIT)  # type: ignore[arg-type]
 
 
 def test_simulate_errors_costs() -> None:
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "StageCosts: backward_weight is -0.5 seconds, expected a finite number >= 0. Pass the "
         "measured seconds per microbatch (0.0 for an action that costs nothing)."
     )):  # fmt: skip
         StageCosts(1.0, 1.0, -0.5)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "StageCosts: send is nan seconds"
     )):  # fmt: skip
         StageCosts(1.0, 1.0, 1.0, send=math.nan)
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "StageCosts: backward is -1.0 seconds"
     )):  # fmt: skip
         StageCosts(1.0, 1.0, 1.0, backward=-1.0)
-    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(
         "StageCosts: forward is a str ('1ms'), expected seconds as a float. Pass a number, "
         "e.g. forward=0.004."
     )):  # fmt: skip
         StageCosts("1ms", 1.0, 1.0)  # type: ignore[arg-type]
-    with pytest.raises(customgrad.ArgumentValueError, match=re.escape(
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(
         "simulate: 3 StageCosts for 4 stages. Pass one per stage, in stage order, or a single "
         "StageCosts for all of them."
     )):  # fmt: skip
         simulate(ScheduleZBVZeroBubble, 4, 8, [UNIT] * 3)
-    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(
         "simulate: costs[1] is a dict, expected StageCosts. Pass StageCosts(forward=..., "
         "backward_input=..., backward_weight=...) for each stage."
     )):  # fmt: skip
         simulate(Schedule1F1B, 2, 4, [UNIT, {"forward": 1.0}])  # type: ignore[list-item]
-    with pytest.raises(customgrad.ArgumentTypeError, match=re.escape(
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(
         "simulate: costs is a float, expected StageCosts or a sequence of them (one per stage)."
     )):  # fmt: skip
         simulate(Schedule1F1B, 2, 4, 1.0)  # type: ignore[arg-type]

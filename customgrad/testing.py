@@ -490,6 +490,12 @@ class _Case:
     def run_gradgradcheck(self) -> tuple[Status, str]:
         if not self.diff:
             return "skipped", "no floating-point tensor argument to differentiate"
+        declared = sorted(self.op.rules.nondifferentiable)
+        if declared:
+            return "skipped", (
+                f"the backward is registered with differentiable=False ({', '.join(declared)}): "
+                f"double backward raises by design"
+            )
         fn, leaves = self._float64_fn()
         outs = [o for o in fn(*leaves) if o.requires_grad]
         grads = torch.autograd.grad(

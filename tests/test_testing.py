@@ -282,3 +282,21 @@ def test_missing_autograd_is_reported_not_crashed() -> None:
     for name in ("gradcheck", "split", "flops"):
         assert report[name].status == "failed"
         assert report[name].detail.startswith("raised MissingRegistrationError: ")
+
+
+def test_a_backward_declared_not_differentiable_skips_gradgradcheck() -> None:
+    @cg.op("test_testing::once_diff_scale", weights=("w",))
+    def scale(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    scale.register_fake(lambda x, w: torch.empty_like(x))
+    scale.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+    scale.register_backward_input(lambda ctx, s, g: {"x": g * s[1]}, differentiable=False)
+    scale.register_backward_weight(lambda ctx, s, g: {"w": (g * s[0]).sum(0)})
+    report = check_op(scale, torch.randn(3, 4), torch.randn(4))
+    assert report.ok
+    assert report["gradgradcheck"].status == "skipped"
+    assert report["gradgradcheck"].detail == (
+        "the backward is registered with differentiable=False (input): double backward raises "
+        "by design"
+    )

@@ -108,8 +108,6 @@ def eligible(impl: AutogradImpl, rules: AutogradRules, mutates: bool) -> bool:
         return False
     if rules.backward_shared is not None or rules.nondifferentiable:
         return False
-    if rules.backward is not None and rules.auto is not None:
-        return False
     return impl.ready()
 
 
@@ -455,7 +453,24 @@ class _Writer:
             return "\n".join(lines) + "\n"
 
         rules = self.rules
-        if rules.backward is not None:
+        if rules.backward is not None and rules.auto is not None:
+            # The automatic split (a traced plan per input signature, work handed from I to W)
+            # is the general path's: run it, then place what it returns.
+            body = (
+                "    keep = bool(plan.later_w) and bool(plan.need_in)\n"
+                "    got = _compute(record, plan, saved, grads, keep)\n"
+            )
+            for i, ps in positions.items():
+                name = sig.names[i]
+                if sig.kinds[i] is ArgKind.TENSOR_LIST:
+                    body += f"    g = got.get({name!r})\n    if g is not None:\n"
+                    body += "".join(
+                        f"        if n{p}:\n            g{p} = g[{k}]\n" for k, p in enumerate(ps)
+                    )
+                else:
+                    (p,) = ps
+                    body += f"    g{p} = got.get({name!r})\n"
+        elif rules.backward is not None:
             body = "    if True:\n" + half("_BWD", "full", sig.tensor_set, "needed")
         else:
             body = ""
@@ -490,8 +505,11 @@ class _Writer:
             "    if not needed:\n"
             "        return _NONES\n"
             "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-            "    watch = _Watch(saved, grads)\n"
-            "    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
+            + (
+                ""
+                if rules.auto is not None and rules.backward is not None
+                else "    watch = _Watch(saved, grads)\n    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
+            )
             + body
             + f"    return (None, None, {outs})\n"
         )
@@ -546,6 +564,7 @@ class _Writer:
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
+            "_compute": impl.compute,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
         }

@@ -116,9 +116,9 @@ def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: 
             @op.register_backward_weight
             def _(ctx: Any, saved: Any, g: torch.Tensor) -> Any:
                 return grads(weight_names, saved, g)
-    else:
+    else:  # "phase": called per pass; "auto": traced and split
 
-        @op.register_backward(split="phase")
+        @op.register_backward(split=style)
         def _(ctx: Any, saved: Any, g: torch.Tensor) -> Any:
             return grads(inputs | weight_names, saved, g)
 
@@ -191,7 +191,7 @@ def _run(
 def test_fast_and_general_paths_agree(kinds: str, data: st.DataObject) -> None:
     tensor_idx = [i for i, k in enumerate(kinds) if k != "F"]
     weights = tuple(data.draw(st.sets(st.sampled_from(tensor_idx))) if tensor_idx else ())
-    style = data.draw(st.sampled_from(("pair", "single")))
+    style = data.draw(st.sampled_from(("pair", "phase", "auto")))
     fault = data.draw(st.sampled_from(FAULTS))
     requires = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))
     present = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))

@@ -3,8 +3,10 @@
 Run: ``.venv/bin/python benchmarks/overhead.py`` (``--quick`` for a short run).
 
 A small linear (8x16 input, 16x16 weight), as a customgrad op with the input/weight pair
-("pair") and with one backward ("single"), without and with an ``Optional`` bias, and a
-``list[Tensor]`` op (a weighted sum of two tensors). Each is timed on every ordinary path:
+("pair"), with one backward that honours ``ctx.needs_input_grad`` (``split="phase"``) and with
+one backward that returns every gradient, split automatically (``split="auto"``, the default),
+without and with an ``Optional`` bias, and a ``list[Tensor]`` op (a weighted sum of two
+tensors). Each is timed on every ordinary path:
 
 - ``fwd no_grad``: the forward under ``torch.no_grad()``;
 - ``backward``: forward + ``out.backward(g)`` (only the op's node runs in the backward);
@@ -130,6 +132,14 @@ def _cg_linear(name: str, style: str) -> cg.CustomOp[..., Tensor]:
         linear.register_backward_weight(
             lambda ctx, s, g: {"w": g.mT @ s[0], "b": None if s[2] is None else g.sum(0)}
         )
+    elif style == "auto":
+        linear.register_backward(
+            lambda ctx, s, g: {
+                "x": g @ s[1],
+                "w": g.mT @ s[0],
+                "b": None if s[2] is None else g.sum(0),
+            }
+        )
     else:
 
         @linear.register_backward(split="phase")
@@ -159,6 +169,13 @@ def _cg_wsum(name: str, style: str) -> cg.CustomOp[..., Tensor]:
         wsum.register_backward_weight(
             lambda ctx, s, g: {"scales": [(g * s[0]).sum(0), (g * s[1]).sum(0)]}
         )
+    elif style == "auto":
+        wsum.register_backward(
+            lambda ctx, s, g: {
+                "xs": [g * s[2], g * s[3]],
+                "scales": [(g * s[0]).sum(0), (g * s[1]).sum(0)],
+            }
+        )
     else:
 
         @wsum.register_backward(split="phase")
@@ -174,11 +191,9 @@ def _cg_wsum(name: str, style: str) -> cg.CustomOp[..., Tensor]:
     return wsum
 
 
-CG = {
-    ("linear", style): _cg_linear(f"cg_bench::linear_{style}", style)
-    for style in ("pair", "single")
-}
-CG.update({("wsum", s): _cg_wsum(f"cg_bench::wsum_{s}", s) for s in ("pair", "single")})
+STYLES = ("pair", "phase", "auto")
+CG = {("linear", s): _cg_linear(f"cg_bench::linear_{s}", s) for s in STYLES}
+CG.update({("wsum", s): _cg_wsum(f"cg_bench::wsum_{s}", s) for s in STYLES})
 
 
 # --- the cases --------------------------------------------------------------------------------
@@ -203,7 +218,8 @@ def _cases() -> dict[str, tuple[Tensor, list[Tensor], dict[str, Callable[[], Ten
                 "autograd.Function": lambda bb=bb: LinearFn.apply(x, w, bb),
                 "custom_op": lambda bb=bb: co_linear(x, w, bb),
                 "customgrad pair": lambda bb=bb: CG["linear", "pair"](x, w, bb),
-                "customgrad single": lambda bb=bb: CG["linear", "single"](x, w, bb),
+                "customgrad phase": lambda bb=bb: CG["linear", "phase"](x, w, bb),
+                "customgrad auto": lambda bb=bb: CG["linear", "auto"](x, w, bb),
             },
         )
     cases["list[Tensor] args"] = (
@@ -213,7 +229,8 @@ def _cases() -> dict[str, tuple[Tensor, list[Tensor], dict[str, Callable[[], Ten
             "autograd.Function": lambda: SumFn.apply(*xs, *ss),
             "custom_op": lambda: co_wsum(xs, ss),
             "customgrad pair": lambda: CG["wsum", "pair"](xs, ss),
-            "customgrad single": lambda: CG["wsum", "single"](xs, ss),
+            "customgrad phase": lambda: CG["wsum", "phase"](xs, ss),
+            "customgrad auto": lambda: CG["wsum", "auto"](xs, ss),
         },
     )
     return cases
@@ -356,18 +373,18 @@ def main() -> None:
             print(f"| {case} | {impl} | {cells} |")
 
     print(
-        "\n| op | path | customgrad / Function, pair, single [<= 1.15] | "
-        "customgrad / custom_op, pair, single [<= 0.60] |"
+        "\n| op | path | customgrad / Function: pair, phase, auto [<= 1.15] | "
+        "customgrad / custom_op: pair, phase, auto [<= 0.60] |"
     )
     print("|---|---|---:|---:|")
     for case in cases:
         for mode in MODES[1:]:
             fn = r[case, "autograd.Function", mode]
             co = r[case, "custom_op", mode]
-            pair, single = r[case, "customgrad pair", mode], r[case, "customgrad single", mode]
+            ours = [r[case, f"customgrad {s}", mode] for s in STYLES]
             print(
-                f"| {case} | {mode} | {pair / fn:.2f}, {single / fn:.2f} | "
-                f"{pair / co:.2f}, {single / co:.2f} |"
+                f"| {case} | {mode} | {', '.join(f'{t / fn:.2f}' for t in ours)} | "
+                f"{', '.join(f'{t / co:.2f}' for t in ours)} |"
             )
 
     pipe = _time_passes(max(1, number // 5), repeat)

@@ -314,6 +314,42 @@ class BackwardContext:
 # Running the user's backward functions
 
 
+def _watched_values(saved: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The output gradients, then the saved values (leaves of a saved pytree)."""
+    if type(saved) is tuple:
+        return (*grads, *saved)
+    if saved is None:
+        return grads
+    if isinstance(saved, _Tensor):
+        return (*grads, saved)
+    return (*grads, *optree.tree_leaves(saved, none_is_leaf=True))
+
+
+def _raise_mutation(
+    spec: OpSpec,
+    half: Half,
+    fn: Callable[..., Any],
+    values: tuple[Any, ...],
+    before: list[Any],
+    n_grads: int,
+) -> None:
+    """Raise :class:`MutationError` for the first value whose version moved (if one did)."""
+    saved_tensors = 0
+    for i, (v, version) in enumerate(zip(values, before)):
+        is_grad = i < n_grads
+        if not is_grad and isinstance(v, _Tensor):
+            saved_tensors += 1
+        if version is not None and v._version != version:
+            what = f"the gradient of output {i}" if is_grad else f"saved tensor {saved_tensors - 1}"
+            label = HALF_NAMES[half]
+            raise MutationError(
+                f"{spec.name}: {label} modified {what} in place (its version went from "
+                f"{version} to {v._version}). The other half of a split backward may still "
+                f"need it, and autograd may share it with other nodes. Compute out of place "
+                f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
+            )
+
+
 class _Watch:
     """What a backward function must not write to in place (the output gradients and the saved
     values), and their version counters before the node's backward ran.
@@ -325,40 +361,14 @@ class _Watch:
     __slots__ = ("before", "n_grads", "values")
 
     def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
-        if type(saved) is tuple:
-            values = (*grads, *saved)
-        elif saved is None:
-            values = grads
-        elif isinstance(saved, _Tensor):
-            values = (*grads, saved)
-        else:
-            values = (*grads, *optree.tree_leaves(saved, none_is_leaf=True))
-        self.values = values
+        self.values = values = _watched_values(saved, grads)
         self.n_grads = len(grads)
         self.before = [*map(getattr, values, _VERSION, _NO_VERSION)]
 
     def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
         """Raise :class:`MutationError` if ``fn`` moved a version counter."""
-        if [*map(getattr, self.values, _VERSION, _NO_VERSION)] == self.before:
-            return
-        saved_tensors = 0
-        for i, (v, version) in enumerate(zip(self.values, self.before)):
-            is_grad = i < self.n_grads
-            if not is_grad and isinstance(v, _Tensor):
-                saved_tensors += 1
-            if version is not None and v._version != version:
-                what = (
-                    f"the gradient of output {i}"
-                    if is_grad
-                    else f"saved tensor {saved_tensors - 1}"
-                )
-                label = HALF_NAMES[half]
-                raise MutationError(
-                    f"{spec.name}: {label} modified {what} in place (its version went from "
-                    f"{version} to {v._version}). The other half of a split backward may still "
-                    f"need it, and autograd may share it with other nodes. Compute out of place "
-                    f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
-                )
+        if [*map(getattr, self.values, _VERSION, _NO_VERSION)] != self.before:
+            _raise_mutation(spec, half, fn, self.values, self.before, self.n_grads)
 
 
 def _call_user(
@@ -1097,6 +1107,7 @@ _SAVED_NONE: Any = object()  # None
 _SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
 _SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
 _OPAQUE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
 
 
 def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
@@ -1110,11 +1121,8 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
         record.kept = _SAVED_TENSOR
         return
     if kind is tuple:
-        for v in saved:
-            k = type(v)
-            if k is not _Tensor and k is not _Parameter and v is not None:
-                break
-        else:  # Tensors and Nones: saved_tensors gives the same tuple back
+        if _TENSOR_OR_NONE.issuperset(map(type, saved)):
+            # Tensors and Nones: saved_tensors gives the same tuple back
             ctx.save_for_backward(*saved)
             record.kept = _SAVED_TENSORS
             return

@@ -33,13 +33,17 @@ import torch.autograd.forward_ad as _fwad
 
 from customgrad._autograd import (
     _ACCUMULATE,
+    _NO_VERSION,
     _SAVED_TENSORS,
+    _TENSOR_OR_NONE,
+    _VERSION,
     BackwardContext,
     _CustomGradNode,
     _metas_by_name,
+    _raise_mutation,
     _restore,
     _save,
-    _Watch,
+    _watched_values,
 )
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
@@ -313,7 +317,12 @@ class _Writer:
             f"def setup_context(ctx, inputs, out):\n"
             f"    impl, kernel, {node_inputs}, = inputs\n"
             f"    record = _Record(_IMPL, [{self._all_metas()}], _LENS, _tag())\n"
-            f"    _keep(ctx, record, _SPEC, _SAVE(_new(_Inputs, {regrouped}), out))\n"
+            f"    saved = _SAVE(_new(_Inputs, {regrouped}), out)\n"
+            f"    if type(saved) is tuple and _TENSOR_OR_NONE.issuperset(map(type, saved)):\n"
+            f"        ctx.save_for_backward(*saved)\n"
+            f"        record.kept = _SAVED_TENSORS\n"
+            f"    else:\n"
+            f"        _keep(ctx, record, _SPEC, saved)\n"
             f"    ctx._cg = record\n"
         )
         source = call_src + "\n" + forward_src + "\n" + self._backward_source()
@@ -385,7 +394,8 @@ class _Writer:
             """Call one registered function, check it, put its gradients in the slots."""
             lines = [
                 f"        r = {fn}(ctx, saved, *grads)",
-                f"        watch.check(_SPEC, {label!r}, {fn})",
+                "        if [*_map(_getattr, watched, _VERSION, _NO_VERSION)] != before:",
+                f"            _mutated(_SPEC, {label!r}, {fn}, watched, before, len(grads))",
                 f"        ok = type(r) is dict and r.keys() <= _ALLOWED_{label}",
             ]
             for i, ps in positions.items():
@@ -508,7 +518,9 @@ class _Writer:
             + (
                 ""
                 if rules.auto is not None and rules.backward is not None
-                else "    watch = _Watch(saved, grads)\n    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
+                else "    watched = (*grads, *saved) if type(saved) is tuple else _watched(saved, grads)\n"
+                "    before = [*_map(_getattr, watched, _VERSION, _NO_VERSION)]\n"
+                "    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
             )
             + body
             + f"    return (None, None, {outs})\n"
@@ -557,7 +569,13 @@ class _Writer:
             "_keep": _save,
             "_restore": _restore,
             "_SAVED_TENSORS": _SAVED_TENSORS,
-            "_Watch": _Watch,
+            "_watched": _watched_values,
+            "_mutated": _raise_mutation,
+            "_map": map,
+            "_getattr": getattr,
+            "_VERSION": _VERSION,
+            "_NO_VERSION": _NO_VERSION,
+            "_TENSOR_OR_NONE": _TENSOR_OR_NONE,
             "_Ctx": BackwardContext,
             "_collect": collect_grads,
             "_by_name": _metas_by_name,

@@ -81,11 +81,6 @@ def attribution(
     avg = StageCosts(*(statistics.mean(getattr(c, k) for c in costs) for k in kinds))
     balanced, replayed = replay([avg] * n_stages), replay(costs)
     busy = statistics.mean(replayed.busy)  # the replay's compute per rank
-    # torch's PipelineStage runs stage 0's whole backward in W:
-    s0 = costs[0]
-    torch_s0 = dataclasses.replace(
-        s0, backward_input=0.0, backward_weight=s0.backward_input + s0.backward_weight
-    )
     shares = [
         (balanced.step_time - busy, "the schedule itself (replayed with every stage at the mean"
          f" action times and no waits: bubble {balanced.bubble:.1%})"),
@@ -109,9 +104,6 @@ def attribution(
         f" ms, mean {statistics.mean(t.duration for t in timed) * ms:.1f} ms, mean bubble"
         f" {statistics.mean(t.bubble for t in timed):.1%} (the longest steps lost their cores"
         " most)",
-        f"with stage 0's whole backward in W (torch's PipelineStage), the replay takes"
-        f" {replay([torch_s0, *costs[1:]]).step_time * ms:.1f} ms (customgrad's stage:"
-        f" {replayed.step_time * ms:.1f} ms)",
     ]
     return "\n".join(lines)
 

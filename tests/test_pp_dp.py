@@ -45,15 +45,19 @@ NATIVE_CASES = [
     Case("ScheduleZBVZeroBubble", "fsdp", "split", native=ALL_STAGES),
     Case("ScheduleZBVZeroBubble", "fsdp", "queue", native=ALL_STAGES),
 ]
-# Unsupported, made so in stage 0 only: its ranks raise in stage 0's last W or at its reduction,
-# the last actions of their step under ZBV, so the other ranks finish theirs and the run goes
-# on. Run last.
+# DDP(find_unused_parameters=True) works on the first stage under the plain split: that stage
+# runs its whole backward in W, in one pass from its outputs, where DDP looks for unused weights.
+FIRST_STAGE_FIND_UNUSED = Case("ScheduleZBVZeroBubble", "ddp", "split", find_unused=(0,))
+# Unsupported, made so in one stage whose W (or reduction) is the last action of its ranks' step
+# under ZBV (stage 0 with the queue, stage 1 with the split), so the other ranks finish theirs
+# and the run goes on. Run last.
 NATIVE_WITH_QUEUE = Case("ScheduleZBVZeroBubble", "ddp", "queue", native=(0,))
 FIND_UNUSED = [
-    Case("ScheduleZBVZeroBubble", "ddp", stage, find_unused=(0,)) for stage in w.STAGE_KINDS
+    Case("ScheduleZBVZeroBubble", "ddp", "split", find_unused=(1,)),
+    Case("ScheduleZBVZeroBubble", "ddp", "queue", find_unused=(0,)),
 ]
 UNSUPPORTED = [NATIVE_WITH_QUEUE, *FIND_UNUSED]
-WORKING = CASES + NATIVE_CASES
+WORKING = [*CASES, *NATIVE_CASES, FIRST_STAGE_FIND_UNUSED]
 
 Results = list[dict[Case, Outcome]]  # per global rank
 
@@ -150,14 +154,14 @@ def test_hooks_fire_once_per_weight_per_microbatch(results: Results, case: Case)
     _check(_hook_problems(results, case), case)
 
 
-def _stage0_error(results: Results, case: Case) -> str:
-    """The error the ranks holding stage 0 stopped the case's first step with (the others ran
+def _stage_error(results: Results, case: Case, stage: int = 0) -> str:
+    """The error the ranks holding ``stage`` stopped the case's first step with (the others ran
     it without error), after checking that every rank stopped after that step."""
     errors = set()
     for r, outcome in enumerate(results):
         steps = outcome[case].steps
         assert len(steps) == 1, f"rank {r} ran {len(steps)} steps, not 1 (stopped)"
-        if 0 in outcome[case].stages:
+        if stage in outcome[case].stages:
             errors.add(steps[0].error)
         else:
             assert not steps[0].error, f"rank {r}: {steps[0].error}"
@@ -169,7 +173,7 @@ def test_ddp_with_queue_and_native_weights_raises_a_clear_error(results: Results
     # DDP reduces in the step's last backward; a queue gives native weights their gradients in
     # I, before it, so DDP never sees them ready. customgrad says so at the end of the step
     # instead of leaving unreduced gradients (and DDP's own error at the next step).
-    error = _stage0_error(results, NATIVE_WITH_QUEUE)
+    error = _stage_error(results, NATIVE_WITH_QUEUE)
     assert error == f"PipeliningError: {MSG_DDP_UNREDUCED.format(stage=0)}"
 
 
@@ -177,8 +181,9 @@ def test_ddp_with_queue_and_native_weights_raises_a_clear_error(results: Results
 def test_ddp_find_unused_parameters_raises_a_clear_error(results: Results, case: Case) -> None:
     # Instead of DDP's "Expected to mark a variable ready only once" (it takes every weight for
     # unused when the reduction starts, then W marks them again).
-    error = _stage0_error(results, case)
-    assert error == f"PipeliningError: {MSG_DDP_FIND_UNUSED.format(stage=0)}"
+    (stage,) = case.find_unused
+    error = _stage_error(results, case, stage)
+    assert error == f"PipeliningError: {MSG_DDP_FIND_UNUSED.format(stage=stage)}"
 
 
 CUDA_GPUS = torch.cuda.device_count()

@@ -111,24 +111,20 @@ def test_every_action_of_every_microbatch_is_recorded(group: None, stage_cls: An
         assert 0 < step.bubble < 1
 
 
-def test_customgrad_stage_runs_the_first_stage_activation_gradients_in_i(group: None) -> None:
+@pytest.mark.parametrize("stage_cls", [PipelineStage, TorchPipelineStage], ids=["ours", "torch"])
+def test_the_first_stage_runs_its_whole_backward_in_w(group: None, stage_cls: type) -> None:
     # Per microbatch, each stage does 2 matmuls forward; its backward 2 weight-gradient matmuls
-    # and 2 input-gradient ones, except that stage 0's input needs no gradient (1 matmul).
-    step = _zbv_steps(PipelineStage)[-1]
+    # and 2 input-gradient ones, except that stage 0's input needs no gradient (1 matmul). The
+    # first stage skips I and does its whole backward in W, in one pass (its I and W run back
+    # to back in every zero-bubble schedule); the other stages split.
+    step = _zbv_steps(stage_cls)[-1]
     assert _flops(step, 0, "F") == _flops(step, 1, "F") == 2 * MATMUL * N_MB
-    assert _flops(step, 0, "I") == 1 * MATMUL * N_MB
-    assert _flops(step, 0, "W") == 2 * MATMUL * N_MB
+    assert _flops(step, 0, "I") == 0
+    assert _flops(step, 0, "W") == 3 * MATMUL * N_MB
     assert _flops(step, 1, "I") == _flops(step, 1, "W") == 2 * MATMUL * N_MB
 
 
-def test_torch_stage_runs_the_first_stage_whole_backward_in_w(group: None) -> None:
-    step = _zbv_steps(TorchPipelineStage)[-1]
-    assert _flops(step, 0, "I") == 0
-    assert _flops(step, 0, "W") == 3 * MATMUL * N_MB
-    # and the gradients are the same as customgrad's stage's (checked in test_stage_backward)
-
-
-def test_first_stage_split_gives_the_full_backward_gradients(group: None) -> None:
+def test_zbv_gives_the_full_backward_gradients(group: None) -> None:
     torch.manual_seed(0)
     mods = [Block(), Block()]
     ref = nn.Sequential(*(Block() for _ in range(2)))

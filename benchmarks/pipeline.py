@@ -12,7 +12,8 @@ adds. All configurations take turns step by step, so drifts of a shared machine 
 
 The step time is the slowest rank's, from a barrier to the end of ``schedule.step``; the ratio
 to 1F1B is taken step by step (each step against the 1F1B step of the same round), then its
-median. The last line: ZBV's ratio to 1F1B for each kind of op.
+median. Every round runs the configurations in a new (seeded) order: a step's time depends a
+little on the step before it. The last line: ZBV's ratio to 1F1B for each kind of op.
 
     python benchmarks/pipeline.py                       # spawns 2 local processes
     python benchmarks/pipeline.py --rounds 60           # steadier
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import statistics
 import sys
@@ -120,8 +122,13 @@ def bench(args: argparse.Namespace, device: torch.device) -> None:
     for pipe in pipes.values():  # warm up: shape inference, allocator; FLOPs counted once
         pipe.step(x, target)
         pipe.step(x, target, count_flops=True)
+    order = list(pipes.values())
     for r in range(args.rounds):
-        for pipe in pipes.values():
+        # A step runs a little faster or slower depending on the step before it (measured: a
+        # ZBV step after another ZBV step ~5% faster than after a 1F1B one): every round takes
+        # the configurations in a new order, the same on every rank.
+        random.Random(r).shuffle(order)
+        for pipe in order:
             pipe.step(x, target)
         if rank == 0 and (r + 1) % max(1, args.rounds // 5) == 0:
             print(f"  round {r + 1}/{args.rounds}", flush=True)
@@ -237,7 +244,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--dim", type=int, default=512)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=512, help="rows per step")
+    p.add_argument(
+        "--batch", type=int, default=2048, help="rows per step (256 a microbatch by default)"
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument(
         "--nproc",

@@ -377,14 +377,20 @@ def run_case(case: Case, mesh: Any, device: torch.device) -> Outcome:
         step = rec.new_step()
         for block in blocks.values():
             block.zero_grad(set_to_none=True)
+        raised: PipeliningError | None = None
         try:
             schedule.step(*args, **kwargs)
         except PipeliningError as e:
             step.error = f"{type(e).__name__}: {e}"
+            # Its traceback keeps the schedule's frames, and in them the works of the sends it
+            # posted and had not waited for yet, alive: gloo drops a send whose work is freed
+            # before the peer has received it, and the peer would wait for it forever.
+            raised = e
         # Every rank stops the case once one of them failed a step (the error case is built
-        # to fail in its ranks' last action, with no message of the step left in flight).
+        # to fail in its ranks' last action, after their last send of the step).
         failed = torch.tensor([float(bool(step.error))], device=device)
         dist.all_reduce(failed)
+        del raised
         if failed.item():
             outcome.steps.append(step)
             break

@@ -8,12 +8,15 @@ small op (``benchmarks/overhead.py``). This module writes, for one op, Python fu
 argument loops unrolled and every constant bound (as ``dataclasses`` and ``torch.fx`` do), which
 make the same decisions with a fraction of the interpreter work.
 
-What it covers: ops without list arguments, keyword-only arguments, mutated arguments or
-residuals, with one differentiable Tensor output, whose autograd is the input/weight pair or a
-single backward called as written (``split="phase"``); called with plain tensors under grad
-mode, with no dispatch or function mode, functorch transform, profiler, forward-AD level or
-``torch.compile`` trace. Any other call declines (returns :data:`DECLINED`) and runs the general
-path (:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a route on the
+What it covers: ops without keyword-only arguments, mutated arguments, residuals, shared
+backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
+autograd is the input/weight pair or a single backward (called as written with
+``split="phase"``; with ``split="auto"`` the generated backward queries the edges and the traced
+split computes); ``list[Tensor]`` arguments get one fast path per layout of list lengths, written
+on first use (at most ``_MAX_LAYOUTS``). Calls must have plain tensors under grad mode, with no
+dispatch or function mode, functorch transform, profiler, forward-AD level or ``torch.compile``
+trace. Any other call declines (returns :data:`DECLINED`) and runs the general path
+(:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a route on the
 record), changed registrations, and observers also go to the general path.
 
 One set of rules: the pass plan (``AutogradImpl.plan``), the saved-value layout (``_save`` /

@@ -39,7 +39,7 @@ def main() -> None:
     show(check_op(gelu_linear, r(2, 4, 3), r(5, 3), r(5)))
     show(check_op(scale_shift, r(4, 8), r(8), r(8)))
 
-    # the six real ops
+    # the seven real ops
     show(check_op(silu_and_mul, r(2, 4, 8)))
     show(check_op(rms_norm, r(2, 4, 8), r(8), checks=ONCE_DIFFERENTIABLE))
     target = torch.tensor([1, 4, -100, 2, 0, 3], device=device)

@@ -46,7 +46,6 @@ class DeferTarget(Protocol):
 
     def defer(self, record: NodeRecord, work: Any) -> None:
         """Keep ``work`` (a ``customgrad._autograd.DeferredWork``) for the weight pass."""
-        ...
 
 
 @dataclasses.dataclass(frozen=True)

@@ -135,24 +135,19 @@ class OpSpec(Protocol):
     @property
     def name(self) -> str:
         """``"ns::name"``."""
-        ...
 
     @property
     def signature(self) -> Signature:
         """Arguments, outputs, weights and residuals."""
-        ...
 
     @property
     def rules(self) -> AutogradRules:
         """The current autograd registrations."""
-        ...
 
     def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> Any:
         """Run the forward below autograd on schema-ordered ``args``: everything the kernel
         returns (outputs, then residuals). ``kernel`` is the kernel to call directly, or None
         to go through the dispatcher."""
-        ...
 
     def missing_autograd_message(self) -> str:
         """The error message for an op whose autograd registrations are incomplete."""
-        ...

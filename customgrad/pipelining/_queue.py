@@ -96,11 +96,9 @@ class StreamPolicy(Protocol):
 
     def current(self, device: torch.device) -> Any:
         """The current stream of ``device``, or None on a device without streams."""
-        ...
 
     def use(self, stream: Any) -> AbstractContextManager[None]:
         """Make ``stream`` current for its device inside the block."""
-        ...
 
 
 class AcceleratorStreams:

@@ -6,10 +6,12 @@ Ops are global by name, so each test module builds its own under its own namespa
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
+import pytest
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 import customgrad as cg
@@ -106,3 +108,16 @@ def function_linear(spy: Spy | None = None) -> Callable[[Tensor, Tensor], Tensor
             return gx, gw
 
     return FnLinear.apply  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[None]:
+    """A one-process gloo group for a module's pipeline stages (or the one already there)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

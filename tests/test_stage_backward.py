@@ -5,12 +5,10 @@ from __future__ import annotations
 import copy
 import re
 from collections import Counter
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import (
     PipelineStage as TorchPipelineStage,
@@ -66,18 +64,6 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = torch.relu(self._lin(x, self.w1))
         return torch.tanh(self._lin(torch.relu(self._lin(h, self.w2)), self.w1))
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _loss(out: Tensor, target: Tensor) -> Tensor:

@@ -6,12 +6,10 @@ Waits for a peer need two ranks: ``tests/test_pipeline_mp.py`` checks them on re
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
@@ -49,18 +47,6 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(torch.relu(linear(x, self.w1)), self.w2)
-
-
-@pytest.fixture(scope="module")
-def group() -> Iterator[None]:
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _loss(out: Tensor, target: Tensor) -> Tensor:

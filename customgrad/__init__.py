@@ -25,6 +25,7 @@ from customgrad._op import JvpFn as JvpFn
 from customgrad._op import SaveForBackwardFn as SaveForBackwardFn
 from customgrad._op import SharedFn as SharedFn
 from customgrad._op import op as op
+from customgrad._switches import no_split as no_split
 
 __version__ = "0.1.0"
 
@@ -47,5 +48,6 @@ __all__ = [
     "SharedFn",
     "UnsupportedError",
     "from_function",
+    "no_split",
     "op",
 ]

@@ -25,6 +25,7 @@ from customgrad._op import JvpFn as JvpFn
 from customgrad._op import SaveForBackwardFn as SaveForBackwardFn
 from customgrad._op import SharedFn as SharedFn
 from customgrad._op import op as op
+from customgrad._summary import summary as summary
 from customgrad._switches import no_split as no_split
 
 __version__ = "0.1.0"
@@ -50,4 +51,5 @@ __all__ = [
     "from_function",
     "no_split",
     "op",
+    "summary",
 ]

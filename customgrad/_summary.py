@@ -1,0 +1,218 @@
+"""``customgrad.summary()``: what customgrad knows about the ops of this process, as a table.
+
+One row per registered op: how its backward splits (a registered pair, a traced single
+backward, one that fell back to being called whole in each pass and why, or ``split="phase"``)
+and what is registered for it (kernels per device, a fake kernel, a jvp, shared work). The
+object returned prints as a table and keeps the rows as records for programs.
+
+Only :func:`_registered_ops` and :func:`_registrations` read the op's internals.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from customgrad._op import CustomOp
+
+__all__ = ["CompiledRegionRow", "OpRow", "Summary", "summary"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRow:
+    """One op of :func:`summary`.
+
+    Attributes:
+        op: ``"ns::name"``.
+        split: how its backward splits: ``"pair"`` (``register_backward_input``/``_weight``),
+            ``"traced"`` (a single backward split automatically), ``"fell back"`` (a single
+            backward that could not be traced: called whole in each pass), ``"phase"``
+            (``split="phase"``: called once per pass), ``"not run yet"`` (a single backward
+            whose first backward has not run, so it was not traced yet) or ``"none"`` (no
+            backward registered).
+        detail: in words: what the trace runs in each pass, or why it fell back.
+        kernels: the device types with a kernel (``"all"``: the kernel registered for every
+            device).
+        registered: the other registrations, among ``"fake"``, ``"jvp"``, ``"shared"``.
+    """
+
+    op: str
+    split: str
+    detail: str
+    kernels: tuple[str, ...]
+    registered: tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledRegionRow:
+    """One compiled region of :func:`summary`: where it comes from and how its backward split.
+
+    Attributes:
+        region: the name of the compiled module or function.
+        split: ``"split"`` or ``"fell back"``.
+        detail: in words.
+    """
+
+    region: str
+    split: str
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """The result of :func:`summary`: ``str(summary)`` is the table, ``ops`` and
+    ``compiled_regions`` its rows.
+
+    Attributes:
+        ops: one row per registered op, sorted by name.
+        compiled_regions: one row per compiled region seen.
+        split_enabled: False while the split is turned off (``CUSTOMGRAD_SPLIT=0`` or
+            :func:`customgrad.no_split`): every backward then runs whole in each pass.
+    """
+
+    ops: tuple[OpRow, ...]
+    compiled_regions: tuple[CompiledRegionRow, ...]
+    split_enabled: bool
+
+    def __str__(self) -> str:
+        lines: list[str] = []
+        if not self.split_enabled:
+            lines.append(
+                "The split is off (CUSTOMGRAD_SPLIT=0 or customgrad.no_split()): every backward "
+                "below runs whole in each pass that reaches it."
+            )
+        if not self.ops:
+            lines.append("No customgrad ops are registered.")
+        else:
+            lines.extend(
+                _table(
+                    ("op", "backward", "kernels", "also registered", "how it splits"),
+                    [
+                        (
+                            r.op,
+                            r.split,
+                            ", ".join(r.kernels) or "-",
+                            ", ".join(r.registered) or "-",
+                            r.detail,
+                        )
+                        for r in self.ops
+                    ],
+                )
+            )
+        if self.compiled_regions:
+            lines.append("")
+            lines.extend(
+                _table(
+                    ("compiled region", "backward", "how it splits"),
+                    [(r.region, r.split, r.detail) for r in self.compiled_regions],
+                )
+            )
+        return "\n".join(lines)
+
+
+def summary(namespace: str | None = None) -> Summary:
+    """Every registered customgrad op: how its backward splits, and what it registered.
+
+    A single ``register_backward`` is traced and split at its first backward, so run one
+    backward before reading how it split (``"not run yet"`` until then).
+
+    Args:
+        namespace: only the ops of this namespace (``"mylib"`` for ``mylib::linear``).
+
+    Returns:
+        A :class:`Summary`; print it for a table.
+
+    Example:
+        >>> import customgrad
+        >>> print(customgrad.summary("no_such_namespace"))
+        No customgrad ops are registered.
+    """
+    from customgrad._switches import split_enabled
+
+    rows = tuple(
+        _op_row(op)
+        for op in sorted(_registered_ops(), key=lambda o: o.name)
+        if namespace is None or op.name.split("::")[0] == namespace
+    )
+    return Summary(
+        ops=rows, compiled_regions=tuple(_compiled_region_rows()), split_enabled=split_enabled()
+    )
+
+
+def _registered_ops() -> Iterable[CustomOp[..., Any]]:
+    """The ops defined in this process (the registry of :mod:`customgrad._op`)."""
+    from customgrad import _op
+
+    return list(_op._OPS.values())
+
+
+def _registrations(op: CustomOp[..., Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The device types with a kernel, and which of fake/jvp/shared are registered."""
+    devices = op._kernels.by_device
+    kernels = (*(("all",) if None in devices else ()), *sorted(d for d in devices if d))
+    rules = op.rules
+    registered = tuple(
+        name
+        for name, present in (
+            ("fake", op._fake_fn is not None),
+            ("jvp", rules.jvp is not None),
+            ("shared", rules.backward_shared is not None),
+        )
+        if present
+    )
+    return kernels, registered
+
+
+def _compiled_region_rows() -> Sequence[CompiledRegionRow]:
+    """The compiled regions seen in this process (none recorded yet)."""
+    return ()
+
+
+def _op_row(op: CustomOp[..., Any]) -> OpRow:
+    from customgrad._autosplit import AutoSplitter, Fallback
+
+    rules = op.rules
+    kernels, registered = _registrations(op)
+    nondiff = sorted(rules.nondifferentiable)
+    if rules.backward is None:
+        halves = [
+            name
+            for name, fn in (("input", rules.backward_input), ("weight", rules.backward_weight))
+            if fn is not None
+        ]
+        if not halves:
+            split, detail = "none", "no backward registered: the op cannot be differentiated"
+        else:
+            split = "pair"
+            detail = "registered: " + (
+                "the input and weight halves" if len(halves) == 2 else f"the {halves[0]} half"
+            )
+    elif rules.split == "phase" or not isinstance(rules.auto, AutoSplitter):
+        split = "phase"
+        detail = "split='phase': called whole in each pass, ctx.needs_input_grad set for it"
+    else:
+        last = rules.auto.last
+        if last is None:
+            split, detail = "not run yet", "traced and split at its first backward"
+        elif isinstance(last, Fallback):
+            split, detail = "fell back", f"{last.why}; fix: {last.fix}" if last.fix else last.why
+        else:
+            split, detail = "traced", last.describe().removeprefix("split automatically (")
+            detail = detail.removesuffix(")")
+    if nondiff:
+        detail += f" (differentiable=False: {', '.join(nondiff)})"
+    return OpRow(op=op.name, split=split, detail=detail, kernels=kernels, registered=registered)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns; the last column is not padded."""
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header) - 1)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join([*(c.ljust(w) for c, w in zip(cells, widths)), cells[-1]]).rstrip()
+
+    return [line(header), line(["-" * w for w in widths] + ["-" * len(header[-1])])] + [
+        line(r) for r in rows
+    ]

@@ -263,11 +263,46 @@ def test_draw(tmp_path: Path) -> None:
     assert ax.get_title() == "DualPipeV"
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels == ["F: forward", "B: backward", "I: backward input", "W: backward weight"]
+    assert labels == [
+        "F: forward",
+        "I: input gradient (what the previous stage waits for)",
+        "W: weight gradient (nobody waits for it)",
+        "B: full backward (I and W in one pass)",
+        "solid: a rank's first stage",
+        "light: its second stage",
+        "numbers in bars: the microbatch",
+    ]
     other = Figure()
     ax2 = other.add_subplot()
     assert sim.draw(ax=ax2) is other
     assert ax2.get_title() == sim.summary()
+
+
+def test_draw_notes_and_no_shade_entries_for_one_stage_per_rank() -> None:
+    sim = simulate(Schedule1F1B, 2, 4, UNIT)
+    fig = sim.draw(notes=["stage 0: no I"])
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == [
+        "F: forward",
+        "B: full backward (I and W in one pass)",
+        "stage 0: no I",
+        "numbers in bars: the microbatch",
+    ]
+
+
+@pytest.mark.parametrize("n_microbatches", [8, 64])
+def test_draw_labels_sit_inside_their_bars_or_are_dropped(n_microbatches: int) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    sim = simulate(ScheduleZBVZeroBubble, 4, n_microbatches, UNIT)
+    fig = sim.draw()
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    (ax,) = fig.axes
+    boxes = [p.get_window_extent(renderer) for p in ax.patches]
+    texts = [t.get_window_extent(renderer) for t in ax.texts]
+    assert texts if n_microbatches == 8 else len(texts) < len(sim.timeline)
+    for t in texts:  # each label within one bar: labels of different bars never touch
+        assert any(b.x0 <= t.x0 and t.x1 <= b.x1 for b in boxes), t
 
 
 # --- every action respects its dependencies -------------------------------------------------

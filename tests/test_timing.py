@@ -6,6 +6,7 @@ Waits for a peer need two ranks: ``tests/test_pipeline_mp.py`` checks them on re
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import pytest
@@ -262,3 +263,76 @@ def test_weight_pass_keeps_the_weight_half_gradient_as_grad() -> None:
         (computed,) = SEEN
         assert w.grad is not None and w.grad.data_ptr() == computed
         torch.testing.assert_close(w.grad, torch.ones(ROWS, WIDTH).mT @ x.detach())
+
+
+# --- the timed stage depends on torch's stage methods: checked, and refused when they change --
+
+
+def test_torchs_stage_has_the_methods_the_timer_wraps() -> None:
+    from customgrad.pipelining._timed_stage import stage_methods_mismatch
+
+    # Fails loudly when a torch release renames or reorders what ActionTimer wraps.
+    assert stage_methods_mismatch(TorchPipelineStage) is None
+    assert stage_methods_mismatch(PipelineStage) is None
+
+
+def test_a_stage_whose_methods_changed_is_refused() -> None:
+    class Changed(TorchPipelineStage):
+        def backward_one_chunk(self, chunk: int, *args: Any, **kwargs: Any) -> None:  # type: ignore[override]
+            pass
+
+    with pytest.raises(
+        cg.UnsupportedError,
+        match=re.escape(
+            f"ActionTimer.stage_class(Changed): torch {torch.__version__}'s pipeline stage no "
+            f"longer matches what the timer wraps (backward_one_chunk takes ('chunk', 'args', "
+            f"'kwargs'), expected ('bwd_chunk_id', 'loss', 'full_backward') first). Time "
+            f"actions by hand with timer.action(kind, stage, microbatch) around your own loop, "
+            f"or use a torch release customgrad supports."
+        ),
+    ):
+        ActionTimer().stage_class(Changed)
+
+
+def test_thread_clocks_leave_no_file_descriptor_open() -> None:
+    import os
+    import threading
+
+    from customgrad.pipelining._timing import _thread_clocks
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else 0
+
+    before = open_fds()
+    threads = [threading.Thread(target=_thread_clocks) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    _thread_clocks()
+    assert open_fds() == before
+    cpu, queued = _thread_clocks()
+    assert cpu > 0 and queued >= 0
+
+
+def test_import_customgrad_loads_neither_pipelining_nor_matplotlib() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, customgrad; "
+        "print(sorted(m for m in sys.modules if m.startswith(('customgrad.pipelining', "
+        "'matplotlib'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"
+    code = (
+        "import sys, customgrad.pipelining; "
+        "print(sorted(m for m in sys.modules if m.startswith('matplotlib')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]"

@@ -25,6 +25,8 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad.pipelining._draw import Bar, draw_timeline
+from customgrad.pipelining._draw import seconds as _seconds
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -34,8 +36,6 @@ __all__ = ["Simulation", "StageCosts", "TimedAction", "simulate"]
 
 Kind = Literal["F", "I", "W", "B"]
 
-#: Colours of the timeline picture, one per kind of action.
-COLORS: dict[str, str] = {"F": "#4C72B0", "I": "#DD8452", "W": "#55A868", "B": "#C44E52"}
 
 MSG_SCHEDULE_CLASS = """\
 simulate: expected one of torch.distributed.pipelining's schedule classes (or its name), got \
@@ -205,17 +205,20 @@ class Simulation:
         *,
         ax: Axes | None = None,
         title: str | None = None,
+        notes: Sequence[str] = (),
     ) -> Figure:
         """Draw the timeline like a pipeline picture: ranks as rows, one bar per action.
 
         F, I, W and B have their own colours; each bar is labelled with its microbatch when
-        it is wide enough, and a rank's second stage (V and interleaved schedules) is drawn
-        lighter. Uses matplotlib without pyplot (no global state; Agg when saved).
+        the number fits (else the label is dropped), and a rank's second stage (V and
+        interleaved schedules) is drawn lighter; the legend says so. Uses matplotlib without
+        pyplot (no global state).
 
         Args:
             path: where to save the picture (PNG, SVG, ... by suffix); None: don't save.
             ax: axes to draw into; None: a new figure.
             title: the title; None: ``summary``.
+            notes: lines of explanation added to the legend.
 
         Returns:
             The figure drawn on.
@@ -227,45 +230,28 @@ class Simulation:
             >>> len(fig.axes[0].patches) == len(sim.timeline)
             True
         """
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch, Rectangle
-
-        own = ax is None
-        if ax is None:
-            fig = Figure(figsize=(min(16.0, 4.0 + 0.12 * len(self.timeline) / self.n_ranks),
-                                  0.9 + 0.45 * self.n_ranks))  # fmt: skip
-            ax = fig.add_subplot()
-        else:
-            parent = ax.figure  # a Figure, or a SubFigure of one
-            fig = parent if isinstance(parent, Figure) else parent.figure
-        unit, scale = _unit(self.step_time)
         first_stage = {r: min(s for s, rr in enumerate(self.stage_to_rank) if rr == r)
                        for r in set(self.stage_to_rank)}  # fmt: skip
-        # bar width in points, to label only bars the microbatch number fits in
-        points = fig.get_figwidth() * 72 * 0.75 / max(self.step_time, 1e-12)
-        for a in self.timeline:
-            y = a.rank
-            second = a.stage != first_stage[a.rank]
-            ax.add_patch(Rectangle((a.start * scale, y - 0.4), a.duration * scale, 0.8,
-                                   facecolor=COLORS[a.kind], edgecolor="white", linewidth=0.5,
-                                   alpha=0.6 if second else 1.0))  # fmt: skip
-            if a.duration * points >= 4.5 * len(str(a.microbatch)) + 2:
-                ax.text((a.start + a.duration / 2) * scale, y, str(a.microbatch), ha="center",
-                        va="center", fontsize=7, color="white")  # fmt: skip
-        ax.set_xlim(0, max(self.step_time, 1e-12) * scale)
-        ax.set_ylim(self.n_ranks - 0.5, -0.5)
-        ax.set_yticks(range(self.n_ranks), [f"rank {r}" for r in range(self.n_ranks)])
-        ax.set_xlabel(f"time ({unit})")
-        ax.set_title(self.summary() if title is None else title, fontsize=9)
-        kinds = sorted({a.kind for a in self.timeline}, key="FBIW".index)
-        names = {"F": "forward", "I": "backward input", "W": "backward weight", "B": "backward"}
-        ax.legend(handles=[Patch(color=COLORS[k], label=f"{k}: {names[k]}") for k in kinds],
-                  loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)  # fmt: skip
-        if own:
-            fig.tight_layout()
-        if path is not None:
-            fig.savefig(os.fspath(path), dpi=150)
-        return fig
+        bars = [
+            Bar(
+                a.kind,
+                a.rank,
+                a.start,
+                a.duration,
+                str(a.microbatch),
+                second=a.stage != first_stage[a.rank],
+            )
+            for a in self.timeline
+        ]
+        return draw_timeline(
+            bars,
+            rows=[f"rank {r}" for r in range(self.n_ranks)],
+            span=self.step_time,
+            title=self.summary() if title is None else title,
+            path=path,
+            ax=ax,
+            notes=notes,
+        )
 
 
 def simulate(
@@ -572,16 +558,3 @@ def _replay(
         )
     timeline.sort(key=lambda a: (a.rank, a.start, a.end))
     return tuple(timeline), tuple(busy), max(free, default=0.0)
-
-
-def _unit(seconds: float) -> tuple[str, float]:
-    if seconds >= 1.0 or seconds == 0:
-        return "s", 1.0
-    if seconds >= 1e-3:
-        return "ms", 1e3
-    return "µs", 1e6
-
-
-def _seconds(seconds: float) -> str:
-    unit, scale = _unit(seconds)
-    return f"{seconds * scale:.4g} {unit}"

@@ -5,7 +5,10 @@ as F, no rank waiting for another. :class:`ActionTimer` measures them on a real 
 ``PipelineStage`` and customgrad's, without patching torch: :meth:`ActionTimer.stage_class`
 returns a subclass of the stage class that times the methods the schedules call per microbatch
 (``forward_one_chunk``, ``backward_one_chunk``, ``backward_weight_one_chunk``) and notes when a
-stage posts a receive (``get_fwd_recv_ops``, ``get_bwd_recv_ops``).
+stage posts a receive (``get_fwd_recv_ops``, ``get_bwd_recv_ops``). torch offers no hook for
+these (``register_custom_function`` replaces an action, and only on some schedules), so that
+subclass lives alone in :mod:`customgrad.pipelining._timed_stage`, which checks the methods'
+signatures on the torch it runs with.
 
 Waits are read off the host clock: the schedule waits for a received tensor right before the
 action that uses it, so the time between the rank's previous event and that action is the wait.
@@ -26,7 +29,6 @@ import contextlib
 import dataclasses
 import os
 import statistics
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -39,8 +41,10 @@ from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
+from customgrad.pipelining._draw import Bar, draw_timeline
 from customgrad.pipelining._errors import PipeliningError
-from customgrad.pipelining._simulate import COLORS, StageCosts
+from customgrad.pipelining._simulate import StageCosts
+from customgrad.pipelining._timed_stage import timed_stage_class
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -59,8 +63,6 @@ __all__ = [
 
 KINDS = ("F", "I", "W", "B")
 """Action kinds: forward, input-gradient backward, weight-gradient backward, full backward."""
-
-WAIT_COLOR = "#b8b8b8"
 
 _S = TypeVar("_S", bound=type[_PipelineStageBase])
 
@@ -239,58 +241,38 @@ class StepTimeline:
         *,
         ax: Axes | None = None,
         title: str | None = None,
+        notes: Sequence[str] = (),
     ) -> Figure:
         """Draw the step as :meth:`Simulation.draw <customgrad.pipelining.Simulation.draw>`
-        draws a replayed one (ranks as rows, one bar per action, the same colours), with the
-        waits for received tensors as grey bars.
+        draws a replayed one (ranks as rows, one bar per action, the same colours and legend),
+        with the waits for received tensors as grey bars.
 
         Args:
             path: where to save the picture (by suffix: PNG, SVG, ...); None: don't save.
             ax: axes to draw into; None: a new figure.
             title: the title; None: :meth:`summary`.
+            notes: lines of explanation added to the legend.
 
         Returns:
             The figure drawn on.
         """
-        from matplotlib.figure import Figure
-        from matplotlib.patches import Patch, Rectangle
-
-        n = len(self.ranks)
-        if ax is None:
-            fig = Figure(figsize=(14.0, 0.9 + 0.45 * n))
-            ax = fig.add_subplot()
-        else:
-            parent = ax.figure
-            fig = parent if isinstance(parent, Figure) else parent.figure
-        scale = 1e3
-        points = fig.get_figwidth() * 72 * 0.75 / max(self.duration, 1e-12)
+        bars: list[Bar] = []
         for y, r in enumerate(self.ranks):
             first = min(r.stages, default=0)
-            for w in r.waits:
-                ax.add_patch(Rectangle((w.start * scale, y - 0.4), w.duration * scale, 0.8,
-                                       facecolor=WAIT_COLOR, linewidth=0))  # fmt: skip
-            for a in r.actions:
-                ax.add_patch(Rectangle((a.start * scale, y - 0.4), a.duration * scale, 0.8,
-                                       facecolor=COLORS[a.kind], edgecolor="white",
-                                       linewidth=0.5, alpha=0.6 if a.stage != first else 1.0))  # fmt: skip
-                if a.duration * points >= 4.5 * len(str(a.microbatch)) + 2:
-                    ax.text((a.start + a.duration / 2) * scale, y, str(a.microbatch),
-                            ha="center", va="center", fontsize=7, color="white")  # fmt: skip
-        ax.set_xlim(0, max(self.duration, 1e-12) * scale)
-        ax.set_ylim(n - 0.5, -0.5)
-        ax.set_yticks(range(n), [f"rank {r.rank}" for r in self.ranks])
-        ax.set_xlabel("time (ms)")
-        ax.set_title(self.summary() if title is None else title, fontsize=9)
-        kinds = sorted({a.kind for r in self.ranks for a in r.actions}, key="FBIW".index)
-        names = {"F": "forward", "I": "backward input", "W": "backward weight", "B": "backward"}
-        handles = [Patch(color=COLORS[k], label=f"{k}: {names[k]}") for k in kinds]
-        handles.append(Patch(color=WAIT_COLOR, label="waiting for a receive"))
-        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8,
-                  frameon=False)  # fmt: skip
-        fig.tight_layout()
-        if path is not None:
-            fig.savefig(os.fspath(path), dpi=150)
-        return fig
+            bars.extend(Bar("wait", y, w.start, w.duration) for w in r.waits)
+            bars.extend(
+                Bar(a.kind, y, a.start, a.duration, str(a.microbatch), second=a.stage != first)
+                for a in r.actions
+            )
+        return draw_timeline(
+            bars,
+            rows=[f"rank {r.rank}" for r in self.ranks],
+            span=self.duration,
+            title=self.summary() if title is None else title,
+            path=path,
+            ax=ax,
+            notes=notes,
+        )
 
 
 def _split_waits(step: StepTimeline) -> list[tuple[int, float, float | None]]:
@@ -376,7 +358,8 @@ def stage_costs(
     }
 
 
-_SCHEDSTAT = threading.local()
+_SCHEDSTAT_PATH = "/proc/thread-self/schedstat"
+_HAS_SCHEDSTAT = os.path.exists(_SCHEDSTAT_PATH)
 
 
 def _thread_clocks() -> tuple[float, float]:
@@ -385,16 +368,20 @@ def _thread_clocks() -> tuple[float, float]:
     The wait is the second field of Linux's ``/proc/thread-self/schedstat`` (nanoseconds
     runnable on a run queue; exact when read by the running thread itself, 0 elsewhere). Its
     first field, time on the CPU, lags by up to a scheduler tick: ``time.thread_time()`` is
-    exact.
+    exact. The file is opened and closed on each read: a descriptor kept per thread would
+    outlive the thread (the path names the thread that opens it).
     """
-    fd = getattr(_SCHEDSTAT, "fd", None)
-    if fd is None:
+    queued = 0.0
+    if _HAS_SCHEDSTAT:
         try:
-            fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            fd = os.open(_SCHEDSTAT_PATH, os.O_RDONLY)
         except OSError:
-            fd = -1
-        _SCHEDSTAT.fd = fd
-    queued = int(os.pread(fd, 128, 0).split()[1]) * 1e-9 if fd >= 0 else 0.0
+            pass
+        else:
+            try:
+                queued = int(os.pread(fd, 128, 0).split()[1]) * 1e-9
+            finally:
+                os.close(fd)
     return time.thread_time(), queued
 
 
@@ -450,6 +437,7 @@ class ActionTimer:
 
         Raises:
             ArgumentTypeError: ``base`` is not a pipeline stage class.
+            UnsupportedError: this torch's stage no longer has the methods the timer wraps.
         """
         if not (isinstance(base, type) and issubclass(base, _PipelineStageBase)):
             raise ArgumentTypeError(
@@ -457,9 +445,7 @@ class ActionTimer:
                 f"torch.distributed.pipelining.PipelineStage), got {base!r}. Pass the class, "
                 f"not a stage: timer.stage_class(PipelineStage)(module, stage_index, ...)."
             )
-        name = f"Timed{base.__name__}"
-        cls = type(name, (_TimedStage, base), {"_timer": self, "__qualname__": name})
-        return cls  # type: ignore[return-value]
+        return timed_stage_class(base, self)  # type: ignore[return-value]
 
     @contextlib.contextmanager
     def step(self, *, count_flops: bool = False) -> Iterator[None]:
@@ -587,38 +573,3 @@ class ActionTimer:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-
-class _TimedStage:
-    """Put in front of a pipeline stage class by :meth:`ActionTimer.stage_class`."""
-
-    _timer: ActionTimer
-    stage_index: int
-
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-        with self._timer.action("F", self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
-
-    def backward_one_chunk(
-        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any
-    ) -> Any:
-        with self._timer.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(  # type: ignore[misc]
-                bwd_chunk_id, loss=loss, full_backward=full_backward, **kwargs
-            )
-
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, **kwargs: Any) -> Any:
-        with self._timer.action("W", self.stage_index, bwd_chunk_id):
-            return super().backward_weight_one_chunk(bwd_chunk_id, **kwargs)  # type: ignore[misc]
-
-    def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
-        ops: list[dist.P2POp] = super().get_fwd_recv_ops(fwd_chunk_id)  # type: ignore[misc]
-        if ops:
-            self._timer.posted_receive("F", self.stage_index, fwd_chunk_id)
-        return ops
-
-    def get_bwd_recv_ops(self, bwd_chunk_id: int) -> list[dist.P2POp]:
-        ops: list[dist.P2POp] = super().get_bwd_recv_ops(bwd_chunk_id)  # type: ignore[misc]
-        if ops:
-            self._timer.posted_receive("B", self.stage_index, bwd_chunk_id)
-        return ops

@@ -1,0 +1,159 @@
+"""The pipeline timeline picture: one renderer for measured steps and replayed ones.
+
+:meth:`StepTimeline.draw <customgrad.pipelining.StepTimeline.draw>` (what :class:`ActionTimer`
+measured) and :meth:`Simulation.draw <customgrad.pipelining.Simulation.draw>` (what ``simulate``
+replayed) both turn their actions into :class:`Bar` records and call :func:`draw_timeline`, so
+both pictures share colours, legend, units and labelling. matplotlib is imported when a picture
+is drawn, never before, and without pyplot (no global state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+__all__ = ["COLORS", "KIND_NAMES", "WAIT_COLOR", "Bar", "draw_timeline", "seconds", "time_unit"]
+
+#: One colour per kind of action.
+COLORS: dict[str, str] = {"F": "#4C72B0", "I": "#DD8452", "W": "#55A868", "B": "#C44E52"}
+#: Time a rank waited for a tensor from its neighbour.
+WAIT_COLOR = "#b8b8b8"
+#: What each kind of action computes, as the legend says it.
+KIND_NAMES: dict[str, str] = {
+    "F": "F: forward",
+    "I": "I: input gradient (what the previous stage waits for)",
+    "W": "W: weight gradient (nobody waits for it)",
+    "B": "B: full backward (I and W in one pass)",
+}
+SECOND_STAGE_ALPHA = 0.55
+LABEL_FONTSIZE = 7.0
+# The width of a digit of matplotlib's default font (DejaVu Sans), in units of the font size.
+_DIGIT_WIDTH = 0.64
+
+
+@dataclasses.dataclass(frozen=True)
+class Bar:
+    """One bar of the picture.
+
+    Attributes:
+        kind: "F", "I", "W", "B", or "wait".
+        row: the rank, counted from the top.
+        start: seconds since the step started.
+        duration: seconds.
+        label: drawn inside the bar (the microbatch) when it fits, else dropped.
+        second: the action belongs to the rank's second (or later) stage: drawn lighter.
+    """
+
+    kind: str
+    row: int
+    start: float
+    duration: float
+    label: str = ""
+    second: bool = False
+
+
+def time_unit(seconds: float) -> tuple[str, float]:
+    """The unit to show ``seconds`` in, and the factor to multiply by."""
+    if seconds >= 1.0 or seconds == 0:
+        return "s", 1.0
+    if seconds >= 1e-3:
+        return "ms", 1e3
+    return "µs", 1e6
+
+
+def seconds(value: float) -> str:
+    """``value`` seconds in a readable unit, e.g. ``"12.5 ms"``."""
+    unit, scale = time_unit(value)
+    return f"{value * scale:.4g} {unit}"
+
+
+def label_fits(label: str, width_points: float) -> bool:
+    """Whether ``label`` fits inside a bar ``width_points`` wide, with a margin each side."""
+    return width_points >= _DIGIT_WIDTH * LABEL_FONTSIZE * len(label) + 3.0
+
+
+def draw_timeline(
+    bars: Sequence[Bar],
+    *,
+    rows: Sequence[str],
+    span: float,
+    title: str,
+    path: str | os.PathLike[str] | None = None,
+    ax: Axes | None = None,
+    notes: Sequence[str] = (),
+) -> Figure:
+    """Draw ``bars`` as a pipeline picture: one row per rank, time from left to right.
+
+    The legend (below the plot) names each kind of action present, the waits, and the shades
+    when a rank runs two stages; ``notes`` are added to it as text lines. Labels that would not
+    fit inside their bar are dropped, never squeezed.
+
+    Args:
+        bars: what to draw.
+        rows: the row names, top first.
+        span: seconds the x axis covers.
+        title: the title.
+        path: where to save the picture (by suffix: PNG, SVG, ...); None: don't save.
+        ax: axes to draw into; None: a new figure, 8 inches wide (a README's width).
+        notes: lines of explanation for the legend.
+
+    Returns:
+        The figure drawn on.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch, Rectangle
+
+    n = len(rows)
+    own = ax is None
+    if ax is None:
+        fig = Figure(figsize=(8.0, 1.6 + 0.42 * n + 0.2 * len(notes)))
+        ax = fig.add_subplot()
+    else:
+        parent = ax.figure  # a Figure, or a SubFigure of one
+        fig = parent if isinstance(parent, Figure) else parent.figure
+    unit, scale = time_unit(span)
+    for b in bars:
+        color = WAIT_COLOR if b.kind == "wait" else COLORS[b.kind]
+        ax.add_patch(Rectangle((b.start * scale, b.row - 0.4), b.duration * scale, 0.8,
+                               facecolor=color, edgecolor="white", linewidth=0.4,
+                               alpha=SECOND_STAGE_ALPHA if b.second else 1.0))  # fmt: skip
+    ax.set_xlim(0, max(span, 1e-12) * scale)
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_yticks(range(n), list(rows))
+    ax.set_xlabel(f"time ({unit})", fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.set_title(title, fontsize=9)
+
+    kinds = sorted({b.kind for b in bars if b.kind != "wait"}, key="FIWB".index)
+    handles = [Patch(color=COLORS[k], label=KIND_NAMES[k]) for k in kinds]
+    if any(b.kind == "wait" for b in bars):
+        handles.append(Patch(color=WAIT_COLOR, label="waiting for a tensor from a neighbour"))
+    if any(b.second for b in bars):
+        handles.append(Patch(color="#7f7f7f", label="solid: a rank's first stage"))
+        handles.append(
+            Patch(color="#7f7f7f", alpha=SECOND_STAGE_ALPHA, label="light: its second stage")
+        )
+    handles.extend(Patch(color="none", label=note) for note in notes)
+    if any(b.label for b in bars):
+        handles.append(Patch(color="none", label="numbers in bars: the microbatch"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, -0.32 if n < 3 else -0.2),
+              ncols=2 if not notes else 1, fontsize=7, frameon=False, handlelength=1.2,
+              borderaxespad=0.0)  # fmt: skip
+    if own:
+        fig.tight_layout()
+    # Label after the layout, from the axes' real width: a label that does not fit is dropped.
+    width_points = ax.get_position().width * fig.get_figwidth() * 72
+    per_second = width_points / max(span, 1e-12)
+    for b in bars:
+        if b.label and b.kind != "wait" and label_fits(b.label, b.duration * per_second):
+            ax.text((b.start + b.duration / 2) * scale, b.row, b.label, ha="center",
+                    va="center", fontsize=LABEL_FONTSIZE, color="white")  # fmt: skip
+    if path is not None:
+        fig.savefig(os.fspath(path), dpi=150, bbox_inches="tight")
+    return fig

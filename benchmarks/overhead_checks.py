@@ -1,6 +1,6 @@
 """What each safety check of a customgrad backward costs, measured by taking it out.
 
-Run: ``.venv/bin/python benchmarks/overhead_checks.py`` (``--quick`` for a short run).
+Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks`` (``--quick`` for a short run).
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the backward that
 ``customgrad/_fastpath.py`` generates for its signature. This script rebuilds that backward from
@@ -24,16 +24,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead  # the op and the anchor, defined once
+from benchmarks import overhead  # the op and the anchor, defined once
 
 _QUERY = re.compile(
     r"(?P<i> +)fn = nf\[e\]\[0\]\n"

@@ -14,7 +14,7 @@ Microbatches: m = 2p, the fewest DualPipeV accepts (ZBV wants 2p - 1, 1F1B p). S
 1F1B's step time over the schedule's, with the same ops; communication is free unless
 ``--send`` says otherwise.
 
-Run: ``python benchmarks/scale.py [--rows 2] [--send 0] [--out docs/img/scale.png]``;
+Run from the repository's root: ``python -m benchmarks.scale [--rows 2] [--send 0] [--out docs/img/scale.png]``;
 ``--costs FILE`` replays per-block costs from a JSON file instead of measuring
 (``{"forward": s, "backward_input": s, "backward_weight": s, "backward": s}``, seconds per
 block and microbatch with customgrad ops).
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,11 +39,9 @@ from torch.distributed.pipelining import (
 
 from customgrad import pipelining as cg_split
 from customgrad.pipelining import Simulation, StageCosts, simulate
+from examples import zero_bubble as demo
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-
-import zero_bubble as demo  # noqa: E402
 
 RANKS = (2, 4, 8, 16, 32, 64)
 BLOCKS_PER_RANK = 2

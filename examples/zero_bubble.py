@@ -28,8 +28,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import lm_ops as ops
-import pipeline_report
 import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
@@ -37,6 +35,13 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import customgrad.pipelining as cgp
+
+if __package__:  # python -m examples.zero_bubble, or imported (python -m benchmarks.scale)
+    from examples import lm_ops as ops
+    from examples import pipeline_report
+else:  # python examples/zero_bubble.py
+    import lm_ops as ops
+    import pipeline_report
 
 
 @dataclass(frozen=True)

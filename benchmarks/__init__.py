@@ -1,0 +1,1 @@
+"""Benchmarks, run from the repository's root as modules: ``python -m benchmarks.scale``."""

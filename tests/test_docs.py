@@ -1,8 +1,10 @@
 """The Python in the documentation runs as written, and excerpts of example files match them.
 
-Blocks fenced as ```` ```python ```` run (every such block of a page, in order, in one
-namespace); blocks with a title (```` ```python title="examples/ops/rms_norm.py" ````) are
-excerpts of that file, checked to be in it (``...`` lines separate the excerpt's pieces).
+Blocks fenced as ```` ```python ```` run, on every page (every such block of a page, in order,
+in one namespace); blocks with a title (```` ```python title="examples/ops/rms_norm.py" ````)
+are excerpts of that file, checked to be in it (``...`` lines separate the excerpt's pieces).
+Code that needs several processes or a GPU is shown as ```` ```py ```` (highlighted, not run):
+such a block must say how to run it for real (a ``torchrun`` line or an example file).
 """
 
 from __future__ import annotations
@@ -21,13 +23,16 @@ def _python_blocks(page: str) -> str:
     return "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL))
 
 
-PAGES = [
-    "index.md",
-    "getting-started.md",
-    "guides/real-ops.md",
-    "guides/testing.md",
-    "guides/simulate.md",
-]
+# guides/torch-compile.md: replaced by models/torch-compile.md (written with compiled stages).
+PAGES = sorted(
+    str(p.relative_to(DOCS))
+    for p in DOCS.rglob("*.md")
+    if "```python\n" in p.read_text()
+    and p.relative_to(DOCS).as_posix() != "guides/torch-compile.md"
+)
+EXCERPT_PAGES = sorted(
+    str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if '```python title="' in p.read_text()
+)
 
 
 @functools.cache
@@ -35,7 +40,11 @@ def _run_page(page: str) -> dict[str, object]:
     """Run the page's Python once per test session; its names by name."""
     # Op names are global: give each page its own namespace.
     namespace = page.removesuffix(".md").replace("/", "_").replace("-", "_")
-    code = _python_blocks(page).replace("mylib::", f"test_docs_{namespace}::")
+    code = (
+        _python_blocks(page)
+        .replace("mylib::", f"test_docs_{namespace}::")
+        .replace("torch.ops.mylib.", f"torch.ops.test_docs_{namespace}.")
+    )
     assert code
     scope: dict[str, object] = {"__name__": "docs_page"}
     # dont_inherit: the page runs as written, without this module's __future__ imports.
@@ -63,12 +72,15 @@ def test_home_page_op_passes_check_op_and_splits() -> None:
 EXCERPT = re.compile(r'```python title="(examples/[^"]+)"\n(.*?)```', flags=re.DOTALL)
 
 
-@pytest.mark.parametrize(
-    "page", ["guides/real-ops.md", "guides/example-ops.md", "guides/kernels.md"]
-)
+def test_every_page_with_code_is_run() -> None:
+    assert {"index.md", "examples/real-ops.md", "troubleshooting.md"} <= set(PAGES)
+    assert {"examples/real-ops.md", "writing-ops/op-and-kernels.md"} <= set(EXCERPT_PAGES)
+
+
+@pytest.mark.parametrize("page", EXCERPT_PAGES)
 def test_excerpts_of_example_files_match_the_files(page: str) -> None:
     excerpts = EXCERPT.findall((DOCS / page).read_text())
-    if page == "guides/real-ops.md":
+    if page == "examples/real-ops.md":
         assert len(excerpts) >= 6
     for path, body in excerpts:
         source = (DOCS.parent / path).read_text()
@@ -96,3 +108,22 @@ def test_readme_example_runs_and_is_correct() -> None:
     ex, ew = torch.autograd.grad((x @ w.mT).sum(), (x, w))
     torch.testing.assert_close(gx, ex)
     torch.testing.assert_close(gw, ew)
+
+
+def test_the_reference_documents_every_public_name() -> None:
+    import customgrad
+    import customgrad.graph
+    import customgrad.pipelining
+    import customgrad.testing
+
+    reference = {
+        "customgrad": customgrad,
+        "customgrad.testing": customgrad.testing,
+        "customgrad.graph": customgrad.graph,
+        "customgrad.pipelining": customgrad.pipelining,
+    }
+    for name, module in reference.items():
+        page = (DOCS / "reference" / f"{name.removeprefix('customgrad.')}.md").read_text()
+        documented = set(re.findall(rf"^::: {re.escape(name)}\.(\w+)$", page, flags=re.M))
+        missing = set(module.__all__) - documented
+        assert not missing, f"docs/reference: {name}: not documented: {sorted(missing)}"

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.customgrad-installed
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean
+.PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean pictures
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ install: $(STAMP)
 # schedule and loss curve in out/zero_bubble.png and out/loss.png.
 demo: $(STAMP)
 	$(PY) examples/zero_bubble.py
+
+# Every picture of the README and the docs (docs/img/*.png), regenerated from the current code:
+# the demo's measured schedule and its replay, its loss curve, explain_split's drawing, and the
+# predicted bubble at scale. Timings are this machine's: run it on an idle one.
+pictures: $(STAMP)
+	$(PY) examples/zero_bubble.py --out docs/img
+	$(PY) -m examples.split_picture --out docs/img/explain_split.png
+	$(PY) -m benchmarks.scale --out docs/img/scale.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check customgrad tests examples benchmarks

@@ -256,19 +256,38 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--schedule",
         default="ZBVZeroBubble",
         choices=["ZBVZeroBubble", "DualPipeV", "InterleavedZeroBubble"],
+        help="torch's zero-bubble schedule to train with (torch.distributed.pipelining's "
+        "Schedule<name>)",
     )
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, default=150, help="training steps")
     p.add_argument("--batch", type=int, default=16, help="sequences per step")
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--nproc", type=int, default=2, help="local processes when not under torchrun")
-    p.add_argument("--out", type=Path, default=Path("out"))
-    p.add_argument("--check", action="store_true", help="a tiny model, 2 steps: for CI")
+    p.add_argument(
+        "--microbatches", type=int, default=8, help="microbatches each step is split into"
+    )
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate")
+    p.add_argument(
+        "--nproc", type=int, default=2, help="local processes to spawn when not under torchrun"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out"),
+        help="folder for the pictures: zero_bubble.png (the measured step and its replay) and "
+        "loss.png",
+    )
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="a tiny model for 2 steps, for CI: checks the gradients and that the run works",
+    )
     args = p.parse_args(argv)
     args.schedule = "Schedule" + args.schedule
     args.config = Config(dim=32, heads=2, hidden=64, seq=16) if args.check else Config()

@@ -293,16 +293,25 @@ def test_draw_notes_and_no_shade_entries_for_one_stage_per_rank() -> None:
 @pytest.mark.parametrize("n_microbatches", [8, 64])
 def test_draw_labels_sit_inside_their_bars_or_are_dropped(n_microbatches: int) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     sim = simulate(ScheduleZBVZeroBubble, 4, n_microbatches, UNIT)
-    fig = sim.draw()
-    renderer = FigureCanvasAgg(fig).get_renderer()
-    (ax,) = fig.axes
-    boxes = [p.get_window_extent(renderer) for p in ax.patches]
-    texts = [t.get_window_extent(renderer) for t in ax.texts]
-    assert texts if n_microbatches == 8 else len(texts) < len(sim.timeline)
-    for t in texts:  # each label within one bar: labels of different bars never touch
-        assert any(b.x0 <= t.x0 and t.x1 <= b.x1 for b in boxes), t
+    for own, fig in ((True, sim.draw()), (False, Figure(figsize=(5, 3)))):
+        if not own:  # drawn into the caller's axes, laid out after
+            sim.draw(ax=fig.add_subplot(2, 1, 1))
+            fig.tight_layout()
+        canvas = FigureCanvasAgg(fig)
+        canvas.draw()
+        renderer = canvas.get_renderer()
+        ax = fig.axes[0]
+        labels = [a for a in ax.texts if hasattr(a, "drawn")]
+        assert len(labels) == len(sim.timeline)
+        drawn = [a for a in labels if a.drawn]
+        if own:  # 8 inches wide: labels fit at 8 microbatches, not all at 64
+            assert drawn if n_microbatches == 8 else len(drawn) < len(labels)
+        for label in drawn:  # within its own bar: labels of different bars never touch
+            t, b = label.get_window_extent(renderer), label.bar.get_window_extent(renderer)
+            assert b.x0 <= t.x0 and t.x1 <= b.x1, label.get_text()
 
 
 # --- every action respects its dependencies -------------------------------------------------

@@ -5,6 +5,7 @@ Waits for a peer need two ranks: ``tests/test_pipeline_mp.py`` checks them on re
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -336,3 +337,33 @@ def test_import_customgrad_loads_neither_pipelining_nor_matplotlib() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_the_demo_report_accounts_for_the_whole_bubble_in_plain_words(
+    group: None, tmp_path: Any
+) -> None:
+    from examples import pipeline_report
+
+    steps = _zbv_steps(PipelineStage, steps=3)
+    costs = stage_costs(steps)
+    no_wait = [dataclasses.replace(costs[s], send=0.0, overhead=0.0) for s in range(2)]
+    text = pipeline_report.attribution(steps, no_wait, ScheduleZBVZeroBubble, N_MB)
+    lines = text.splitlines()
+    stage_0 = next(line for line in lines if line.lstrip().startswith("0    0"))
+    assert stage_0.endswith("<- no I: its whole backward is in W")
+    assert "Stage 0 has no I: nothing before it needs its input gradient" in text
+    for jargon in ("peer", "tail", " | "):  # the old report's columns, undefined
+        assert jargon not in text
+    # The shares of the bubble's causes add up to the bubble's share of the step.
+    share = re.compile(r"^\s+([+-]?\d+\.\d)%\s")
+    computing = next(i for i, line in enumerate(lines) if "computing F, I and W" in line)
+    bubble = float(share.match(lines[computing + 1]).group(1))  # type: ignore[union-attr]
+    causes = [float(m.group(1)) for line in lines[computing + 2 :] if (m := share.match(line))]
+    assert len(causes) == 6
+    assert sum(causes) == pytest.approx(bubble, abs=0.35)
+    assert float(share.match(lines[computing]).group(1)) + bubble == pytest.approx(100, abs=0.15)  # type: ignore[union-attr]
+
+    sim = pipeline_report.cgp.simulate(ScheduleZBVZeroBubble, 2, N_MB, no_wait)
+    pipeline_report.draw(steps, sim, [3.0, 2.0, 1.0], tmp_path)
+    assert (tmp_path / "zero_bubble.png").stat().st_size > 0
+    assert (tmp_path / "loss.png").stat().st_size > 0

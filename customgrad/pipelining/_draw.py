@@ -10,9 +10,10 @@ is drawn, never before, and without pyplot (no global state).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -33,8 +34,7 @@ KIND_NAMES: dict[str, str] = {
 }
 SECOND_STAGE_ALPHA = 0.55
 LABEL_FONTSIZE = 7.0
-# The width of a digit of matplotlib's default font (DejaVu Sans), in units of the font size.
-_DIGIT_WIDTH = 0.64
+_MARGIN_PX = 1.5  # free space each side of a label inside its bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +73,26 @@ def seconds(value: float) -> str:
     return f"{value * scale:.4g} {unit}"
 
 
-def label_fits(label: str, width_points: float) -> bool:
-    """Whether ``label`` fits inside a bar ``width_points`` wide, with a margin each side."""
-    return width_points >= _DIGIT_WIDTH * LABEL_FONTSIZE * len(label) + 3.0
+@functools.cache
+def _bar_label_class() -> type[Any]:
+    """A text that draws only when it fits inside its bar (checked at each draw, after the
+    layout, so a narrow bar drops its label instead of letting it spill onto the next)."""
+    from matplotlib.text import Text
+
+    class BarLabel(Text):
+        def __init__(self, bar: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.bar = bar
+            self.drawn = False
+
+        def draw(self, renderer: Any) -> None:
+            text = self.get_window_extent(renderer)
+            bar = self.bar.get_window_extent(renderer)
+            self.drawn = self.get_visible() and text.width + 2 * _MARGIN_PX <= bar.width
+            if self.drawn:
+                super().draw(renderer)
+
+    return BarLabel
 
 
 def draw_timeline(
@@ -91,8 +108,8 @@ def draw_timeline(
     """Draw ``bars`` as a pipeline picture: one row per rank, time from left to right.
 
     The legend (below the plot) names each kind of action present, the waits, and the shades
-    when a rank runs two stages; ``notes`` are added to it as text lines. Labels that would not
-    fit inside their bar are dropped, never squeezed.
+    when a rank runs two stages; ``notes`` are added to it as text lines. A label is drawn only
+    if it fits inside its bar once the figure is laid out: dropped, never squeezed.
 
     Args:
         bars: what to draw.
@@ -118,11 +135,17 @@ def draw_timeline(
         parent = ax.figure  # a Figure, or a SubFigure of one
         fig = parent if isinstance(parent, Figure) else parent.figure
     unit, scale = time_unit(span)
+    label_class = _bar_label_class()
     for b in bars:
         color = WAIT_COLOR if b.kind == "wait" else COLORS[b.kind]
-        ax.add_patch(Rectangle((b.start * scale, b.row - 0.4), b.duration * scale, 0.8,
-                               facecolor=color, edgecolor="white", linewidth=0.4,
-                               alpha=SECOND_STAGE_ALPHA if b.second else 1.0))  # fmt: skip
+        patch = Rectangle((b.start * scale, b.row - 0.4), b.duration * scale, 0.8,
+                          facecolor=color, edgecolor="white", linewidth=0.4,
+                          alpha=SECOND_STAGE_ALPHA if b.second else 1.0)  # fmt: skip
+        ax.add_patch(patch)
+        if b.label and b.kind != "wait":
+            ax.add_artist(label_class(patch, (b.start + b.duration / 2) * scale, b.row, b.label,
+                                      ha="center", va="center", fontsize=LABEL_FONTSIZE,
+                                      color="white"))  # fmt: skip
     ax.set_xlim(0, max(span, 1e-12) * scale)
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_yticks(range(n), list(rows))
@@ -135,25 +158,19 @@ def draw_timeline(
     if any(b.kind == "wait" for b in bars):
         handles.append(Patch(color=WAIT_COLOR, label="waiting for a tensor from a neighbour"))
     if any(b.second for b in bars):
-        handles.append(Patch(color="#7f7f7f", label="solid: a rank's first stage"))
+        shade = COLORS[kinds[0]]
+        handles.append(Patch(color=shade, label="solid: the rank's first stage"))
         handles.append(
-            Patch(color="#7f7f7f", alpha=SECOND_STAGE_ALPHA, label="light: its second stage")
+            Patch(color=shade, alpha=SECOND_STAGE_ALPHA, label="light: its second stage")
         )
     handles.extend(Patch(color="none", label=note) for note in notes)
     if any(b.label for b in bars):
         handles.append(Patch(color="none", label="numbers in bars: the microbatch"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0.0, -0.32 if n < 3 else -0.2),
-              ncols=2 if not notes else 1, fontsize=7, frameon=False, handlelength=1.2,
+              ncols=2, fontsize=7, frameon=False, handlelength=1.2,
               borderaxespad=0.0)  # fmt: skip
     if own:
         fig.tight_layout()
-    # Label after the layout, from the axes' real width: a label that does not fit is dropped.
-    width_points = ax.get_position().width * fig.get_figwidth() * 72
-    per_second = width_points / max(span, 1e-12)
-    for b in bars:
-        if b.label and b.kind != "wait" and label_fits(b.label, b.duration * per_second):
-            ax.text((b.start + b.duration / 2) * scale, b.row, b.label, ha="center",
-                    va="center", fontsize=LABEL_FONTSIZE, color="white")  # fmt: skip
     if path is not None:
         fig.savefig(os.fspath(path), dpi=150, bbox_inches="tight")
     return fig

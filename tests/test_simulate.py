@@ -268,7 +268,7 @@ def test_draw(tmp_path: Path) -> None:
         "I: input gradient (what the previous stage waits for)",
         "W: weight gradient (nobody waits for it)",
         "B: full backward (I and W in one pass)",
-        "solid: a rank's first stage",
+        "solid: the rank's first stage",
         "light: its second stage",
         "numbers in bars: the microbatch",
     ]

@@ -395,8 +395,12 @@ def test_every_action_respects_its_dependencies(
     assert sim.step_time == pytest.approx(max((a.end for a in sim.timeline), default=0.0))
     if sim.step_time > 0:  # all-zero costs give a zero step, whose bubble is undefined
         assert 0.0 <= sim.bubble <= 1.0
-        # fully idle only when nothing computes (the runtime's overhead is not busy time)
-        assert (sim.bubble < 1.0) == (sum(sim.busy) > 0)
+        # fully idle only when nothing computes (the runtime's overhead is not busy time); a
+        # busy share below float resolution next to 1 rounds the bubble to 1
+        if sum(sim.busy) == 0:
+            assert sim.bubble == 1.0
+        if sum(sim.busy) > 1e-9 * sim.n_ranks * sim.step_time:
+            assert sim.bubble < 1.0
 
 
 @settings(max_examples=80, deadline=None)
@@ -484,7 +488,7 @@ def test_action_lists_come_from_torch() -> None:
 def test_guide_example_runs_and_prints_what_it_says(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    page = Path(__file__).resolve().parents[1] / "docs" / "guides" / "simulate.md"
+    page = Path(__file__).resolve().parents[1] / "docs" / "pipelines" / "timing-and-simulation.md"
     text = page.read_text()
     code = "\n".join(re.findall(r"```python\n(.*?)```", text, flags=re.DOTALL))
     assert "simulate(" in code

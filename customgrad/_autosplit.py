@@ -32,7 +32,6 @@ import contextlib
 import logging
 import operator
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils.flop_counter import flop_registry
 
 from customgrad._errors import CustomGradError, where
+from customgrad._guards import Unguarded, ambient, reads
 from customgrad._rules import OpSpec
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
@@ -80,6 +80,9 @@ _dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
 _get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
 _INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
 _FREE_OPS = ("placeholder", "get_attr")
+
+_TRACE_LOCK = threading.RLock()
+"""One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
 
 
 def _tracing_now() -> bool:
@@ -171,20 +174,29 @@ def _why(e: BaseException) -> tuple[str, str]:
     )
 
 
+class _ThisThread(logging.Filter):
+    """Drops the records of one thread (the one tracing), lets every other thread's through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
 @contextlib.contextmanager
 def _quiet_tracing() -> Iterator[None]:
-    """Silence what torch says while tracing: fake tensors log an error for every op that fails
-    (the fallback's log line says it once), and torch warns about its own internals. Warnings
-    from the user's backward still show."""
+    """Fake tensors log an error with a traceback for every op that fails while tracing; the
+    fallback's log line says it once. Only this thread's records, only while it traces: the
+    logger's level and other threads' records are left alone. (Held under ``_TRACE_LOCK``.)"""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    quiet = _ThisThread()
+    logger.addFilter(quiet)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", module=r"torch\.")
-            yield
+        yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(quiet)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +228,8 @@ class AutoSplitter:
         self.traces = 0
         self.last: TracedSplit | Fallback | None = None
         self._cache: dict[Any, TracedSplit | Fallback] = {}
-        self._lock = threading.Lock()
         self._logged = False
+        self._mutates: Fallback | None = None
 
     def plan(
         self,
@@ -243,6 +255,20 @@ class AutoSplitter:
         if signature is None:
             leaves, structure = _flatten(saved, grads)
             signature = _signature(leaves, (structure, requires), flat=False)
+        if self._mutates is not None:
+            signature = self._mutates
+        elif not isinstance(signature, Fallback):
+            # What else the result depends on: ambient state, and what the function reads from
+            # Python state (closures, globals, defaults: see customgrad._guards).
+            try:
+                signature = (signature, ambient(), reads(self.fn))
+            except Unguarded as e:
+                signature = Fallback(
+                    f"it reads {e.what} ({e.where}), whose state a trace would freeze",
+                    "pass what it needs as arguments of the op or save it in "
+                    "save_for_backward (tensors and plain values are part of what selects a "
+                    "trace), or read it from a plain value, dict or list (compared by value)",
+                )
         if isinstance(signature, Fallback):
             outcome: TracedSplit | Fallback = signature
         else:
@@ -270,7 +296,7 @@ class AutoSplitter:
         structure: Any,
         requires: frozenset[str],
     ) -> TracedSplit | Fallback:
-        with self._lock:
+        with _TRACE_LOCK:
             found = self._cache.get(signature)
             if found is not None:
                 return found
@@ -282,8 +308,17 @@ class AutoSplitter:
                 )
             self.traces += 1
             outcome = _trace(
-                self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute, self._lock
+                self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute
             )
+            if isinstance(outcome, TracedSplit) and not _reads_again(self.fn, signature[2]):
+                # Its Python side effects would happen once (when traced), and each would
+                # select a new trace: it is called as written, every time.
+                outcome = self._mutates = Fallback(
+                    "it changes Python state it reads (closure variables, globals, defaults) "
+                    "when it runs",
+                    "keep Python side effects out of the backward: a traced backward's Python "
+                    "code runs once, when it is traced",
+                )
             self._cache[signature] = outcome
             return outcome
 
@@ -298,6 +333,14 @@ class AutoSplitter:
         """The latest reason not to split, if the latest backward was not split."""
         last = self.last
         return last if isinstance(last, Fallback) else None
+
+
+def _reads_again(fn: Any, before: Any) -> bool:
+    """Whether ``fn`` still reads what it read before it was traced."""
+    try:
+        return bool(reads(fn) == before)
+    except Unguarded:
+        return False
 
 
 def _flatten(saved: Any, grads: tuple[Any, ...]) -> tuple[list[Any], Any]:
@@ -426,7 +469,6 @@ def _trace(
     structure: Any,
     requires: frozenset[str],
     recompute: bool,
-    lock: threading.Lock,
 ) -> TracedSplit | Fallback:
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -444,8 +486,9 @@ def _trace(
         layouts.append(layout)
         return flat
 
-    # Detached: the fake copies need no autograd metadata (copying it warns for non-leaves).
-    args = [leaves[i].detach() for i in tensor_idx]
+    # Detached (copying a non-leaf's autograd metadata warns), with requires_grad as it is: a
+    # backward may read it (t.requires_grad is in the signature).
+    args = [_like(leaves[i]) for i in tensor_idx]
     try:
         # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
         with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
@@ -471,7 +514,13 @@ def _trace(
             "compute out of place into new tensors",
         )
     flat = isinstance(structure, int)
-    return TracedSplit(op, gm, layouts[-1], tensor_idx, flat, requires, recompute, lock)
+    return TracedSplit(op, gm, layouts[-1], tensor_idx, flat, requires, recompute)
+
+
+def _like(t: _Tensor) -> _Tensor:
+    """``t`` detached, requiring grad as ``t`` does."""
+    d = t.detach()
+    return d.requires_grad_() if t.requires_grad else d
 
 
 # --------------------------------------------------------------------------------------------
@@ -612,7 +661,6 @@ class TracedSplit:
         flat: bool,
         requires: frozenset[str],
         recompute: bool,
-        lock: threading.Lock,
     ) -> None:
         self.op = op
         self.graph_module = gm
@@ -623,7 +671,6 @@ class TracedSplit:
         # The leaves are all tensors: they are the arguments of a pass as they are.
         self._all_tensors = tensor_idx == list(range(len(tensor_idx))) and flat
         self._recompute = recompute
-        self._lock = lock
         graph = gm.graph
         self._nodes = list(graph.nodes)
         self._placeholders = [n for n in self._nodes if n.op == "placeholder"]
@@ -636,7 +683,6 @@ class TracedSplit:
                 vals = [None if i is None else self._outputs[i].meta.get("val") for i in slots]
                 if all(v is None or isinstance(v, _Tensor) for v in vals):
                     self._fakes[name] = vals[0] if isinstance(slot, int) else vals
-        self._unchecked = bool(self._fakes)
         self._passes: dict[Any, _Pass] = {}
         self._bindings: dict[fx.Node, Any] = {}
         self._kept: dict[frozenset[str], tuple[list[fx.Node], set[fx.Node]]] = {}
@@ -679,11 +725,10 @@ class TracedSplit:
         else:
             p = self._pass(("alone", needed, None))
             result = p.result(p.fn(*args))
-        if self._unchecked:
-            # Once per signature: the gradients no pass computes (of arguments that don't
-            # require grad), as the trace's fake tensors, so that customgrad's validation sees
-            # every gradient the backward returns, as it does for a backward called as written.
-            self._unchecked = False
+        if self._fakes:
+            # The gradients no pass computes (of arguments that don't require grad), as the
+            # trace's fake tensors: customgrad's validation sees every gradient the backward
+            # returns, on every call, as it does for a backward called as written.
             for name, value in self._fakes.items():
                 result.setdefault(name, value)
         return result, kept
@@ -692,7 +737,7 @@ class TracedSplit:
     def _pass(self, key: tuple[str, frozenset[str], frozenset[str] | None]) -> _Pass:
         p = self._passes.get(key)
         if p is None:
-            with self._lock:
+            with _TRACE_LOCK:
                 p = self._passes.get(key)
                 if p is None:
                     with _disable_current_modes():  # checking bindings runs fake ops

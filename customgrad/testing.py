@@ -674,9 +674,16 @@ class _BackwardWatch:
 
 
 def _has_tensor(g: object) -> bool:
-    if isinstance(g, torch.Tensor):
+    """Whether ``g`` holds a computed gradient (a traced split hands customgrad's validation the
+    trace's fake tensors for the gradients no pass computes: those were not computed)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def computed(t: object) -> bool:
+        return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+
+    if computed(g):
         return True
-    return isinstance(g, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in g)
+    return isinstance(g, (list, tuple)) and any(computed(t) for t in g)
 
 
 def _safe_needs(ctx: Any, name: object) -> bool:

@@ -452,13 +452,83 @@ def _flatten_result(sig: Any, result: Any) -> tuple[list[Any], list[tuple[str, A
 
 
 def _mutating(gm: fx.GraphModule) -> list[fx.Node]:
-    return [
+    """The nodes that write in place, after rewriting those that need not (:func:`_pure`)."""
+    found = [
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
         and isinstance(n.target, torch._ops.OpOverload)
         and n.target._schema.is_mutable
     ]
+    if found:
+        rewritten = [n for n in found if _pure(n) or _ordered(n)]
+        if rewritten:
+            gm.recompile()
+            found = [n for n in found if n not in rewritten]
+    return found
+
+
+def _written(t: _Tensor, writer: Any) -> _Tensor:
+    """``t`` once ``writer`` wrote into it (in a trace: makes the write an input of its readers)."""
+    return t
+
+
+def _ordered(node: fx.Node) -> bool:
+    """Make the write of an opaque op that writes into tensors the trace created (an
+    out-variant custom op filling an ``empty_like``) an input of every node that reads them
+    after it, so that the partition keeps it, runs it once and before them. Whether it could."""
+    target = node.target
+    assert isinstance(target, torch._ops.OpOverload)
+    if target.namespace in ("aten", "prims"):
+        return False  # functionalized
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    written: list[fx.Node] = []
+    for a, value in zip(target._schema.arguments, node.args):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        if not isinstance(value, fx.Node) or _free(value):
+            return False  # an input of the backward (or not a tensor the trace made)
+        made = value.target
+        if isinstance(made, torch._ops.OpOverload) and made.is_view:
+            return False  # a view: it may write into an input
+        if any(order[u] < order[node] for u in value.users if u is not node):
+            return False  # read before the write: which value a reader sees depends on order
+        written.append(value)
+    if not written or node.kwargs:
+        return False
+    graph = node.graph
+    for value in written:
+        later = [u for u in value.users if order[u] > order[node]]
+        with graph.inserting_after(node):
+            after = graph.call_function(_written, (value, node))
+        after.meta["val"] = value.meta.get("val")
+        for u in later:
+            u.replace_input_with(value, after)
+    return True
+
+
+def _pure(node: fx.Node) -> bool:
+    """Rewrite an in-place metadata write (``squeeze_``, ``t_``: the ``squeeze_`` inside
+    ``torch.matmul`` of a vector, which functionalization keeps) on a tensor the trace created
+    and reads nowhere else into its out-of-place view. Whether it could."""
+    target = node.target
+    assert isinstance(target, torch._ops.OpOverload)
+    if target.namespace != "aten" or not node.args:
+        return False
+    mutated = node.args[0]
+    if not isinstance(mutated, fx.Node) or _free(mutated) or len(mutated.users) != 1:
+        return False
+    schema = target._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if len(written) != 1 or written[0] is not schema.arguments[0]:
+        return False
+    name = target.overloadpacket.__name__
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    twin = getattr(packet, target._overloadname, None)
+    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable or not twin.is_view:
+        return False  # only metadata writes (data writes are functionalized)
+    node.target = twin
+    return True
 
 
 def _trace(
@@ -514,7 +584,8 @@ def _trace(
             "compute out of place into new tensors",
         )
     flat = isinstance(structure, int)
-    return TracedSplit(op, gm, layouts[-1], tensor_idx, flat, requires, recompute)
+    all_tensors = flat and len(tensor_idx) == len(leaves)
+    return TracedSplit(op, gm, layouts[-1], tensor_idx, all_tensors, flat, requires, recompute)
 
 
 def _like(t: _Tensor) -> _Tensor:
@@ -658,6 +729,7 @@ class TracedSplit:
         gm: fx.GraphModule,
         layout: list[tuple[str, Any]],
         tensor_idx: list[int],
+        all_tensors: bool,
         flat: bool,
         requires: frozenset[str],
         recompute: bool,
@@ -668,8 +740,9 @@ class TracedSplit:
         self._layout = layout
         self._tensor_idx = tensor_idx
         self._flat = flat
-        # The leaves are all tensors: they are the arguments of a pass as they are.
-        self._all_tensors = tensor_idx == list(range(len(tensor_idx))) and flat
+        # The leaves are all tensors (no None gradient, no plain saved value): they are the
+        # arguments of a pass as they are.
+        self._all_tensors = all_tensors
         self._recompute = recompute
         graph = gm.graph
         self._nodes = list(graph.nodes)

@@ -997,3 +997,91 @@ def test_a_gradient_for_an_argument_without_grad_is_checked_on_every_call() -> N
         x, w = randn(4, 3), randn(2, 3, grad=False)
         with pytest.raises(cg.GradientValueError, match=re.escape("of shape (5,)")):
             op(x, w).sum().backward()
+
+
+def test_an_optional_output_that_is_none() -> None:
+    # A None output gradient after the tensors: the pass was called with it (TypeError).
+    @cg.op(
+        unique("maybe_two"),
+        weights=("w",),
+        schema="(Tensor x, Tensor w, bool two) -> (Tensor, Tensor?)",
+    )
+    def maybe_two(x: Tensor, w: Tensor, two: bool) -> tuple[Tensor, Tensor | None]:
+        return x * w, (x + w if two else None)
+
+    maybe_two.register_fake(
+        lambda x, w, two: (torch.empty_like(x), torch.empty_like(x) if two else None)
+    )
+    maybe_two.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @maybe_two.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor, g2: Tensor | None) -> dict[str, Any]:
+        x, w = saved
+        if g2 is None:
+            return {"x": g * w, "w": (g * x).sum(0)}
+        return {"x": g * w + g2, "w": (g * x).sum(0) + g2.sum(0)}
+
+    for two in (False, True, False):
+        x, w, g = randn(3, 4), randn(4), torch.randn(3, 4, dtype=DT)
+        out, _ = maybe_two(x, w, two)
+        want = torch.autograd.grad(x * w, [x, w], g)
+        (gx,), groups = stage_backward_input([out], [g], [x], [w])
+        stage_backward_weight([w], groups)
+        assert_grads([gx, w.grad], want)
+    assert isinstance(auto_of(maybe_two).last, TracedSplit)
+
+
+def test_matmul_of_a_vector_is_traced() -> None:
+    # torch.matmul with a 1-D operand squeezes its result in place (aten.squeeze_): a metadata
+    # write on a tensor the trace made, not a write into the backward's inputs.
+    @cg.op(unique("mv"), weights=("w",))
+    def mv(x: Tensor, w: Tensor) -> Tensor:
+        return w @ x
+
+    mv.register_fake(lambda x, w: x.new_empty(w.shape[0]))
+    mv.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @mv.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w = saved
+        return {"x": torch.matmul(g, w), "w": torch.outer(g, x)}
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(4, seed=0), randn(3, 4, seed=1)
+        return [x], [w], (x, w)
+
+    flops, split, full = measure(mv, args)
+    assert isinstance(auto_of(mv).last, TracedSplit)
+    assert flops["I"] + flops["W"] == flops["full"] == 24 + 0  # mm (1x3 @ 3x4); outer: no formula
+    inputs, weights, call = args()
+    out = call[1] @ call[0]
+    want = torch.autograd.grad(out, inputs + weights, grad_for(out))
+    assert_grads(split, want)
+    assert_grads(full, want)
+
+
+def test_an_out_variant_custom_op_in_the_backward_runs_once() -> None:
+    name = unique("scale_out")
+    runs = Counter[str]()
+
+    @torch.library.custom_op(name, mutates_args=("out",))
+    def scale_out(x: Tensor, s: float, out: Tensor) -> None:
+        runs["kernel"] += 1
+        out.copy_(x * s)
+
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        g2 = torch.empty_like(g)
+        scale_out(g, 2.0, g2)  # writes into a tensor the backward made; both gradients read it
+        return {"x": g2 @ w, "weight": g2.mT @ x}
+
+    for _ in range(2):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        want = torch.autograd.grad(ref_linear(x, w), [x, w], 2 * g)
+        runs.clear()
+        assert_grads(split_grads(op, x, w, g), want)
+        assert runs["kernel"] == 1  # in I, handed to W (called per pass it ran twice)
+    assert isinstance(auto_of(op).last, TracedSplit)

@@ -140,8 +140,26 @@ def _place(t: _Tensor, sources: list[tuple[Any, _Place]], residuals: list[_Tenso
     for s, where_ in sources:
         if _is_alias_of(t, s):
             return _Place(("view", where_, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+    for k, r in enumerate(residuals):
+        if t is r:
+            return _Place(("res", k))
+    base = t._base
+    if base is not None:
+        # A view of an intermediate (h.chunk(2)): the kernel returns the intermediate once, and
+        # each view is rebuilt from it (residuals that alias each other are refused by torch).
+        return _Place(
+            ("view", _place(base, sources, residuals), tuple(t.shape), tuple(t.stride()),
+             t.storage_offset())
+        )  # fmt: skip
     residuals.append(t)
     return _Place(("res", len(residuals) - 1))
+
+
+def _computed(place: _Place) -> bool:
+    """Whether the tensor at ``place`` is (a view of) one the forward computed."""
+    while place[0] == "view":
+        place = place[1]
+    return bool(place[0] == "res")
 
 
 def _find(place: _Place, inputs: Sequence[Any], outs: Sequence[Any], res: Any) -> Any:
@@ -440,7 +458,7 @@ def from_function(
         computed: list[int] = []
         for p in [*saved_places, *(v for _, leaves in attrs.values() for v in leaves)]:
             if isinstance(p, _Place):
-                if p[0] == "res":
+                if _computed(p):
                     computed.append(len(flat))
                 p = _find(p, inputs, outs, res)
             flat.append(p)

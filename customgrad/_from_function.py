@@ -178,9 +178,11 @@ def _find(place: _Place, inputs: Sequence[Any], outs: Sequence[Any], res: Any) -
 MSG_COMPUTED_DOUBLE_BACKWARD = """\
 {op}: double backward (create_graph=True, gradient penalties) reached a tensor that the \
 Function's forward computed and saved on ctx: autograd sees it as a constant (as it did for the \
-Function), so the gradient through it would be silently wrong. Save the inputs and recompute it \
-in backward with differentiable torch ops if you need double backward. (forward defined at \
-{loc})"""
+Function), so the gradient through it would be silently wrong. If the Function needs no double \
+backward, say so with one line: decorate its backward with @once_differentiable (from \
+torch.autograd.function import once_differentiable); double backward then raises at once and \
+check_op skips gradgradcheck. If it does need it, save the inputs and recompute the tensor in \
+backward with differentiable torch ops. (forward defined at {loc})"""
 
 
 def _guard_computed(

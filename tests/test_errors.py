@@ -1246,8 +1246,11 @@ def test_from_function_double_backward_through_a_computed_tensor() -> None:
             f"{name}: double backward (create_graph=True, gradient penalties) reached a tensor "
             "that the Function's forward computed and saved on ctx: autograd sees it as a "
             "constant (as it did for the Function), so the gradient through it would be silently "
-            "wrong. Save the inputs and recompute it in backward with differentiable torch ops if "
-            f"you need double backward. (forward defined at {where(forward)})"
+            "wrong. If the Function needs no double backward, say so with one line: decorate its "
+            "backward with @once_differentiable (from torch.autograd.function import "
+            "once_differentiable); double backward then raises at once and check_op skips "
+            "gradgradcheck. If it does need it, save the inputs and recompute the tensor in "
+            f"backward with differentiable torch ops. (forward defined at {where(forward)})"
         ),
     ):
         torch.autograd.grad(gx.sum(), [x])
@@ -1834,3 +1837,31 @@ def test_the_fallback_reasons_of_a_backward_reading_python_state_are_pinned() ->
             "once, when it is traced",
         ),
     ]
+
+
+def test_check_op_flops_messages_are_pinned() -> None:
+    from customgrad.testing import FIX_TWICE, MSG_NO_FLOPS
+
+    assert MSG_NO_FLOPS.format(ran="input pass: backward_input x1") == (
+        "could not measure FLOPs: torch's FLOP formulas count none of the ops the backward runs "
+        "(they count matmuls, convolutions and attention), so repeated work would not show. "
+        "Checked instead: which backward functions ran in each pass (input pass: backward_input "
+        "x1), and that no pass returned a gradient it was not asked for."
+    )
+    assert FIX_TWICE == (
+        "Compute it once: hand it from the input pass to the weight pass with "
+        "register_backward_shared\n"
+        "\n"
+        "    @op.register_backward_shared     # runs once, in the earlier pass that needs it\n"
+        "    def _(ctx, saved, grad):\n"
+        "        return grad @ down           # what both halves need\n"
+        "    @op.register_backward_input\n"
+        "    def _(ctx, saved, grad):\n"
+        "        dh = ctx.shared              # computed once\n"
+        "        ...\n"
+        "\n"
+        "or register one backward that computes every gradient (register_backward, "
+        'split="auto", the\n'
+        "default): customgrad traces it and runs shared work once, handing it to the weight "
+        "pass."
+    )

@@ -427,3 +427,37 @@ def test_views_of_one_intermediate_are_saved() -> None:
     out = getattr(torch.ops, glu.name.split("::")[0]).glu(*call)
     want = torch.autograd.grad(glu_ref(*call), inputs + weights, torch.ones_like(out))
     assert_grads(list(torch.autograd.grad(out, inputs + weights, torch.ones_like(out))), want)
+
+
+def tanh_function(once: bool) -> type[torch.autograd.Function]:
+    """``tanh(x @ w.mT)`` saving ``1 - y**2`` (an intermediate), as Functions commonly do."""
+
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w, h = ctx.saved_tensors
+        d = g * h
+        return d @ w, d.mT @ x
+
+    class Tanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+            y = torch.tanh(x @ w.mT)
+            ctx.save_for_backward(x, w, 1 - y * y)
+            return y
+
+    Tanh.backward = staticmethod(  # type: ignore[method-assign]
+        torch.autograd.function.once_differentiable(backward) if once else backward
+    )
+    return Tanh
+
+
+def test_double_backward_through_a_saved_intermediate_gives_the_one_line_fix() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    op = cg.from_function(tanh_function(once=False), unique("tanh"), weights=("w",))
+    report = check_op(op, x, w, raise_on_failure=False)
+    assert report["gradgradcheck"].status == "failed"
+    assert "decorate its backward with @once_differentiable" in report["gradgradcheck"].detail
+    # The fix it gives: the check passes, double backward skipped as not supported.
+    op = cg.from_function(tanh_function(once=True), unique("tanh"), weights=("w",))
+    report = check_op(op, x, w)
+    assert report.ok and report["gradgradcheck"].status == "skipped"

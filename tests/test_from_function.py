@@ -461,3 +461,35 @@ def test_double_backward_through_a_saved_intermediate_gives_the_one_line_fix() -
     op = cg.from_function(tanh_function(once=True), unique("tanh"), weights=("w",))
     report = check_op(op, x, w)
     assert report.ok and report["gradgradcheck"].status == "skipped"
+
+
+class ScaleIfAsked(torch.autograd.Function):
+    """Stores ``x.requires_grad`` on ctx in forward, as many Functions do."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.x_requires_grad = x.requires_grad
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor]:
+        x, w = ctx.saved_tensors
+        return (g * w if ctx.x_requires_grad else None), (g * x).sum(0)
+
+
+def test_requires_grad_read_in_forward_under_aot_autograd() -> None:
+    # Under AOTAutograd the kernel runs on fakes that don't require grad: x got no gradient.
+    op = cg.from_function(ScaleIfAsked, unique("scale_if_asked"), weights=("w",))
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, generator=gen), torch.randn(4, generator=gen)
+    report = check_op(op, x, w, checks=["opcheck", "gradcheck", "split"])
+    assert report.ok, str(report)
+    x, w = randn(3, 4, seed=0), randn(4, seed=1)
+    from functorch.compile import make_boxed_func
+
+    aot = torch._functorch.aot_autograd.aot_function(
+        lambda x, w: op(x, w), lambda gm, _: make_boxed_func(gm)
+    )
+    got = torch.autograd.grad(aot(x, w).sum(), [x, w])
+    assert_grads(list(got), torch.autograd.grad((x * w).sum(), [x, w]))

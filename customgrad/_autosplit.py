@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from customgrad._errors import CustomGradError, where
 from customgrad._flops import formula_of
-from customgrad._guards import Unguarded, ambient, reads
+from customgrad._guards import Unguarded, ambient, package_of, reads, reads_nothing
 from customgrad._rules import OpSpec
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
@@ -230,6 +230,8 @@ class AutoSplitter:
         self._cache: dict[Any, TracedSplit | Fallback] = {}
         self._logged = False
         self._mutates: Fallback | None = None
+        self._own = package_of(fn)
+        self._no_reads = reads_nothing(fn)
 
     def plan(
         self,
@@ -261,7 +263,7 @@ class AutoSplitter:
             # What else the result depends on: ambient state, and what the function reads from
             # Python state (closures, globals, defaults: see customgrad._guards).
             try:
-                signature = (signature, ambient(), reads(self.fn))
+                signature = (signature, ambient(), self._reads())
             except Unguarded as e:
                 signature = Fallback(
                     f"it reads {e.what} ({e.where}), whose state a trace would freeze",
@@ -288,6 +290,18 @@ class AutoSplitter:
             )
         return None
 
+    def _reads(self) -> Any:
+        """What the function reads from Python state (see customgrad._guards), as a key."""
+        fn = self.fn
+        if (
+            self._no_reads is not None
+            and fn.__code__ is self._no_reads
+            and fn.__defaults__ is None
+            and fn.__kwdefaults__ is None
+        ):
+            return ()
+        return reads(fn, self._own)
+
     def _trace(
         self,
         signature: Any,
@@ -310,7 +324,7 @@ class AutoSplitter:
             outcome = _trace(
                 self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute
             )
-            if isinstance(outcome, TracedSplit) and not _reads_again(self.fn, signature[2]):
+            if isinstance(outcome, TracedSplit) and not self._reads_again(signature[2]):
                 # Its Python side effects would happen once (when traced), and each would
                 # select a new trace: it is called as written, every time.
                 outcome = self._mutates = Fallback(
@@ -321,6 +335,13 @@ class AutoSplitter:
                 )
             self._cache[signature] = outcome
             return outcome
+
+    def _reads_again(self, before: Any) -> bool:
+        """Whether the function still reads what it read before it was traced."""
+        try:
+            return bool(self._reads() == before)
+        except Unguarded:
+            return False
 
     def describe(self) -> str:
         """How the latest backward of this op was split, in words (for reports)."""
@@ -333,14 +354,6 @@ class AutoSplitter:
         """The latest reason not to split, if the latest backward was not split."""
         last = self.last
         return last if isinstance(last, Fallback) else None
-
-
-def _reads_again(fn: Any, before: Any) -> bool:
-    """Whether ``fn`` still reads what it read before it was traced."""
-    try:
-        return bool(reads(fn) == before)
-    except Unguarded:
-        return False
 
 
 def _flatten(saved: Any, grads: tuple[Any, ...]) -> tuple[list[Any], Any]:

@@ -22,9 +22,11 @@ on them in Python.
 
 from __future__ import annotations
 
+import dataclasses
 import dis
 import enum
 import functools
+import inspect
 import os
 import sys
 import sysconfig
@@ -33,7 +35,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_ITEMS", "Unguarded", "ambient", "reads"]
+__all__ = ["MAX_ITEMS", "Unguarded", "ambient", "package_of", "reads", "reads_nothing"]
 
 MAX_ITEMS = 64
 """The most items a container read by a backward may hold to be compared by value."""
@@ -78,6 +80,9 @@ _CODE = (
 )
 _any_autocast: Any = torch._C._is_any_autocast_enabled
 _function_modes: Any = torch._C._len_torch_function_stack
+_deterministic: Any = torch._C._get_deterministic_algorithms
+_warn_only: Any = torch._C._get_deterministic_algorithms_warn_only
+_default_dtype: Any = torch.get_default_dtype
 
 
 def ambient() -> Any:
@@ -86,24 +91,20 @@ def ambient() -> Any:
     The grad mode is not in it: a traced backward runs only without grad (a ``create_graph``
     backward calls the function as written).
     """
+    plain = (_deterministic(), _warn_only(), _default_dtype())
+    if not _any_autocast() and not _function_modes():
+        return plain
     autocast: Any = None
     if _any_autocast():
-        autocast = tuple(
+        enabled = tuple(
             (d, torch.get_autocast_dtype(d))
             for d in _AUTOCAST_DEVICES
             if torch.is_autocast_enabled(d)
         )
-        autocast = (autocast, torch.is_autocast_cache_enabled())
-    device: Any = None
-    if _function_modes():
-        device = torch.get_default_device()  # set_default_device works through a mode
-    return (
-        autocast,
-        torch.are_deterministic_algorithms_enabled(),
-        torch.is_deterministic_algorithms_warn_only_enabled(),
-        torch.get_default_dtype(),
-        device,
-    )
+        autocast = (enabled, torch.is_autocast_cache_enabled())
+    # set_default_device works through a torch function mode
+    device = torch.get_default_device() if _function_modes() else None
+    return (plain, autocast, device)
 
 
 class Unguarded(Exception):
@@ -126,9 +127,21 @@ def _where(parts: tuple[str, ...]) -> str:
     return f"{kind}{named}" + (f" of {owner}" if owner else "")
 
 
-@functools.lru_cache(maxsize=4096)
+_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...], frozenset[str]]] = {}
+
+
 def _names(code: types.CodeType) -> tuple[tuple[str, ...], frozenset[str]]:
-    """The global names ``code`` loads and the attribute names it uses (nested code included)."""
+    """The global names ``code`` loads and the attribute names it uses (nested code included),
+    cached by identity (hashing a code object hashes its constants)."""
+    found = _NAMES.get(id(code))
+    if found is not None and found[0] is code:
+        return found[1], found[2]
+    names = _read_names(code)
+    _NAMES[id(code)] = (code, *names)
+    return names
+
+
+def _read_names(code: types.CodeType) -> tuple[tuple[str, ...], frozenset[str]]:
     globals_: set[str] = set()
     attrs: set[str] = set(code.co_names)
     for ins in dis.get_instructions(code):
@@ -170,9 +183,16 @@ _FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial, staticmet
 class _Walk:
     """One walk over what a function reads: builds the key, or raises :class:`Unguarded`."""
 
-    def __init__(self) -> None:
+    def __init__(self, own: str) -> None:
         self.key: list[Any] = []
         self.seen: set[int] = set()
+        self.own = own  # the backward's own package: walked even where it is installed
+
+    def trusted(self, module_name: Any) -> bool:
+        if not _trusted(module_name):
+            return False
+        root = module_name.partition(".")[0]
+        return root != self.own or root in _TRUSTED_ROOTS
 
     def function(self, fn: Any, where: tuple[str, ...]) -> None:
         """Guard what ``fn`` (a function, a method, a partial) reads."""
@@ -196,8 +216,8 @@ class _Walk:
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is not None:
             self.function(wrapped, where)
-        if _trusted(fn.__module__):
-            return  # torch's or customgrad's code (a wrapper: what it wraps is walked above)
+        if self.trusted(fn.__module__):
+            return  # library code (a wrapper of torch's or customgrad's: its target is walked)
         code = fn.__code__
         globals_, attrs = _names(code)
         scope = fn.__globals__
@@ -236,13 +256,15 @@ class _Walk:
             self.function(v, where)
         elif kind is types.ModuleType:
             key.append(id(v))
-            if not _trusted(v.__name__):
+            if not self.trusted(v.__name__):
                 self._namespace(v, where, attrs, depth)
         elif isinstance(v, type):
             key.append(id(v))
-            if not _trusted(v.__module__):
+            if not self.trusted(v.__module__):
                 self._namespace(v, where, attrs, depth)
-        elif kind in (tuple, list, dict, set, frozenset):
+        elif kind in (tuple, list, dict, set, frozenset) or (
+            isinstance(v, tuple) and hasattr(kind, "_fields")  # a namedtuple
+        ):
             if depth > 8 or len(v) > MAX_ITEMS:
                 raise Unguarded(f"a {kind.__name__} of {len(v)} items (or nested deeper)", where)
             key.append((kind, len(v)))
@@ -261,6 +283,10 @@ class _Walk:
             key.append((id(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad))
         elif isinstance(v, enum.Enum):
             key.append((kind, v.name))
+        elif dataclasses.is_dataclass(v):  # a config object: its fields, by value
+            key.append(kind)
+            for field in dataclasses.fields(v):
+                self.value(getattr(v, field.name), (*where, field.name), attrs, depth + 1)
         elif isinstance(v, _CODE):
             key.append(id(v))
         elif isinstance(v, property):
@@ -281,13 +307,40 @@ class _Walk:
             self.value(found[a], (*where, a), attrs, depth + 1)
 
 
-def reads(fn: Any) -> Any:
+def package_of(fn: Any) -> str:
+    """The top-level package of the user's function ``fn`` (behind customgrad's wrappers)."""
+    own = getattr(inspect.unwrap(fn), "__module__", None)
+    return own.partition(".")[0] if isinstance(own, str) else ""
+
+
+def reads_nothing(fn: Any) -> types.CodeType | None:
+    """The code of ``fn`` if, as long as it runs that code without defaults, it reads nothing
+    from Python state (no closure, no global but builtins): the common lambda."""
+    if type(fn) is not types.FunctionType or fn.__closure__ or hasattr(fn, "__wrapped__"):
+        return None
+    if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
+        return None
+    code = fn.__code__
+    scope = fn.__globals__
+    builtins: Any = scope.get("__builtins__", {})
+    if isinstance(builtins, types.ModuleType):
+        builtins = builtins.__dict__
+    if any(g in scope or g not in builtins for g in _names(code)[0]):
+        return None
+    return code
+
+
+def reads(fn: Any, own: str = "") -> Any:
     """A hashable key of everything ``fn`` reads from Python state (closures, defaults, globals,
-    recursively through the user's functions it calls).
+    recursively through the user's functions it calls). ``own``: its package
+    (:func:`package_of`), whose functions are walked even where it is installed.
 
     Raises:
         Unguarded: it reads an object whose state a trace would freeze.
     """
-    walk = _Walk()
-    walk.function(fn, ("the backward", "", ""))
+    walk = _Walk(own)
+    try:
+        walk.function(fn, ("the backward", "", ""))
+    except RuntimeError as e:  # a dict or list changed size while it was read (another thread)
+        raise Unguarded(f"state that changed while it was read ({e})", ("", "", "")) from None
     return tuple(walk.key)

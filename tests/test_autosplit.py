@@ -1096,3 +1096,26 @@ def test_the_traced_backward_page_runs() -> None:
     code = "\n".join(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL))
     code = code.replace("mylib::", "test_autosplit_docs::")
     exec(compile(code, str(page), "exec", dont_inherit=True), {"__name__": "docs_page"})
+
+
+def test_a_dataclass_config_is_compared_by_its_fields() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Config:
+        scale: float
+
+    cfg = Config(scale=1.0)
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w * cfg.scale, "weight": g.mT @ x}
+
+    for scale in (1.0, 3.0):
+        cfg.scale = scale  # a mutable config object, changed in place
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+        assert_grads(split_grads(op, x, w, g), (gx * scale, gw))
+    assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2

@@ -18,8 +18,15 @@ Each pass is a generated :class:`torch.fx.GraphModule` (straight-line Python cal
 so a call costs about what a hand-written pair costs. The gradients go back to customgrad's
 validation as any backward's do.
 
+A trace gives what calling the backward would give, or there is none. It is reused only for
+calls with the same signature: the tensors' metadata (``requires_grad`` included: the fakes keep
+it), plain values, the arguments that require grad, ambient state and what the function reads
+from Python state (:mod:`customgrad._guards`). Tracing holds one process-wide lock (``make_fx``
+and fake modes keep global state) and changes no logger level or warning filter.
+
 A backward that cannot be traced (Python control flow on tensor values, kernels launched on raw
-data pointers, anything ``make_fx`` refuses) falls back to ``split="phase"``: it is called in each
+data pointers, objects read from its closure or globals, anything ``make_fx`` refuses) falls back
+to ``split="phase"``: it is called in each
 pass with ``ctx.needs_input_grad`` set for the pass, and one log line on the ``customgrad``
 logger says why. Inside another trace (``torch.compile``'s AOTAutograd, ``make_fx``, functorch
 transforms) the backward is called as written, and the outer trace records it: correct

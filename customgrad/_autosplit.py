@@ -59,6 +59,9 @@ log = logging.getLogger("customgrad")
 MAX_SIGNATURES = 256
 """Input signatures traced per op; calls with new ones beyond that fall back (one log line)."""
 
+RETRIES = 2
+"""Traces tried again for a signature whose trace failed for a reason of an unknown kind."""
+
 MSG_FALLBACK = (
     "{op}: the single backward cannot be split automatically: {why}. Each pass of a split "
     "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), so "
@@ -116,12 +119,15 @@ class Fallback:
             invalid raises customgrad's validation error when called, which says it all).
     """
 
-    __slots__ = ("fix", "logged", "why")
+    __slots__ = ("fix", "logged", "retries", "why")
 
     def __init__(self, why: str, fix: str, logged: bool = True) -> None:
         self.why = why
         self.fix = fix
         self.logged = logged
+        # Traces left to try: a failure of an unknown kind may come from outside the backward
+        # (another thread tracing with make_fx, torch.compile), so it is not final at once.
+        self.retries = 0
 
     def describe(self) -> str:
         return (
@@ -282,7 +288,7 @@ class AutoSplitter:
             outcome: TracedSplit | Fallback = signature
         else:
             found = self._cache.get(signature)
-            if found is None:
+            if found is None or (type(found) is Fallback and found.retries):
                 found = self._trace(signature, make_ctx, leaves, structure, requires)
             outcome = found
         self.last = outcome
@@ -319,9 +325,10 @@ class AutoSplitter:
     ) -> TracedSplit | Fallback:
         with _TRACE_LOCK:
             found = self._cache.get(signature)
-            if found is not None:
+            if found is not None and not (isinstance(found, Fallback) and found.retries):
                 return found
-            if len(self._cache) >= MAX_SIGNATURES:
+            left = RETRIES if found is None else found.retries - 1
+            if found is None and len(self._cache) >= MAX_SIGNATURES:
                 return Fallback(
                     f"it was traced for {MAX_SIGNATURES} input signatures already (shapes, "
                     f"dtypes or saved values change from call to call)",
@@ -331,6 +338,8 @@ class AutoSplitter:
             outcome = _trace(
                 self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute
             )
+            if isinstance(outcome, Fallback) and outcome.retries:
+                outcome.retries = left
             if isinstance(outcome, TracedSplit) and not self._reads_again(signature[2]):
                 # Its Python side effects would happen once (when traced), and each would
                 # select a new trace: it is called as written, every time.
@@ -596,7 +605,9 @@ def _trace(
         return Fallback("it returned what customgrad's validation refuses", "", logged=False)
     except Exception as e:
         why, fix = _why(e)
-        return Fallback(why, fix)
+        fallback = Fallback(why, fix)
+        fallback.retries = int(why.startswith("tracing it with make_fx"))  # of an unknown kind
+        return fallback
     mutated = _mutating(gm)
     if mutated:
         return Fallback(

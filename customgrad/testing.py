@@ -647,18 +647,19 @@ class _Case:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence what opcheck prints or warns about failures it reports anyway."""
-    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor",)]
-    levels = [lg.level for lg in loggers]
+    """Silence what opcheck prints or warns about failures it reports anyway: fake tensors'
+    error logs of this thread only (the logger's level is left alone), and warnings."""
+    from customgrad._autosplit import _ThisThread
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _ThisThread()
+    logger.addFilter(quiet)
     try:
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        logger.removeFilter(quiet)
 
 
 def _same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:

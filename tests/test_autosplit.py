@@ -1119,3 +1119,26 @@ def test_a_dataclass_config_is_compared_by_its_fields() -> None:
         gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
         assert_grads(split_grads(op, x, w, g), (gx * scale, gw))
     assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2
+
+
+def test_a_trace_failing_for_an_unknown_reason_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A failure caused by something outside the backward (another thread's make_fx) must not
+    # stay as a permanent fallback.
+    from torch.fx.experimental import proxy_tensor
+
+    make_fx = proxy_tensor.make_fx
+    failures = [RuntimeError("state left by a concurrent trace")]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return make_fx(*args, **kwargs)
+
+    monkeypatch.setattr(proxy_tensor, "make_fx", flaky)
+    op = make_linear()
+    for _ in range(2):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
+    assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2

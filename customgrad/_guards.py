@@ -213,6 +213,13 @@ class _Walk:
         if kind is staticmethod or kind is classmethod:
             self.function(fn.__func__, where)
             return
+        if kind is not types.FunctionType:
+            if isinstance(fn, (_CODE, type)) or (
+                self.trusted(getattr(kind, "__module__", None))
+                and not isinstance(fn, torch.nn.Module)
+            ):
+                return  # a builtin, a class, an op: code
+            raise Unguarded(f"a {kind.__qualname__} object", where)  # a callable object
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is not None:
             self.function(wrapped, where)

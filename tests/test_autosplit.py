@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import logging
 import re
+import sys
 import threading
 import warnings
 from collections import Counter
@@ -1142,3 +1143,50 @@ def test_a_trace_failing_for_an_unknown_reason_is_tried_again(
         x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
         assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
     assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2
+
+
+SCALE = 1.0
+
+
+def scaled_by_global(t: Tensor) -> Tensor:
+    return t * SCALE
+
+
+class Scaler:
+    k = 1.0
+
+    def __call__(self, ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w * self.k, "weight": g.mT @ x}
+
+
+def test_other_ways_to_read_python_state_give_the_gradient_of_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (backward, how to change what it reads, traced?)
+    opts = {"k": 1.0}
+
+    def with_default(ctx: Any, saved: Any, g: Tensor, opts: dict[str, float] = opts) -> Any:
+        x, w, _ = saved
+        return {"x": g @ w * opts["k"], "weight": g.mT @ x}
+
+    def with_helper(ctx: Any, saved: Any, g: Tensor) -> Any:
+        x, w, _ = saved
+        return {"x": scaled_by_global(g @ w), "weight": g.mT @ x}
+
+    scaler = Scaler()
+
+    def set_k(k: float) -> None:
+        opts["k"] = k
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", k)
+        scaler.k = k
+
+    for backward, traced in [(with_default, True), (with_helper, True), (scaler, False)]:
+        op = make_linear()
+        op.register_backward(backward)
+        for k in (1.0, 3.0):
+            set_k(k)
+            x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+            gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+            assert_grads(split_grads(op, x, w, g), (gx * k, gw))
+        assert isinstance(auto_of(op).last, TracedSplit) is traced

@@ -91,7 +91,8 @@ def ambient() -> Any:
     The grad mode is not in it: a traced backward runs only without grad (a ``create_graph``
     backward calls the function as written).
     """
-    plain = (_deterministic(), _warn_only(), _default_dtype())
+    det = _deterministic()
+    plain = (det and (_warn_only() or 2), _default_dtype())  # warn-only matters only when on
     if not _any_autocast() and not _function_modes():
         return plain
     autocast: Any = None

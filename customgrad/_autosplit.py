@@ -18,8 +18,15 @@ Each pass is a generated :class:`torch.fx.GraphModule` (straight-line Python cal
 so a call costs about what a hand-written pair costs. The gradients go back to customgrad's
 validation as any backward's do.
 
+A trace gives what calling the backward would give, or there is none. It is reused only for
+calls with the same signature: the tensors' metadata (``requires_grad`` included: the fakes keep
+it), plain values, the arguments that require grad, ambient state and what the function reads
+from Python state (:mod:`customgrad._guards`). Tracing holds one process-wide lock (``make_fx``
+and fake modes keep global state) and changes no logger level or warning filter.
+
 A backward that cannot be traced (Python control flow on tensor values, kernels launched on raw
-data pointers, anything ``make_fx`` refuses) falls back to ``split="phase"``: it is called in each
+data pointers, objects read from its closure or globals, anything ``make_fx`` refuses) falls back
+to ``split="phase"``: it is called in each
 pass with ``ctx.needs_input_grad`` set for the pass, and one log line on the ``customgrad``
 logger says why. Inside another trace (``torch.compile``'s AOTAutograd, ``make_fx``, functorch
 transforms) the backward is called as written, and the outer trace records it: correct
@@ -32,7 +39,6 @@ import contextlib
 import logging
 import operator
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -40,9 +46,10 @@ import optree
 import torch
 import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
-from torch.utils.flop_counter import flop_registry
 
 from customgrad._errors import CustomGradError, where
+from customgrad._flops import formula_of
+from customgrad._guards import Unguarded, ambient, package_of, reads, reads_nothing
 from customgrad._rules import OpSpec
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
@@ -51,6 +58,9 @@ log = logging.getLogger("customgrad")
 
 MAX_SIGNATURES = 256
 """Input signatures traced per op; calls with new ones beyond that fall back (one log line)."""
+
+RETRIES = 2
+"""Traces tried again for a signature whose trace failed for a reason of an unknown kind."""
 
 MSG_FALLBACK = (
     "{op}: the single backward cannot be split automatically: {why}. Each pass of a split "
@@ -81,6 +91,9 @@ _get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
 _INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
 _FREE_OPS = ("placeholder", "get_attr")
 
+_TRACE_LOCK = threading.RLock()
+"""One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
+
 
 def _tracing_now() -> bool:
     """Whether this backward runs inside another trace (make_fx, AOTAutograd, functorch)."""
@@ -106,12 +119,15 @@ class Fallback:
             invalid raises customgrad's validation error when called, which says it all).
     """
 
-    __slots__ = ("fix", "logged", "why")
+    __slots__ = ("fix", "logged", "retries", "why")
 
     def __init__(self, why: str, fix: str, logged: bool = True) -> None:
         self.why = why
         self.fix = fix
         self.logged = logged
+        # Traces left to try: a failure of an unknown kind may come from outside the backward
+        # (another thread tracing with make_fx, torch.compile), so it is not final at once.
+        self.retries = 0
 
     def describe(self) -> str:
         return (
@@ -171,20 +187,29 @@ def _why(e: BaseException) -> tuple[str, str]:
     )
 
 
+class _ThisThread(logging.Filter):
+    """Drops the records of one thread (the one tracing), lets every other thread's through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
 @contextlib.contextmanager
 def _quiet_tracing() -> Iterator[None]:
-    """Silence what torch says while tracing: fake tensors log an error for every op that fails
-    (the fallback's log line says it once), and torch warns about its own internals. Warnings
-    from the user's backward still show."""
+    """Fake tensors log an error with a traceback for every op that fails while tracing; the
+    fallback's log line says it once. Only this thread's records, only while it traces: the
+    logger's level and other threads' records are left alone. (Held under ``_TRACE_LOCK``.)"""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    quiet = _ThisThread()
+    logger.addFilter(quiet)
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", module=r"torch\.")
-            yield
+        yield
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(quiet)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,8 +241,10 @@ class AutoSplitter:
         self.traces = 0
         self.last: TracedSplit | Fallback | None = None
         self._cache: dict[Any, TracedSplit | Fallback] = {}
-        self._lock = threading.Lock()
         self._logged = False
+        self._mutates: Fallback | None = None
+        self._own = package_of(fn)
+        self._no_reads = reads_nothing(fn)
 
     def plan(
         self,
@@ -243,11 +270,25 @@ class AutoSplitter:
         if signature is None:
             leaves, structure = _flatten(saved, grads)
             signature = _signature(leaves, (structure, requires), flat=False)
+        if self._mutates is not None:
+            signature = self._mutates
+        elif not isinstance(signature, Fallback):
+            # What else the result depends on: ambient state, and what the function reads from
+            # Python state (closures, globals, defaults: see customgrad._guards).
+            try:
+                signature = (signature, ambient(), self._reads())
+            except Unguarded as e:
+                signature = Fallback(
+                    f"it reads {e.what} ({e.where}), whose state a trace would freeze",
+                    "pass what it needs as arguments of the op or save it in "
+                    "save_for_backward (tensors and plain values are part of what selects a "
+                    "trace), or read it from a plain value, dict or list (compared by value)",
+                )
         if isinstance(signature, Fallback):
             outcome: TracedSplit | Fallback = signature
         else:
             found = self._cache.get(signature)
-            if found is None:
+            if found is None or (type(found) is Fallback and found.retries):
                 found = self._trace(signature, make_ctx, leaves, structure, requires)
             outcome = found
         self.last = outcome
@@ -262,6 +303,18 @@ class AutoSplitter:
             )
         return None
 
+    def _reads(self) -> Any:
+        """What the function reads from Python state (see customgrad._guards), as a key."""
+        fn = self.fn
+        if (
+            self._no_reads is not None
+            and fn.__code__ is self._no_reads
+            and fn.__defaults__ is None
+            and fn.__kwdefaults__ is None
+        ):
+            return ()
+        return reads(fn, self._own)
+
     def _trace(
         self,
         signature: Any,
@@ -270,11 +323,12 @@ class AutoSplitter:
         structure: Any,
         requires: frozenset[str],
     ) -> TracedSplit | Fallback:
-        with self._lock:
+        with _TRACE_LOCK:
             found = self._cache.get(signature)
-            if found is not None:
+            if found is not None and not (isinstance(found, Fallback) and found.retries):
                 return found
-            if len(self._cache) >= MAX_SIGNATURES:
+            left = RETRIES if found is None else found.retries - 1
+            if found is None and len(self._cache) >= MAX_SIGNATURES:
                 return Fallback(
                     f"it was traced for {MAX_SIGNATURES} input signatures already (shapes, "
                     f"dtypes or saved values change from call to call)",
@@ -282,10 +336,28 @@ class AutoSplitter:
                 )
             self.traces += 1
             outcome = _trace(
-                self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute, self._lock
+                self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute
             )
+            if isinstance(outcome, Fallback) and outcome.retries:
+                outcome.retries = left
+            if isinstance(outcome, TracedSplit) and not self._reads_again(signature[2]):
+                # Its Python side effects would happen once (when traced), and each would
+                # select a new trace: it is called as written, every time.
+                outcome = self._mutates = Fallback(
+                    "it changes Python state it reads (closure variables, globals, defaults) "
+                    "when it runs",
+                    "keep Python side effects out of the backward: a traced backward's Python "
+                    "code runs once, when it is traced",
+                )
             self._cache[signature] = outcome
             return outcome
+
+    def _reads_again(self, before: Any) -> bool:
+        """Whether the function still reads what it read before it was traced."""
+        try:
+            return bool(self._reads() == before)
+        except Unguarded:
+            return False
 
     def describe(self) -> str:
         """How the latest backward of this op was split, in words (for reports)."""
@@ -409,13 +481,83 @@ def _flatten_result(sig: Any, result: Any) -> tuple[list[Any], list[tuple[str, A
 
 
 def _mutating(gm: fx.GraphModule) -> list[fx.Node]:
-    return [
+    """The nodes that write in place, after rewriting those that need not (:func:`_pure`)."""
+    found = [
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
         and isinstance(n.target, torch._ops.OpOverload)
         and n.target._schema.is_mutable
     ]
+    if found:
+        rewritten = [n for n in found if _pure(n) or _ordered(n)]
+        if rewritten:
+            gm.recompile()
+            found = [n for n in found if n not in rewritten]
+    return found
+
+
+def _written(t: _Tensor, writer: Any) -> _Tensor:
+    """``t`` once ``writer`` wrote into it (in a trace: makes the write an input of its readers)."""
+    return t
+
+
+def _ordered(node: fx.Node) -> bool:
+    """Make the write of an opaque op that writes into tensors the trace created (an
+    out-variant custom op filling an ``empty_like``) an input of every node that reads them
+    after it, so that the partition keeps it, runs it once and before them. Whether it could."""
+    target = node.target
+    assert isinstance(target, torch._ops.OpOverload)
+    if target.namespace in ("aten", "prims"):
+        return False  # functionalized
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    written: list[fx.Node] = []
+    for a, value in zip(target._schema.arguments, node.args):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        if not isinstance(value, fx.Node) or _free(value):
+            return False  # an input of the backward (or not a tensor the trace made)
+        made = value.target
+        if isinstance(made, torch._ops.OpOverload) and made.is_view:
+            return False  # a view: it may write into an input
+        if any(order[u] < order[node] for u in value.users if u is not node):
+            return False  # read before the write: which value a reader sees depends on order
+        written.append(value)
+    if not written or node.kwargs:
+        return False
+    graph = node.graph
+    for value in written:
+        later = [u for u in value.users if order[u] > order[node]]
+        with graph.inserting_after(node):
+            after = graph.call_function(_written, (value, node))
+        after.meta["val"] = value.meta.get("val")
+        for u in later:
+            u.replace_input_with(value, after)
+    return True
+
+
+def _pure(node: fx.Node) -> bool:
+    """Rewrite an in-place metadata write (``squeeze_``, ``t_``: the ``squeeze_`` inside
+    ``torch.matmul`` of a vector, which functionalization keeps) on a tensor the trace created
+    and reads nowhere else into its out-of-place view. Whether it could."""
+    target = node.target
+    assert isinstance(target, torch._ops.OpOverload)
+    if target.namespace != "aten" or not node.args:
+        return False
+    mutated = node.args[0]
+    if not isinstance(mutated, fx.Node) or _free(mutated) or len(mutated.users) != 1:
+        return False
+    schema = target._schema
+    written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    if len(written) != 1 or written[0] is not schema.arguments[0]:
+        return False
+    name = target.overloadpacket.__name__
+    packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
+    twin = getattr(packet, target._overloadname, None)
+    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable or not twin.is_view:
+        return False  # only metadata writes (data writes are functionalized)
+    node.target = twin
+    return True
 
 
 def _trace(
@@ -426,7 +568,6 @@ def _trace(
     structure: Any,
     requires: frozenset[str],
     recompute: bool,
-    lock: threading.Lock,
 ) -> TracedSplit | Fallback:
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -444,8 +585,9 @@ def _trace(
         layouts.append(layout)
         return flat
 
-    # Detached: the fake copies need no autograd metadata (copying it warns for non-leaves).
-    args = [leaves[i].detach() for i in tensor_idx]
+    # Detached (copying a non-leaf's autograd metadata warns), with requires_grad as it is: a
+    # backward may read it (t.requires_grad is in the signature).
+    args = [_like(leaves[i]) for i in tensor_idx]
     try:
         # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
         with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
@@ -463,7 +605,9 @@ def _trace(
         return Fallback("it returned what customgrad's validation refuses", "", logged=False)
     except Exception as e:
         why, fix = _why(e)
-        return Fallback(why, fix)
+        fallback = Fallback(why, fix)
+        fallback.retries = int(why.startswith("tracing it with make_fx"))  # of an unknown kind
+        return fallback
     mutated = _mutating(gm)
     if mutated:
         return Fallback(
@@ -471,7 +615,14 @@ def _trace(
             "compute out of place into new tensors",
         )
     flat = isinstance(structure, int)
-    return TracedSplit(op, gm, layouts[-1], tensor_idx, flat, requires, recompute, lock)
+    all_tensors = flat and len(tensor_idx) == len(leaves)
+    return TracedSplit(op, gm, layouts[-1], tensor_idx, all_tensors, flat, requires, recompute)
+
+
+def _like(t: _Tensor) -> _Tensor:
+    """``t`` detached, requiring grad as ``t`` does."""
+    d = t.detach()
+    return d.requires_grad_() if t.requires_grad else d
 
 
 # --------------------------------------------------------------------------------------------
@@ -545,7 +696,7 @@ def _cheap(node: fx.Node) -> bool:
         return False  # opaque kernels: cost unknown
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False  # random: a second run gives other values
-    return target.overloadpacket not in flop_registry
+    return formula_of(target) is None
 
 
 def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] | frozenset[fx.Node]) -> set[fx.Node]:
@@ -609,10 +760,10 @@ class TracedSplit:
         gm: fx.GraphModule,
         layout: list[tuple[str, Any]],
         tensor_idx: list[int],
+        all_tensors: bool,
         flat: bool,
         requires: frozenset[str],
         recompute: bool,
-        lock: threading.Lock,
     ) -> None:
         self.op = op
         self.graph_module = gm
@@ -620,10 +771,10 @@ class TracedSplit:
         self._layout = layout
         self._tensor_idx = tensor_idx
         self._flat = flat
-        # The leaves are all tensors: they are the arguments of a pass as they are.
-        self._all_tensors = tensor_idx == list(range(len(tensor_idx))) and flat
+        # The leaves are all tensors (no None gradient, no plain saved value): they are the
+        # arguments of a pass as they are.
+        self._all_tensors = all_tensors
         self._recompute = recompute
-        self._lock = lock
         graph = gm.graph
         self._nodes = list(graph.nodes)
         self._placeholders = [n for n in self._nodes if n.op == "placeholder"]
@@ -636,7 +787,6 @@ class TracedSplit:
                 vals = [None if i is None else self._outputs[i].meta.get("val") for i in slots]
                 if all(v is None or isinstance(v, _Tensor) for v in vals):
                     self._fakes[name] = vals[0] if isinstance(slot, int) else vals
-        self._unchecked = bool(self._fakes)
         self._passes: dict[Any, _Pass] = {}
         self._bindings: dict[fx.Node, Any] = {}
         self._kept: dict[frozenset[str], tuple[list[fx.Node], set[fx.Node]]] = {}
@@ -679,11 +829,10 @@ class TracedSplit:
         else:
             p = self._pass(("alone", needed, None))
             result = p.result(p.fn(*args))
-        if self._unchecked:
-            # Once per signature: the gradients no pass computes (of arguments that don't
-            # require grad), as the trace's fake tensors, so that customgrad's validation sees
-            # every gradient the backward returns, as it does for a backward called as written.
-            self._unchecked = False
+        if self._fakes:
+            # The gradients no pass computes (of arguments that don't require grad), as the
+            # trace's fake tensors: customgrad's validation sees every gradient the backward
+            # returns, on every call, as it does for a backward called as written.
             for name, value in self._fakes.items():
                 result.setdefault(name, value)
         return result, kept
@@ -692,7 +841,7 @@ class TracedSplit:
     def _pass(self, key: tuple[str, frozenset[str], frozenset[str] | None]) -> _Pass:
         p = self._passes.get(key)
         if p is None:
-            with self._lock:
+            with _TRACE_LOCK:
                 p = self._passes.get(key)
                 if p is None:
                     with _disable_current_modes():  # checking bindings runs fake ops

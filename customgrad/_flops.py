@@ -13,26 +13,45 @@ from collections import Counter
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["FlopCounter"]
+__all__ = ["FlopCounter", "formula_of"]
+
+
+def formula_of(func: Any) -> Any:
+    """torch's FLOP formula for an aten op, or None. In-place variants (``addmm_``,
+    ``baddbmm_``, ``addmv_``, ``addbmm_``, ``addr_``), which torch's table lacks, count as their
+    out-of-place twins: the same work."""
+    packet = getattr(func, "_overloadpacket", None)
+    formula = flop_registry.get(packet)
+    if formula is None and packet is not None:
+        name = packet.__name__
+        if name.endswith("_") and not name.startswith("_"):
+            formula = flop_registry.get(getattr(torch.ops.aten, name[:-1], None))
+    return formula
 
 
 class FlopCounter(TorchDispatchMode):
     """A dispatch mode that adds up FLOPs, attributed to ``self.key`` at the time of the call.
 
+    Args:
+        record: also keep each counted call as ``(op, FLOPs, output)`` in :attr:`calls`.
+
     Attributes:
         total: FLOPs counted since the mode was created.
         by_key: FLOPs per key; set :attr:`key` to attribute what follows to something else.
         key: what the next FLOPs are attributed to (``None`` by default).
+        calls: the counted calls, when ``record``.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.total = 0
         self.by_key: Counter[Hashable] = Counter()
         self.key: Hashable = None
+        self.calls: list[tuple[Any, int, Any]] | None = [] if record else None
 
     def __torch_dispatch__(
         self,
@@ -43,11 +62,14 @@ class FlopCounter(TorchDispatchMode):
     ) -> Any:
         kwargs = dict(kwargs or {})
         out = func(*args, **kwargs)
-        formula = flop_registry.get(getattr(func, "_overloadpacket", None))
+        formula = formula_of(func)
         if formula is not None:
             flops = int(formula(*args, **kwargs, out_val=out))
             self.total += flops
             self.by_key[self.key] += flops
+            if self.calls is not None and flops:
+                kept = out.detach().clone() if isinstance(out, torch.Tensor) else None
+                self.calls.append((func, flops, kept))
         return out
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import optree
 import torch
 from torch.autograd.function import _is_setup_context_defined
+from torch.utils._python_dispatch import _disable_current_modes
 
 from customgrad._autograd import _raises_if_differentiated, _requiring_grad
 from customgrad._errors import (
@@ -140,8 +141,35 @@ def _place(t: _Tensor, sources: list[tuple[Any, _Place]], residuals: list[_Tenso
     for s, where_ in sources:
         if _is_alias_of(t, s):
             return _Place(("view", where_, tuple(t.shape), tuple(t.stride()), t.storage_offset()))
+    for k, r in enumerate(residuals):
+        if t is r:
+            return _Place(("res", k))
+    base = t._base
+    if base is not None:
+        # A view of an intermediate (h.chunk(2)): the kernel returns the intermediate once, and
+        # each view is rebuilt from it (residuals that alias each other are refused by torch).
+        return _Place(
+            ("view", _place(base, sources, residuals), tuple(t.shape), tuple(t.stride()),
+             t.storage_offset())
+        )  # fmt: skip
     residuals.append(t)
     return _Place(("res", len(residuals) - 1))
+
+
+def _needs(args: Sequence[Any]) -> tuple[bool, ...]:
+    """Per argument: it requires grad (a list: one of its tensors does)."""
+    return tuple(
+        (isinstance(a, _Tensor) and a.requires_grad)
+        or (isinstance(a, (list, tuple)) and any(getattr(t, "requires_grad", False) for t in a))
+        for a in args
+    )
+
+
+def _computed(place: _Place) -> bool:
+    """Whether the tensor at ``place`` is (a view of) one the forward computed."""
+    while place[0] == "view":
+        place = place[1]
+    return bool(place[0] == "res")
 
 
 def _find(place: _Place, inputs: Sequence[Any], outs: Sequence[Any], res: Any) -> Any:
@@ -160,9 +188,11 @@ def _find(place: _Place, inputs: Sequence[Any], outs: Sequence[Any], res: Any) -
 MSG_COMPUTED_DOUBLE_BACKWARD = """\
 {op}: double backward (create_graph=True, gradient penalties) reached a tensor that the \
 Function's forward computed and saved on ctx: autograd sees it as a constant (as it did for the \
-Function), so the gradient through it would be silently wrong. Save the inputs and recompute it \
-in backward with differentiable torch ops if you need double backward. (forward defined at \
-{loc})"""
+Function), so the gradient through it would be silently wrong. If the Function needs no double \
+backward, say so with one line: decorate its backward with @once_differentiable (from \
+torch.autograd.function import once_differentiable); double backward then raises at once and \
+check_op skips gradgradcheck. If it does need it, save the inputs and recompute the tensor in \
+backward with differentiable torch ops. (forward defined at {loc})"""
 
 
 def _guard_computed(
@@ -363,11 +393,7 @@ def from_function(
     diff = None if output_differentiability is None else tuple(output_differentiability)
 
     def kernel(*args: Any) -> Any:
-        needs = tuple(
-            (isinstance(a, _Tensor) and a.requires_grad)
-            or (isinstance(a, (list, tuple)) and any(getattr(t, "requires_grad", False) for t in a))
-            for a in args
-        )
+        needs = _needs(args)
         ctx = _ForwardContext(needs, qualname, forward)
         if classic:
             out = forward(ctx, *args)
@@ -400,8 +426,49 @@ def from_function(
                     f"Declare it when wrapping: cg.from_function(..., "
                     f"output_differentiability={declared}). (forward defined at {where(forward)})"
                 )
-        _stash.recipe = (saved, attrs, len(residuals))
+        _stash.recipe = (saved, attrs, len(residuals), needs)
         return (*outs, residuals)
+
+    def attrs_as_if(args: Sequence[Any], needs: tuple[bool, ...], attrs: Any) -> Any:
+        """``attrs`` with the plain values that forward records when its inputs require grad
+        as ``needs`` says. Under AOTAutograd (torch.compile, opcheck) the kernel runs on fake
+        tensors that never require grad, while autograd's inputs do: forward runs again on
+        fakes that do, to read what it records from ``x.requires_grad`` (or
+        ``ctx.needs_input_grad``). Its tensors stay those of the kernel's run."""
+        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
+        fake = torch._guards.detect_fake_mode([t for t in tensors if isinstance(t, _Tensor)])
+        if fake is None:
+            return attrs
+
+        def like(t: Any, need: bool) -> Any:
+            if not isinstance(t, _Tensor):
+                return t
+            f = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            return f.requires_grad_() if need and f.is_floating_point() else f
+
+        with _disable_current_modes(), fake, torch.no_grad():
+            fargs = [
+                [like(t, n) for t in a] if isinstance(a, (list, tuple)) else like(a, n)
+                for a, n in zip(args, needs)
+            ]
+            ctx = _ForwardContext(needs, qualname, forward)
+            if classic:
+                forward(ctx, *fargs)
+            else:
+                function.setup_context(ctx, tuple(fargs), forward(*fargs))
+        fixed: dict[str, tuple[Any, list[Any]]] = {}
+        for attr, (spec, leaves) in attrs.items():
+            again = ctx._cg_attrs.get(attr, leaves[0] if spec is None else None)
+            new, new_spec = optree.tree_flatten(again, none_is_leaf=True)
+            if (None if new_spec.is_leaf() else new_spec) != spec or len(new) != len(leaves):
+                fixed[attr] = (spec, leaves)  # another structure: keep what the kernel saw
+                continue
+            fixed[attr] = (
+                spec,
+                [v if isinstance(v, _Place) or isinstance(w, _Tensor) else w
+                 for v, w in zip(leaves, new)],
+            )  # fmt: skip
+        return fixed
 
     kernel.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     kernel.__wrapped__ = forward  # type: ignore[attr-defined]
@@ -432,7 +499,10 @@ def from_function(
                 f"on ctx is unknown. An op made with from_function runs its Function's forward "
                 f"as its kernel. (forward defined at {where(forward)})"
             )
-        saved_places, attrs, _ = recipe
+        saved_places, attrs, _, seen = recipe
+        real = _needs(inputs)
+        if real != seen and attrs:
+            attrs = attrs_as_if(inputs, real, attrs)
         outs = output if n_out > 1 else (output,)
         # One flat tuple (customgrad saves it, and the automatic split reads it, without
         # flattening): the layout's number, the saved tensors, then each attribute's leaves.
@@ -440,7 +510,7 @@ def from_function(
         computed: list[int] = []
         for p in [*saved_places, *(v for _, leaves in attrs.values() for v in leaves)]:
             if isinstance(p, _Place):
-                if p[0] == "res":
+                if _computed(p):
                     computed.append(len(flat))
                 p = _find(p, inputs, outs, res)
             flat.append(p)

@@ -697,14 +697,33 @@ class CustomOp(Generic[P, R]):
         """Register one backward returning ``{arg_name: grad}`` for every argument.
 
         customgrad splits it for zero-bubble schedules: with ``split="auto"`` (default) it is
-        traced once per input signature and partitioned into the part input gradients need and
-        the part weight gradients need (work both need is done once, in the earlier pass, and
-        handed to the later one); a backward that can't be traced falls back to
-        ``split="phase"`` with one log line. Traced, the function runs only when a new input
-        signature is traced (on fake tensors, with every argument that requires grad asked for):
-        Python side effects in it (prints, counters) happen then, not at every backward. With
+        traced (``make_fx`` on fake tensors, with every argument that requires grad asked for)
+        and partitioned into the part input gradients need and the part weight gradients need
+        (work both need is done once, in the earlier pass, and handed to the later one). With
         ``split="phase"`` it is called once per pass with ``ctx.needs_input_grad`` set for that
         pass.
+
+        A traced backward gives what calling it would give, or it is not traced. A trace is
+        reused only for a call with the same: shapes, strides, dtypes, devices and
+        ``requires_grad`` of the saved tensors and output gradients; plain saved values; set of
+        arguments that require grad; ambient state (autocast per device type, deterministic
+        algorithms, default dtype and device); and values the function reads from its closure,
+        defaults and globals (and those of the user functions it calls): plain values, dicts,
+        lists, tuples and sets by value, tensors by identity, functions and modules by identity.
+
+        It may read ``t.requires_grad``, ``ctx.needs_input_grad``, plain values and config
+        dicts; call torch ops and other custom ops (kept as opaque calls); write in place into
+        tensors it created. It falls back to ``split="phase"``, with one warning on the
+        ``customgrad`` logger saying why, when it branches on tensor values, touches data
+        pointers, reads an object whose state a trace would freeze (an ``nn.Module``, a user
+        object), changes Python state it reads, or writes into its inputs. It must not branch on
+        state read through library modules (``os.environ``, ``random``, ``torch.backends``
+        flags), which is not checked. Its Python side effects (prints, logging) happen when it
+        is traced, not at every backward.
+
+        To see how an op's backward split (traced, or fallen back and why): the log line,
+        ``customgrad.testing.check_op(op, ...).backward``, or ``NodeInfo.auto_split`` of
+        ``customgrad.graph.explain_split``. See docs/writing-ops/traced-backward.md.
 
         Args:
             fn: ``backward(ctx, saved, *grads) -> dict``.

@@ -232,7 +232,46 @@ def make_schema(
                 f"{second}. Put '*' before it in both, or in neither (kernel defined at "
                 f"{where(fn)})."
             )
+        if (
+            p.default is not inspect.Parameter.empty
+            and a.has_default_value()
+            and not _same_default(p.default, a.default_value, str(a.type))
+        ):
+            raise DefinitionError(
+                MSG_DEFAULT_DIFFERS.format(
+                    qualname=qualname,
+                    arg=p.name,
+                    kernel=p.default,
+                    schema_default=a.default_value,
+                    loc=where(fn),
+                )
+            )
     return schema
+
+
+MSG_DEFAULT_DIFFERS = (
+    "{qualname}: argument {arg!r} defaults to {kernel!r} in the kernel defined at {loc}, but to "
+    "{schema_default!r} in schema=: a call through the op would use one and torch.ops or a "
+    "compiled call the other. Give both the same default."
+)
+
+_ENUM_TYPES = ("ScalarType", "Layout", "MemoryFormat", "Device")
+
+
+def _same_default(kernel: Any, schema: Any, type_str: str) -> bool:
+    """Whether a kernel's Python default and a schema's default are the same value."""
+    if any(t in type_str for t in _ENUM_TYPES) and schema is not None:
+        return True  # the schema gives enums as numbers: compared by torch's own binding
+    if isinstance(kernel, (list, tuple)):
+        items = list(schema) if isinstance(schema, (list, tuple)) else [schema] * len(kernel)
+        return len(items) == len(kernel) and all(
+            _same_default(k, v, "") for k, v in zip(kernel, items)
+        )
+    if kernel is None or schema is None:
+        return kernel is schema
+    if isinstance(kernel, bool) or isinstance(schema, bool):
+        return type(kernel) is type(schema) and kernel == schema
+    return bool(kernel == schema)
 
 
 class Signature:

@@ -65,6 +65,27 @@ or, in a single register_backward, compute a gradient only when asked:
         grads["weight"] = grad.mT @ x    # not computed in the input pass
     return grads"""
 
+FIX_TWICE = """\
+Compute it once: hand it from the input pass to the weight pass with register_backward_shared
+
+    @op.register_backward_shared     # runs once, in the earlier pass that needs it
+    def _(ctx, saved, grad):
+        return grad @ down           # what both halves need
+    @op.register_backward_input
+    def _(ctx, saved, grad):
+        dh = ctx.shared              # computed once
+        ...
+
+or register one backward that computes every gradient (register_backward, split="auto", the
+default): customgrad traces it and runs shared work once, handing it to the weight pass."""
+
+MSG_NO_FLOPS = (
+    "could not measure FLOPs: torch's FLOP formulas count none of the ops the backward runs "
+    "(they count matmuls, convolutions and attention), so repeated work would not show. "
+    "Checked instead: which backward functions ran in each pass ({ran}), and that no pass "
+    "returned a gradient it was not asked for."
+)
+
 FIX_FAKE = (
     "Make the fake kernel (register_fake) return tensors exactly like the real kernel's: same "
     "shape, dtype, device and strides (new_empty/empty_like give contiguous tensors; use "
@@ -339,6 +360,7 @@ class _Case:
             chosen = [s for s, t in zip(slots, tensors) if t.is_floating_point()]
         self.diff = chosen
         self.flops: dict[str, int] = {}
+        self._counted: dict[Pass, list[tuple[Any, int, Any]]] = {}
         self.calls: dict[Pass, dict[str, int]] = {}
         self._split: dict[str, tuple[Status, str]] | None = None
 
@@ -584,13 +606,25 @@ class _Case:
                 f"the split repeats {f['input'] + f['weight'] - f['full']} FLOPs: input pass "
                 f"{f['input']} + weight pass {f['weight']} > full backward {f['full']}",
             )
+        twice = _done_twice(self._counted.get("input", []), self._counted.get("weight", []))
+        if twice and not problems:
+            problems = [*twice, FIX_TWICE]
+        elif problems:
+            problems = [*problems, FIX_FLOPS]
         auto = self.op.rules.auto
         fallback = auto.fallback() if isinstance(auto, AutoSplitter) else None
         if problems and fallback is not None:
-            problems.append(f"The single backward was {fallback.describe()}.")
+            problems.insert(-1, f"The single backward was {fallback.describe()}.")
         flops: tuple[Status, str] = ("passed", "")
         if problems:
-            flops = ("failed", "\n".join([*problems, FIX_FLOPS]))
+            flops = ("failed", "\n".join(problems))
+        elif f["full"] == 0:
+            ran = "; ".join(
+                f"{p} pass: "
+                + (", ".join(f"{k} x{v}" for k, v in sorted(self.calls[p].items())) or "nothing")
+                for p in ("input", "weight")
+            )
+            flops = ("skipped", MSG_NO_FLOPS.format(ran=ran))
         return {"split": split, "flops": flops}
 
     def _grad(
@@ -604,26 +638,28 @@ class _Case:
         retain: bool,
     ) -> list[torch.Tensor | None]:
         watch.phase = phase
-        with FlopCounter() as counter:
+        with FlopCounter(record=phase != "full") as counter:
             grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain, allow_unused=True)
         self.flops[phase] = counter.total
+        self._counted[phase] = counter.calls or []
         return list(grads)
 
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """Silence what opcheck prints or warns about failures it reports anyway."""
-    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor",)]
-    levels = [lg.level for lg in loggers]
+    """Silence what opcheck prints or warns about failures it reports anyway: fake tensors'
+    error logs of this thread only (the logger's level is left alone), and warnings."""
+    from customgrad._autosplit import _ThisThread
+
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _ThisThread()
+    logger.addFilter(quiet)
     try:
-        for lg in loggers:
-            lg.setLevel(logging.CRITICAL)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
+        logger.removeFilter(quiet)
 
 
 def _same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -673,10 +709,42 @@ class _BackwardWatch:
                     )
 
 
+def _done_twice(first: list[tuple[Any, int, Any]], second: list[tuple[Any, int, Any]]) -> list[str]:
+    """The counted computations the weight pass repeats from the input pass: the same op giving
+    the same result (bit for bit)."""
+    found: list[str] = []
+    left = list(first)
+    for func, flops, out in second:
+        for i, (f0, n0, o0) in enumerate(left):
+            if (
+                f0 is func
+                and n0 == flops
+                and isinstance(out, torch.Tensor)
+                and isinstance(o0, torch.Tensor)
+                and o0.shape == out.shape
+                and o0.dtype == out.dtype
+                and torch.equal(o0, out)
+            ):
+                del left[i]
+                found.append(
+                    f"the input pass and the weight pass both compute {func} giving the same "
+                    f"{tuple(out.shape)} tensor ({flops} FLOPs each time): work done twice"
+                )
+                break
+    return found
+
+
 def _has_tensor(g: object) -> bool:
-    if isinstance(g, torch.Tensor):
+    """Whether ``g`` holds a computed gradient (a traced split hands customgrad's validation the
+    trace's fake tensors for the gradients no pass computes: those were not computed)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def computed(t: object) -> bool:
+        return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+
+    if computed(g):
         return True
-    return isinstance(g, (list, tuple)) and any(isinstance(t, torch.Tensor) for t in g)
+    return isinstance(g, (list, tuple)) and any(computed(t) for t in g)
 
 
 def _safe_needs(ctx: Any, name: object) -> bool:

@@ -10,10 +10,15 @@ the trace cache; torch.compile, double backward, functorch; lists, several outpu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
+import re
+import sys
+import threading
+import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -25,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
-from customgrad._autosplit import AutoSplitter, Fallback, TracedSplit
+from customgrad._autosplit import MSG_FALLBACK, AutoSplitter, Fallback, TracedSplit
+from customgrad._errors import where
 from customgrad._record import NO_HANDOFF, record_of
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
@@ -308,8 +314,8 @@ def test_dead_code_is_dropped() -> None:
 # Traced once per input signature
 
 
-def test_traced_once_per_input_signature() -> None:
-    calls: list[tuple[bool, bool]] = []
+def test_traced_once_per_input_signature(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="test_autosplit.calls")
 
     @cg.op(unique("mul"), weights=("w",))
     def mul(x: Tensor, w: Tensor) -> Tensor:
@@ -320,7 +326,10 @@ def test_traced_once_per_input_signature() -> None:
 
     @mul.register_backward
     def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
-        calls.append((ctx.needs_input_grad("x"), ctx.needs_input_grad("w")))
+        # Logged, not appended to a list: a backward that changes what it reads is not traced.
+        logging.getLogger("test_autosplit.calls").info(
+            "%s", (ctx.needs_input_grad("x"), ctx.needs_input_grad("w"))
+        )
         x, w = saved
         return {"x": g * w, "w": g * x}
 
@@ -350,7 +359,8 @@ def test_traced_once_per_input_signature() -> None:
     step(3, grad="sum")
     assert auto.traces == 4
     # Only traces call the function, with every argument that requires grad asked for.
-    assert calls == [(True, True)] * 4
+    calls = [r.getMessage() for r in caplog.records if r.name == "test_autosplit.calls"]
+    assert calls == [str((True, True))] * 4
     # Splitting needs no new trace: the same trace serves each pass.
     x, w = randn(3), randn(3)
     out = mul(x, w)
@@ -359,11 +369,14 @@ def test_traced_once_per_input_signature() -> None:
     assert auto.traces == 4
 
 
-def test_phase_split_calls_the_function_per_pass_and_auto_only_to_trace() -> None:
-    counts = Counter[str]()
+def test_phase_split_calls_the_function_per_pass_and_auto_only_to_trace(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="test_autosplit.calls")
 
     def backward(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
-        counts[ctx.phase] += 1
+        # Logged, not counted in a closure: a backward that changes what it reads is not traced.
+        logging.getLogger("test_autosplit.calls").info("%s", ctx.phase)
         x, w, _ = saved
         return {"x": g @ w, "weight": g.mT @ x}
 
@@ -373,13 +386,14 @@ def test_phase_split_calls_the_function_per_pass_and_auto_only_to_trace() -> Non
         op.register_backward(backward, split=split)  # type: ignore[call-overload]
         ops[split] = op
     for split, op in ops.items():
-        counts.clear()
+        caplog.clear()
         for _ in range(3):
             x, w = randn(4, 3), randn(2, 3)
             out = op(x, w)
             _, groups = stage_backward_input([out], [torch.ones(4, 2, dtype=DT)], [x], [w])
             stage_backward_weight([w], groups)
         expected = {"full": 1} if split == "auto" else {"input": 3, "weight": 3}
+        counts = Counter(r.getMessage() for r in caplog.records if r.name.endswith(".calls"))
         assert dict(counts) == expected
 
 
@@ -708,3 +722,471 @@ def test_reports_of_a_pair_and_of_split_phase() -> None:
     x, w = randn(4, 3), randn(2, 3)
     (node,) = [n for n in explain_split(phase(x, w), [x], [w]).nodes if n.kind == "customgrad"]
     assert node.auto_split is None
+
+
+# --------------------------------------------------------------------------------------------
+# Round 3: a traced backward gives what calling it gives, or it is not traced
+
+
+def split_grads(op: Callable[..., Tensor], x: Tensor, w: Tensor, g: Tensor) -> list[Any]:
+    """Gradients of x then w through customgrad's I and W passes (None where not asked)."""
+    out = op(x, w)
+    inputs = [x] if x.requires_grad else []
+    (*gx,), groups = stage_backward_input([out], [g], inputs, [w] if w.requires_grad else [])
+    stage_backward_weight([w] if w.requires_grad else [], groups)
+    return [gx[0] if gx else None, w.grad]
+
+
+def test_a_backward_reading_requires_grad_of_saved_tensors_gets_gradients() -> None:
+    # The pattern of TransformerEngine's and Liger's backwards: gradients only where asked by
+    # the saved tensors' requires_grad. Traced on fakes without it, every gradient was None.
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {
+            "x": g @ w if x.requires_grad else None,
+            "weight": g.mT @ x if w.requires_grad else None,
+        }
+
+    for x_grad, w_grad in [(True, True), (True, False), (False, True), (True, True)]:
+        x, w, g = randn(4, 3, grad=x_grad), randn(2, 3, grad=w_grad), torch.randn(4, 2, dtype=DT)
+        want = torch.autograd.grad(
+            ref_linear(x, w), [t for t in (x, w) if t.requires_grad], g, allow_unused=True
+        )
+        got = split_grads(op, x, w, g)
+        assert_grads([t for t, a in zip(got, (x, w)) if a.requires_grad], want)
+        x.grad = w.grad = None
+        op(x, w).backward(g)  # a full backward
+        assert_grads([t.grad for t in (x, w) if t.requires_grad], want)
+    assert isinstance(auto_of(op).last, TracedSplit)
+
+
+CONFIG: dict[str, Any] = {"scale": 1.0, "clip": None}
+
+
+def test_a_backward_reading_a_global_dict_traces_again_when_an_entry_changes() -> None:
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        gx = g @ w * CONFIG["scale"]
+        if CONFIG["clip"] is not None:
+            gx = gx.clamp(-CONFIG["clip"], CONFIG["clip"])
+        return {"x": gx, "weight": g.mT @ x}
+
+    try:
+        for scale, clip in [(1.0, None), (2.0, None), (2.0, 0.1), (1.0, None)]:
+            CONFIG.update(scale=scale, clip=clip)
+            x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+            gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+            gx = gx * scale if clip is None else (gx * scale).clamp(-clip, clip)
+            assert_grads(split_grads(op, x, w, g), (gx, gw))
+    finally:
+        CONFIG.update(scale=1.0, clip=None)
+    assert auto_of(op).traces == 3  # the fourth configuration is the first one again
+
+
+def test_a_closure_rebound_or_a_list_it_reads_resized_traces_again() -> None:
+    # The length of a closure list decides how many gradients the backward returns: a frozen
+    # trace would return the old length without any error.
+    @cg.op(unique("sum_all"))
+    def sum_all(xs: list[Tensor]) -> Tensor:
+        return torch.stack([x.sum() for x in xs]).sum()
+
+    sum_all.register_fake(lambda xs: xs[0].new_empty(()))
+    sum_all.register_save_for_backward(lambda i, o: (i.xs,))
+    live = [1, 1]
+    factor = 1.0
+
+    @sum_all.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        (xs,) = saved
+        return {"xs": [g.expand_as(x) * factor for x, _ in zip(xs, live)]}
+
+    xs = [randn(3), randn(2)]
+    sum_all(xs).backward()
+    assert_grads([t.grad for t in xs], (torch.ones(3, dtype=DT), torch.ones(2, dtype=DT)))
+    factor = 3.0
+    xs = [randn(3), randn(2)]
+    sum_all(xs).backward()
+    assert_grads(
+        [t.grad for t in xs], (torch.full((3,), 3.0, dtype=DT), torch.full((2,), 3.0, dtype=DT))
+    )
+    live.pop()  # now it returns one gradient for two tensors: customgrad's error, as called
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape("returned 1 gradients for 'xs', but the input list has 2 items"),
+    ):
+        sum_all([randn(3), randn(2)]).backward()
+    assert auto_of(sum_all).traces == 3
+
+
+def test_a_backward_reading_an_object_is_not_traced(caplog: pytest.LogCaptureFixture) -> None:
+    op = make_linear()
+    scaler = torch.nn.Linear(1, 1)  # an object whose state a trace would freeze
+
+    @op.register_backward
+    def bwd(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w * scaler.in_features, "weight": g.mT @ x}
+
+    x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+    assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
+    fallback = auto_of(op).last
+    assert isinstance(fallback, Fallback)
+    assert fallback.why == (
+        f"it reads a Linear object (the closure variable scaler of {bwd.__qualname__}), whose "
+        f"state a trace would freeze"
+    )
+    assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
+        MSG_FALLBACK.format(op=op.name, why=fallback.why, fix=fallback.fix, loc=where(bwd))
+    ]
+
+
+def test_a_backward_changing_what_it_reads_is_called_as_written() -> None:
+    op = make_linear()
+    seen: list[str] = []
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        seen.append(ctx.phase)  # a Python side effect: it happens on every call as written
+        x, w, _ = saved
+        return {"x": g @ w, "weight": g.mT @ x}
+
+    for _ in range(3):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
+    fallback = auto_of(op).last
+    assert isinstance(fallback, Fallback) and fallback.why.startswith(
+        "it changes Python state it reads"
+    )
+    assert auto_of(op).traces == 1  # and not one trace per call
+    assert seen == ["full", "input", "weight", "input", "weight", "input", "weight"]
+
+
+def test_ambient_state_selects_the_trace() -> None:
+    # The first backward under autocast baked its casts into the trace: later float32
+    # backwards ran in bfloat16.
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        scale = torch.ones((), dtype=torch.get_default_dtype())  # reads the default dtype
+        return {"x": (g @ w).to(x.dtype) * scale.to(x.dtype), "weight": (g.mT @ x).to(w.dtype)}
+
+    def run() -> tuple[Tensor, Tensor, Tensor]:
+        x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
+        w = torch.randn(2, 3, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        g = torch.randn(4, 2, generator=torch.Generator().manual_seed(2))
+        out = op(x, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out.backward(g)
+        assert x.grad is not None and w.grad is not None
+        return x.grad, w.grad, (g @ w).detach()
+
+    autocast = True
+    gx, _, exact = run()
+    assert not torch.equal(gx, exact)  # bfloat16 matmul
+    autocast = False
+    gx, _, exact = run()
+    torch.testing.assert_close(gx, exact, rtol=0, atol=0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        gx, _, exact = run()
+    finally:
+        torch.set_default_dtype(default)
+    torch.testing.assert_close(gx, exact, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert auto_of(op).traces == 3
+    assert auto_of(op).traces == 3
+
+
+class _OnRecord(logging.Handler):
+    """Calls ``fn`` for each record of a logger: a hook the backward's guards cannot see."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.fn()
+
+
+@contextlib.contextmanager
+def on_record(fn: Callable[[], None]) -> Iterator[None]:
+    logger = logging.getLogger("test_autosplit.hook")
+    handler = _OnRecord(fn)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+
+
+def hooked_linear() -> cg.CustomOp[..., Tensor]:
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        logging.getLogger("test_autosplit.hook").info("tracing")
+        x, w, _ = saved
+        return {"x": g @ w, "weight": g.mT @ x}
+
+    return op
+
+
+def test_two_ops_traced_at_once_on_two_threads_are_both_traced() -> None:
+    # make_fx is not thread-safe: one trace at a time in the process (a per-op lock let two
+    # ops trace at once, and the failure stayed as a permanent fallback).
+    first, second = hooked_linear(), make_linear()
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+            want = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+            assert_grads(split_grads(second, x, w, g), want)
+        except BaseException as e:
+            errors.append(e)
+
+    thread = threading.Thread(target=other)
+    waited: list[bool] = []
+
+    def start_the_other_thread() -> None:  # while the first op is being traced
+        if thread.ident is None:
+            thread.start()
+            thread.join(timeout=0.5)
+            waited.append(thread.is_alive())  # its trace waits for this one to end
+
+    with on_record(start_the_other_thread):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        assert_grads(split_grads(first, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
+        thread.join()
+    assert not errors, errors
+    assert waited == [True]
+    assert isinstance(auto_of(first).last, TracedSplit)
+    assert isinstance(auto_of(second).last, TracedSplit)
+
+
+def test_tracing_leaves_warnings_filters_and_loggers_alone() -> None:
+    fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
+    before = (list(warnings.filters), fake_logger.level, fake_logger.filters[:])
+    during: list[Any] = []
+    with on_record(lambda: during.append((list(warnings.filters), fake_logger.level))):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        split_grads(hooked_linear(), x, w, g)
+    assert during == [before[:2]]  # what other threads see while this one traces
+    assert (list(warnings.filters), fake_logger.level, fake_logger.filters) == before
+
+
+def test_a_gradient_for_an_argument_without_grad_is_checked_on_every_call() -> None:
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        _, w, _ = saved
+        return {"x": g @ w, "weight": torch.zeros(5, dtype=g.dtype)}  # wrong shape
+
+    for _ in range(3):
+        x, w = randn(4, 3), randn(2, 3, grad=False)
+        with pytest.raises(cg.GradientValueError, match=re.escape("of shape (5,)")):
+            op(x, w).sum().backward()
+
+
+def test_an_optional_output_that_is_none() -> None:
+    # A None output gradient after the tensors: the pass was called with it (TypeError).
+    @cg.op(
+        unique("maybe_two"),
+        weights=("w",),
+        schema="(Tensor x, Tensor w, bool two) -> (Tensor, Tensor?)",
+    )
+    def maybe_two(x: Tensor, w: Tensor, two: bool) -> tuple[Tensor, Tensor | None]:
+        return x * w, (x + w if two else None)
+
+    maybe_two.register_fake(
+        lambda x, w, two: (torch.empty_like(x), torch.empty_like(x) if two else None)
+    )
+    maybe_two.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @maybe_two.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor, g2: Tensor | None) -> dict[str, Any]:
+        x, w = saved
+        if g2 is None:
+            return {"x": g * w, "w": (g * x).sum(0)}
+        return {"x": g * w + g2, "w": (g * x).sum(0) + g2.sum(0)}
+
+    for two in (False, True, False):
+        x, w, g = randn(3, 4), randn(4), torch.randn(3, 4, dtype=DT)
+        out, _ = maybe_two(x, w, two)
+        want = torch.autograd.grad(x * w, [x, w], g)
+        (gx,), groups = stage_backward_input([out], [g], [x], [w])
+        stage_backward_weight([w], groups)
+        assert_grads([gx, w.grad], want)
+    assert isinstance(auto_of(maybe_two).last, TracedSplit)
+
+
+def test_matmul_of_a_vector_is_traced() -> None:
+    # torch.matmul with a 1-D operand squeezes its result in place (aten.squeeze_): a metadata
+    # write on a tensor the trace made, not a write into the backward's inputs.
+    @cg.op(unique("mv"), weights=("w",))
+    def mv(x: Tensor, w: Tensor) -> Tensor:
+        return w @ x
+
+    mv.register_fake(lambda x, w: x.new_empty(w.shape[0]))
+    mv.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @mv.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w = saved
+        return {"x": torch.matmul(g, w), "w": torch.outer(g, x)}
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(4, seed=0), randn(3, 4, seed=1)
+        return [x], [w], (x, w)
+
+    flops, split, full = measure(mv, args)
+    assert isinstance(auto_of(mv).last, TracedSplit)
+    assert flops["I"] + flops["W"] == flops["full"] == 24 + 0  # mm (1x3 @ 3x4); outer: no formula
+    inputs, weights, call = args()
+    out = call[1] @ call[0]
+    want = torch.autograd.grad(out, inputs + weights, grad_for(out))
+    assert_grads(split, want)
+    assert_grads(full, want)
+
+
+def test_an_out_variant_custom_op_in_the_backward_runs_once() -> None:
+    name = unique("scale_out")
+    runs = Counter[str]()
+
+    @torch.library.custom_op(name, mutates_args=("out",))
+    def scale_out(x: Tensor, s: float, out: Tensor) -> None:
+        runs["kernel"] += 1
+        out.copy_(x * s)
+
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        g2 = torch.empty_like(g)
+        scale_out(g, 2.0, g2)  # writes into a tensor the backward made; both gradients read it
+        return {"x": g2 @ w, "weight": g2.mT @ x}
+
+    for _ in range(2):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        want = torch.autograd.grad(ref_linear(x, w), [x, w], 2 * g)
+        runs.clear()
+        assert_grads(split_grads(op, x, w, g), want)
+        assert runs["kernel"] == 1  # in I, handed to W (called per pass it ran twice)
+    assert isinstance(auto_of(op).last, TracedSplit)
+
+
+def test_the_traced_backward_page_runs() -> None:
+    # Every python block of docs/writing-ops/traced-backward.md, in order, in one namespace (as
+    # tests/test_docs.py runs pages).
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "writing-ops" / "traced-backward.md"
+    code = "\n".join(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL))
+    code = code.replace("mylib::", "test_autosplit_docs::")
+    exec(compile(code, str(page), "exec", dont_inherit=True), {"__name__": "docs_page"})
+
+
+def test_a_dataclass_config_is_compared_by_its_fields() -> None:
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Config:
+        scale: float
+
+    cfg = Config(scale=1.0)
+    op = make_linear()
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w * cfg.scale, "weight": g.mT @ x}
+
+    for scale in (1.0, 3.0):
+        cfg.scale = scale  # a mutable config object, changed in place
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+        assert_grads(split_grads(op, x, w, g), (gx * scale, gw))
+    assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2
+
+
+def test_a_trace_failing_for_an_unknown_reason_is_tried_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A failure caused by something outside the backward (another thread's make_fx) must not
+    # stay as a permanent fallback.
+    from torch.fx.experimental import proxy_tensor
+
+    make_fx = proxy_tensor.make_fx
+    failures = [RuntimeError("state left by a concurrent trace")]
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return make_fx(*args, **kwargs)
+
+    monkeypatch.setattr(proxy_tensor, "make_fx", flaky)
+    op = make_linear()
+    for _ in range(2):
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
+    assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2
+
+
+SCALE = 1.0
+
+
+def scaled_by_global(t: Tensor) -> Tensor:
+    return t * SCALE
+
+
+class Scaler:
+    k = 1.0
+
+    def __call__(self, ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, w, _ = saved
+        return {"x": g @ w * self.k, "weight": g.mT @ x}
+
+
+def test_other_ways_to_read_python_state_give_the_gradient_of_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (backward, how to change what it reads, traced?)
+    opts = {"k": 1.0}
+
+    def with_default(ctx: Any, saved: Any, g: Tensor, opts: dict[str, float] = opts) -> Any:
+        x, w, _ = saved
+        return {"x": g @ w * opts["k"], "weight": g.mT @ x}
+
+    def with_helper(ctx: Any, saved: Any, g: Tensor) -> Any:
+        x, w, _ = saved
+        return {"x": scaled_by_global(g @ w), "weight": g.mT @ x}
+
+    scaler = Scaler()
+
+    def set_k(k: float) -> None:
+        opts["k"] = k
+        monkeypatch.setattr(sys.modules[__name__], "SCALE", k)
+        scaler.k = k
+
+    for backward, traced in [(with_default, True), (with_helper, True), (scaler, False)]:
+        op = make_linear()
+        op.register_backward(backward)
+        for k in (1.0, 3.0):
+            set_k(k)
+            x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+            gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+            assert_grads(split_grads(op, x, w, g), (gx * k, gw))
+        assert isinstance(auto_of(op).last, TracedSplit) is traced

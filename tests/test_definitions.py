@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import itertools
+import re
 import weakref
 from collections import Counter
 from typing import Any
@@ -505,3 +506,28 @@ def test_check_op_counts_shared_work_in_the_pass_that_computes_it() -> None:
     assert report.calls["weight"] == {"backward_weight": 1}
     assert report.flops["input"] + report.flops["weight"] == report.flops["full"]
     assert autograd_impl(op).observers == ()
+
+
+def test_a_schema_default_differing_from_the_kernel_default_is_refused() -> None:
+    # op(x) binds the kernel's default; torch.ops and compiled calls the schema's.
+    with pytest.raises(cg.DefinitionError, match=re.escape("argument 'scale' defaults to 2.0")):
+
+        @cg.op(unique("scaled"), schema="(Tensor x, float scale=1.0) -> Tensor")
+        def scaled(x: Tensor, scale: float = 2.0) -> Tensor:
+            return x * scale
+
+    for default, schema_default in [("(-1, -1)", "[-1, -1]"), ("(3, 3)", "3"), ("None", "None")]:
+        ns: dict[str, Any] = {"torch": torch, "Tensor": Tensor}
+        exec(f"def window(x: Tensor, size: Any = {default}) -> Tensor:\n    return x * 2", ns)
+        optional = "?" if default == "None" else ""
+        schema = f"(Tensor x, int[2]{optional} size={schema_default}) -> Tensor"
+        window = cg.op(unique("window"), ns["window"], schema=schema)
+        x = torch.ones(2)
+        torch.testing.assert_close(
+            window(x), getattr(torch.ops, window.name.split("::")[0]).window(x)
+        )
+    with pytest.raises(cg.DefinitionError, match=re.escape("argument 'flag' defaults to 1")):
+
+        @cg.op(unique("flagged"), schema="(Tensor x, bool flag=True) -> Tensor")
+        def flagged(x: Tensor, flag: Any = 1) -> Tensor:
+            return x * 2

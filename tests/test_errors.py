@@ -1246,8 +1246,11 @@ def test_from_function_double_backward_through_a_computed_tensor() -> None:
             f"{name}: double backward (create_graph=True, gradient penalties) reached a tensor "
             "that the Function's forward computed and saved on ctx: autograd sees it as a "
             "constant (as it did for the Function), so the gradient through it would be silently "
-            "wrong. Save the inputs and recompute it in backward with differentiable torch ops if "
-            f"you need double backward. (forward defined at {where(forward)})"
+            "wrong. If the Function needs no double backward, say so with one line: decorate its "
+            "backward with @once_differentiable (from torch.autograd.function import "
+            "once_differentiable); double backward then raises at once and check_op skips "
+            "gradgradcheck. If it does need it, save the inputs and recompute the tensor in "
+            f"backward with differentiable torch ops. (forward defined at {where(forward)})"
         ),
     ):
         torch.autograd.grad(gx.sum(), [x])
@@ -1767,4 +1770,98 @@ def test_the_find_unused_error_message_is_pinned() -> None:
         "\n"
         "    DDP(module, process_group=dp_group)\n"
         "    fully_shard(module, mesh=dp_mesh)\n"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Round 3, issue 18: a traced backward is as trustworthy as a called one
+
+
+def test_a_schema_default_differing_from_the_kernel_default_explains() -> None:
+    def scaled(x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        return x * scale
+
+    name = unique("scaled")
+    with pytest.raises(
+        cg.DefinitionError,
+        match=re.escape(
+            f"{name}: argument 'scale' defaults to 2.0 in the kernel defined at {where(scaled)}, "
+            "but to 1.0 in schema=: a call through the op would use one and torch.ops or a "
+            "compiled call the other. Give both the same default."
+        ),
+    ):
+        cg.op(name, scaled, schema="(Tensor x, float scale=1.0) -> Tensor")
+
+
+def test_the_fallback_reasons_of_a_backward_reading_python_state_are_pinned() -> None:
+    from customgrad._autosplit import AutoSplitter
+
+    @cg.op(unique("lin"), weights=("w",))
+    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.mT
+
+    lin.register_save_for_backward(lambda i, o: (i.x, i.w))
+    module = nn.Linear(1, 1)
+    seen: list[int] = []
+
+    def reads_a_module(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        x, w = saved
+        return {"x": g @ w * module.in_features, "w": g.mT @ x}
+
+    def appends(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        seen.append(1)
+        x, w = saved
+        return {"x": g @ w, "w": g.mT @ x}
+
+    whys = []
+    for fn in (reads_a_module, appends):
+        lin.register_backward(fn)
+        x, w = torch.randn(3, 2, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+        lin(x, w).sum().backward()
+        auto = lin.rules.auto
+        assert isinstance(auto, AutoSplitter)
+        fallback = auto.fallback()
+        assert fallback is not None
+        whys.append((fallback.why, fallback.fix))
+    assert whys == [
+        (
+            "it reads a Linear object (the closure variable module of "
+            f"{reads_a_module.__qualname__}), whose state a trace would freeze",
+            "pass what it needs as arguments of the op or save it in save_for_backward "
+            "(tensors and plain values are part of what selects a trace), or read it from a "
+            "plain value, dict or list (compared by value)",
+        ),
+        (
+            "it changes Python state it reads (closure variables, globals, defaults) when it runs",
+            "keep Python side effects out of the backward: a traced backward's Python code runs "
+            "once, when it is traced",
+        ),
+    ]
+
+
+def test_check_op_flops_messages_are_pinned() -> None:
+    from customgrad.testing import FIX_TWICE, MSG_NO_FLOPS
+
+    assert MSG_NO_FLOPS.format(ran="input pass: backward_input x1") == (
+        "could not measure FLOPs: torch's FLOP formulas count none of the ops the backward runs "
+        "(they count matmuls, convolutions and attention), so repeated work would not show. "
+        "Checked instead: which backward functions ran in each pass (input pass: backward_input "
+        "x1), and that no pass returned a gradient it was not asked for."
+    )
+    assert FIX_TWICE == (
+        "Compute it once: hand it from the input pass to the weight pass with "
+        "register_backward_shared\n"
+        "\n"
+        "    @op.register_backward_shared     # runs once, in the earlier pass that needs it\n"
+        "    def _(ctx, saved, grad):\n"
+        "        return grad @ down           # what both halves need\n"
+        "    @op.register_backward_input\n"
+        "    def _(ctx, saved, grad):\n"
+        "        dh = ctx.shared              # computed once\n"
+        "        ...\n"
+        "\n"
+        "or register one backward that computes every gradient (register_backward, "
+        'split="auto", the\n'
+        "default): customgrad traces it and runs shared work once, handing it to the weight "
+        "pass."
     )

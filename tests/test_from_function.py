@@ -384,3 +384,112 @@ def test_schema_given_for_an_unannotated_forward() -> None:
     x, w = randn(4, 3, seed=0), randn(3, seed=1)
     assert_grads(list(torch.autograd.grad(op(x, w, 2.0).sum(), [x, w])),
                  torch.autograd.grad((x * w * 2.0).sum(), [x, w]))  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------
+# Round 3
+
+
+class GluLinear(torch.autograd.Function):
+    """``a * sigmoid(b)`` for ``a, b = (x @ w.mT).chunk(2)``: saves two views of one
+    intermediate (torch refuses residuals that alias each other)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        a, b = (x @ w.mT).chunk(2, -1)
+        ctx.save_for_backward(x, w, a, b)
+        return a * torch.sigmoid(b)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w, a, b = ctx.saved_tensors
+        s = torch.sigmoid(b)
+        dh = torch.cat([g * s, g * a * s * (1 - s)], -1)
+        return dh @ w, dh.mT @ x
+
+
+def glu_ref(x: Tensor, w: Tensor) -> Tensor:
+    a, b = (x @ w.mT).chunk(2, -1)
+    return a * torch.sigmoid(b)
+
+
+def test_views_of_one_intermediate_are_saved() -> None:
+    glu = cg.from_function(GluLinear, unique("glu"), weights=("w",))
+
+    def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
+        x, w = randn(3, 4, seed=0), randn(6, 4, seed=1)
+        return [x], [w], (x, w)
+
+    flops, grads = split_flops(glu, args)
+    assert_grads(grads, reference(glu_ref, args))
+    assert flops["I"] + flops["W"] == flops["full"] == split_flops(GluLinear.apply, args)[0]["full"]
+    inputs, weights, call = args()  # the dispatcher path
+    out = getattr(torch.ops, glu.name.split("::")[0]).glu(*call)
+    want = torch.autograd.grad(glu_ref(*call), inputs + weights, torch.ones_like(out))
+    assert_grads(list(torch.autograd.grad(out, inputs + weights, torch.ones_like(out))), want)
+
+
+def tanh_function(once: bool) -> type[torch.autograd.Function]:
+    """``tanh(x @ w.mT)`` saving ``1 - y**2`` (an intermediate), as Functions commonly do."""
+
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w, h = ctx.saved_tensors
+        d = g * h
+        return d @ w, d.mT @ x
+
+    class Tanh(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+            y = torch.tanh(x @ w.mT)
+            ctx.save_for_backward(x, w, 1 - y * y)
+            return y
+
+    Tanh.backward = staticmethod(  # type: ignore[method-assign]
+        torch.autograd.function.once_differentiable(backward) if once else backward
+    )
+    return Tanh
+
+
+def test_double_backward_through_a_saved_intermediate_gives_the_one_line_fix() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 3, generator=gen), torch.randn(5, 3, generator=gen)
+    op = cg.from_function(tanh_function(once=False), unique("tanh"), weights=("w",))
+    report = check_op(op, x, w, raise_on_failure=False)
+    assert report["gradgradcheck"].status == "failed"
+    assert "decorate its backward with @once_differentiable" in report["gradgradcheck"].detail
+    # The fix it gives: the check passes, double backward skipped as not supported.
+    op = cg.from_function(tanh_function(once=True), unique("tanh"), weights=("w",))
+    report = check_op(op, x, w)
+    assert report.ok and report["gradgradcheck"].status == "skipped"
+
+
+class ScaleIfAsked(torch.autograd.Function):
+    """Stores ``x.requires_grad`` on ctx in forward, as many Functions do."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.x_requires_grad = x.requires_grad
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, Tensor]:
+        x, w = ctx.saved_tensors
+        return (g * w if ctx.x_requires_grad else None), (g * x).sum(0)
+
+
+def test_requires_grad_read_in_forward_under_aot_autograd() -> None:
+    # Under AOTAutograd the kernel runs on fakes that don't require grad: x got no gradient.
+    op = cg.from_function(ScaleIfAsked, unique("scale_if_asked"), weights=("w",))
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 4, generator=gen), torch.randn(4, generator=gen)
+    report = check_op(op, x, w, checks=["opcheck", "gradcheck", "split"])
+    assert report.ok, str(report)
+    x, w = randn(3, 4, seed=0), randn(4, seed=1)
+    from functorch.compile import make_boxed_func
+
+    aot = torch._functorch.aot_autograd.aot_function(
+        lambda x, w: op(x, w), lambda gm, _: make_boxed_func(gm)
+    )
+    got = torch.autograd.grad(aot(x, w).sum(), [x, w])
+    assert_grads(list(got), torch.autograd.grad((x * w).sum(), [x, w]))

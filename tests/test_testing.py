@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 import customgrad as cg
-from customgrad.testing import CHECKS, CheckFailed, check_op
+from customgrad.testing import CHECKS, FIX_TWICE, MSG_NO_FLOPS, CheckFailed, check_op
 from tests.conftest import linear_op
 
 
@@ -300,3 +300,103 @@ def test_a_backward_declared_not_differentiable_skips_gradgradcheck() -> None:
         "the backward is registered with differentiable=False (input): double backward raises "
         "by design"
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Round 3: check_op checks what it names
+
+
+def test_in_place_matmuls_are_counted() -> None:
+    # Work done in place (addmm_, baddbmm_, ...) has no formula in torch's FLOP table: a
+    # backward repeating only in-place work passed the flops check.
+    op = linear_op("test_testing::in_place", backward=None)
+
+    @op.register_backward(split="phase")
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        x, w = saved
+        gx = grad.new_zeros(x.shape).addmm_(grad, w)  # both, in every pass
+        gw = grad.new_zeros(w.shape).addmm_(grad.mT, x)
+        return {k: v for k, v in (("x", gx), ("weight", gw)) if ctx.needs_input_grad(k)}
+
+    report = check_op(op, *_args(), raise_on_failure=False)
+    assert report.flops == {"full": 240, "input": 240, "weight": 240}
+    assert report["flops"].status == "failed"
+    assert report["flops"].detail.startswith(
+        "the split repeats 240 FLOPs: input pass 240 + weight pass 240 > full backward 240"
+    )
+
+
+def mlp_pair(name: str) -> cg.CustomOp[..., Tensor]:
+    """``silu(x @ up.mT) @ down.mT`` whose input and weight halves both compute ``g @ down``."""
+
+    @cg.op(name, weights=("up", "down"))
+    def mlp(x: Tensor, up: Tensor, down: Tensor) -> Tensor:
+        return torch.nn.functional.silu(x @ up.mT) @ down.mT
+
+    mlp.register_fake(lambda x, up, down: x.new_empty((x.shape[0], down.shape[0])))
+    mlp.register_save_for_backward(lambda i, o: (i.x, i.up, i.down))
+
+    def dh(saved: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, up, down = saved
+        h = x @ up.mT
+        s = torch.sigmoid(h)
+        return (g @ down) * (s * (1 + h * (1 - s))), h * s
+
+    @mlp.register_backward_input
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        return {"x": dh(saved, g)[0] @ saved[1]}
+
+    @mlp.register_backward_weight
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        d, act = dh(saved, g)  # recomputes x @ up.mT and g @ down: done in the input pass too
+        return {"up": d.mT @ saved[0], "down": g.mT @ act}
+
+    return mlp
+
+
+def test_work_computed_in_both_halves_is_reported_with_the_fix() -> None:
+    # full = I + W, since the full backward runs both halves: the sum can't see it.
+    op = mlp_pair("test_testing::mlp_twice")
+    g = torch.Generator().manual_seed(0)
+    x, up, down = (torch.randn(*s, generator=g) for s in ((4, 3), (5, 3), (2, 5)))
+    report = check_op(op, x, up, down, raise_on_failure=False)
+    assert report.flops["input"] + report.flops["weight"] == report.flops["full"]
+    assert report["flops"].status == "failed"
+    detail = report["flops"].detail
+    assert detail.splitlines()[:2] == [
+        "the input pass and the weight pass both compute aten.mm.default giving the same (4, 5) "
+        "tensor (120 FLOPs each time): work done twice",
+        "the input pass and the weight pass both compute aten.mm.default giving the same (4, 5) "
+        "tensor (80 FLOPs each time): work done twice",
+    ]
+    assert detail.endswith(FIX_TWICE)
+    # The same backward written once and split automatically does it once.
+    assert check_op(good, *_args()).ok
+
+
+def test_an_op_without_counted_flops_says_so() -> None:
+    # LayerNorm-like: elementwise and reductions only. It reported "[ok] flops" with 0/0/0.
+    @cg.op("test_testing::scale", weights=("w",))
+    def scale(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    scale.register_fake(lambda x, w: torch.empty_like(x))
+    scale.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @scale.register_backward_input
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        return {"x": g * saved[1]}
+
+    @scale.register_backward_weight
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        return {"w": (g * saved[0]).sum(0)}
+
+    report = check_op(scale, torch.randn(4, 3), torch.randn(3))
+    assert report.ok
+    assert report.flops == {"full": 0, "input": 0, "weight": 0}
+    assert report["flops"].status == "skipped"
+    assert report["flops"].detail == MSG_NO_FLOPS.format(
+        ran="input pass: backward_input x1; weight pass: backward_weight x1"
+    )
+    assert "[skip] flops: could not measure FLOPs" in str(report)
+    assert "[ok  ] flops" not in str(report)

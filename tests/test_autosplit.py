@@ -1088,17 +1088,6 @@ def test_an_out_variant_custom_op_in_the_backward_runs_once() -> None:
     assert isinstance(auto_of(op).last, TracedSplit)
 
 
-def test_the_traced_backward_page_runs() -> None:
-    # Every python block of docs/writing-ops/traced-backward.md, in order, in one namespace (as
-    # tests/test_docs.py runs pages).
-    from pathlib import Path
-
-    page = Path(__file__).resolve().parents[1] / "docs" / "writing-ops" / "traced-backward.md"
-    code = "\n".join(re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.DOTALL))
-    code = code.replace("mylib::", "test_autosplit_docs::")
-    exec(compile(code, str(page), "exec", dont_inherit=True), {"__name__": "docs_page"})
-
-
 def test_a_dataclass_config_is_compared_by_its_fields() -> None:
     import dataclasses
 

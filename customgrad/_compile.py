@@ -418,6 +418,19 @@ def _is_fake(x: torch.Tensor) -> bool:
     return isinstance(x, FakeTensor)
 
 
+def _no_donated_buffers() -> None:
+    """Record "no donated buffers" where AOTAutograd's backward checks it.
+
+    With ``donated_buffer=False`` while compiling, AOTAutograd leaves ``bw_donated_idxs`` at
+    None, and its backward (which reads the global flag, True by default) takes None for "some"
+    when the graph is retained (``retain_graph=True``, as the input pass does).
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None)
+    if meta is not None and meta.bw_donated_idxs is None:
+        meta.bw_donated_idxs = []
+
+
 def _mutated_grad_input() -> bool:
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None)
@@ -447,6 +460,7 @@ class _SplitCompiler:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         region = self.region
         reason = self.reason
+        _no_donated_buffers()
         if reason is None:
             cudagraphs = kwargs.get("cudagraphs")
             if cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs)):
@@ -559,8 +573,11 @@ class _Backend:
         names = _dynamo_input_names(gm)
         with torch._functorch.config.patch(donated_buffer=False, enable_autograd_cache=False):
             if self.backend == "inductor":
-                return self._inductor(gm, example_inputs, region, kinds, reason, names)
-            return self._aot(gm, example_inputs, region, kinds, reason, names)
+                compiled = self._inductor(gm, example_inputs, region, kinds, reason, names)
+            else:
+                compiled = self._aot(gm, example_inputs, region, kinds, reason, names)
+        _no_donated_buffers()
+        return compiled
 
     def _inductor(
         self,

@@ -63,6 +63,13 @@ debugging), or an AOTAutograd backend made with torch._dynamo.backends.common.ao
     customgrad.compile(block, backend="aot_eager")   # debugging
 """
 
+MSG_MODE = """\
+customgrad.compile: mode={mode!r} and options={options!r} are inductor's settings; backend \
+{got} takes neither. Drop them, or compile with inductor:
+
+    customgrad.compile(block, mode="max-autotune")   # backend="inductor", the default
+"""
+
 MSG_TWICE = """\
 customgrad.compile: {got} is already compiled ({how}). Compile it once, with \
 customgrad.compile only, on the module itself (not torch.compile's OptimizedModule):
@@ -741,9 +748,8 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
     mode = kwargs.pop("mode", None)
     options = kwargs.pop("options", None)
     if backend != "inductor" and (mode not in (None, "default") or options):
-        raise ArgumentValueError(
-            MSG_BACKEND.format(got=f"{_describe(kwargs.get('backend', backend))} with mode/options")
-        )
+        got = _describe(torch_compile_kwargs["backend"])
+        raise ArgumentValueError(MSG_MODE.format(got=got, mode=mode, options=options))
     compiled_backend = _backend_for(backend, mode, options, kwargs.get("dynamic"))
     label = type(module).__qualname__ if isinstance(module, nn.Module) else _describe(module)
     if isinstance(module, nn.Module):

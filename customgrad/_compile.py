@@ -356,7 +356,7 @@ class _Backward:
                 region.runs["input"] += 1
             return grads
         with _LOCK:
-            kept = region._pending.pop(node)
+            kept = region._pending.pop(node, [])
             region.runs["weight"] += 1
         args.extend(kept)
         del kept
@@ -391,9 +391,11 @@ class _Backward:
         if need_input and not need_weight:
             return "input"
         if need_weight and not need_input:
+            # without I's hand-off, W runs alone only if it needs none (the first stage's
+            # input needs no gradient, a Linear alone); else the full graph
             with _LOCK:
                 pending = node in region._pending
-            return "weight" if pending else "full"
+            return "weight" if pending or not self.split[2].handoff else "full"
         return "full"
 
 

@@ -33,12 +33,13 @@ from typing import Any, TypeVar
 
 import torch
 from torch import fx, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from customgrad._autograd import engine_needs
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._switches import split_enabled
 
-__all__ = ["CompiledRegion", "GraphInfo", "compile", "regions"]
+__all__ = ["CompiledRegion", "GraphInfo", "compile", "region_of", "regions"]
 
 log = logging.getLogger("customgrad")
 
@@ -146,6 +147,23 @@ class CompiledRegion:
                 reason,
             )
 
+    def describe(self) -> str:
+        """One line: what runs in I and in W and what is kept, or why it fell back."""
+        if self.status == "fallback":
+            return f"fell back to its full backward in each pass: {self.reason}"
+        if self.input_pass is None or self.weight_pass is None:
+            return "split, not compiled yet (its backward has not run)"
+        kept = ", ".join(self.handoff) or "nothing"
+        text = (
+            f"split: I runs a graph of {self.input_pass.nodes} ops for "
+            f"{', '.join(self.input_pass.computes) or 'no input'}; W runs a graph of "
+            f"{self.weight_pass.nodes} ops for {', '.join(self.weight_pass.computes) or 'no weight'}; "
+            f"I keeps {kept} for W ({self.handoff_bytes} bytes per microbatch)"
+        )
+        if self.recomputed:
+            text += f"; W recomputes {', '.join(self.recomputed)} (no FLOPs)"
+        return text
+
 
 _LOCK = threading.Lock()
 _REGIONS: list[weakref.ref[CompiledRegion]] = []
@@ -162,6 +180,18 @@ def regions() -> list[CompiledRegion]:
     with _LOCK:
         live = [r() for r in _REGIONS]
     return [r for r in live if r is not None]
+
+
+def region_of(node: Any) -> CompiledRegion | None:
+    r"""The compiled region whose backward ``node`` runs (a ``CompiledFunctionBackward`` of a
+    :func:`compile`\ d module, once its backward was compiled), else None."""
+    cls = getattr(node, "_forward_cls", None)
+    fn = getattr(cls, "compiled_bw", None)
+    for _ in range(8):  # through wrappers (torch._dynamo.disable keeps __wrapped__)
+        if fn is None or isinstance(fn, _Backward):
+            break
+        fn = getattr(fn, "__wrapped__", None)
+    return fn.region if isinstance(fn, _Backward) else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,7 +462,10 @@ def _no_donated_buffers() -> None:
 
     With ``donated_buffer=False`` while compiling, AOTAutograd leaves ``bw_donated_idxs`` at
     None, and its backward (which reads the global flag, True by default) takes None for "some"
-    when the graph is retained (``retain_graph=True``, as the input pass does).
+    when the graph is retained (``retain_graph=True``, as the input pass does) after a first
+    backward that was not. The metadata it checks is the tracing context's, except with
+    tensor-subclass inputs (an outer one, out of reach: there a full backward before the first
+    split one still meets torch's donated-buffer error).
     """
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None)
@@ -538,8 +571,15 @@ def _dynamo_input_names(gm: fx.GraphModule) -> list[str]:
     return names
 
 
-def _region_label(gm: fx.GraphModule) -> str:
-    """The outermost module class the graph's operations come from, e.g. ``Block``."""
+_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> its compiled module's class
+
+
+def _region_label(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
+    """The class of the compiled module the graph's weights belong to, e.g. ``Block``."""
+    with _LOCK:
+        for x in example_inputs:
+            if isinstance(x, nn.Parameter) and x in _OWNERS:
+                return str(_OWNERS[x])
     for n in gm.graph.nodes:
         stack = n.meta.get("nn_module_stack")
         if stack:
@@ -573,7 +613,9 @@ class _Backend:
             self.inductor_config = _TorchCompileInductorWrapper(mode, options, dynamic).config
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
-        region = CompiledRegion(name=f"{_region_label(gm)} (graph {next(self.counter)})")
+        region = CompiledRegion(
+            name=f"{_region_label(gm, example_inputs)} (graph {next(self.counter)})"
+        )
         _register(region)
         kinds = [_kind(x) for x in example_inputs]
         reason = None
@@ -759,6 +801,9 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
             raise ArgumentTypeError(
                 MSG_TWICE.format(got=label, how="its _compiled_call_impl is set")
             )
+        with _LOCK:
+            for p in module.parameters():
+                _OWNERS[p] = label
         call = _call_for(module)
         module._compiled_call_impl = torch.compile(call, backend=compiled_backend, **kwargs)
         return module

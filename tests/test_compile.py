@@ -457,3 +457,45 @@ def _no_leftover_handoffs() -> Iterator[None]:
     yield
     gc.collect()
     assert all(r.pending() == 0 for r in regions())
+
+
+# --------------------------------------------------------------------------------------------
+# 7. explain_split
+
+
+def test_explain_split_reports_a_split_compiled_region(block: tuple[nn.Module, nn.Module]) -> None:
+    from customgrad.graph import explain_split
+
+    _, m = block
+    x, _ = inputs(seed=14)
+    report = explain_split(m(x), [x], list(m.parameters()), splitter="torch")
+    (node,) = [n for n in report.nodes if n.kind == "compiled"]
+    assert node.label == "Block (graph 0)" or node.label.startswith("Block (graph ")
+    assert node.runs_in == "I+W" and not node.computes_twice
+    assert node.flops["input"] + node.flops["weight"] == node.flops["full"] > 0
+    assert node.compiled is not None and node.compiled.startswith("split: I runs a graph of")
+    assert "for input 0; W runs a graph of" in node.compiled
+    assert "fc1.weight, fc1.bias, fc2.weight, fc2.bias" in node.compiled
+    assert "I keeps threshold_backward for W (512 bytes per microbatch)" in node.compiled
+    text = str(report)
+    assert "Nothing computes twice." in text
+    assert "make it a customgrad op" not in text
+    assert f"Compiled regions (customgrad.compile):\n  - {node.label}: split:" in text
+
+
+def test_explain_split_reports_a_fallen_back_region() -> None:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from customgrad.graph import explain_split
+
+    lin = cg.compile(nn.Linear(4, 4).double(), backend="aot_eager")
+    a = torch.randn(2, 4, dtype=torch.float64)
+    x = TwoTensor(a, a.clone()).requires_grad_()
+    report = explain_split(lin(x), [x], list(lin.parameters()), splitter="torch")
+    (node,) = [n for n in report.nodes if n.kind == "compiled"]
+    assert node.computes_twice
+    assert node.compiled is not None
+    assert node.compiled.startswith(
+        "fell back to its full backward in each pass: a tensor-subclass"
+    )
+    assert "runs its full backward in each pass" in node.advice()

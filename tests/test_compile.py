@@ -499,3 +499,27 @@ def test_explain_split_reports_a_fallen_back_region() -> None:
         "fell back to its full backward in each pass: a tensor-subclass"
     )
     assert "runs its full backward in each pass" in node.advice()
+
+
+# --------------------------------------------------------------------------------------------
+# 9. The docs' code runs
+
+
+@pytest.mark.parametrize("page", ["models/torch-compile.md", "pipelines/compiled-stages.md"])
+def test_compile_docs_code_runs(page: str) -> None:
+    from tests.test_docs import _run_page
+
+    _run_page(page)
+
+
+def test_importing_customgrad_does_not_import_dynamo() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, customgrad; "
+        "print(sorted(m for m in sys.modules if m.startswith(('torch._dynamo', "
+        "'torch._inductor', 'customgrad.pipelining'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

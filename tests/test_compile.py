@@ -523,3 +523,50 @@ def test_importing_customgrad_does_not_import_dynamo() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_cuda_graphs_and_compiled_autograd_fall_back(caplog: pytest.LogCaptureFixture) -> None:
+    """mode="reduce-overhead" (inductor's cudagraphs flag) and a backward run outside the
+    autograd engine (compiled autograd traces it whole) take the full graph, logged once."""
+    from torch._inductor.utils import BoxedBool
+
+    from customgrad._compile import _SplitCompiler
+
+    def backward_graph() -> tuple[torch.fx.GraphModule, list[Tensor]]:
+        def bw(x: Tensor, w: Tensor, g: Tensor) -> tuple[Tensor, Tensor, None]:
+            return g @ w, g.T @ x, None  # gradients of the input, the weight, a non-tensor
+
+        ex = [torch.randn(3, 4), torch.randn(5, 4), torch.randn(3, 5)]
+        return torch.fx.symbolic_trace(bw), ex
+
+    def nop(gm: torch.fx.GraphModule, ex: Any, **kw: Any) -> Any:
+        return gm
+
+    gm, ex = backward_graph()
+    with caplog.at_level(logging.WARNING, logger="customgrad"):
+        region = CompiledRegion(name="cudagraphs region")
+        fn = _SplitCompiler(region, [False, True, None], nop, None)(
+            gm, ex, cudagraphs=BoxedBool(True)
+        )
+        fn(list(ex))
+        fn(list(ex))
+        assert (region.status, region.runs["full"]) == ("fallback", 2)
+        assert region.reason == 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
+
+        region = CompiledRegion(name="outside the engine")
+        fn = _SplitCompiler(region, [False, True, None], nop, None)(*backward_graph())
+        assert region.status == "split"
+        dx, dw, _ = fn(list(ex))  # no autograd node is running
+        torch.testing.assert_close(dx, ex[2] @ ex[1])
+        torch.testing.assert_close(dw, ex[2].T @ ex[0])
+        assert region.status == "fallback" and region.reason is not None
+        assert region.reason.startswith("no autograd node is running its backward")
+    lines = [r.getMessage() for r in caplog.records if "runs its full backward" in r.getMessage()]
+    assert lines == [
+        "customgrad.compile: compiled region cudagraphs region runs its full backward in each "
+        'pass (no input/weight split): CUDA graphs (mode="reduce-overhead") replay one '
+        "recorded backward",
+        "customgrad.compile: compiled region outside the engine runs its full backward in each "
+        "pass (no input/weight split): no autograd node is running its backward (compiled "
+        "autograd traces it whole)",
+    ]

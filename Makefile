@@ -55,6 +55,7 @@ test: lint typecheck pytest examples docs
 gpu-check: $(STAMP)
 	$(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
 	$(PY) benchmarks/pipeline.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
+	$(PY) benchmarks/compiled.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
 
 # Release check on the other supported torch releases (2.14.1 and the newest below 2.16): a venv
 # per release (.compat/venv-<v>),

@@ -8,6 +8,7 @@ it with no work done twice.
 
 from customgrad._autograd import BackwardContext as BackwardContext
 from customgrad._autograd import SaveError as SaveError
+from customgrad._compile import compile as compile
 from customgrad._errors import ArgumentTypeError as ArgumentTypeError
 from customgrad._errors import ArgumentValueError as ArgumentValueError
 from customgrad._errors import CustomGradError as CustomGradError
@@ -48,6 +49,7 @@ __all__ = [
     "SaveForBackwardFn",
     "SharedFn",
     "UnsupportedError",
+    "compile",
     "from_function",
     "no_split",
     "op",

@@ -46,6 +46,13 @@ class FlopCounter(TorchDispatchMode):
         calls: the counted calls, when ``record``.
     """
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let code compiled by ``torch.compile`` run under the counter (dynamo would otherwise skip the
+        frame, and then the code object for good): its FLOPs are counted as it runs. FLOPs
+        of tracing are counted too, so count a compiled module after its first call."""
+        return True
+
     def __init__(self, record: bool = False) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.total = 0

@@ -73,6 +73,10 @@ def table(self: SplitExplanation) -> str:
             )
     else:
         lines.append("Nothing computes twice.")
+    compiled = [n for n in self.nodes if n.compiled is not None]
+    if compiled:
+        lines.append("Compiled regions (customgrad.compile):")
+        lines += [f"  - {n.label}: {n.compiled}." for n in compiled]
     auto = [n for n in self.nodes if n.auto_split is not None]
     if auto:
         lines.append("Single backwards (split='auto'):")

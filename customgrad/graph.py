@@ -30,6 +30,7 @@ from torch.autograd.graph import Node
 
 from customgrad import _render
 from customgrad._autosplit import describe_node
+from customgrad._compile import region_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
 from customgrad._graph import children, grad_node
@@ -37,10 +38,12 @@ from customgrad._record import record_of
 
 __all__ = ["NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
-NodeKind = Literal["customgrad", "native", "function", "custom_op", "input", "weight", "leaf"]
+NodeKind = Literal[
+    "customgrad", "native", "function", "custom_op", "compiled", "input", "weight", "leaf"
+]
 """What an autograd node is: a customgrad op, a native (C++) node, a plain
-``autograd.Function``, a ``torch.library.custom_op``, the leaf of a stage input or weight, or
-another leaf."""
+``autograd.Function``, a ``torch.library.custom_op``, a region compiled by
+:func:`customgrad.compile`, the leaf of a stage input or weight, or another leaf."""
 
 _PHASES = ("full", "input", "weight")
 
@@ -66,6 +69,9 @@ class NodeInfo:
         auto_split: for a customgrad op with one backward split automatically
             (``split="auto"``): what each pass runs, or why it was not split (it then runs
             whole in each pass that needs a gradient). None for other nodes.
+        compiled: for a region compiled by :func:`customgrad.compile`: which graph runs in
+            I and which in W and what I keeps for W, or why it fell back to its full
+            backward. None for other nodes.
     """
 
     label: str
@@ -76,6 +82,7 @@ class NodeInfo:
     computes_twice: bool
     deferred: bool = False
     auto_split: str | None = None
+    compiled: str | None = None
 
     @property
     def repeated_flops(self) -> int:
@@ -104,6 +111,19 @@ class NodeInfo:
                 "a customgrad op re-entered by the weight pass (shared weights under torch's "
                 "split: use customgrad.pipelining's split) or whose backward ignores "
                 "ctx.needs_input_grad (check it with customgrad.testing.check_op)"
+            )
+        if self.kind == "compiled":
+            if self.compiled is not None and self.compiled.startswith("fell back"):
+                return (
+                    "a compiled region that runs its full backward in each pass (see why "
+                    "below); remove the cause, or leave this block uncompiled"
+                )
+            return (
+                "a compiled region run again by the weight pass from the gradients that "
+                "reached it in I, because a node it sends input gradients to runs in W too "
+                "(the split runs the layers between them again, as for native layers); "
+                "compile the stage as one region (customgrad.compile(stage)) so that the "
+                "split is planned inside it"
             )
         if self.kind in ("function", "custom_op"):
             return (
@@ -193,6 +213,9 @@ def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
     record = record_of(node)
     if record is not None:
         return "customgrad", record.op.name
+    region = region_of(node)
+    if region is not None:
+        return "compiled", region.name
     cls = getattr(node, "_forward_cls", None)
     if cls is None:
         return "native", node.name()
@@ -379,7 +402,11 @@ def explain_split(
             kind, label = _node_kind_and_label(node)
             both = phases == frozenset({"input", "weight"})
             repeated = flops["input"] + flops["weight"] > flops["full"]
-            twice = both and (kind in ("function", "custom_op") or repeated)
+            region = region_of(node) if kind == "compiled" else None
+            whole = kind in ("function", "custom_op") or (
+                region is not None and region.status == "fallback"
+            )
+            twice = both and (whole or repeated)
         seen[label] += 1
         if seen[label] > 1:
             label = f"{label} #{seen[label]}"
@@ -388,7 +415,11 @@ def explain_split(
             phases = frozenset({"input", "weight"})
         record = record_of(node)
         auto = None if record is None else describe_node(record)
-        nodes.append(NodeInfo(label, kind, phases, flops, depth[i], twice, deferred, auto))
+        region = region_of(node) if kind == "compiled" else None
+        compiled = None if region is None else region.describe()  # set for compiled kinds
+        nodes.append(
+            NodeInfo(label, kind, phases, flops, depth[i], twice, deferred, auto, compiled)
+        )
     totals = {p: counters[p].total for p in _PHASES}
     outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
     return SplitExplanation(nodes, edges, totals, outside, splitter_name)

@@ -10,6 +10,7 @@ checked against the same model on one process.
     torchrun --nproc-per-node 2 examples/zero_bubble.py      # torch's launcher (multi-node too)
     python examples/zero_bubble.py --schedule DualPipeV      # any zero-bubble schedule
     python examples/zero_bubble.py --check                   # seconds, for CI
+    python examples/zero_bubble.py --compile                 # blocks by customgrad.compile
 
 Writes ``out/zero_bubble.png`` (each action of a step as measured, above the same schedule
 replayed with the measured action times and no waits) and ``out/loss.png``.
@@ -34,6 +35,7 @@ import torch.distributed.pipelining as pipelining
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
+import customgrad
 import customgrad.pipelining as cgp
 
 if __package__:  # python -m examples.zero_bubble, or imported (python -m benchmarks.scale)
@@ -202,6 +204,9 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     torch.manual_seed(0)  # the same initial model on every rank
     model = LanguageModel(cfg).to(device)
     reference = copy.deepcopy(model)
+    if args.compile:  # regional compile: each block, its backward split into I and W
+        for block in model.blocks:
+            customgrad.compile(block)
     timer = cgp.ActionTimer(device)
     if args.schedule == "ScheduleInterleavedZeroBubble":
         mine = [rank, rank + world]  # looped: stage s on rank s % world
@@ -287,6 +292,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check",
         action="store_true",
         help="a tiny model for 2 steps, for CI: checks the gradients and that the run works",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile each block with customgrad.compile (inductor), its backward split into I and W",
     )
     args = p.parse_args(argv)
     args.schedule = "Schedule" + args.schedule

@@ -1865,3 +1865,64 @@ def test_check_op_flops_messages_are_pinned() -> None:
         "default): customgrad traces it and runs shared work once, handing it to the weight "
         "pass."
     )
+
+
+# customgrad.compile
+
+
+def test_compile_something_not_callable() -> None:
+    from customgrad._compile import MSG_NOT_CALLABLE
+
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(MSG_NOT_CALLABLE.format(got="int"))):
+        cg.compile(3)
+    assert MSG_NOT_CALLABLE.format(got="int").startswith(
+        "customgrad.compile: expected an nn.Module or a callable to compile, got int."
+    )
+
+
+@pytest.mark.parametrize(
+    ("backend", "got"),
+    [
+        ("eager", "'eager'"),
+        ("cudagraphs", "'cudagraphs'"),
+        (print, "builtin_function_or_method print"),
+    ],
+)
+def test_compile_with_a_backend_without_aot_autograd(backend: Any, got: str) -> None:
+    from customgrad._compile import MSG_BACKEND
+
+    message = MSG_BACKEND.format(got=got)
+    assert message.startswith(
+        f"customgrad.compile: backend {got} does not go through AOTAutograd, so its backward "
+        'cannot be split into an input and a weight pass. Supported: "inductor" (the default)'
+    )
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(message)):
+        cg.compile(nn.Linear(2, 2), backend=backend)
+    with pytest.raises(ValueError):  # the builtin too
+        cg.compile(nn.Linear(2, 2), backend=backend)
+
+
+def test_compile_with_mode_on_a_backend_that_takes_none() -> None:
+    from customgrad._compile import MSG_MODE
+
+    message = MSG_MODE.format(got="'aot_eager'", mode="max-autotune", options=None)
+    assert message.startswith(
+        "customgrad.compile: mode='max-autotune' and options=None are inductor's settings; "
+        "backend 'aot_eager' takes neither."
+    )
+    with pytest.raises(cg.ArgumentValueError, match=re.escape(message)):
+        cg.compile(nn.Linear(2, 2), backend="aot_eager", mode="max-autotune")
+
+
+def test_compile_twice_or_an_optimized_module() -> None:
+    from customgrad._compile import MSG_TWICE
+
+    block = cg.compile(nn.Linear(2, 2), backend="aot_eager")
+    message = MSG_TWICE.format(got="Linear", how="its _compiled_call_impl is set")
+    assert message.startswith("customgrad.compile: Linear is already compiled")
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(message)):
+        cg.compile(block, backend="aot_eager")
+    optimized = torch.compile(nn.Linear(2, 2), backend="aot_eager")
+    message = MSG_TWICE.format(got="this OptimizedModule", how="by torch.compile(module)")
+    with pytest.raises(cg.ArgumentTypeError, match=re.escape(message)):
+        cg.compile(optimized)

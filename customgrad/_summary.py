@@ -11,6 +11,7 @@ Only :func:`_registered_ops` and :func:`_registrations` read the op's internals.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -166,8 +167,24 @@ def _registrations(op: CustomOp[..., Any]) -> tuple[tuple[str, ...], tuple[str, 
 
 
 def _compiled_region_rows() -> Sequence[CompiledRegionRow]:
-    """The compiled regions seen in this process (none recorded yet)."""
-    return ()
+    """The compiled regions alive in this process (none unless :func:`customgrad.compile` ran)."""
+    compiled = sys.modules.get("customgrad._compile")
+    if compiled is None:
+        return ()
+    rows = []
+    for region in compiled.regions():
+        if region.status == "split":
+            i, w = region.input_pass, region.weight_pass
+            detail = (
+                f"I computes {', '.join(i.computes) if i else '-'}; "
+                f"W computes {', '.join(w.computes) if w else '-'}; "
+                f"I keeps {len(region.handoff)} value(s) for W, W recomputes "
+                f"{len(region.recomputed)}"
+            )
+            rows.append(CompiledRegionRow(region.name, "split", detail))
+        else:
+            rows.append(CompiledRegionRow(region.name, "fell back", region.reason or "-"))
+    return rows
 
 
 def _op_row(op: CustomOp[..., Any]) -> OpRow:

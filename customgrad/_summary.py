@@ -120,7 +120,8 @@ def summary(namespace: str | None = None) -> Summary:
     backward before reading how it split (``"not run yet"`` until then).
 
     Args:
-        namespace: only the ops of this namespace (``"mylib"`` for ``mylib::linear``).
+        namespace: only the ops of this namespace (``"mylib"`` for ``mylib::linear``), and no
+            compiled regions.
 
     Returns:
         A :class:`Summary`; print it for a table.
@@ -138,7 +139,9 @@ def summary(namespace: str | None = None) -> Summary:
         if namespace is None or op.name.split("::")[0] == namespace
     )
     return Summary(
-        ops=rows, compiled_regions=tuple(_compiled_region_rows()), split_enabled=split_enabled()
+        ops=rows,
+        compiled_regions=tuple(_compiled_region_rows()) if namespace is None else (),
+        split_enabled=split_enabled(),
     )
 
 
@@ -176,8 +179,8 @@ def _compiled_region_rows() -> Sequence[CompiledRegionRow]:
         if region.status == "split":
             i, w = region.input_pass, region.weight_pass
             detail = (
-                f"I computes {', '.join(i.computes) if i else '-'}; "
-                f"W computes {', '.join(w.computes) if w else '-'}; "
+                f"I computes {', '.join(i.computes) if i and i.computes else 'nothing'}; "
+                f"W computes {', '.join(w.computes) if w and w.computes else 'nothing'}; "
                 f"I keeps {len(region.handoff)} value(s) for W, W recomputes "
                 f"{len(region.recomputed)}"
             )

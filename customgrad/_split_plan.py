@@ -1,4 +1,4 @@
-"""Reading a stage's autograd graph, and the one planner of a split backward's input pass.
+"""The split planner: reading a stage's autograd graph, and planning a split backward's passes.
 
 A split backward runs an input pass (I: the gradients of the stage inputs, and every activation
 gradient inside the stage) and later a weight pass (W: the weights' gradients).
@@ -12,7 +12,8 @@ gradient inside the stage) and later a weight pass (W: the weights' gradients).
   node has to ask the engine;
 - other nodes of I with edges into the weight side (native ops, plain ``autograd.Function``\\ s)
   are *intermediates*: I records the gradients that reach them, and W runs them again from
-  those (torch's split does the same).
+  those (torch's split does the same), in engine calls where nothing below their input edges
+  is wanted, so that they compute their weight-side outputs only (:class:`WeightCall`).
 
 ``customgrad.pipelining.stage_backward_input``/``_weight`` and the weight-gradient queue both
 plan with it (the queue keeps native weight work in I and defers only customgrad weight halves
@@ -38,6 +39,7 @@ _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 
 __all__ = [
     "InputPassPlan",
+    "WeightCall",
     "children",
     "grad_node",
     "is_leaf_accumulator",
@@ -123,6 +125,35 @@ def _split_children(node: Node, record: NodeRecord) -> tuple[list[Node], list[No
 
 
 @dataclass
+class WeightCall:
+    """One autograd engine call of W: work whose weight sides share no node with another
+    call's, and where no intermediate's input edges lead to this call's leaves.
+
+    The engine computes a node's output along an edge when the edge's node leads to what the
+    call accumulates (``inputs=``). An intermediate run again in W must therefore not share a
+    call with what lies below its input edges (the layers before it): there its input gradient
+    would be computed again. Calls keep them apart (torch's weight pass runs one call per
+    parameter group for the same reason); work whose weight sides meet (a shared weight) stays
+    in one call, so that each leaf accumulates once and its hooks fire once.
+
+    Attributes:
+        intermediates: nodes run again from the gradients that reached them in I.
+        deferred: records of the customgrad nodes whose handed-over weight halves go here.
+        direct: positions of the roots that lead only to weights.
+        leaves: the leaf accumulators the call fills.
+        clamp: intermediates whose input edges do lead to this call's leaves (a weight shared
+            with a layer before them, as torch's weight pass also computes again); W drops
+            what they send along those edges, which I already sent.
+    """
+
+    intermediates: list[Node] = field(default_factory=list)
+    deferred: list[NodeRecord] = field(default_factory=list)
+    direct: list[int] = field(default_factory=list)
+    leaves: list[Node] = field(default_factory=list)
+    clamp: list[Node] = field(default_factory=list)
+
+
+@dataclass
 class InputPassPlan:
     """What :func:`plan_input_pass` decided for one stage's graph.
 
@@ -139,6 +170,9 @@ class InputPassPlan:
         input_routes: a route for every customgrad node I runs.
         weight_routes: routes for W: deferred nodes compute nothing, customgrad intermediates
             only their weight-side edges.
+        weight_side: the nodes W runs (they lead only to leaf accumulators; I does not run
+            them).
+        weight_calls: how W sends its work through the engine (see :class:`WeightCall`).
     """
 
     executed: set[Node] = field(default_factory=set)
@@ -150,6 +184,7 @@ class InputPassPlan:
     input_routes: dict[NodeRecord, Route] = field(default_factory=dict)
     weight_routes: dict[NodeRecord, Route] = field(default_factory=dict)
     weight_side: set[Node] = field(default_factory=set)
+    weight_calls: list[WeightCall] = field(default_factory=list)
 
     def weight_side_edges(self, node: Node) -> tuple[bool, ...]:
         """For each edge of ``node``, whether it leads into the weight side."""
@@ -202,6 +237,14 @@ def _reach_in(
             if k is not None and k not in seen:
                 stack.append(k)
     return seen
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The positions of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def plan_input_pass(
@@ -324,4 +367,118 @@ def plan_input_pass(
                 plan.weight_routes[record] = Route(
                     needed=tuple(k is not None and k in side for k in edges[node])
                 )
+        plan.weight_calls = _weight_calls(plan, roots, order, edges, split, records)
     return plan
+
+
+def _weight_calls(
+    plan: InputPassPlan,
+    roots: Sequence[Node],
+    order: list[Node],
+    edges: dict[Node, list[Any]],
+    split: dict[Node, tuple[list[Node], list[Node]]],
+    records: dict[Node, NodeRecord],
+) -> list[WeightCall]:
+    """Group W's work into as few engine calls as possible (see :class:`WeightCall`)."""
+    side, executed = plan.weight_side, plan.executed
+    # Units of work, each with the weight-side nodes it sends gradients to.
+    starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]
+    starts += [split[n][1] for n in plan.deferred]
+    starts += [[roots[i]] for i in plan.direct]
+    # Units whose weight sides meet go together (union-find over the weight-side nodes).
+    parent = list(range(len(starts)))
+
+    def find(u: int) -> int:
+        while parent[u] != u:
+            parent[u] = u = parent[parent[u]]
+        return u
+
+    owner: dict[Node, int] = {}
+    for u, first in enumerate(starts):
+        stack = list(first)
+        while stack:
+            node = stack.pop()
+            other = owner.get(node)
+            if other is not None:
+                parent[find(other)] = find(u)
+                continue
+            owner[node] = u
+            stack.extend(k for k in edges[node] if k is not None)
+    group_ids: dict[int, int] = {}
+    group = [group_ids.setdefault(find(u), len(group_ids)) for u in range(len(starts))]
+
+    # For each node I ran: the groups (bits) that lie below it, reached through nodes I ran.
+    bit: dict[Node, int] = {}
+    for u, node in enumerate([*plan.intermediates, *plan.deferred]):
+        bit[node] = 1 << group[u]
+    below: dict[Node, int] = {}
+    for node in order:
+        if node in executed:
+            mask = 0
+            for k in edges[node]:
+                if k is not None and k in executed:
+                    mask |= below[k] | bit.get(k, 0)
+            below[node] = mask
+    n_int = len(plan.intermediates)
+    reaches = [0] * n_int  # per intermediate: the groups below its input edges
+    under = [0] * len(group_ids)  # per group: the groups below its intermediates
+    for u, node in enumerate(plan.intermediates):
+        for k in edges[node]:
+            if k is not None and k in executed:
+                reaches[u] |= below[k] | bit.get(k, 0)
+        under[group[u]] |= reaches[u]
+
+    # A group below its own intermediates (a weight shared with a layer before them) runs the
+    # layers in between in its call too: their groups join it, and so on down.
+    joined = list(range(len(group_ids)))
+    for g, low in enumerate(under):
+        if low >> g & 1:
+            mask = low
+            while True:
+                more = mask
+                for h in _bits(mask):
+                    more |= under[h]
+                if more == mask:
+                    break
+                mask = more
+            for h in _bits(mask):
+                root = joined[h]
+                joined = [g if r == root else r for r in joined]
+    sets: dict[int, list[int]] = {}
+    for g, r in enumerate(joined):
+        sets.setdefault(r, []).append(g)
+
+    # First fit: a set of groups joins a call when neither lies below the other's
+    # intermediates.
+    calls: list[WeightCall] = []
+    masks: list[tuple[int, int]] = []  # per call: its groups, what lies below them
+    call_of = [0] * len(group_ids)
+    for members in sets.values():
+        mine = low = 0
+        for g in members:
+            mine |= 1 << g
+            low |= under[g]
+        for c, (have, have_low) in enumerate(masks):
+            if not (low & have or have_low & mine):
+                masks[c] = (have | mine, have_low | low)
+                break
+        else:
+            c = len(calls)
+            masks.append((mine, low))
+            calls.append(WeightCall())
+        for g in members:
+            call_of[g] = c
+    for u, node in enumerate(plan.intermediates):
+        c = call_of[group[u]]
+        calls[c].intermediates.append(node)
+        if reaches[u] & masks[c][0]:
+            calls[c].clamp.append(node)
+    for u, node in enumerate(plan.deferred, n_int):
+        calls[call_of[group[u]]].deferred.append(records[node])
+    for u, i in enumerate(plan.direct, n_int + len(plan.deferred)):
+        calls[call_of[group[u]]].direct.append(i)
+    for leaf in plan.weight_leaves:
+        unit = owner.get(leaf)
+        if unit is not None:
+            calls[call_of[group[unit]]].leaves.append(leaf)
+    return calls

@@ -143,7 +143,9 @@ class WeightCall:
         leaves: the leaf accumulators the call fills.
         clamp: intermediates whose input edges do lead to this call's leaves (a weight shared
             with a layer before them, as torch's weight pass also computes again); W drops
-            what they send along those edges, which I already sent.
+            what they send along those edges, which I already sent. The nodes in between then
+            run with no gradient (computing nothing) and may run again in their own call, so
+            every call but the last keeps the graph.
     """
 
     intermediates: list[Node] = field(default_factory=list)
@@ -237,14 +239,6 @@ def _reach_in(
             if k is not None and k not in seen:
                 stack.append(k)
     return seen
-
-
-def _bits(mask: int) -> Iterator[int]:
-    """The positions of the set bits of ``mask``."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
 
 
 def plan_input_pass(
@@ -428,36 +422,15 @@ def _weight_calls(
                 reaches[u] |= below[k] | bit.get(k, 0)
         under[group[u]] |= reaches[u]
 
-    # A group below its own intermediates (a weight shared with a layer before them) runs the
-    # layers in between in its call too: their groups join it, and so on down.
-    joined = list(range(len(group_ids)))
-    for g, low in enumerate(under):
-        if low >> g & 1:
-            mask = low
-            while True:
-                more = mask
-                for h in _bits(mask):
-                    more |= under[h]
-                if more == mask:
-                    break
-                mask = more
-            for h in _bits(mask):
-                root = joined[h]
-                joined = [g if r == root else r for r in joined]
-    sets: dict[int, list[int]] = {}
-    for g, r in enumerate(joined):
-        sets.setdefault(r, []).append(g)
-
-    # First fit: a set of groups joins a call when neither lies below the other's
-    # intermediates.
+    # First fit: a group joins a call when neither lies below the other's intermediates. A
+    # group below its own intermediates (a weight shared with a layer before them) runs, with
+    # no gradient, the nodes in between: they may belong to other calls, which is why every
+    # call but the last keeps the graph.
     calls: list[WeightCall] = []
     masks: list[tuple[int, int]] = []  # per call: its groups, what lies below them
     call_of = [0] * len(group_ids)
-    for members in sets.values():
-        mine = low = 0
-        for g in members:
-            mine |= 1 << g
-            low |= under[g]
+    for g, low in enumerate(under):
+        mine = 1 << g
         for c, (have, have_low) in enumerate(masks):
             if not (low & have or have_low & mine):
                 masks[c] = (have | mine, have_low | low)
@@ -466,8 +439,7 @@ def _weight_calls(
             c = len(calls)
             masks.append((mine, low))
             calls.append(WeightCall())
-        for g in members:
-            call_of[g] = c
+        call_of[g] = c
     for u, node in enumerate(plan.intermediates):
         c = call_of[group[u]]
         calls[c].intermediates.append(node)

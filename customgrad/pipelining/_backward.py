@@ -349,8 +349,9 @@ def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
     if state.deferred.keys() - {r for call in calls for r in call.deferred}:
         # Work handed over by a node the plan did not defer: one more call, for all leaves.
         calls = [*calls, WeightCall(deferred=[*state.deferred], leaves=plan.weight_leaves)]
-    for call in calls:
-        _run_weight_call(state, call, retain_graph)
+    last = len(calls) - 1
+    for i, call in enumerate(calls):
+        _run_weight_call(state, call, retain_graph or i < last)
 
 
 def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -> None:

@@ -72,25 +72,21 @@ def children(node: Node) -> Iterator[Node]:
 
 def postorder(roots: Iterable[Node], stop: Iterable[Node] = ()) -> list[Node]:
     """Every node reachable from ``roots``, children before parents; nothing past ``stop``."""
-    stops = set(stop)
-    seen: set[Node] = set()
-    order: list[Node] = []
-    for root in roots:
-        if root in seen:
-            continue
-        seen.add(root)
-        stack: list[tuple[Node, Any]] = [(root, iter(() if root in stops else children(root)))]
-        while stack:
-            node, it = stack[-1]
-            for child in it:
-                if child not in seen:
-                    seen.add(child)
-                    stack.append((child, iter(() if child in stops else children(child))))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
-    return order
+    return _walk(list(roots), set(stop))[0]
+
+
+class _Edges(dict[Node, list[Any]]):
+    """Each node's edge targets (as :func:`_walk` records them), read off the graph when
+    first asked for; none past ``stop``."""
+
+    def __init__(self, stop: set[Node]) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def __missing__(self, node: Node) -> list[Any]:
+        kids = [] if node in self.stop else [*map(_target, node.next_functions)]
+        self[node] = kids
+        return kids
 
 
 def reach(
@@ -98,30 +94,7 @@ def reach(
 ) -> set[Node]:
     """Nodes reachable from ``starts`` (included), not past ``stop``; a node in ``cut`` leads
     only to ``cut[node]``."""
-    seen: set[Node] = set()
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in stop:
-            continue
-        if cut is not None and node in cut:
-            stack.extend(cut[node])
-        else:
-            stack.extend(children(node))
-    return seen
-
-
-def _split_children(node: Node, record: NodeRecord) -> tuple[list[Node], list[Node]]:
-    """A customgrad node's children along its non-weight edges, and along its weight edges."""
-    others: list[Node] = []
-    weights: list[Node] = []
-    for (fn, _), is_weight in zip(node.next_functions, record.edge_is_weight()):
-        if fn is not None:
-            (weights if is_weight else others).append(fn)
-    return others, weights
+    return _reach_in(_Edges(stop), starts, cut)
 
 
 @dataclass

@@ -9,6 +9,8 @@ compared with a full backward in float64.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -380,3 +382,20 @@ def test_random_stacks_against_torch_split(recipe: list[tuple[str, int]], first:
     shared = len({i for _, i in linears}) < len(linears)
     if all(kind != "fn" for kind, _ in linears) and not shared:
         assert ours.total == full.total
+
+
+@pytest.mark.parametrize("split", [cg_split, torch_split], ids=["customgrad", "torch"])
+def test_input_pass_frees_what_only_the_output_side_saved(split: Any) -> None:
+    # sin saves its input, which W does not need: after I (and the caller dropping the
+    # output), nothing of the split keeps it, as under torch's split.
+    lin = nn.Linear(WIDTH, WIDTH, dtype=DT)
+    x = torch.randn(4, WIDTH, dtype=DT, requires_grad=True)
+    h = lin(x)
+    saved_by_sin = weakref.ref(h.untyped_storage())
+    out = torch.sin(h)
+    del h
+    _, groups = split.stage_backward_input([out], [torch.ones_like(out)], [x], lin.parameters())
+    del out
+    gc.collect()
+    assert saved_by_sin() is None
+    split.stage_backward_weight(lin.parameters(), groups)

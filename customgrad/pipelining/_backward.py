@@ -275,7 +275,12 @@ def _stage_backward_input(
                 else:
                     v.grad = g.clone() if old is None else old + g
     # Drop the output side of the graph (views cannot be detached in place; their graph goes
-    # when the caller drops them).
+    # when the caller drops them), and the plan's references to nodes W does not run, which
+    # would keep their saved tensors alive until W.
+    plan.executed = set()
+    plan.input_routes = {}
+    plan.targets = []
+    plan.intermediates = []
     for out in stage_outputs_or_loss:
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()

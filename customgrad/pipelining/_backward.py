@@ -355,8 +355,9 @@ def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
         # Work handed over by a node the plan did not defer: one more call, for all leaves.
         calls = [*calls, WeightCall(deferred=[*state.deferred], leaves=plan.weight_leaves)]
     last = len(calls) - 1
-    for i, call in enumerate(calls):
-        _run_weight_call(state, call, retain_graph or i < last)
+    with routing(plan.weight_routes):
+        for i, call in enumerate(calls):
+            _run_weight_call(state, call, retain_graph or i < last)
 
 
 def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -> None:
@@ -398,8 +399,7 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     leaves = [v for n in call.leaves if isinstance(v := getattr(n, "variable", None),
                                                      torch.Tensor)]  # fmt: skip
     try:
-        with routing(plan.weight_routes):
-            send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
+        send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:
             h.remove()

@@ -347,6 +347,9 @@ def _weight_calls(
     records: dict[Node, NodeRecord],
 ) -> list[WeightCall]:
     """Group W's work into as few engine calls as possible (see :class:`WeightCall`)."""
+    if not plan.intermediates:  # nothing computes input gradients in W: one call
+        deferred = [records[n] for n in plan.deferred]
+        return [WeightCall([], deferred, plan.direct, plan.weight_leaves)]
     side, executed = plan.weight_side, plan.executed
     # Units of work, each with the weight-side nodes it sends gradients to.
     starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]

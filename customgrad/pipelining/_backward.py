@@ -349,11 +349,10 @@ def stage_backward_weight(
 
 
 def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
+    # Only nodes the plan deferred hand work over (their routes name this state), so every
+    # piece of deferred work belongs to one of the plan's calls.
     plan = state.plan
     calls = plan.weight_calls
-    if state.deferred.keys() - {r for call in calls for r in call.deferred}:
-        # Work handed over by a node the plan did not defer: one more call, for all leaves.
-        calls = [*calls, WeightCall(deferred=[*state.deferred], leaves=plan.weight_leaves)]
     last = len(calls) - 1
     with routing(plan.weight_routes):
         for i, call in enumerate(calls):
@@ -376,14 +375,19 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
         node, nr, g = state.direct.pop(i)
         roots.append(GradientEdge(node, nr))
         values.append(g)
-    mine = set(call.deferred)
-    for record in [r for r in state.deferred if r in mine]:  # in the order I handed them over
-        work = state.deferred.pop(record)
+    deferred = state.deferred
+    if len(call.deferred) == len(deferred):  # all of it (one call)
+        works = [*deferred.values()]
+        deferred.clear()
+    else:  # in the order I handed them over
+        mine = set(call.deferred)
+        works = [deferred.pop(r) for r in [r for r in deferred if r in mine]]
+    for work in works:
         with torch.no_grad():  # as inside the engine: no graph of the weight halves' own ops
             edges, grads = work.gradients()
         roots.extend(edges)
         values.extend(grads)
-        del edges, grads, work  # send_gradients must hold the only references (see there)
+        del edges, grads  # send_gradients must hold the only references (see there)
     if not roots:
         return
 

@@ -376,7 +376,7 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
         roots.append(GradientEdge(node, nr))
         values.append(g)
     deferred = state.deferred
-    if len(call.deferred) == len(deferred):  # all of it (one call)
+    if len(state.plan.weight_calls) == 1:  # all of it belongs to this call
         works = [*deferred.values()]
         deferred.clear()
     else:  # in the order I handed them over

@@ -107,7 +107,9 @@ class WeightCall:
     call with what lies below its input edges (the layers before it): there its input gradient
     would be computed again. Calls keep them apart (torch's weight pass runs one call per
     parameter group for the same reason); work whose weight sides meet (a shared weight) stays
-    in one call, so that each leaf accumulates once and its hooks fire once.
+    in one call, so that each leaf accumulates once and its hooks fire once; when such work
+    lies below an intermediate of the call, the work in between joins the call too (it runs in
+    it anyway).
 
     Attributes:
         intermediates: nodes run again from the gradients that reached them in I.
@@ -116,9 +118,9 @@ class WeightCall:
         leaves: the leaf accumulators the call fills.
         clamp: intermediates whose input edges do lead to this call's leaves (a weight shared
             with a layer before them, as torch's weight pass also computes again); W drops
-            what they send along those edges, which I already sent. The nodes in between then
-            run with no gradient (computing nothing) and may run again in their own call, so
-            every call but the last keeps the graph.
+            what they send along those edges, which I already sent. Other nodes in between run
+            with no gradient (computing nothing) and may run again in their own call, so every
+            call but the last keeps the graph.
     """
 
     intermediates: list[Node] = field(default_factory=list)
@@ -212,6 +214,14 @@ def _reach_in(
             if k is not None and k not in seen:
                 stack.append(k)
     return seen
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The positions of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def plan_input_pass(
@@ -377,36 +387,66 @@ def _weight_calls(
     group_ids: dict[int, int] = {}
     group = [group_ids.setdefault(find(u), len(group_ids)) for u in range(len(starts))]
 
-    # For each node I ran: the groups (bits) that lie below it, reached through nodes I ran.
-    bit: dict[Node, int] = {}
-    for u, node in enumerate([*plan.intermediates, *plan.deferred]):
-        bit[node] = 1 << group[u]
+    # For each node I ran: the groups and the units (as bits) below it, through nodes I ran.
+    # A unit's children that I ran are those of its input edges.
+    units = [*plan.intermediates, *plan.deferred]
+    n_int = len(plan.intermediates)
+    group_bit = {node: 1 << group[u] for u, node in enumerate(units)}
+    unit_bit = {node: 1 << u for u, node in enumerate(units)}
     below: dict[Node, int] = {}
+    below_units: dict[Node, int] = {}
     for node in order:
         if node in executed:
-            mask = 0
+            groups = found = 0
             for k in edges[node]:
                 if k is not None and k in executed:
-                    mask |= below[k] | bit.get(k, 0)
-            below[node] = mask
-    n_int = len(plan.intermediates)
-    reaches = [0] * n_int  # per intermediate: the groups below its input edges
+                    groups |= below[k] | group_bit.get(k, 0)
+                    found |= below_units[k] | unit_bit.get(k, 0)
+            below[node] = groups
+            below_units[node] = found
+    reaches = [below[node] for node in units]
     under = [0] * len(group_ids)  # per group: the groups below its intermediates
-    for u, node in enumerate(plan.intermediates):
-        for k in edges[node]:
-            if k is not None and k in executed:
-                reaches[u] |= below[k] | bit.get(k, 0)
+    for u in range(n_int):
         under[group[u]] |= reaches[u]
 
-    # First fit: a group joins a call when neither lies below the other's intermediates. A
-    # group below its own intermediates (a weight shared with a layer before them) runs, with
-    # no gradient, the nodes in between: they may belong to other calls, which is why every
+    # A group below its own intermediates (a weight shared with a layer before them): its call
+    # runs the nodes in between, so the groups of the units in between join it, and have their
+    # input edges' gradients dropped too (each such unit then runs once, from what I recorded).
+    joined = list(range(len(group_ids)))
+    for g, low in enumerate(under):
+        if not low >> g & 1 or joined[g] != g:
+            continue
+        mask = 1 << g
+        while True:
+            between = 0
+            for u in range(n_int):
+                if mask >> group[u] & 1 and reaches[u] & mask:
+                    between |= below_units[units[u]]
+            more = mask
+            for u in _bits(between):
+                if reaches[u] & mask:
+                    more |= 1 << group[u]
+            if more == mask:
+                break
+            mask = more
+        for h in _bits(mask):
+            old = joined[h]
+            joined = [g if r == old else r for r in joined]
+    sets: dict[int, int] = {}
+    for h, r in enumerate(joined):
+        sets[r] = sets.get(r, 0) | 1 << h
+
+    # First fit: a set of groups joins a call when neither lies below the other's
+    # intermediates. The nodes in between a set's groups that belong to other calls run there
+    # with no gradient (computing nothing) and again in their own call, which is why every
     # call but the last keeps the graph.
     calls: list[WeightCall] = []
     masks: list[tuple[int, int]] = []  # per call: its groups, what lies below them
     call_of = [0] * len(group_ids)
-    for g, low in enumerate(under):
-        mine = 1 << g
+    for mine in sets.values():
+        low = 0
+        for h in _bits(mine):
+            low |= under[h]
         for c, (have, have_low) in enumerate(masks):
             if not (low & have or have_low & mine):
                 masks[c] = (have | mine, have_low | low)
@@ -415,7 +455,8 @@ def _weight_calls(
             c = len(calls)
             masks.append((mine, low))
             calls.append(WeightCall())
-        call_of[g] = c
+        for h in _bits(mine):
+            call_of[h] = c
     for u, node in enumerate(plan.intermediates):
         c = call_of[group[u]]
         calls[c].intermediates.append(node)

@@ -74,7 +74,7 @@ def kept_between_i_and_w(kind: str, mode: str, args: argparse.Namespace) -> int:
         if mode == "queue":
             with queue.microbatch(0, 0):
                 out = model(x)
-            out.backward(g)
+            queue.backward(out, g, inputs=[x])
             finish: Callable[[], None] = lambda: queue.run(0, 0)  # noqa: E731
         else:
             split = torch_split if mode == "torch split" else cg_split

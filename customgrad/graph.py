@@ -33,8 +33,8 @@ from customgrad._autosplit import describe_node
 from customgrad._compile import region_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
-from customgrad._graph import children, grad_node
 from customgrad._record import record_of
+from customgrad._split_plan import children, grad_node
 
 __all__ = ["NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 

@@ -1006,9 +1006,9 @@ def test_stage_with_queue_and_dw_builder() -> None:
 
 
 def test_two_planned_backwards_through_one_graph() -> None:
-    from customgrad._graph import postorder
     from customgrad._record import record_of
     from customgrad._routing import Route, routing
+    from customgrad._split_plan import postorder
 
     op = linear_op(backward_input=good_input, backward_weight=good_weight)
     out = op(torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True))

@@ -16,8 +16,8 @@ from torch.autograd.graph import get_gradient_edge
 from torch.distributed.pipelining import _backward as torch_backward
 
 import customgrad as cg
-from customgrad._graph import postorder
 from customgrad._record import record_of
+from customgrad._split_plan import postorder
 from customgrad.pipelining import (
     SplitStateError,
     stage_backward,

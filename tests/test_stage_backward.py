@@ -19,6 +19,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from customgrad._flops import FlopCounter
 from customgrad.pipelining import PendingWeightWorkError, PipelineStage, WeightGradQueue
 from tests.conftest import function_linear, linear_op
 
@@ -256,3 +257,41 @@ def test_torch_stage_with_queue_dw_builder_fires_hooks_in_input_pass_too(group: 
     assert Counter(pid for pid, _ in log) == {id(p): 2 * N_MB for p in params}
     # Each weight's first hook call of the step comes in I, before any gradient reached it.
     assert Counter(pid for pid, has_grad in log if not has_grad) == {id(p): 1 for p in params}
+
+
+class NativeMLP(nn.Module):
+    """Native layers only (no weight used twice): torch's split does each FLOP once."""
+
+    def __init__(self, kind: str, width: int = 8) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(width, width), nn.ReLU(), nn.LayerNorm(width), nn.Linear(width, width)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.net(x))
+
+
+@pytest.mark.parametrize("stage_cls", [PipelineStage, TorchPipelineStage], ids=["cg", "torch"])
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_native_stage_step_does_each_flop_once(
+    group: None, schedule_cls: Any, stage_cls: Any
+) -> None:
+    # A zero-bubble step of native layers does the FLOPs of the microbatches' full backwards,
+    # on customgrad's stage as on torch's (customgrad's W computed input gradients again).
+    torch.manual_seed(0)
+    mods = [NativeMLP(""), NativeMLP("")]
+    ref = nn.Sequential(*copy.deepcopy(mods))
+    stages = [stage_cls(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
+    schedule = schedule_cls(stages, n_microbatches=N_MB, loss_fn=_loss)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    schedule.step(x, target=y)  # the first step also infers shapes
+    for m in mods:
+        m.zero_grad()
+    with FlopCounter() as step:
+        schedule.step(x, target=y)
+    with FlopCounter() as full:
+        for xi, yi in zip(x.chunk(N_MB), y.chunk(N_MB)):
+            (_loss(ref(xi), yi) / N_MB).backward()
+    assert step.total == full.total
+    _check(mods, ref)

@@ -2,20 +2,23 @@
 
 Drop-ins for ``torch.distributed.pipelining._backward``'s ``stage_backward``,
 ``stage_backward_input`` and ``stage_backward_weight`` (same signatures, same return values),
-written for customgrad. The plan comes from :func:`customgrad._graph.plan_input_pass`:
+written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_input_pass`:
 
 - In I, customgrad ops compute their input half and hand their weight half to W as it is
   (inputs and output gradients already in hand), so W never runs their input half again, even
   when a weight is shared (``op(relu(op(x, w)), w)``), where torch's W re-runs the outer op. A
   stage whose inputs need no gradient (the first stage) still runs its activation gradients in
   I, so that W carries only weight work, as the schedules assume.
-- Other nodes with edges into the weight side (native ops, plain ``autograd.Function``\\ s) get
-  the gradients that reached them in I recorded; W runs them again from those (their own work
-  may repeat, as it does under torch).
-- W sends every weight gradient through the autograd engine in one call, so ``.grad``
-  accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as in a
-  full backward: one accumulation per weight, each hook once. (torch's own weight pass fires no
-  post-accumulate-grad hooks.)
+- Other nodes with edges into the weight side (native ops, plain ``autograd.Function``\\ s, any
+  opaque node) get the gradients that reached them in I recorded; W runs them again from those,
+  in engine calls grouped so that the engine asks them for their weight-side outputs only
+  (:class:`customgrad._split_plan.WeightCall`): a native layer's input gradient is not computed
+  again, as under torch's split (a plain Function's backward computes all it computes, under
+  both).
+- Work whose weight sides meet (a shared weight) goes through the engine in one call, so
+  ``.grad`` accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as
+  in a full backward: one accumulation per weight, each hook once. (torch's own weight pass
+  fires no post-accumulate-grad hooks.)
 - What W does not need is freed after I; after W nothing of the graph is kept.
 
 Errors raised here are also ``RuntimeError``\\ s, as torch's are (it wraps every error of these
@@ -33,9 +36,15 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
-from customgrad._graph import InputPassPlan, grad_node, is_leaf_accumulator, plan_input_pass
 from customgrad._record import NodeRecord
 from customgrad._routing import routing
+from customgrad._split_plan import (
+    InputPassPlan,
+    WeightCall,
+    grad_node,
+    is_leaf_accumulator,
+    plan_input_pass,
+)
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -86,19 +95,19 @@ class _SplitState:
     __slots__ = ("captured", "deferred", "direct", "done", "plan")
 
     def __init__(self) -> None:
-        self.deferred: list[Any] = []
+        self.deferred: dict[NodeRecord, Any] = {}
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
-        self.direct: list[tuple[Node, int, torch.Tensor]] = []
+        self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
         self.done = False
 
     def defer(self, record: NodeRecord, work: Any) -> None:
-        self.deferred.append(work)
+        self.deferred[record] = work
 
     def clear(self) -> None:
-        self.deferred = []
+        self.deferred = {}
         self.captured = {}
-        self.direct = []
+        self.direct = {}
         self.plan = InputPassPlan()
 
     def __repr__(self) -> str:
@@ -229,7 +238,7 @@ def _stage_backward_input(
         [n for n, _ in out_edges], input_nodes, lambda record: state, defer_native=True
     )
     state.plan = plan
-    state.direct = [(*out_edges[i], grads[i]) for i in plan.direct]
+    state.direct = {i: (*out_edges[i], grads[i]) for i in plan.direct}
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
@@ -266,7 +275,12 @@ def _stage_backward_input(
                 else:
                     v.grad = g.clone() if old is None else old + g
     # Drop the output side of the graph (views cannot be detached in place; their graph goes
-    # when the caller drops them).
+    # when the caller drops them), and the plan's references to nodes W does not run, which
+    # would keep their saved tensors alive until W.
+    plan.executed = set()
+    plan.input_routes = {}
+    plan.targets = []
+    plan.intermediates = []
     for out in stage_outputs_or_loss:
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()
@@ -335,18 +349,40 @@ def stage_backward_weight(
 
 
 def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
+    # Only nodes the plan deferred hand work over (their routes name this state), so every
+    # piece of deferred work belongs to one of the plan's calls.
+    plan = state.plan
+    calls = plan.weight_calls
+    last = len(calls) - 1
+    with routing(plan.weight_routes):
+        for i, call in enumerate(calls):
+            _run_weight_call(state, call, retain_graph or i < last)
+
+
+def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -> None:
+    """One engine call of W (see :class:`customgrad._split_plan.WeightCall`)."""
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
-    for node, grads in state.captured.items():
+    for node in call.intermediates:
+        grads = state.captured.pop(node, ())
         for i, g in enumerate(grads):
             if g is not None:
                 roots.append(GradientEdge(node, i))
                 values.append(g)
-    for node, nr, g in state.direct:
+        del grads
+    for i in call.direct:
+        node, nr, g = state.direct.pop(i)
         roots.append(GradientEdge(node, nr))
         values.append(g)
-    for work in state.deferred:
+    deferred = state.deferred
+    if len(state.plan.weight_calls) == 1:  # all of it belongs to this call
+        works = [*deferred.values()]
+        deferred.clear()
+    else:  # in the order I handed them over
+        mine = set(call.deferred)
+        works = [deferred.pop(r) for r in [r for r in deferred if r in mine]]
+    for work in works:
         with torch.no_grad():  # as inside the engine: no graph of the weight halves' own ops
             edges, grads = work.gradients()
         roots.extend(edges)
@@ -355,20 +391,19 @@ def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
     if not roots:
         return
 
-    # Intermediates run again from what reached them in I; only their weight-side edges
-    # matter now (the rest was done in I).
+    # An intermediate whose input edges lead to this call's leaves (a weight it shares with a
+    # layer before it) sends its input gradients again: drop them (I sent them already).
     def keep_weight_side(side: tuple[bool, ...]) -> Callable[..., Any]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
             return tuple(g if w else None for g, w in zip(grad_inputs, side))
 
         return hook
 
-    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in state.captured]
-    leaves = [v for n in plan.weight_leaves if isinstance(v := getattr(n, "variable", None),
-                                                              torch.Tensor)]  # fmt: skip
+    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in call.clamp]
+    leaves = [v for n in call.leaves if isinstance(v := getattr(n, "variable", None),
+                                                     torch.Tensor)]  # fmt: skip
     try:
-        with routing(plan.weight_routes):
-            send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
+        send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:
             h.remove()

@@ -32,9 +32,9 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 from torch.utils.hooks import RemovableHandle
 
-from customgrad._graph import grad_node, is_leaf_accumulator, plan_input_pass, reach
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Route, install_for_task, routing, tagging
+from customgrad._split_plan import grad_node, is_leaf_accumulator, plan_input_pass, reach
 from customgrad.pipelining._backward import send_gradients
 from customgrad.pipelining._errors import (
     MissingInputPassError,

@@ -1,4 +1,4 @@
-"""Reading a stage's autograd graph, and the one planner of a split backward's input pass.
+"""The split planner: reading a stage's autograd graph, and planning a split backward's passes.
 
 A split backward runs an input pass (I: the gradients of the stage inputs, and every activation
 gradient inside the stage) and later a weight pass (W: the weights' gradients).
@@ -12,7 +12,8 @@ gradient inside the stage) and later a weight pass (W: the weights' gradients).
   node has to ask the engine;
 - other nodes of I with edges into the weight side (native ops, plain ``autograd.Function``\\ s)
   are *intermediates*: I records the gradients that reach them, and W runs them again from
-  those (torch's split does the same).
+  those (torch's split does the same), in engine calls where nothing below their input edges
+  is wanted, so that they compute their weight-side outputs only (:class:`WeightCall`).
 
 ``customgrad.pipelining.stage_backward_input``/``_weight`` and the weight-gradient queue both
 plan with it (the queue keeps native weight work in I and defers only customgrad weight halves
@@ -38,6 +39,7 @@ _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 
 __all__ = [
     "InputPassPlan",
+    "WeightCall",
     "children",
     "grad_node",
     "is_leaf_accumulator",
@@ -70,25 +72,21 @@ def children(node: Node) -> Iterator[Node]:
 
 def postorder(roots: Iterable[Node], stop: Iterable[Node] = ()) -> list[Node]:
     """Every node reachable from ``roots``, children before parents; nothing past ``stop``."""
-    stops = set(stop)
-    seen: set[Node] = set()
-    order: list[Node] = []
-    for root in roots:
-        if root in seen:
-            continue
-        seen.add(root)
-        stack: list[tuple[Node, Any]] = [(root, iter(() if root in stops else children(root)))]
-        while stack:
-            node, it = stack[-1]
-            for child in it:
-                if child not in seen:
-                    seen.add(child)
-                    stack.append((child, iter(() if child in stops else children(child))))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
-    return order
+    return _walk(list(roots), set(stop))[0]
+
+
+class _Edges(dict[Node, list[Any]]):
+    """Each node's edge targets (as :func:`_walk` records them), read off the graph when
+    first asked for; none past ``stop``."""
+
+    def __init__(self, stop: set[Node]) -> None:
+        super().__init__()
+        self.stop = stop
+
+    def __missing__(self, node: Node) -> list[Any]:
+        kids = [] if node in self.stop else [*map(_target, node.next_functions)]
+        self[node] = kids
+        return kids
 
 
 def reach(
@@ -96,30 +94,40 @@ def reach(
 ) -> set[Node]:
     """Nodes reachable from ``starts`` (included), not past ``stop``; a node in ``cut`` leads
     only to ``cut[node]``."""
-    seen: set[Node] = set()
-    stack = list(starts)
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        if node in stop:
-            continue
-        if cut is not None and node in cut:
-            stack.extend(cut[node])
-        else:
-            stack.extend(children(node))
-    return seen
+    return _reach_in(_Edges(stop), starts, cut)
 
 
-def _split_children(node: Node, record: NodeRecord) -> tuple[list[Node], list[Node]]:
-    """A customgrad node's children along its non-weight edges, and along its weight edges."""
-    others: list[Node] = []
-    weights: list[Node] = []
-    for (fn, _), is_weight in zip(node.next_functions, record.edge_is_weight()):
-        if fn is not None:
-            (weights if is_weight else others).append(fn)
-    return others, weights
+@dataclass
+class WeightCall:
+    """One autograd engine call of W: work whose weight sides share no node with another
+    call's, and where no intermediate's input edges lead to this call's leaves.
+
+    The engine computes a node's output along an edge when the edge's node leads to what the
+    call accumulates (``inputs=``). An intermediate run again in W must therefore not share a
+    call with what lies below its input edges (the layers before it): there its input gradient
+    would be computed again. Calls keep them apart (torch's weight pass runs one call per
+    parameter group for the same reason); work whose weight sides meet (a shared weight) stays
+    in one call, so that each leaf accumulates once and its hooks fire once; when such work
+    lies below an intermediate of the call, the work in between joins the call too (it runs in
+    it anyway).
+
+    Attributes:
+        intermediates: nodes run again from the gradients that reached them in I.
+        deferred: records of the customgrad nodes whose handed-over weight halves go here.
+        direct: positions of the roots that lead only to weights.
+        leaves: the leaf accumulators the call fills.
+        clamp: intermediates whose input edges do lead to this call's leaves (a weight shared
+            with a layer before them, as torch's weight pass also computes again); W drops
+            what they send along those edges, which I already sent. Other nodes in between run
+            with no gradient (computing nothing) and may run again in their own call, so every
+            call but the last keeps the graph.
+    """
+
+    intermediates: list[Node] = field(default_factory=list)
+    deferred: list[NodeRecord] = field(default_factory=list)
+    direct: list[int] = field(default_factory=list)
+    leaves: list[Node] = field(default_factory=list)
+    clamp: list[Node] = field(default_factory=list)
 
 
 @dataclass
@@ -139,6 +147,9 @@ class InputPassPlan:
         input_routes: a route for every customgrad node I runs.
         weight_routes: routes for W: deferred nodes compute nothing, customgrad intermediates
             only their weight-side edges.
+        weight_side: the nodes W runs (they lead only to leaf accumulators; I does not run
+            them).
+        weight_calls: how W sends its work through the engine (see :class:`WeightCall`).
     """
 
     executed: set[Node] = field(default_factory=set)
@@ -150,6 +161,7 @@ class InputPassPlan:
     input_routes: dict[NodeRecord, Route] = field(default_factory=dict)
     weight_routes: dict[NodeRecord, Route] = field(default_factory=dict)
     weight_side: set[Node] = field(default_factory=set)
+    weight_calls: list[WeightCall] = field(default_factory=list)
 
     def weight_side_edges(self, node: Node) -> tuple[bool, ...]:
         """For each edge of ``node``, whether it leads into the weight side."""
@@ -202,6 +214,14 @@ def _reach_in(
             if k is not None and k not in seen:
                 stack.append(k)
     return seen
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The positions of the set bits of ``mask``."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 def plan_input_pass(
@@ -324,4 +344,130 @@ def plan_input_pass(
                 plan.weight_routes[record] = Route(
                     needed=tuple(k is not None and k in side for k in edges[node])
                 )
+        plan.weight_calls = _weight_calls(plan, roots, order, edges, split, records)
     return plan
+
+
+def _weight_calls(
+    plan: InputPassPlan,
+    roots: Sequence[Node],
+    order: list[Node],
+    edges: dict[Node, list[Any]],
+    split: dict[Node, tuple[list[Node], list[Node]]],
+    records: dict[Node, NodeRecord],
+) -> list[WeightCall]:
+    """Group W's work into as few engine calls as possible (see :class:`WeightCall`)."""
+    if not plan.intermediates:  # nothing computes input gradients in W: one call
+        deferred = [records[n] for n in plan.deferred]
+        return [WeightCall([], deferred, plan.direct, plan.weight_leaves)]
+    side, executed = plan.weight_side, plan.executed
+    # Units of work, each with the weight-side nodes it sends gradients to.
+    starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]
+    starts += [split[n][1] for n in plan.deferred]
+    starts += [[roots[i]] for i in plan.direct]
+    # Units whose weight sides meet go together (union-find over the weight-side nodes).
+    parent = list(range(len(starts)))
+
+    def find(u: int) -> int:
+        while parent[u] != u:
+            parent[u] = u = parent[parent[u]]
+        return u
+
+    owner: dict[Node, int] = {}
+    for u, first in enumerate(starts):
+        stack = list(first)
+        while stack:
+            node = stack.pop()
+            other = owner.get(node)
+            if other is not None:
+                parent[find(other)] = find(u)
+                continue
+            owner[node] = u
+            stack.extend(k for k in edges[node] if k is not None)
+    group_ids: dict[int, int] = {}
+    group = [group_ids.setdefault(find(u), len(group_ids)) for u in range(len(starts))]
+
+    # For each node I ran: the groups and the units (as bits) below it, through nodes I ran.
+    # A unit's children that I ran are those of its input edges.
+    units = [*plan.intermediates, *plan.deferred]
+    n_int = len(plan.intermediates)
+    group_bit = {node: 1 << group[u] for u, node in enumerate(units)}
+    unit_bit = {node: 1 << u for u, node in enumerate(units)}
+    below: dict[Node, int] = {}
+    below_units: dict[Node, int] = {}
+    for node in order:
+        if node in executed:
+            groups = found = 0
+            for k in edges[node]:
+                if k is not None and k in executed:
+                    groups |= below[k] | group_bit.get(k, 0)
+                    found |= below_units[k] | unit_bit.get(k, 0)
+            below[node] = groups
+            below_units[node] = found
+    reaches = [below[node] for node in units]
+    under = [0] * len(group_ids)  # per group: the groups below its intermediates
+    for u in range(n_int):
+        under[group[u]] |= reaches[u]
+
+    # A group below its own intermediates (a weight shared with a layer before them): its call
+    # runs the nodes in between, so the groups of the units in between join it, and have their
+    # input edges' gradients dropped too (each such unit then runs once, from what I recorded).
+    joined = list(range(len(group_ids)))
+    for g, low in enumerate(under):
+        if not low >> g & 1 or joined[g] != g:
+            continue
+        mask = 1 << g
+        while True:
+            between = 0
+            for u in range(n_int):
+                if mask >> group[u] & 1 and reaches[u] & mask:
+                    between |= below_units[units[u]]
+            more = mask
+            for u in _bits(between):
+                if reaches[u] & mask:
+                    more |= 1 << group[u]
+            if more == mask:
+                break
+            mask = more
+        for h in _bits(mask):
+            old = joined[h]
+            joined = [g if r == old else r for r in joined]
+    sets: dict[int, int] = {}
+    for h, r in enumerate(joined):
+        sets[r] = sets.get(r, 0) | 1 << h
+
+    # First fit: a set of groups joins a call when neither lies below the other's
+    # intermediates. The nodes in between a set's groups that belong to other calls run there
+    # with no gradient (computing nothing) and again in their own call, which is why every
+    # call but the last keeps the graph.
+    calls: list[WeightCall] = []
+    masks: list[tuple[int, int]] = []  # per call: its groups, what lies below them
+    call_of = [0] * len(group_ids)
+    for mine in sets.values():
+        low = 0
+        for h in _bits(mine):
+            low |= under[h]
+        for c, (have, have_low) in enumerate(masks):
+            if not (low & have or have_low & mine):
+                masks[c] = (have | mine, have_low | low)
+                break
+        else:
+            c = len(calls)
+            masks.append((mine, low))
+            calls.append(WeightCall())
+        for h in _bits(mine):
+            call_of[h] = c
+    for u, node in enumerate(plan.intermediates):
+        c = call_of[group[u]]
+        calls[c].intermediates.append(node)
+        if reaches[u] & masks[c][0]:
+            calls[c].clamp.append(node)
+    for u, node in enumerate(plan.deferred, n_int):
+        calls[call_of[group[u]]].deferred.append(records[node])
+    for u, i in enumerate(plan.direct, n_int + len(plan.deferred)):
+        calls[call_of[group[u]]].direct.append(i)
+    for leaf in plan.weight_leaves:
+        unit = owner.get(leaf)
+        if unit is not None:
+            calls[call_of[group[unit]]].leaves.append(leaf)
+    return calls

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -37,6 +36,12 @@ from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, Half, OpSpec
 from customgrad._signature import ArgKind, Signature
+from customgrad._torch_internals import (
+    ACCUMULATE_GRAD,
+    captured_by_caller,
+    graph_task_id,
+    will_execute,
+)
 from customgrad._validate import HALF_NAMES, Meta, collect_grads, describe
 
 __all__ = [
@@ -53,7 +58,7 @@ log = logging.getLogger("customgrad")
 
 Phase = Literal["full", "input", "weight"]
 
-_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
+_will_execute = will_execute
 _warned_no_engine_query = False
 
 _Tensor = torch.Tensor
@@ -66,7 +71,7 @@ _functorch_active: Callable[[], bool] | None = getattr(
 _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+_graph_task_id = graph_task_id
 try:
     from torch._C._functorch import TransformType as _TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -99,10 +104,7 @@ dicts and NamedTuples. Return those instead:
 (save_for_backward defined at {loc})"""
 
 
-_ACCUMULATE: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
-_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
-_RUN_BACKWARD_CODE = getattr(_run_backward, "__code__", None)
-_GRAD_CODE = getattr(torch.autograd.grad, "__code__", None)
+_ACCUMULATE = ACCUMULATE_GRAD
 
 
 _NOTHING: frozenset[int] = frozenset()
@@ -137,46 +139,9 @@ class CaptureMemo:
         last = self._last  # one tuple, replaced whole: threads never see half an update
         if last[0] == task:
             return last[1]
-        captured = _captured_by_caller(2 + above)
+        captured = captured_by_caller(2 + above)
         self._last = (task, captured)
         return captured
-
-
-def _captured_by_caller(depth: int) -> frozenset[int]:
-    """What ``torch.autograd.grad`` captures, read from its ``_engine_run_backward`` frame,
-    expected ``depth`` frames up (a few more are looked at, in case)."""
-    if _RUN_BACKWARD_CODE is None:
-        return _NOTHING
-    try:
-        frame: Any = sys._getframe(depth)
-    except ValueError:  # not that deep: not called from torch's engine on this thread
-        return _NOTHING
-    for _ in range(3):
-        if frame is None:
-            return _NOTHING
-        if frame.f_code is _RUN_BACKWARD_CODE:
-            caller = frame.f_back
-            if caller is None or caller.f_code is not _GRAD_CODE:
-                return _NOTHING  # .backward() captures nothing; other callers: ask the engine
-            local = frame.f_locals
-            args, kwargs = local.get("args"), local.get("kwargs")
-            if (
-                not isinstance(kwargs, dict)
-                or kwargs.get("accumulate_grad", True)
-                or not isinstance(args, tuple)
-                or len(args) < 4
-                or not isinstance(args[3], tuple)
-            ):
-                return _NOTHING  # a .backward() (nothing captured) or a call we don't know
-            ids = set()
-            for t in args[3]:
-                if isinstance(t, GradientEdge):
-                    t = getattr(t.node, "variable", None)
-                if t is not None:
-                    ids.add(id(t))
-            return frozenset(ids)
-        frame = frame.f_back
-    return _NOTHING
 
 
 def _edge_needed(fn: Any, memo: CaptureMemo) -> bool:

@@ -123,6 +123,7 @@ def build(
     kernels: Mapping[str | None, Callable[..., Any]],
     checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
     mutates: bool,
+    dispatcher_decides: Callable[[str], bool],
 ) -> Callable[[tuple[Any, ...]], Any] | None:
     """The fast call of ``impl``'s op for its current registrations and kernels, or None.
 
@@ -132,6 +133,8 @@ def build(
         checked_output: the op's output check, ``(args, out) -> (output, residuals)``, which
             raises the op's error for a kernel output it refuses.
         mutates: whether the op mutates an argument (no fast path then).
+        dispatcher_decides: ``(device type) -> bool``, whether a kernel or autocast rule
+            registered through ``torch.library`` would run (the call declines then).
 
     Returns:
         ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``.
@@ -157,7 +160,7 @@ def build(
             f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
         )
     if not lists:
-        return _Writer(impl, kernels, checked_output, (), count).write()
+        return _Writer(impl, kernels, checked_output, dispatcher_decides, (), count).write()
 
     # List arguments: one fast path per list-length layout, written on first use.
     layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
@@ -165,7 +168,7 @@ def build(
     def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
         if len(layouts) >= _MAX_LAYOUTS:
             return _decline
-        call = _Writer(impl, kernels, checked_output, lens, "").write()
+        call = _Writer(impl, kernels, checked_output, dispatcher_decides, lens, "").write()
         layouts[lens] = call
         return call
 
@@ -209,9 +212,11 @@ class _Writer:
         impl: AutogradImpl,
         kernels: Mapping[str | None, Callable[..., Any]],
         checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
+        dispatcher_decides: Callable[[str], bool],
         lens: tuple[int, ...],
         count: str,
     ) -> None:
+        self.dispatcher_decides = dispatcher_decides
         self.impl = impl
         self.kernels = kernels
         self.checked_output = checked_output
@@ -295,7 +300,8 @@ class _Writer:
             f"        return _DECLINED\n"
             f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
             f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
-            f"            or _SPEC.rules is not _RULES or _IMPL.observers):\n"
+            f"            or _SPEC.rules is not _RULES or _IMPL.observers\n"
+            f"            or _dispatcher_decides({first}.device.type)):\n"
             f"        return _DECLINED\n"
             f"{pick}"
             f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
@@ -551,6 +557,7 @@ class _Writer:
             "_captured": impl.captures.captured_now,
             "_alias": _alias_check,
             "_checked_output": self.checked_output,
+            "_dispatcher_decides": self.dispatcher_decides,
             "_KERNEL": self.kernels.get(None),
             "_KERNELS": self.kernels,
             "_SPEC": spec,

@@ -29,6 +29,7 @@ from customgrad._rules import (
     SplitMode,
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
+from customgrad._torch_internals import library_impls
 
 __all__ = ["BackwardFn", "CustomOp", "JvpFn", "SaveForBackwardFn", "SharedFn", "op"]
 
@@ -225,7 +226,8 @@ class CustomOp(Generic[P, R]):
         mutates = (mutates_args,) if isinstance(mutates_args, str) else tuple(mutates_args)
         residual_names = (residuals,) if isinstance(residuals, str) else tuple(residuals)
         types = _device_types(device_types)
-        keys = [(dt, _dispatch_key(name, dt)) for dt in types or ()]
+        for dt in types or ():
+            _dispatch_key(name, dt)  # refuses an unknown device type
         kernel_schema = make_schema(name, fn, schema, mutates)
         diff = None if output_differentiability is None else tuple(output_differentiability)
         self._sig = Signature(name, kernel_schema, fn, weights, residual_names, diff)
@@ -245,7 +247,7 @@ class CustomOp(Generic[P, R]):
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
         self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
-        self._registered_keys: set[str] = set()
+        self._foreign_keys: dict[str, tuple[str, str]] = {}
 
         self._lib = torch.library.Library(ns, "FRAGMENT")
         try:
@@ -270,7 +272,7 @@ class CustomOp(Generic[P, R]):
             self._lib.impl(opname, self._autograd_impl, "Autograd")
             if mutates:
                 self._lib.impl(opname, self._inplace_view_impl, "ADInplaceOrView", with_keyset=True)
-            self._register_kernel(keys if types is not None else None, fn)
+            self._register_kernel(types, fn)
         except RuntimeError as e:
             self._lib._destroy()
             first = str(e).strip().splitlines()[0]
@@ -381,6 +383,10 @@ class CustomOp(Generic[P, R]):
                 sig.check_args(args)
         if self._mutated_idx:
             self._check_mutated_no_grad(args)
+        if first is not None and self._dispatcher_decides(first.device.type):
+            # A kernel or autocast rule registered through torch.library would run: let the
+            # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).
+            return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
         kernel = self._shortcut_kernel(first) if plain else None
         if requires and sig.output_kinds:
             return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
@@ -441,6 +447,24 @@ class CustomOp(Generic[P, R]):
                     f"(op defined at {where(self._fn)})"
                 )
 
+    def _dispatcher_decides(self, device_type: str) -> bool:
+        """Whether a kernel that customgrad did not register would run for a call on
+        ``device_type``: a kernel for the device or an autocast rule registered through
+        ``torch.library`` (``register_kernel``, ``register_autocast``, ``Library.impl``).
+
+        customgrad registers one backend kernel (``CompositeExplicitAutograd``, which picks the
+        op's kernel by device) and its Autograd kernel, so any device or autocast key of the op
+        in torch.library's registrations is someone else's. When this torch does not keep those
+        registrations, every call goes through the dispatcher.
+        """
+        keys = self._foreign_keys.get(device_type)
+        if keys is None:
+            key = str(torch._C._dispatch_key_for_device(device_type))
+            prefix = f"{self.name.replace('::', '/')}/"
+            keys = self._foreign_keys[device_type] = (prefix + key, f"{prefix}Autocast{key}")
+        impls = library_impls()
+        return impls is None or keys[0] in impls or keys[1] in impls
+
     def _shortcut_kernel(self, first: torch.Tensor | None) -> Callable[..., Any] | None:
         """The kernel to call directly, skipping the dispatcher, or None to dispatch.
 
@@ -469,9 +493,7 @@ class CustomOp(Generic[P, R]):
 
     def _backend_full_impl(self, *args: Any, **kwargs: Any) -> Any:
         """Every return of the kernel (outputs, then residuals)."""
-        kernel = self._kernels.by_device.get(None)
-        if kernel is None:
-            kernel = self._kernels.for_args(self._sig.normalize(args, kwargs))
+        kernel = self._kernels.for_args(self._sig.normalize(args, kwargs))
         out = kernel(*args, **kwargs)
         self._checked_output(self._sig.normalize(args, kwargs), out)
         return out
@@ -483,22 +505,6 @@ class CustomOp(Generic[P, R]):
                 out = self._kernel_overload(*args, **kwargs)
             return self._sig.split_outputs(out, ())[0]
         return self._backend_full_impl(*args, **kwargs)
-
-    def _device_impl(self, device_type: str) -> Callable[..., Any]:
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            out = self._kernels.by_device[device_type](*args, **kwargs)
-            self._checked_output(self._sig.normalize(args, kwargs), out)
-            return out
-
-        return kernel
-
-    def _device_public_impl(self, device_type: str) -> Callable[..., Any]:
-        full = self._device_impl(device_type)
-
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            return self._sig.split_outputs(full(*args, **kwargs), ())[0]
-
-        return kernel
 
     def _fake_full_impl(self, *args: Any, **kwargs: Any) -> Any:
         fake = self._fake_fn
@@ -547,30 +553,18 @@ class CustomOp(Generic[P, R]):
     def _refresh_fast(self) -> None:
         """Rebuild the fast path for the current registrations and kernels."""
         self._fast_call = _fastpath.build(
-            self._impl, self._kernels.by_device, self._checked_output, bool(self._mutates)
+            self._impl,
+            self._kernels.by_device,
+            self._checked_output,
+            bool(self._mutates),
+            self._dispatcher_decides,
         )
 
-    def _register_kernel(self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]) -> None:
-        self._register_kernel_for(keys, fn)
-        self._refresh_fast()
-
-    def _register_kernel_for(
-        self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]
-    ) -> None:
-        if keys is None:
-            self._kernels.by_device[None] = fn
-            return
-        opname = self._var
-        for dt, key in keys:
+    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
+        """Put ``fn`` in the op's kernel table (the one backend kernel reads it by device)."""
+        for dt in types or (None,):
             self._kernels.by_device[dt] = fn
-            if key in self._registered_keys:
-                continue
-            if self._sig.residual_names:
-                self._lib.impl(opname, self._device_public_impl(dt), key)
-                self._lib.impl(f"{opname}.with_residuals", self._device_impl(dt), key)
-            else:
-                self._lib.impl(opname, self._device_impl(dt), key)
-            self._registered_keys.add(key)
+        self._refresh_fast()
 
     @overload
     def register_kernel(
@@ -602,12 +596,13 @@ class CustomOp(Generic[P, R]):
             tensor([2., 2.])
         """
         types = _device_types(device_types)
-        keys = None if types is None else [(dt, _dispatch_key(self.name, dt)) for dt in types]
+        for dt in types or ():
+            _dispatch_key(self.name, dt)  # refuses an unknown device type
 
         def register(f: F) -> F:
             if not callable(f):
                 raise DefinitionError(f"{self.name}: register_kernel needs a function, got {f!r}.")
-            self._register_kernel(keys, f)
+            self._register_kernel(types, f)
             return f
 
         return register if fn is None else register(fn)

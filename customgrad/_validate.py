@@ -45,9 +45,11 @@ def _check_tensor(
     index: int | None,
     grad: object,
     meta: TensorMeta,
-) -> None:
+) -> Any:
+    """``grad`` if it is a valid gradient for an input described by ``meta`` (cast to the
+    input's dtype where :func:`_autocast_dtype_ok` allows), else an error."""
     if grad is None:
-        return
+        return None
     if (
         isinstance(grad, torch.Tensor)
         and meta is not None
@@ -55,7 +57,7 @@ def _check_tensor(
         and grad.dtype == meta[1]
         and grad.device == meta[2]
     ):
-        return
+        return grad
     arg = f"'{name}'" if index is None else f"'{name}'[{index}]"
     where_ = where(fn)
     if not isinstance(grad, torch.Tensor):
@@ -81,7 +83,7 @@ def _check_tensor(
             f"{dtype} tensor, which has no gradient (only floating-point and complex tensors "
             f"do). Return None for it. ({label} defined at {where_})"
         )
-    if grad.dtype != dtype:
+    if grad.dtype != dtype and not _autocast_dtype_ok(grad, dtype):
         raise GradientValueError(
             f"{sig.qualname}: {label} returned a gradient for {arg} of dtype {grad.dtype}, but "
             f"the input has dtype {dtype}. Cast it explicitly (e.g. grad.to({dtype})); customgrad "
@@ -93,6 +95,19 @@ def _check_tensor(
             f"the input is on {device}. Return it on the input's device. "
             f"({label} defined at {where_})"
         )
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def _autocast_dtype_ok(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a floating gradient of another floating dtype than its input's comes from a
+    backward that ran under autocast, where torch's own rule applies: the autograd engine casts
+    every node's gradient to its input's dtype (a compiled backward runs under the forward's
+    autocast state, ``torch._functorch.config.backward_pass_autocast``)."""
+    return (
+        dtype.is_floating_point
+        and grad.dtype.is_floating_point
+        and torch.is_autocast_enabled(grad.device.type)
+    )
 
 
 def collect_grads(
@@ -190,10 +205,12 @@ def _collect(
                     f"input list has {len(meta)} items. Return one Tensor or None per item. "
                     f"({label} defined at {where(fn)})"
                 )
-            for i, (g, m) in enumerate(zip(grad, meta)):
+            grad = [
                 _check_tensor(sig, label, fn, name, i, g, m)
+                for i, (g, m) in enumerate(zip(grad, meta))
+            ]
         else:
-            _check_tensor(sig, label, fn, name, None, grad, meta)
+            grad = _check_tensor(sig, label, fn, name, None, grad, meta)
         if name in needed:
             out[name] = grad
     if len(out) != len(needed):

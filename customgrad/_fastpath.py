@@ -28,7 +28,7 @@ to them. ``tests/test_fastpath.py`` checks that both paths give the same gradien
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -123,7 +123,8 @@ def build(
     kernels: Mapping[str | None, Callable[..., Any]],
     checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
     mutates: bool,
-    dispatcher_decides: Callable[[str], bool],
+    impls: Set[str] | None,
+    foreign_keys: Mapping[str, tuple[str, ...]],
 ) -> Callable[[tuple[Any, ...]], Any] | None:
     """The fast call of ``impl``'s op for its current registrations and kernels, or None.
 
@@ -133,14 +134,17 @@ def build(
         checked_output: the op's output check, ``(args, out) -> (output, residuals)``, which
             raises the op's error for a kernel output it refuses.
         mutates: whether the op mutates an argument (no fast path then).
-        dispatcher_decides: ``(device type) -> bool``, whether a kernel or autocast rule
-            registered through ``torch.library`` would run (the call declines then).
+        impls: the kernels registered through ``torch.library`` (a live set of
+            ``"ns/op/DispatchKey"``), or None when unknown (no fast path then).
+        foreign_keys: per device type, the keys in ``impls`` of kernels or autocast rules that
+            would run instead of customgrad's (a call on that device declines then).
 
     Returns:
         ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``.
     """
-    if not eligible(impl, impl.spec.rules, mutates):
+    if impls is None or not eligible(impl, impl.spec.rules, mutates):
         return None
+    foreign = (impls, foreign_keys)
     sig = impl.spec.signature
     lists = [i for i, k in enumerate(sig.kinds) if k is ArgKind.TENSOR_LIST]
     defaults = _trailing_defaults(sig.pysig, sig.nargs)
@@ -160,7 +164,7 @@ def build(
             f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
         )
     if not lists:
-        return _Writer(impl, kernels, checked_output, dispatcher_decides, (), count).write()
+        return _Writer(impl, kernels, checked_output, foreign, (), count).write()
 
     # List arguments: one fast path per list-length layout, written on first use.
     layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
@@ -168,7 +172,7 @@ def build(
     def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
         if len(layouts) >= _MAX_LAYOUTS:
             return _decline
-        call = _Writer(impl, kernels, checked_output, dispatcher_decides, lens, "").write()
+        call = _Writer(impl, kernels, checked_output, foreign, lens, "").write()
         layouts[lens] = call
         return call
 
@@ -212,11 +216,11 @@ class _Writer:
         impl: AutogradImpl,
         kernels: Mapping[str | None, Callable[..., Any]],
         checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
-        dispatcher_decides: Callable[[str], bool],
+        foreign: tuple[Set[str], Mapping[str, tuple[str, ...]]],
         lens: tuple[int, ...],
         count: str,
     ) -> None:
-        self.dispatcher_decides = dispatcher_decides
+        self.foreign = foreign
         self.impl = impl
         self.kernels = kernels
         self.checked_output = checked_output
@@ -301,7 +305,7 @@ class _Writer:
             f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
             f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
             f"            or _SPEC.rules is not _RULES or _IMPL.observers\n"
-            f"            or _dispatcher_decides({first}.device.type)):\n"
+            f"            or not _IMPLS.isdisjoint(_FOREIGN[{first}.device.type])):\n"
             f"        return _DECLINED\n"
             f"{pick}"
             f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
@@ -557,7 +561,8 @@ class _Writer:
             "_captured": impl.captures.captured_now,
             "_alias": _alias_check,
             "_checked_output": self.checked_output,
-            "_dispatcher_decides": self.dispatcher_decides,
+            "_IMPLS": self.foreign[0],
+            "_FOREIGN": self.foreign[1],
             "_KERNEL": self.kernels.get(None),
             "_KERNELS": self.kernels,
             "_SPEC": spec,

@@ -128,6 +128,23 @@ def _dispatch_key(qualname: str, device_type: object) -> str:
     return str(key)
 
 
+_IMPLS = library_impls()
+
+
+class _ForeignKeys(dict[str, tuple[str, str]]):
+    """Per device type, the ``torch.library`` registration keys of kernels that would run
+    instead of customgrad's own: the device's backend key and its autocast key."""
+
+    def __init__(self, qualname: str) -> None:
+        super().__init__()
+        self.prefix = qualname.replace("::", "/") + "/"
+
+    def __missing__(self, device_type: str) -> tuple[str, str]:
+        key = str(torch._C._dispatch_key_for_device(device_type))
+        keys = self[device_type] = (self.prefix + key, f"{self.prefix}Autocast{key}")
+        return keys
+
+
 class _Kernels:
     """The op's kernels by device type (``None``: the kernel for every device)."""
 
@@ -247,7 +264,7 @@ class CustomOp(Generic[P, R]):
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
         self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
-        self._foreign_keys: dict[str, tuple[str, str]] = {}
+        self._foreign_keys = _ForeignKeys(name)
 
         self._lib = torch.library.Library(ns, "FRAGMENT")
         try:
@@ -383,7 +400,9 @@ class CustomOp(Generic[P, R]):
                 sig.check_args(args)
         if self._mutated_idx:
             self._check_mutated_no_grad(args)
-        if first is not None and self._dispatcher_decides(first.device.type):
+        if first is not None and (
+            _IMPLS is None or not _IMPLS.isdisjoint(self._foreign_keys[first.device.type])
+        ):  # self._dispatcher_decides(first.device.type), inline
             # A kernel or autocast rule registered through torch.library would run: let the
             # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
@@ -457,13 +476,7 @@ class CustomOp(Generic[P, R]):
         in torch.library's registrations is someone else's. When this torch does not keep those
         registrations, every call goes through the dispatcher.
         """
-        keys = self._foreign_keys.get(device_type)
-        if keys is None:
-            key = str(torch._C._dispatch_key_for_device(device_type))
-            prefix = f"{self.name.replace('::', '/')}/"
-            keys = self._foreign_keys[device_type] = (prefix + key, f"{prefix}Autocast{key}")
-        impls = library_impls()
-        return impls is None or keys[0] in impls or keys[1] in impls
+        return _IMPLS is None or not _IMPLS.isdisjoint(self._foreign_keys[device_type])
 
     def _shortcut_kernel(self, first: torch.Tensor | None) -> Callable[..., Any] | None:
         """The kernel to call directly, skipping the dispatcher, or None to dispatch.
@@ -557,7 +570,8 @@ class CustomOp(Generic[P, R]):
             self._kernels.by_device,
             self._checked_output,
             bool(self._mutates),
-            self._dispatcher_decides,
+            _IMPLS,
+            self._foreign_keys,
         )
 
     def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:

@@ -22,7 +22,7 @@ is read here, so a torch upgrade cannot make customgrad silently slower.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Set
 from typing import Any
 
 import torch
@@ -61,10 +61,10 @@ FRAME_READABLE = (
 _NOTHING: frozenset[int] = frozenset()
 
 _impls: Any = getattr(torch.library, "_impls", None)
-_IMPLS: Collection[str] | None = _impls if isinstance(_impls, set) else None
+_IMPLS: Set[str] | None = _impls if isinstance(_impls, set) else None
 
 
-def library_impls() -> Collection[str] | None:
+def library_impls() -> Set[str] | None:
     """The ``"ns/op/DispatchKey"`` of every kernel registered through ``torch.library`` (a live
     set: read it at each call), or None when this torch does not keep one."""
     return _IMPLS

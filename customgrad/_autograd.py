@@ -39,6 +39,7 @@ from customgrad._signature import ArgKind, Signature
 from customgrad._torch_internals import (
     ACCUMULATE_GRAD,
     captured_by_caller,
+    graph_kept,
     graph_task_id,
     will_execute,
 )
@@ -194,7 +195,7 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        self.value: Any = record.handoff
+        self.value: Any = handed_over(record, grads)
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> Any:
@@ -213,7 +214,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                self.record.handoff = self.value
+                self.record.handoff = (self.grads, self.value)
         return self.value
 
 
@@ -460,6 +461,46 @@ def _guard_residuals(
     return optree.tree_unflatten(treespec, leaves)
 
 
+def keeps_for_later(plan: PassPlan, target: Any) -> bool:
+    """Whether a pass keeps what a node's halves share for the node's later pass: when it
+    computes input gradients while weights that require grad are left for later, and that later
+    pass can come (the graph is retained, or a route defers the weight half to ``target``).
+    A non-retaining partial pass frees everything at once."""
+    return bool(plan.later_w) and bool(plan.need_in) and (target is not None or graph_kept())
+
+
+def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
+    """What the node's earlier pass kept for this one (:data:`NO_HANDOFF` when nothing).
+
+    A hand-off belongs to the pass that made it: it is read only by a pass with the same output
+    gradients (the same tensors), never by a pass of another loss through the same node.
+    """
+    handoff = record.handoff
+    if handoff is NO_HANDOFF:
+        return NO_HANDOFF
+    made_with, value = handoff
+    if made_with is grads or _same_tensors(made_with, grads):
+        return value
+    return NO_HANDOFF
+
+
+def _same_tensors(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x is y:
+            continue
+        if not (
+            isinstance(x, list)
+            and isinstance(y, list)
+            and len(x) == len(y)
+            and all(p is q for p, q in zip(x, y))
+        ):
+            return False
+    return True
+
+
 class PassPlan(NamedTuple):
     """What one backward call of a node computes, from which arguments require grad and which
     the pass needs (argument names)."""
@@ -682,9 +723,11 @@ class AutogradImpl:
         if bwd is not None:
             split = self._auto_split(record, rules, saved, grads, plan)
             if split is not None:
-                handoff = None if record.handoff is NO_HANDOFF else record.handoff
-                result, kept = split.run(saved, grads, needed, handoff, keep)
-                record.handoff = NO_HANDOFF if kept is None else kept
+                handoff = handed_over(record, grads)
+                result, kept = split.run(
+                    saved, grads, needed, None if handoff is NO_HANDOFF else handoff, keep
+                )
+                record.handoff = NO_HANDOFF if kept is None else (grads, kept)
                 if observers:
                     ctx = BackwardContext(spec, phase, needed)
                     for o in observers:
@@ -880,7 +923,7 @@ class AutogradImpl:
             saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
         out_lens = record.out_lens
         out_grads = grads if out_lens is None else _regroup(out_lens, grads)
-        keep = bool(plan.later_w) and bool(plan.need_in)
+        keep = keeps_for_later(plan, target)
         if not plan.needed:
             result: dict[str, Any] = {}
         elif lens is None and self._is_simple(self.spec.rules):  # no shared work: keep is moot

@@ -47,6 +47,7 @@ from customgrad._autograd import (
     _restore,
     _save,
     _watched_values,
+    keeps_for_later,
 )
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
@@ -480,7 +481,7 @@ class _Writer:
             # The automatic split (a traced plan per input signature, work handed from I to W)
             # is the general path's: run it, then place what it returns.
             body = (
-                "    keep = bool(plan.later_w) and bool(plan.need_in)\n"
+                "    keep = _keeps_for_later(plan, None)\n"
                 "    got = _compute(record, plan, saved, grads, keep)\n"
             )
             for i, ps in positions.items():
@@ -598,6 +599,7 @@ class _Writer:
             "_plan": impl.plan,
             "_general": impl.backward,
             "_compute": impl.compute,
+            "_keeps_for_later": keeps_for_later,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
         }

@@ -33,6 +33,7 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "FRAME_READABLE",
     "captured_by_caller",
+    "graph_kept",
     "graph_task_id",
     "library_impls",
     "will_execute",
@@ -44,6 +45,11 @@ None on a torch without it."""
 
 graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 """The id of the graph task the calling thread runs (-1 outside a backward)."""
+
+graph_kept: Callable[[], bool] = getattr(
+    getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", lambda: True
+)
+"""Whether the running backward retains the graph (``retain_graph=True``); True when unknown."""
 
 ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
 """The class of a leaf's gradient-accumulation node."""

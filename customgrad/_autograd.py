@@ -36,6 +36,7 @@ from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, Half, OpSpec
 from customgrad._signature import ArgKind, Signature
+from customgrad._switches import STATE as SWITCHES
 from customgrad._torch_internals import (
     ACCUMULATE_GRAD,
     captured_by_caller,
@@ -686,6 +687,12 @@ class AutogradImpl:
             plan = self._plans[key] = _pass_plan(self.spec.signature, requires, needed)
         return plan
 
+    def whole(self, plan: PassPlan) -> PassPlan:
+        """The plan that computes every gradient ``plan``'s node requires (what a plain
+        ``autograd.Function`` computes in each pass: used when the split is switched off)."""
+        requires = plan.needed | plan.later_w | plan.later_in
+        return self.plan(*_masks(self.spec.signature, requires, requires))
+
     def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
         """For each flat input position, the index of its argument."""
         arg_of = self._arg_of.get(lens)
@@ -926,6 +933,10 @@ class AutogradImpl:
         keep = keeps_for_later(plan, target)
         if not plan.needed:
             result: dict[str, Any] = {}
+        elif not SWITCHES.split:
+            # Split off: the whole backward, like a plain Function; the pass takes what it needs.
+            found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
+            result = {n: g for n, g in found.items() if n in plan.needed}
         elif lens is None and self._is_simple(self.spec.rules):  # no shared work: keep is moot
             self._compute_simple(out, record, plan, saved, out_grads)
             result = {}
@@ -1329,6 +1340,8 @@ class DeferredWork:
         )
         sig = impl.spec.signature
         later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
+        if not SWITCHES.split:  # the whole backward again, like a plain Function
+            later = impl.whole(later)
         found = impl.compute(record, later, self._saved, self._grads, keep=False)
         slots = _slots(sig, record.lens) if record.lens is not None else None
         edge_of: list[int] = []

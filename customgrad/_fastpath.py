@@ -53,6 +53,7 @@ from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
 from customgrad._signature import ArgKind
+from customgrad._switches import STATE as SWITCHES
 from customgrad._validate import collect_grads
 
 if TYPE_CHECKING:
@@ -514,7 +515,8 @@ class _Writer:
         return (
             "def apply(node, *grads):\n"
             "    record = node._cg\n"
-            "    if record.route is not None or _SPEC.rules is not _RULES or _IMPL.observers:\n"
+            "    if (record.route is not None or _SPEC.rules is not _RULES or _IMPL.observers\n"
+            "            or not _SWITCHES.split):\n"
             "        return _general(node, grads)\n"
             "    metas = record.metas\n"
             "    req = node.needs_input_grad\n"
@@ -599,6 +601,7 @@ class _Writer:
             "_plan": impl.plan,
             "_general": impl.backward,
             "_compute": impl.compute,
+            "_SWITCHES": SWITCHES,
             "_keeps_for_later": keeps_for_later,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),

@@ -29,6 +29,7 @@ from customgrad._rules import (
     SplitMode,
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
+from customgrad._switches import STATE as _SWITCHES
 from customgrad._torch_internals import library_impls
 
 __all__ = ["BackwardFn", "CustomOp", "JvpFn", "SaveForBackwardFn", "SharedFn", "op"]
@@ -356,7 +357,7 @@ class CustomOp(Generic[P, R]):
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         fast = self._fast_call
-        if fast is not None and not kwargs:
+        if fast is not None and not kwargs and _SWITCHES.fastpath:
             out = fast(args)
             if out is not _DECLINED:
                 return out  # type: ignore[no-any-return]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -32,13 +33,23 @@ from customgrad._signature import ArgKind, Signature, make_schema, parse_name
 from customgrad._switches import STATE as _SWITCHES
 from customgrad._torch_internals import library_impls
 
-__all__ = ["BackwardFn", "CustomOp", "JvpFn", "SaveForBackwardFn", "SharedFn", "op"]
+__all__ = [
+    "BackwardFn",
+    "CustomOp",
+    "JvpFn",
+    "SaveForBackwardFn",
+    "SharedFn",
+    "op",
+    "registered_ops",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_OPS: dict[str, CustomOp[..., Any]] = {}
+_OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDictionary()
+"""The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
+its kernels) do, that is until it is replaced by a new definition of its name."""
 _DECLINED = _fastpath.DECLINED
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _tf_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
@@ -235,11 +246,6 @@ class CustomOp(Generic[P, R]):
         residuals: Iterable[str] = (),
     ) -> None:
         ns, opname = parse_name(name)
-        if name in _OPS:
-            raise DefinitionError(
-                f"{name}: an op of that name is already defined (at {where(_OPS[name]._fn)}). "
-                f"Op names are global, like torch.ops; pick another name."
-            )
         weights = (weights,) if isinstance(weights, str) else tuple(weights)
         mutates = (mutates_args,) if isinstance(mutates_args, str) else tuple(mutates_args)
         residual_names = (residuals,) if isinstance(residuals, str) else tuple(residuals)
@@ -267,6 +273,11 @@ class CustomOp(Generic[P, R]):
         self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
         self._foreign_keys = _ForeignKeys(name)
 
+        old = _OPS.get(name)
+        if old is not None:
+            # A redefinition (a notebook cell run again): replace the old op, as torch's
+            # custom_op does. Its nodes in existing graphs keep their backward.
+            old._retire(self)
         self._lib = torch.library.Library(ns, "FRAGMENT")
         try:
             self._lib.define(opname + self.schema)
@@ -302,6 +313,13 @@ class CustomOp(Generic[P, R]):
         self.__qualname__ = opname
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
+
+    def _retire(self, new: CustomOp[..., Any]) -> None:
+        """Give the name to ``new``: remove this op's registrations; calling it raises."""
+        self._lib._destroy()
+        self._fast_call = None
+        self._replaced_by = new
+        self.__class__ = _ReplacedOp
 
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
     def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -841,6 +859,48 @@ class CustomOp(Generic[P, R]):
 
     def __repr__(self) -> str:
         return f"<customgrad op {self.name}{self.schema}>"
+
+
+MSG_REPLACED = """\
+{name}: this op was replaced by a later definition of the same name (at {new_loc}), as \
+torch's custom_op replaces one; the old object no longer runs or takes registrations. Use the \
+new one: the object that definition returned, or torch.ops.{ns}.{opname}. (replaced op defined \
+at {old_loc})"""
+
+
+class _ReplacedOp(CustomOp[P, R]):
+    """A :class:`CustomOp` whose name a later definition took (see ``CustomOp._retire``)."""
+
+    _replaced_by: CustomOp[..., Any]
+
+    def _replaced(self) -> MissingRegistrationError:
+        ns, opname = self.name.split("::")
+        return MissingRegistrationError(
+            MSG_REPLACED.format(
+                name=self.name,
+                new_loc=where(self._replaced_by._fn),
+                ns=ns,
+                opname=opname,
+                old_loc=where(self._fn),
+            )
+        )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        raise self._replaced()
+
+    def _set_rules(self, rules: AutogradRules) -> None:
+        raise self._replaced()
+
+    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
+        raise self._replaced()
+
+    def register_fake(self, fn: F) -> F:
+        raise self._replaced()
+
+
+def registered_ops() -> list[CustomOp[..., Any]]:
+    """Every customgrad op defined in this process (the current definition of each name)."""
+    return [op for op in _OPS.values() if type(op) is not _ReplacedOp]
 
 
 def _auto_split(op: CustomOp[..., Any], fn: Callable[..., Any], split: str, recompute: str) -> Any:

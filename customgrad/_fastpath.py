@@ -17,7 +17,8 @@ on first use (at most ``_MAX_LAYOUTS``). Calls must have plain tensors under gra
 dispatch or function mode, functorch transform, profiler, forward-AD level or ``torch.compile``
 trace. Any other call declines (returns :data:`DECLINED`) and runs the general path
 (:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a route on the
-record), changed registrations, and observers also go to the general path.
+record) and changed registrations also go to the general path; observers (``check_op``) are
+called here as there, so a check runs the path a user's call runs.
 
 One set of rules: the pass plan (``AutogradImpl.plan``), the saved-value layout (``_save`` /
 ``_restore``), the in-place watch and the gradient errors (``collect_grads``) are the general
@@ -84,6 +85,9 @@ def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
         defaults.append(p.default)
     return tuple(reversed(defaults))
 
+
+_OBSERVED = {"full": "backward", "input": "backward_input", "weight": "backward_weight"}
+"""The label an observer gets for each registered function (as ``AutogradImpl.compute``)."""
 
 _MAX_LAYOUTS = 64
 """List lengths an op's fast path is written for; calls with other lengths decline."""
@@ -306,7 +310,7 @@ class _Writer:
             f"        return _DECLINED\n"
             f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
             f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
-            f"            or _SPEC.rules is not _RULES or _IMPL.observers\n"
+            f"            or _SPEC.rules is not _RULES\n"
             f"            or not _IMPLS.isdisjoint(_FOREIGN[{first}.device.type])):\n"
             f"        return _DECLINED\n"
             f"{pick}"
@@ -411,6 +415,9 @@ class _Writer:
                 f"        r = {fn}(ctx, saved, *grads)",
                 "        if [*_map(_getattr, watched, _VERSION, _NO_VERSION)] != before:",
                 f"            _mutated(_SPEC, {label!r}, {fn}, watched, before, len(grads))",
+                "        if _IMPL.observers:",
+                "            for o in _IMPL.observers:",
+                f"                o({_OBSERVED[label]!r}, plan.phase, ctx, r)",
                 f"        ok = type(r) is dict and r.keys() <= _ALLOWED_{label}",
             ]
             for i, ps in positions.items():
@@ -515,7 +522,7 @@ class _Writer:
         return (
             "def apply(node, *grads):\n"
             "    record = node._cg\n"
-            "    if (record.route is not None or _SPEC.rules is not _RULES or _IMPL.observers\n"
+            "    if (record.route is not None or _SPEC.rules is not _RULES\n"
             "            or not _SWITCHES.split):\n"
             "        return _general(node, grads)\n"
             "    metas = record.metas\n"

@@ -146,16 +146,19 @@ class CaptureMemo:
         return captured
 
 
-def _edge_needed(fn: Any, memo: CaptureMemo) -> bool:
-    """Whether the running pass uses the gradient sent along an edge to ``fn``."""
-    # frames above: AutogradImpl.backward, _node_apply
-    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now(3):  # type: ignore[attr-defined]
-        return True
+def needed_edge(fn: Any, memo: CaptureMemo, above: int) -> bool:
+    """Whether the running pass uses the gradient sent along an edge to ``fn``.
+
+    ``above``: Python frames between the caller and torch's ``_engine_run_backward`` (1 for a
+    node's ``apply``, which the engine calls).
+    """
+    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now(above + 1):  # type: ignore[attr-defined]
+        return True  # a leaf that autograd.grad captures: needed, without asking the engine
     if _will_execute is None:
         return engine_needs(fn)
     try:
         return _will_execute(fn)
-    except Exception:  # a leaf captured by autograd.grad: needed
+    except Exception:  # a captured leaf the caller's frame did not name: needed
         return True
 
 
@@ -545,7 +548,6 @@ class AutogradImpl:
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
-        self._simple_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -785,80 +787,6 @@ class AutogradImpl:
                 o("backward_shared", phase, ctx, shared.value)
         return grads_out
 
-    def _is_simple(self, rules: AutogradRules) -> bool:
-        """Whether :meth:`_compute_simple` may run ``rules``: the input/weight pair or a single
-        backward called as written (no shared work, automatic split, observer or
-        ``differentiable=False``), cached per rules object."""
-        if self.observers:
-            return False
-        if rules is self._simple_for:
-            return True
-        if rules.backward_shared is not None or rules.auto is not None or rules.nondifferentiable:
-            return False
-        self._simple_for = rules
-        return True
-
-    def _compute_simple(
-        self,
-        out: list[Any],
-        record: NodeRecord,
-        plan: PassPlan,
-        saved: Any,
-        grads: tuple[Any, ...],
-    ) -> None:
-        """:meth:`compute` for a node without list arguments whose rules are simple
-        (:meth:`_is_simple`) and that keeps nothing for a later pass: the same calls, checks
-        and errors, with the gradients written straight into the node's ``out`` slots."""
-        spec = self.spec
-        sig = spec.signature
-        rules = spec.rules
-        metas = record.metas
-        index = sig.index
-        watch = _Watch(saved, grads)
-        ctx = BackwardContext(spec, plan.phase, plan.needed)
-        bwd = rules.backward
-        if bwd is not None:
-            steps: tuple[tuple[Any, Half, frozenset[str], frozenset[str]], ...] = (
-                (bwd, "full", sig.tensor_set, plan.needed),
-            )
-        else:
-            steps = ()
-            if plan.need_in:
-                steps += ((rules.backward_input, "input", sig.input_set, plan.need_in),)
-            if plan.need_w:
-                steps += ((rules.backward_weight, "weight", sig.weight_set, plan.need_w),)
-                record.handoff = NO_HANDOFF
-        for fn, half, allowed, needed in steps:
-            if fn is None:
-                raise MissingRegistrationError(spec.missing_autograd_message())
-            result = fn(ctx, saved, *grads)
-            watch.check(spec, half, fn)
-            # The common case inline: a dict of valid gradients. Anything else goes through
-            # collect_grads, which accepts exactly the same dicts and raises the errors.
-            if type(result) is dict:
-                placed = 0
-                for name, g in result.items():
-                    if name not in allowed:
-                        break
-                    if g is not None:
-                        meta = metas[index[name]]
-                        if not (
-                            type(g) is _Tensor
-                            and meta is not None
-                            and g.shape == meta[0]
-                            and g.dtype is meta[1]
-                            and g.device == meta[2]
-                        ):
-                            break
-                    if name in needed:
-                        out[index[name] + 2] = g
-                        placed += 1
-                else:
-                    if placed == len(needed):
-                        continue
-            for name, g in collect_grads(sig, half, fn, result, allowed, needed, metas).items():
-                out[index[name] + 2] = g
-
     def _auto_split(
         self,
         record: NodeRecord,
@@ -909,7 +837,8 @@ class AutogradImpl:
                     if need is None:
                         if next_fns is None:
                             next_fns = node.next_functions
-                        need = _edge_needed(next_fns[edge][0], self.captures)
+                        # frames above: AutogradImpl.backward, _node_apply
+                        need = needed_edge(next_fns[edge][0], self.captures, 2)
                     if need:
                         needed_mask |= bit
                         if needed_items is not None:
@@ -937,9 +866,6 @@ class AutogradImpl:
             # Split off: the whole backward, like a plain Function; the pass takes what it needs.
             found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
             result = {n: g for n, g in found.items() if n in plan.needed}
-        elif lens is None and self._is_simple(self.spec.rules):  # no shared work: keep is moot
-            self._compute_simple(out, record, plan, saved, out_grads)
-            result = {}
         else:
             result = self.compute(record, plan, saved, out_grads, keep)
         if deferred and target is not None:

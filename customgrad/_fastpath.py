@@ -36,26 +36,19 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from customgrad._autograd import (
-    _ACCUMULATE,
-    _NO_VERSION,
     _SAVED_TENSORS,
     _TENSOR_OR_NONE,
-    _VERSION,
-    BackwardContext,
     _CustomGradNode,
-    _metas_by_name,
-    _raise_mutation,
     _restore,
     _save,
-    _watched_values,
     keeps_for_later,
+    needed_edge,
 )
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
 from customgrad._signature import ArgKind
 from customgrad._switches import STATE as SWITCHES
-from customgrad._validate import collect_grads
 
 if TYPE_CHECKING:
     from customgrad._autograd import AutogradImpl
@@ -375,6 +368,9 @@ class _Writer:
         return ", ".join(parts)
 
     def _backward_source(self) -> str:
+        """The node's backward: the edge loop and the gradient placement unrolled for this
+        signature; what a pass computes, calls, validates and hands off is the general path's
+        (``needed_edge``, ``AutogradImpl.plan``, ``AutogradImpl.compute``)."""
         sig = self.sig
         flat = self._flat()
         edges: list[str] = []
@@ -382,19 +378,11 @@ class _Writer:
             if not is_slot:
                 continue
             bit = 1 << i
-            item = kind is ArgKind.TENSOR_LIST
-            mark = f"nmask |= {bit}" + (f"; n{p} = True" if item else "")
+            mark = f"nmask |= {bit}" + (f"; n{p} = True" if kind is ArgKind.TENSOR_LIST else "")
             ask = (
                 f"        rmask |= {bit}\n"
-                f"        fn = nf[e][0]\n"
-                f"        if type(fn) is _ACC and id(fn.variable) in _captured():\n"
-                f"            {mark}  # a leaf that autograd.grad captures\n"
-                f"        else:\n"
-                f"            try:\n"
-                f"                if _will(fn):\n"
-                f"                    {mark}\n"
-                f"            except Exception:  # a captured leaf the caller's frame did not name\n"
-                f"                {mark}\n"
+                f"        if _needed(nf[e][0], _MEMO, 1):\n"
+                f"            {mark}\n"
             )
             if kind is ArgKind.OPTIONAL_TENSOR:
                 ask = "".join("    " + line + "\n" for line in ask.splitlines())
@@ -408,116 +396,25 @@ class _Writer:
             if is_slot:
                 positions.setdefault(i, []).append(p)
         items = [p for p, (_, _, kind, _) in enumerate(flat) if kind is ArgKind.TENSOR_LIST]
-
-        def half(fn: str, label: str, allowed: frozenset[str], need: str) -> str:
-            """Call one registered function, check it, put its gradients in the slots."""
-            lines = [
-                f"        r = {fn}(ctx, saved, *grads)",
-                "        if [*_map(_getattr, watched, _VERSION, _NO_VERSION)] != before:",
-                f"            _mutated(_SPEC, {label!r}, {fn}, watched, before, len(grads))",
-                "        if _IMPL.observers:",
-                "            for o in _IMPL.observers:",
-                f"                o({_OBSERVED[label]!r}, plan.phase, ctx, r)",
-                f"        ok = type(r) is dict and r.keys() <= _ALLOWED_{label}",
-            ]
-            for i, ps in positions.items():
-                name = sig.names[i]
-                if name not in allowed:
-                    continue
-                lines += [
-                    "        if ok:",
-                    f"            g = r.get({name!r}, _MISSING)",
-                    "            if g is _MISSING:",
-                    f"                ok = {name!r} not in {need}",
-                    "            elif g is not None:",
-                ]
-                if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                    lines.append(
-                        f"                ok = (type(g) is list or type(g) is tuple) and len(g) == {len(ps)}"
-                    )
-                    for k, p in enumerate(ps):
-                        lines += [
-                            "                if ok:",
-                            f"                    gi = g[{k}]",
-                            f"                    m = metas[{p}]",
-                            "                    ok = gi is None or (type(gi) is _T and gi.shape == m[0]",
-                            "                          and gi.dtype is m[1] and gi.device == m[2])",
-                        ]
-                    lines.append(f"            if ok and g is not None and {name!r} in {need}:")
-                    lines += [
-                        f"                if n{p}:\n                    g{p} = g[{k}]"
-                        for k, p in enumerate(ps)
-                    ]
-                else:
-                    (p,) = ps
-                    lines += [
-                        f"                m = metas[{p}]",
-                        "                ok = (type(g) is _T and m is not None and g.shape == m[0]",
-                        "                      and g.dtype is m[1] and g.device == m[2])",
-                        f"            if ok and {name!r} in {need}:",
-                        f"                g{p} = g",
-                    ]
-            lines += ["        if not ok:"]
-            if self.lens:
-                lines.append(
-                    f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need},"
-                    f" None, _by_name(_SIG, record))"
+        place = ""
+        for i, ps in positions.items():
+            name = sig.names[i]
+            if sig.kinds[i] is ArgKind.TENSOR_LIST:
+                place += f"    g = got.get({name!r})\n    if g is not None:\n"
+                place += "".join(
+                    f"        if n{p}:\n            g{p} = g[{k}]\n" for k, p in enumerate(ps)
                 )
             else:
-                lines.append(
-                    f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need},"
-                    f" metas)"
-                )
-            for i, ps in positions.items():
-                name = sig.names[i]
-                if name not in allowed:
-                    continue
-                if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                    lines.append(f"            g = got.get({name!r})")
-                    lines.append("            if g is not None:")
-                    lines += [
-                        f"                if n{p}:\n                    g{p} = g[{k}]"
-                        for k, p in enumerate(ps)
-                    ]
-                else:
-                    (p,) = ps
-                    lines.append(f"            g{p} = got.get({name!r}, g{p})")
-            return "\n".join(lines) + "\n"
-
-        rules = self.rules
-        if rules.backward is not None and rules.auto is not None:
-            # The automatic split (a traced plan per input signature, work handed from I to W)
-            # is the general path's: run it, then place what it returns.
-            body = (
-                "    keep = _keeps_for_later(plan, None)\n"
-                "    got = _compute(record, plan, saved, grads, keep)\n"
-            )
-            for i, ps in positions.items():
-                name = sig.names[i]
-                if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                    body += f"    g = got.get({name!r})\n    if g is not None:\n"
-                    body += "".join(
-                        f"        if n{p}:\n            g{p} = g[{k}]\n" for k, p in enumerate(ps)
-                    )
-                else:
-                    (p,) = ps
-                    body += f"    g{p} = got.get({name!r})\n"
-        elif rules.backward is not None:
-            body = "    if True:\n" + half("_BWD", "full", sig.tensor_set, "needed")
-        else:
-            body = ""
-            if sig.input_names:
-                body += "    if plan.need_in:\n" + half(
-                    "_BWD_IN", "input", sig.input_set, "plan.need_in"
-                )
-            if sig.weights:
-                body += "    if plan.need_w:\n" + half(
-                    "_BWD_W", "weight", sig.weight_set, "plan.need_w"
-                )
+                (p,) = ps
+                place += f"    g{p} = got.get({name!r})\n"
         outs = ", ".join(
             f"g{p}" if is_slot else "None" for p, (_, _, _, is_slot) in enumerate(flat)
         )
-        inits = "".join(f"    g{p} = None\n" for p, (_, _, _, s) in enumerate(flat) if s)
+        inits = "".join(
+            f"    g{p} = None\n"
+            for p, (_, _, kind, s) in enumerate(flat)
+            if s and kind is ArgKind.TENSOR_LIST
+        )
         inits += "".join(f"    n{p} = False\n" for p in items)
         return (
             "def apply(node, *grads):\n"
@@ -534,18 +431,11 @@ class _Writer:
             + "    plan = _PLANS.get((rmask, nmask))\n"
             "    if plan is None:\n"
             "        plan = _plan(rmask, nmask)\n"
-            "    needed = plan.needed\n"
-            "    if not needed:\n"
+            "    if not plan.needed:\n"
             "        return _NONES\n"
             "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-            + (
-                ""
-                if rules.auto is not None and rules.backward is not None
-                else "    watched = (*grads, *saved) if type(saved) is tuple else _watched(saved, grads)\n"
-                "    before = [*_map(_getattr, watched, _VERSION, _NO_VERSION)]\n"
-                "    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
-            )
-            + body
+            "    got = _compute(record, plan, saved, grads, _keeps_for_later(plan, None))\n"
+            + place
             + f"    return (None, None, {outs})\n"
         )
 
@@ -557,7 +447,6 @@ class _Writer:
             "_T": torch.Tensor,
             "_P": torch.nn.Parameter,
             "_DECLINED": DECLINED,
-            "_MISSING": object(),
             "_EMPTY": _EMPTY,
             "_grad_enabled": torch.is_grad_enabled,
             "_fwad": _fwad,
@@ -566,9 +455,6 @@ class _Writer:
             "_tf_mode": torch._C._is_torch_function_mode_enabled,
             "_functorch": torch._C._are_functorch_transforms_active,
             "_compiling": torch.compiler.is_compiling,
-            "_will": torch._C._will_engine_execute_node,
-            "_ACC": _ACCUMULATE,
-            "_captured": impl.captures.captured_now,
             "_alias": _alias_check,
             "_checked_output": self.checked_output,
             "_IMPLS": self.foreign[0],
@@ -581,12 +467,6 @@ class _Writer:
             "_IMPL": impl,
             "_LENS": self.lens or None,
             "_SAVE": rules.save,
-            "_BWD": rules.backward,
-            "_BWD_IN": rules.backward_input,
-            "_BWD_W": rules.backward_weight,
-            "_ALLOWED_full": sig.tensor_set,
-            "_ALLOWED_input": sig.input_set,
-            "_ALLOWED_weight": sig.weight_set,
             "_Inputs": sig.inputs_type,
             "_new": tuple.__new__,
             "_Record": NodeRecord,
@@ -594,20 +474,13 @@ class _Writer:
             "_keep": _save,
             "_restore": _restore,
             "_SAVED_TENSORS": _SAVED_TENSORS,
-            "_watched": _watched_values,
-            "_mutated": _raise_mutation,
-            "_map": map,
-            "_getattr": getattr,
-            "_VERSION": _VERSION,
-            "_NO_VERSION": _NO_VERSION,
             "_TENSOR_OR_NONE": _TENSOR_OR_NONE,
-            "_Ctx": BackwardContext,
-            "_collect": collect_grads,
-            "_by_name": _metas_by_name,
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
             "_compute": impl.compute,
+            "_needed": needed_edge,
+            "_MEMO": impl.captures,
             "_SWITCHES": SWITCHES,
             "_keeps_for_later": keeps_for_later,
             "_NONES": (None,) * (n_inputs + 2),

@@ -146,13 +146,13 @@ class CaptureMemo:
         return captured
 
 
-def needed_edge(fn: Any, memo: CaptureMemo, above: int) -> bool:
+def needed_edge(fn: Any, captured: frozenset[int]) -> bool:
     """Whether the running pass uses the gradient sent along an edge to ``fn``.
 
-    ``above``: Python frames between the caller and torch's ``_engine_run_backward`` (1 for a
-    node's ``apply``, which the engine calls).
+    ``captured``: the leaves the running ``autograd.grad`` captures
+    (:meth:`CaptureMemo.captured_now`, read once per node backward).
     """
-    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now(above + 1):  # type: ignore[attr-defined]
+    if type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[attr-defined]
         return True  # a leaf that autograd.grad captures: needed, without asking the engine
     if _will_execute is None:
         return engine_needs(fn)
@@ -543,6 +543,7 @@ class AutogradImpl:
         sig = spec.signature
         self._plans: dict[tuple[int, int], PassPlan] = {}
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
+        self._tensor_slots: dict[tuple[int, ...], list[tuple[str, int, int | None]]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
         self.captures = CaptureMemo()
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
@@ -695,6 +696,21 @@ class AutogradImpl:
         requires = plan.needed | plan.later_w | plan.later_in
         return self.plan(*_masks(self.spec.signature, requires, requires))
 
+    def tensor_slots(self, lens: tuple[int, ...]) -> list[tuple[str, int, int | None]]:
+        """For list lengths ``lens``: each Tensor argument's name, first flat position and list
+        length (None for a single tensor), cached."""
+        found = self._tensor_slots.get(lens)
+        if found is None:
+            sig = self.spec.signature
+            found = [
+                (name, start, n)
+                for name, (start, n) in _slots(sig, lens).items()
+                if sig.args[sig.index[name]].is_tensor
+            ]
+            if len(self._tensor_slots) < 256:
+                self._tensor_slots[lens] = found
+        return found
+
     def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
         """For each flat input position, the index of its argument."""
         arg_of = self._arg_of.get(lens)
@@ -823,6 +839,7 @@ class AutogradImpl:
         arg_of = self._flat_arg_of if lens is None else self.arg_of(lens)
         req = node.needs_input_grad  # (impl, call, *flat)
         next_fns = None
+        captured: frozenset[int] = _NOTHING
         requires_mask = 0
         needed_mask = 0
         needed_items: set[int] | None = None if lens is None else set()
@@ -837,8 +854,9 @@ class AutogradImpl:
                     if need is None:
                         if next_fns is None:
                             next_fns = node.next_functions
-                        # frames above: AutogradImpl.backward, _node_apply
-                        need = needed_edge(next_fns[edge][0], self.captures, 2)
+                            # frames above: AutogradImpl.backward, _node_apply
+                            captured = self.captures.captured_now(2)
+                        need = needed_edge(next_fns[edge][0], captured)
                     if need:
                         needed_mask |= bit
                         if needed_items is not None:
@@ -1191,10 +1209,9 @@ def _slots(sig: Signature, lens: tuple[int, ...]) -> dict[str, tuple[int, int | 
 def _metas_by_name(sig: Signature, record: NodeRecord) -> dict[str, Meta]:
     metas: dict[str, Meta] = {}
     assert record.lens is not None
-    for name, (start, n) in _slots(sig, record.lens).items():
-        if sig.args[sig.index[name]].is_tensor:
-            m = record.metas
-            metas[name] = m[start] if n is None else list(m[start : start + n])
+    m = record.metas
+    for name, start, n in record.impl.tensor_slots(record.lens):
+        metas[name] = m[start] if n is None else m[start : start + n]
     return metas
 
 

@@ -304,7 +304,8 @@ class _Writer:
             f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
             f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
             f"            or _SPEC.rules is not _RULES\n"
-            f"            or not _IMPLS.isdisjoint(_FOREIGN[{first}.device.type])):\n"
+            f"            or not _IMPLS.isdisjoint(_FOREIGN.cpu if {first}.is_cpu else\n"
+            f"                _FOREIGN.cuda if {first}.is_cuda else _FOREIGN[{first}.device.type])):\n"
             f"        return _DECLINED\n"
             f"{pick}"
             f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
@@ -381,7 +382,7 @@ class _Writer:
             mark = f"nmask |= {bit}" + (f"; n{p} = True" if kind is ArgKind.TENSOR_LIST else "")
             ask = (
                 f"        rmask |= {bit}\n"
-                f"        if _needed(nf[e][0], _MEMO, 1):\n"
+                f"        if _needed(nf[e][0], captured):\n"
                 f"            {mark}\n"
             )
             if kind is ArgKind.OPTIONAL_TENSOR:
@@ -425,6 +426,7 @@ class _Writer:
             "    metas = record.metas\n"
             "    req = node.needs_input_grad\n"
             "    nf = node.next_functions\n"
+            "    captured = _captured_now()\n"
             "    rmask = nmask = e = 0\n"
             + inits
             + "".join(edges)
@@ -480,7 +482,7 @@ class _Writer:
             "_general": impl.backward,
             "_compute": impl.compute,
             "_needed": needed_edge,
-            "_MEMO": impl.captures,
+            "_captured_now": impl.captures.captured_now,
             "_SWITCHES": SWITCHES,
             "_keeps_for_later": keeps_for_later,
             "_NONES": (None,) * (n_inputs + 2),

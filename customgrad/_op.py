@@ -150,6 +150,9 @@ class _ForeignKeys(dict[str, tuple[str, str]]):
     def __init__(self, qualname: str) -> None:
         super().__init__()
         self.prefix = qualname.replace("::", "/") + "/"
+        # read without a dict lookup (``tensor.device.type`` alone costs more than the check)
+        self.cpu = self["cpu"]
+        self.cuda = self["cuda"]
 
     def __missing__(self, device_type: str) -> tuple[str, str]:
         key = str(torch._C._dispatch_key_for_device(device_type))
@@ -420,7 +423,14 @@ class CustomOp(Generic[P, R]):
         if self._mutated_idx:
             self._check_mutated_no_grad(args)
         if first is not None and (
-            _IMPLS is None or not _IMPLS.isdisjoint(self._foreign_keys[first.device.type])
+            _IMPLS is None
+            or not _IMPLS.isdisjoint(
+                self._foreign_keys.cpu
+                if first.is_cpu
+                else self._foreign_keys.cuda
+                if first.is_cuda
+                else self._foreign_keys[first.device.type]
+            )
         ):  # self._dispatcher_decides(first.device.type), inline
             # A kernel or autocast rule registered through torch.library would run: let the
             # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).

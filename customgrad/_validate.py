@@ -138,7 +138,7 @@ def collect_grads(
         GradientTypeError: for a wrong kind of value.
         GradientValueError: for wrong keys, shapes, dtypes, devices or list lengths.
     """
-    if flat_metas is not None and type(result) is dict:
+    if type(result) is dict:
         # The common case, checked inline: a plain dict of valid gradients. Anything else is
         # checked below, which accepts exactly the same results and raises the errors.
         index = sig.index
@@ -147,8 +147,25 @@ def collect_grads(
             if name not in allowed:
                 break
             if grad is not None:
-                meta = flat_metas[index[name]]
-                if not (
+                meta = flat_metas[index[name]] if flat_metas is not None else metas[name]  # type: ignore[index]
+                if type(meta) is list:
+                    if not (
+                        (type(grad) is list or type(grad) is tuple)
+                        and len(grad) == len(meta)
+                        and all(
+                            g is None
+                            or (
+                                type(g) is torch.Tensor
+                                and m is not None
+                                and g.shape == m[0]
+                                and g.dtype is m[1]
+                                and g.device == m[2]
+                            )
+                            for g, m in zip(grad, meta)
+                        )
+                    ):
+                        break
+                elif not (
                     type(grad) is torch.Tensor
                     and meta is not None
                     and grad.shape == meta[0]

@@ -597,7 +597,7 @@ class AutogradImpl:
         """
         spec = self.spec
         if backward and spec.rules is not self._ready_for and not self.ready():
-            raise MissingRegistrationError(spec.missing_autograd_message())
+            raise MissingRegistrationError(spec._missing_autograd_message())
         sig = spec.signature
         call = _Call(kernel)
         flat: Sequence[Any] = args
@@ -626,13 +626,13 @@ class AutogradImpl:
         sig = spec.signature
         lens = call.lens
         args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        outputs, residuals = spec.run_kernel(args, call.kernel)
+        outputs, residuals = spec._run_kernel(args, call.kernel)
         save = spec.rules.save
         inputs = tuple.__new__(sig.inputs_type, args)
         if save is None:
             if any(isinstance(a, _Tensor) and a.requires_grad for a in flat):
                 # registrations changed since apply checked them
-                raise MissingRegistrationError(spec.missing_autograd_message())
+                raise MissingRegistrationError(spec._missing_autograd_message())
         elif sig.residuals_type is None:
             call.saved = save(inputs, outputs)
         else:
@@ -776,7 +776,7 @@ class AutogradImpl:
         if need_in:
             bwd_in = rules.backward_input
             if bwd_in is None:
-                raise MissingRegistrationError(spec.missing_autograd_message())
+                raise MissingRegistrationError(spec._missing_autograd_message())
             result = _call_user(ctx, "input", bwd_in, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_input", phase, ctx, result)
@@ -786,7 +786,7 @@ class AutogradImpl:
         if need_w:
             bwd_w = rules.backward_weight
             if bwd_w is None:
-                raise MissingRegistrationError(spec.missing_autograd_message())
+                raise MissingRegistrationError(spec._missing_autograd_message())
             result = _call_user(ctx, "weight", bwd_w, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_weight", phase, ctx, result)

@@ -20,6 +20,10 @@ from customgrad._errors import (
     MutationError,
     where,
 )
+from customgrad._kernels import IMPLS as _IMPLS
+from customgrad._kernels import ForeignKeys, Kernels, dispatch_key
+from customgrad._kernels import device_types as _device_types
+from customgrad._messages import missing_autograd_message
 from customgrad._rules import (
     AutogradRules,
     BackwardFn,
@@ -31,7 +35,6 @@ from customgrad._rules import (
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
 from customgrad._switches import STATE as _SWITCHES
-from customgrad._torch_internals import library_impls
 
 __all__ = [
     "BackwardFn",
@@ -82,120 +85,6 @@ def _plain_dispatch() -> bool:
         or _tf_mode_enabled()
         or _functorch_active()
     )
-
-
-MSG_NO_AUTOGRAD = """\
-{name}: an input requires grad, but the op's autograd is not registered{missing}. Register a \
-save_for_backward function and {how}:
-
-    @{var}.register_save_for_backward
-    def _(inputs, output):
-        return {saved}
-{example}
-Call the op under torch.no_grad() or on inputs that don't require grad if you need no gradients.
-(op defined at {loc})"""
-
-EXAMPLE_PAIR = """
-    @{var}.register_backward_input           # gradients of {inputs}
-    def _(ctx, saved, grad):
-        {unpack} = saved
-        return {{{input_grads}}}
-
-    @{var}.register_backward_weight          # gradients of {weights}
-    def _(ctx, saved, grad):
-        {unpack} = saved
-        return {{{weight_grads}}}
-
-(or @{var}.register_backward: one function returning every gradient, split automatically).
-"""
-
-EXAMPLE_SINGLE = """
-    @{var}.register_backward                 # gradients of {inputs}
-    def _(ctx, saved, grad):
-        {unpack} = saved
-        return {{{input_grads}}}
-"""
-
-
-def _device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    if device_types is None:
-        return None
-    if isinstance(device_types, str):
-        return (device_types,)
-    return tuple(device_types)
-
-
-def _dispatch_key(qualname: str, device_type: object) -> str:
-    """The dispatch key of ``device_type`` ("cpu" → "CPU"), or a DefinitionError."""
-    fix = (
-        'Use a device type as torch.device names it, lowercase and without an index: "cpu", '
-        '"cuda", "xpu", "mps", ... (or None for every device).'
-    )
-    if not isinstance(device_type, str) or ":" in device_type:
-        raise DefinitionError(f"{qualname}: invalid device type {device_type!r}. {fix}")
-    try:
-        key = torch._C._dispatch_key_for_device(device_type)
-    except (RuntimeError, ValueError):
-        raise DefinitionError(f"{qualname}: unknown device type {device_type!r}. {fix}") from None
-    return str(key)
-
-
-_IMPLS = library_impls()
-
-
-class _ForeignKeys(dict[str, tuple[str, str]]):
-    """Per device type, the ``torch.library`` registration keys of kernels that would run
-    instead of customgrad's own: the device's backend key and its autocast key."""
-
-    def __init__(self, qualname: str) -> None:
-        super().__init__()
-        self.prefix = qualname.replace("::", "/") + "/"
-        # read without a dict lookup (``tensor.device.type`` alone costs more than the check)
-        self.cpu = self["cpu"]
-        self.cuda = self["cuda"]
-
-    def __missing__(self, device_type: str) -> tuple[str, str]:
-        key = str(torch._C._dispatch_key_for_device(device_type))
-        keys = self[device_type] = (self.prefix + key, f"{self.prefix}Autocast{key}")
-        return keys
-
-
-class _Kernels:
-    """The op's kernels by device type (``None``: the kernel for every device)."""
-
-    def __init__(self, qualname: str, var: str, fn: Callable[..., Any]) -> None:
-        self.qualname = qualname
-        self.var = var
-        self.fn = fn
-        self.by_device: dict[str | None, Callable[..., Any]] = {}
-
-    def for_device(self, device_type: str) -> Callable[..., Any] | None:
-        by = self.by_device
-        return by.get(device_type) or by.get(None)
-
-    def for_args(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        """The kernel for the device of the first tensor in ``args``, or an error."""
-        by = self.by_device
-        if len(by) > 1 or None not in by:
-            for a in args:
-                t = a if isinstance(a, _Tensor) else None
-                if t is None and isinstance(a, (list, tuple)):
-                    t = next((x for x in a if isinstance(x, _Tensor)), None)
-                if t is not None:
-                    k = by.get(t.device.type)
-                    if k is not None:
-                        return k
-                    break
-        k = by.get(None)
-        if k is None:
-            devices = ", ".join(sorted(d for d in by if d is not None)) or "none"
-            raise MissingRegistrationError(
-                f"{self.qualname}: no kernel for these inputs' device (kernels registered for: "
-                f"{devices}). Add one with @{self.var}.register_kernel('<device>') or "
-                f"register a kernel for all devices with register_kernel(None). "
-                f"(op defined at {where(self.fn)})"
-            )
-        return k
 
 
 def _check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
@@ -254,7 +143,7 @@ class CustomOp(Generic[P, R]):
         residual_names = (residuals,) if isinstance(residuals, str) else tuple(residuals)
         types = _device_types(device_types)
         for dt in types or ():
-            _dispatch_key(name, dt)  # refuses an unknown device type
+            dispatch_key(name, dt)  # refuses an unknown device type
         kernel_schema = make_schema(name, fn, schema, mutates)
         diff = None if output_differentiability is None else tuple(output_differentiability)
         self._sig = Signature(name, kernel_schema, fn, weights, residual_names, diff)
@@ -266,7 +155,7 @@ class CustomOp(Generic[P, R]):
         self._mutates = mutates
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._var = opname
-        self._kernels = _Kernels(name, opname, fn)
+        self._kernels = Kernels(name, opname, fn)
         self._fake_fn: Callable[..., Any] | None = None
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
@@ -274,7 +163,7 @@ class CustomOp(Generic[P, R]):
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
         self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
-        self._foreign_keys = _ForeignKeys(name)
+        self._foreign_keys = ForeignKeys(name)
 
         old = _OPS.get(name)
         if old is not None:
@@ -325,7 +214,7 @@ class CustomOp(Generic[P, R]):
         self.__class__ = _ReplacedOp
 
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
-    def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
+    def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
         """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
         sig = self._sig
         if kernel is None:
@@ -337,43 +226,8 @@ class CustomOp(Generic[P, R]):
             out = kernel(*args)
         return self._checked_output(args, out)
 
-    def missing_autograd_message(self) -> str:
-        sig = self._sig
-        missing = self.rules.missing(
-            has_inputs=bool(sig.input_names), has_weights=bool(sig.weights)
-        )
-        inputs = [n for n in sig.input_names if sig.args[sig.index[n]].kind is _TENSOR]
-        weights = list(sig.weights)
-        tensors = inputs + weights
-        unpack = ", ".join(tensors) if tensors else "saved_value"
-        if weights and inputs:
-            how = "either one backward or the input/weight pair"
-            example = EXAMPLE_PAIR.format(
-                var=self._var,
-                inputs=", ".join(repr(n) for n in inputs),
-                weights=", ".join(repr(n) for n in weights),
-                unpack=unpack,
-                input_grads=", ".join(f'"{n}": ...' for n in inputs),
-                weight_grads=", ".join(f'"{n}": ...' for n in weights),
-            )
-        else:
-            names = inputs or weights
-            how = "a backward"
-            example = EXAMPLE_SINGLE.format(
-                var=self._var,
-                inputs=", ".join(repr(n) for n in names) or "the Tensor arguments",
-                unpack=unpack,
-                input_grads=", ".join(f'"{n}": ...' for n in names),
-            )
-        return MSG_NO_AUTOGRAD.format(
-            name=self.name,
-            missing=f" (missing: {', '.join(missing)})" if missing else "",
-            how=how,
-            var=self._var,
-            saved=", ".join(f"inputs.{n}" for n in tensors) or "None",
-            example=example,
-            loc=where(self._fn),
-        )
+    def _missing_autograd_message(self) -> str:
+        return missing_autograd_message(self._sig, self.rules, self._var, self._fn)
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
@@ -640,7 +494,7 @@ class CustomOp(Generic[P, R]):
         """
         types = _device_types(device_types)
         for dt in types or ():
-            _dispatch_key(self.name, dt)  # refuses an unknown device type
+            dispatch_key(self.name, dt)  # refuses an unknown device type
 
         def register(f: F) -> F:
             if not callable(f):

@@ -483,17 +483,25 @@ def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
     if handoff is NO_HANDOFF:
         return NO_HANDOFF
     made_with, value = handoff
-    if made_with is grads or _same_tensors(made_with, grads):
+    if made_with is grads or _same_tensors(
+        made_with, grads, record.op.signature.output_differentiability
+    ):
         return value
     return NO_HANDOFF
 
 
-def _same_tensors(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors."""
+def _same_tensors(
+    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
+) -> bool:
+    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
+
+    The gradients of non-differentiable outputs are not compared: autograd materializes a new
+    tensor of zeros for them in each pass.
+    """
     if len(a) != len(b):
         return False
-    for x, y in zip(a, b):
-        if x is y:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is y or (differentiable is not None and not differentiable[i]):
             continue
         if not (
             isinstance(x, list)

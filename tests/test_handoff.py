@@ -154,3 +154,36 @@ def test_an_input_pass_without_its_weight_pass_leaves_no_reference_cycle(
         assert node() is None and rec() is None  # freed by reference counting alone
     finally:
         gc.enable()
+
+
+def test_a_non_differentiable_output_does_not_stop_the_hand_off(fastpath: bool) -> None:
+    """Autograd gives a non-differentiable output a new tensor of zeros in each pass: the
+    hand-off is still read by the weight pass of the same gradients (shared work done once)."""
+    calls: list[str] = []
+
+    @cg.op(
+        f"test_handoff{next(_ids)}::scale_and_max",
+        weights=("w",),
+        output_differentiability=(True, False),
+    )
+    def scale_and_max(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * w
+        return y, y.amax()
+
+    scale_and_max.register_fake(lambda x, w: (torch.empty_like(x), x.new_empty(())))
+    scale_and_max.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @scale_and_max.register_backward_shared
+    def _(ctx: cg.BackwardContext, s: Any, g: torch.Tensor, g_max: torch.Tensor) -> torch.Tensor:
+        calls.append("shared")
+        return g * 2
+
+    scale_and_max.register_backward_input(lambda ctx, s, g, gm: {"x": ctx.shared * s[1] / 2})
+    scale_and_max.register_backward_weight(lambda ctx, s, g, gm: {"w": ctx.shared * s[0] / 2})
+    x, w = (torch.randn(4, dtype=DT, requires_grad=True) for _ in range(2))
+    y, _ = scale_and_max(x, w)
+    g = torch.randn(4, dtype=DT)
+    (gx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    (gw,) = torch.autograd.grad(y, w, g)
+    assert calls == ["shared"]
+    torch.testing.assert_close((gx, gw), (g * w, g * x))

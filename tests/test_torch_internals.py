@@ -14,6 +14,15 @@ from customgrad._op import autograd_impl
 def test_engine_query_graph_task_and_accumulate_grad_exist() -> None:
     assert ti.will_execute is not None
     assert ti.graph_task_id() == -1  # outside a backward
+    assert hasattr(torch._C._autograd, "_get_current_graph_task_keep_graph")
+    assert ti.graph_kept() is True  # outside a backward: True (keep, the safe answer)
+    kept: list[bool] = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: kept.append(ti.graph_kept()))
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    assert kept == [True, False]
     assert ti.ACCUMULATE_GRAD is not type(None)
     x = torch.ones(2, requires_grad=True)
     assert type((x * 2).grad_fn.next_functions[0][0]) is ti.ACCUMULATE_GRAD  # type: ignore[union-attr]

@@ -13,28 +13,32 @@ This module depends on an op only through :class:`customgrad._rules.OpSpec`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
-import optree
 import torch
-import torch.autograd.forward_ad as _fwad
 from torch.autograd.graph import GradientEdge
 
 from customgrad._errors import (
-    GradientTypeError,
     GradientValueError,
     MissingRegistrationError,
-    MutationError,
     UnsupportedError,
-    where,
+)
+from customgrad._forward_ad import forward_ad_active, jvp
+from customgrad._layout import (
+    _flatten_args,
+    _metas_by_name,
+    _public_outputs,
+    _regroup,
+    _slots,
+    _unflatten_args,
 )
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._routing import current_tag, route_for
-from customgrad._rules import AutogradRules, Half, OpSpec
+from customgrad._rules import AutogradRules, OpSpec
+from customgrad._saving import _SAVED_TENSORS, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._torch_internals import (
@@ -44,7 +48,15 @@ from customgrad._torch_internals import (
     graph_task_id,
     will_execute,
 )
-from customgrad._validate import HALF_NAMES, Meta, collect_grads, describe
+from customgrad._user_calls import (
+    _call_user,
+    _guard_residuals,
+    _residual_slots,
+    _Watch,
+)
+from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
+from customgrad._user_calls import _requiring_grad as _requiring_grad
+from customgrad._validate import collect_grads
 
 __all__ = [
     "AutogradImpl",
@@ -89,21 +101,6 @@ BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
 runs (``label``: ``"backward"``, ``"backward_input"``, ``"backward_weight"``,
 ``"backward_shared"``, or ``"backward (traced input part)"`` and the like for an automatic
 split)."""
-
-
-class SaveError(GradientTypeError):
-    """``save_for_backward`` returned a value customgrad cannot keep safely."""
-
-
-MSG_HIDDEN_TENSORS = """\
-{op}: save_for_backward returned {what}, which holds Tensors customgrad cannot see. Tensors \
-must be saved through autograd (so in-place changes before backward are caught and no \
-reference cycle keeps outputs alive), which customgrad does for Tensors inside tuples, lists, \
-dicts and NamedTuples. Return those instead:
-
-    return inputs.x, inputs.weight, rstd            # or a dict / a NamedTuple
-
-(save_for_backward defined at {loc})"""
 
 
 _ACCUMULATE = ACCUMULATE_GRAD
@@ -278,191 +275,6 @@ class BackwardContext:
             f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
             f"needed={sorted(self._needed)})"
         )
-
-
-# --------------------------------------------------------------------------------------------
-# Running the user's backward functions
-
-
-def _watched_values(saved: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The output gradients, then the saved values (leaves of a saved pytree)."""
-    if type(saved) is tuple:
-        return (*grads, *saved)
-    if saved is None:
-        return grads
-    if isinstance(saved, _Tensor):
-        return (*grads, saved)
-    return (*grads, *optree.tree_leaves(saved, none_is_leaf=True))
-
-
-def _raise_mutation(
-    spec: OpSpec,
-    half: Half,
-    fn: Callable[..., Any],
-    values: tuple[Any, ...],
-    before: list[Any],
-    n_grads: int,
-) -> None:
-    """Raise :class:`MutationError` for the first value whose version moved (if one did)."""
-    saved_tensors = 0
-    for i, (v, version) in enumerate(zip(values, before)):
-        is_grad = i < n_grads
-        if not is_grad and isinstance(v, _Tensor):
-            saved_tensors += 1
-        if version is not None and v._version != version:
-            what = f"the gradient of output {i}" if is_grad else f"saved tensor {saved_tensors - 1}"
-            label = HALF_NAMES[half]
-            raise MutationError(
-                f"{spec.name}: {label} modified {what} in place (its version went from "
-                f"{version} to {v._version}). The other half of a split backward may still "
-                f"need it, and autograd may share it with other nodes. Compute out of place "
-                f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
-            )
-
-
-class _Watch:
-    """What a backward function must not write to in place (the output gradients and the saved
-    values), and their version counters before the node's backward ran.
-
-    Versions are read with ``getattr(v, "_version", None)`` over every value (C-level ``map``,
-    no Python frame per value): non-tensors read as None and never change.
-    """
-
-    __slots__ = ("before", "n_grads", "values")
-
-    def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
-        self.values = values = _watched_values(saved, grads)
-        self.n_grads = len(grads)
-        self.before = [*map(getattr, values, _VERSION, _NO_VERSION)]
-
-    def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
-        """Raise :class:`MutationError` if ``fn`` moved a version counter."""
-        if [*map(getattr, self.values, _VERSION, _NO_VERSION)] != self.before:
-            _raise_mutation(spec, half, fn, self.values, self.before, self.n_grads)
-
-
-def _call_user(
-    ctx: BackwardContext,
-    half: Half,
-    fn: Callable[..., Any],
-    saved: Any,
-    grads: tuple[Any, ...],
-    watch: _Watch,
-    nondiff: frozenset[Half],
-) -> Any:
-    """Call one registered backward function; refuse in-place writes to grads or saved values."""
-    if nondiff and half in nondiff and torch.is_grad_enabled():
-        with torch.no_grad():
-            result = fn(ctx, saved, *grads)
-        anchors = _requiring_grad(grads, saved)
-        if anchors:
-            result = _delay_error(ctx.op, half, fn, result, anchors)
-    else:
-        result = fn(ctx, saved, *grads)
-    watch.check(ctx.op, half, fn)
-    return result
-
-
-def _requiring_grad(grads: tuple[Any, ...], saved: Any) -> list[torch.Tensor]:
-    """The output gradients and saved tensors that require grad (in double backward)."""
-    tree: Any = (grads, saved)
-    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
-    return [t for t in leaves if isinstance(t, _Tensor) and t.requires_grad]
-
-
-class _RaiseIfDifferentiated(torch.autograd.Function):
-    """An alias of a tensor whose backward raises: for what autograd cannot differentiate (a
-    ``differentiable=False`` backward's gradients, a residual). Unlike torch's
-    ``once_differentiable``, the node has edges to the tensors the value was computed from
-    (``anchors``), so ``autograd.grad`` with respect to them runs it and raises, instead of
-    pruning it and returning a silently wrong gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, msg: str, value: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
-        ctx.msg = msg
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise UnsupportedError(ctx.msg)
-
-
-def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:
-    if not (t.is_floating_point() or t.is_complex()):
-        return t
-    return _RaiseIfDifferentiated.apply(msg, t, *anchors)  # type: ignore[no-untyped-call]
-
-
-def _delay_error(
-    spec: OpSpec, half: Half, fn: Callable[..., Any], result: Any, anchors: list[torch.Tensor]
-) -> Any:
-    """Make the gradients in ``result`` raise if anyone differentiates them (double backward)."""
-    if not isinstance(result, dict):
-        return result
-    label = HALF_NAMES[half]
-    msg = (
-        f"{spec.name}: {label} was registered with differentiable=False, so its gradients "
-        f"cannot be differentiated again (double backward, gradient penalties). Register a "
-        f"differentiable {label}, written with differentiable torch ops. ({label} defined at "
-        f"{where(fn)})"
-    )
-    out: dict[Any, Any] = {}
-    for name, g in result.items():
-        if isinstance(g, _Tensor):
-            g = _raises_if_differentiated(msg, g, anchors)
-        elif isinstance(g, (list, tuple)):
-            g = [
-                _raises_if_differentiated(msg, t, anchors) if isinstance(t, _Tensor) else t
-                for t in g
-            ]
-        out[name] = g
-    return out
-
-
-MSG_RESIDUAL_DOUBLE_BACKWARD = """\
-{op}: double backward (create_graph=True, gradient penalties) reached residual {name!r}, which \
-the kernel computed in the forward: autograd sees it as a constant, so the gradient through it \
-would be silently wrong. Save the inputs and recompute it in the backward with differentiable \
-torch ops if you need double backward; otherwise register the backward with \
-differentiable=False to declare the op once differentiable. (kernel defined at {loc})"""
-
-
-def _residual_slots(saved: Any, residuals: tuple[Any, ...], names: tuple[str, ...]) -> Any:
-    """For each residual that ``save_for_backward`` kept as it is: its position among the saved
-    tensors (in the order :func:`_save` saves them) and its name; None when there is none."""
-    tensors = [t for t in optree.tree_leaves(saved, none_is_leaf=True) if isinstance(t, _Tensor)]
-    slots = tuple(
-        (i, name) for i, t in enumerate(tensors) for r, name in zip(residuals, names) if t is r
-    )
-    return slots or None
-
-
-def _guard_residuals(
-    spec: OpSpec, saved: Any, grads: tuple[Any, ...], slots: tuple[tuple[int, str], ...]
-) -> Any:
-    """``saved`` with each residual replaced by an alias whose backward raises (in double
-    backward, where the backward builds a graph).
-
-    A residual depends on the op's inputs, not on the output gradients: its alias hangs off the
-    saved tensors that require grad, so double backward with respect to the output gradients
-    alone still works; only when no saved tensor requires grad does it hang off the gradients.
-    """
-    anchors = _requiring_grad((), saved) or _requiring_grad(grads, None)
-    if not anchors:
-        return saved
-    names = dict(slots)
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-    k = 0
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _Tensor):
-            name = names.get(k)
-            if name is not None:
-                msg = MSG_RESIDUAL_DOUBLE_BACKWARD.format(
-                    op=spec.name, name=name, loc=where(spec.signature.fn)
-                )
-                leaves[i] = _raises_if_differentiated(msg, leaf, anchors)
-            k += 1
-    return optree.tree_unflatten(treespec, leaves)
 
 
 def keeps_for_later(plan: PassPlan, target: Any) -> bool:
@@ -680,7 +492,7 @@ class AutogradImpl:
         _save(ctx, record, self.spec, call.saved)
         if call.residuals:
             record.residual_slots = _residual_slots(call.saved, call.residuals, sig.residual_names)
-        if _forward_ad_active():
+        if forward_ad_active():
             args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
             outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
             record.forward_ad = (tuple.__new__(sig.inputs_type, args), outputs)
@@ -912,67 +724,6 @@ class AutogradImpl:
                         out[start + i + 2] = gi
         return tuple(out)
 
-    def jvp(self, ctx: Any, tangents: tuple[Any, ...]) -> Any:
-        record: NodeRecord = ctx._cg
-        spec = self.spec
-        sig = spec.signature
-        rule = spec.rules.jvp
-        kept, record.forward_ad = record.forward_ad, None
-        if rule is None:
-            raise MissingRegistrationError(
-                f"{spec.name}: forward-mode AD (torch.func.jvp, jacfwd, dual tensors) reached "
-                f"this op, which has no jvp rule. Register one (customgrad never differentiates "
-                f"the kernel behind your registered backward):\n\n"
-                f"    @{spec.name.split('::')[1]}.register_jvp\n"
-                f"    def _(inputs, output, tangents):     # tangents.x is None without one\n"
-                f"        return tangents.x * 2              # the output's tangent\n"
-            )
-        if kept is None:  # pragma: no cover - jvp without forward AD active at forward
-            raise UnsupportedError(f"{spec.name}: jvp called without a forward-AD forward.")
-        inputs, outputs = kept
-        flat = tangents[2:]
-        by_arg = flat if record.lens is None else _unflatten_args(sig, record.lens, flat)
-        result = rule(inputs, outputs, tuple.__new__(sig.inputs_type, by_arg))
-        return _check_tangents(spec, rule, outputs, result, record.out_lens)
-
-
-def _check_tangents(
-    spec: OpSpec, rule: Callable[..., Any], outputs: Any, result: Any, out_lens: Any
-) -> Any:
-    sig = spec.signature
-    outs = outputs if sig.output_is_tuple else (outputs,)
-    got = result if sig.output_is_tuple else (result,)
-    loc = f"(jvp defined at {where(rule)})"
-    if not isinstance(got, (tuple, list)) or len(got) != len(outs):
-        raise GradientTypeError(
-            f"{spec.name}: jvp returned {describe(result)}; return one tangent per output "
-            f"({len(outs)}), shaped like the output. {loc}"
-        )
-    flat: list[Any] = []
-    for i, (o, t) in enumerate(zip(outs, got)):
-        pairs = list(zip(o, t)) if isinstance(o, (list, tuple)) else [(o, t)]
-        if isinstance(o, (list, tuple)) and (not isinstance(t, (list, tuple)) or len(t) != len(o)):
-            raise GradientTypeError(
-                f"{spec.name}: jvp returned {describe(t)} as the tangent of output {i}, a list of "
-                f"{len(o)} tensors; return a list of the same length. {loc}"
-            )
-        for oi, ti in pairs:
-            if ti is not None and not (
-                isinstance(ti, _Tensor)
-                and ti.shape == oi.shape
-                and ti.dtype == oi.dtype
-                and ti.device == oi.device
-            ):
-                raise GradientValueError(
-                    f"{spec.name}: jvp returned {describe(ti)} as the tangent of output {i}, "
-                    f"but the output is {describe(oi)}. Return a tangent of the output's shape, "
-                    f"dtype and device (or None). {loc}"
-                )
-            flat.append(ti)
-    if sig.plain_output:
-        return flat[0]
-    return tuple(flat) if (sig.output_is_tuple or out_lens[0] is not None) else flat[0]
-
 
 # --------------------------------------------------------------------------------------------
 # The autograd.Function
@@ -1004,7 +755,7 @@ class _CustomGradNode(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         impl: AutogradImpl = ctx._cg.impl
-        return impl.jvp(ctx, tangents)
+        return jvp(impl.spec, ctx, tangents)
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
@@ -1026,24 +777,6 @@ def _node_apply(node: Any, *grads: Any) -> Any:
 # AutogradImpl points that class's ``apply`` here.
 
 
-def _forward_ad_active() -> bool:
-    """Whether a jvp may follow this forward: a dual level, or a functorch jvp transform."""
-    if _fwad._current_level >= 0:
-        return True
-    if _functorch_active is None or not _functorch_active():
-        return False
-    return any(i.key() == _JVP for i in _functorch_interpreters())
-
-
-def _public_outputs(sig: Signature, out_lens: Any, output: Any) -> Any:
-    """The op's outputs from the node's flat outputs."""
-    if sig.output_is_tuple:
-        return _regroup(out_lens, output if isinstance(output, tuple) else (output,))
-    if sig.output_kinds and sig.output_kinds[0] is ArgKind.TENSOR_LIST:
-        return list(output)
-    return output
-
-
 def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
     diff = sig.output_differentiability
     if diff is None:
@@ -1058,185 +791,6 @@ def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
         pos += k
     if marked:
         ctx.mark_non_differentiable(*marked)
-
-
-# --------------------------------------------------------------------------------------------
-# Saving and restoring what save_for_backward returned
-
-
-class _Kept(NamedTuple):
-    """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
-    in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
-
-    leaves: list[Any]
-    treespec: Any
-    tensor_idx: list[int]
-
-
-# What ``record.kept`` holds when ``save_for_backward`` returned something simple.
-_SAVED_NONE: Any = object()  # None
-_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
-_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
-_OPAQUE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-_TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
-
-
-def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
-    """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
-    if saved is None:
-        record.kept = _SAVED_NONE
-        return
-    kind = type(saved)
-    if kind is _Tensor or kind is _Parameter:
-        ctx.save_for_backward(saved)
-        record.kept = _SAVED_TENSOR
-        return
-    if kind is tuple:
-        if _TENSOR_OR_NONE.issuperset(map(type, saved)):
-            # Tensors and Nones: saved_tensors gives the same tuple back
-            ctx.save_for_backward(*saved)
-            record.kept = _SAVED_TENSORS
-            return
-        tensor_idx: list[int] = []
-        for i, v in enumerate(saved):
-            k = type(v)
-            if k is _Tensor or k is _Parameter:
-                tensor_idx.append(i)
-            elif k not in _OPAQUE_LEAVES:
-                break
-        else:  # a flat tuple of leaves: no pytree needed
-            leaves = list(saved)
-            if tensor_idx:
-                ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-                for i in tensor_idx:
-                    leaves[i] = None
-            record.kept = _Kept(leaves, None, tensor_idx)
-            return
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-    tensor_idx = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _Tensor):
-            tensor_idx.append(i)
-        elif not isinstance(leaf, _OPAQUE_LEAVES):
-            _check_opaque_leaf(spec, leaf)
-    if tensor_idx:
-        ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-        for i in tensor_idx:
-            leaves[i] = None
-    record.kept = _Kept(leaves, treespec, tensor_idx)
-
-
-def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
-    """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
-    Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
-    attrs = getattr(leaf, "__dict__", None)
-    values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
-    for name in getattr(type(leaf), "__slots__", ()):
-        values.append(getattr(leaf, name, None))
-    is_dataclass = dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
-    if is_dataclass:
-        values += [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
-    tree: Any = values
-    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(tree, none_is_leaf=True)):
-        return
-    if is_dataclass:
-        what = f"a dataclass ({type(leaf).__qualname__})"
-    else:
-        what = f"a {type(leaf).__qualname__} object with Tensor attributes"
-    save = spec.rules.save
-    raise SaveError(MSG_HIDDEN_TENSORS.format(op=spec.name, what=what, loc=where(save)))
-
-
-def _restore(node: Any, record: NodeRecord) -> Any:
-    kept = record.kept
-    if kept is _SAVED_TENSORS:
-        return node.saved_tensors
-    if kept is _SAVED_TENSOR:
-        return node.saved_tensors[0]
-    if kept is _SAVED_NONE:
-        return None
-    leaves, treespec, tensor_idx = kept
-    if tensor_idx:
-        leaves = list(leaves)
-        for i, t in zip(tensor_idx, node.saved_tensors):
-            leaves[i] = t
-    if treespec is None:
-        return tuple(leaves)
-    return optree.tree_unflatten(treespec, leaves)
-
-
-# --------------------------------------------------------------------------------------------
-# Lists: flattening arguments and outputs
-
-
-def _flatten_args(sig: Signature, args: tuple[Any, ...]) -> tuple[tuple[int, ...], list[Any]]:
-    """List arguments' items inline, with each list's length."""
-    lens: list[int] = []
-    flat: list[Any] = []
-    for spec, a in zip(sig.args, args):
-        if spec.kind is ArgKind.TENSOR_LIST:
-            items = list(a)
-            lens.append(len(items))
-            flat.extend(items)
-        else:
-            flat.append(a)
-    return tuple(lens), flat
-
-
-def _unflatten_args(sig: Signature, lens: tuple[int, ...], flat: Sequence[Any]) -> tuple[Any, ...]:
-    out: list[Any] = []
-    pos = 0
-    it = iter(lens)
-    for spec in sig.args:
-        if spec.kind is ArgKind.TENSOR_LIST:
-            n = next(it)
-            out.append(list(flat[pos : pos + n]))
-            pos += n
-        else:
-            out.append(flat[pos])
-            pos += 1
-    return tuple(out)
-
-
-def _slots(sig: Signature, lens: tuple[int, ...]) -> dict[str, tuple[int, int | None]]:
-    """Map each argument name to (first flat position, list length or None)."""
-    slots: dict[str, tuple[int, int | None]] = {}
-    pos = 0
-    it = iter(lens)
-    for spec in sig.args:
-        if spec.kind is ArgKind.TENSOR_LIST:
-            n = next(it)
-            slots[spec.name] = (pos, n)
-            pos += n
-        else:
-            slots[spec.name] = (pos, None)
-            pos += 1
-    return slots
-
-
-def _metas_by_name(sig: Signature, record: NodeRecord) -> dict[str, Meta]:
-    metas: dict[str, Meta] = {}
-    assert record.lens is not None
-    m = record.metas
-    for name, start, n in record.impl.tensor_slots(record.lens):
-        metas[name] = m[start] if n is None else m[start : start + n]
-    return metas
-
-
-def _regroup(out_lens: list[int | None] | None, flat: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Group a node's flat outputs (or their gradients) back into the op's outputs."""
-    if out_lens is None or all(n is None for n in out_lens):
-        return tuple(flat)
-    out: list[Any] = []
-    pos = 0
-    for n in out_lens:
-        if n is None:
-            out.append(flat[pos])
-            pos += 1
-        else:
-            out.append(list(flat[pos : pos + n]))
-            pos += n
-    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------

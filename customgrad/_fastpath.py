@@ -35,18 +35,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from customgrad._autograd import (
-    _SAVED_TENSORS,
-    _TENSOR_OR_NONE,
-    _CustomGradNode,
-    _restore,
-    _save,
-    keeps_for_later,
-    needed_edge,
-)
+from customgrad._autograd import _CustomGradNode, keeps_for_later, needed_edge
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
+from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, _restore, _save
 from customgrad._signature import ArgKind
 from customgrad._switches import STATE as SWITCHES
 

@@ -149,21 +149,20 @@ def collect_grads(
             if grad is not None:
                 meta = flat_metas[index[name]] if flat_metas is not None else metas[name]  # type: ignore[index]
                 if type(meta) is list:
-                    if not (
-                        (type(grad) is list or type(grad) is tuple)
-                        and len(grad) == len(meta)
-                        and all(
-                            g is None
-                            or (
-                                type(g) is torch.Tensor
-                                and m is not None
-                                and g.shape == m[0]
-                                and g.dtype is m[1]
-                                and g.device == m[2]
-                            )
-                            for g, m in zip(grad, meta)
-                        )
-                    ):
+                    if not ((type(grad) is list or type(grad) is tuple) and len(grad) == len(meta)):
+                        break
+                    for g, m in zip(grad, meta):
+                        if g is not None and not (
+                            type(g) is torch.Tensor
+                            and m is not None
+                            and g.shape == m[0]
+                            and g.dtype is m[1]
+                            and g.device == m[2]
+                        ):
+                            break
+                    else:
+                        g = None
+                    if g is not None:  # an item failed the check
                         break
                 elif not (
                     type(grad) is torch.Tensor

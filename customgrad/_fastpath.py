@@ -10,20 +10,21 @@ make the same decisions with a fraction of the interpreter work.
 
 What it covers: ops without keyword-only arguments, mutated arguments, residuals, shared
 backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
-autograd is the input/weight pair or a single backward (called as written with
-``split="phase"``; with ``split="auto"`` the generated backward queries the edges and the traced
-split computes); ``list[Tensor]`` arguments get one fast path per layout of list lengths, written
-on first use (at most ``_MAX_LAYOUTS``). Calls must have plain tensors under grad mode, with no
-dispatch or function mode, functorch transform, profiler, forward-AD level or ``torch.compile``
-trace. Any other call declines (returns :data:`DECLINED`) and runs the general path
-(:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a route on the
-record) and changed registrations also go to the general path; observers (``check_op``) are
-called here as there, so a check runs the path a user's call runs.
+autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one fast
+path per layout of list lengths, written on first use (at most ``_MAX_LAYOUTS``). Calls must
+have plain tensors under grad mode, with no dispatch or function mode, functorch transform,
+profiler, forward-AD level, ``torch.compile`` trace, or kernel or autocast rule registered for
+the op through ``torch.library`` by someone else. Any other call declines (returns
+:data:`DECLINED`) and runs the general path (:class:`customgrad._autograd.AutogradImpl`).
+Backwards that a split plans (a route on the record), changed registrations and a switched-off
+split also go to the general path; ``CUSTOMGRAD_FASTPATH=0`` turns this module off.
 
-One set of rules: the pass plan (``AutogradImpl.plan``), the saved-value layout (``_save`` /
-``_restore``), the in-place watch and the gradient errors (``collect_grads``) are the general
-path's own; the generated code only decides the common case inline and hands anything unusual
-to them. ``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
+One set of rules: what is generated is argument handling only (unpacking, the per-argument
+checks of the call, the edge loop and the placement of gradients). Which edges a pass needs
+(``needed_edge``), the pass plan (``AutogradImpl.plan``), what a pass computes, validates and
+hands to the later pass (``AutogradImpl.compute``, ``collect_grads``), the saved-value layout
+(``_save`` / ``_restore``) and observers are the general path's own, called from here.
+``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
 """
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ def keeps_for_later(plan: PassPlan, target: Any) -> bool:
     computes input gradients while weights that require grad are left for later, and that later
     pass can come (the graph is retained, or a route defers the weight half to ``target``).
     A non-retaining partial pass frees everything at once."""
-    return bool(plan.later_w) and bool(plan.need_in) and (target is not None or graph_kept())
+    return plan.splits and (target is not None or graph_kept())
 
 
 def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
@@ -338,6 +338,9 @@ class PassPlan(NamedTuple):
     route takes them)."""
     later_in: frozenset[str]
     """Non-weight arguments that require grad but that this pass does not compute."""
+    splits: bool
+    """Whether the pass computes input gradients while weights that require grad are left for
+    a later pass (the earlier pass of a split)."""
 
 
 def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> PassPlan:
@@ -348,7 +351,9 @@ def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str])
     else:
         phase = "weight" if need_w else "input"
     later = requires - needed
-    return PassPlan(phase, needed, need_in, need_w, later & sig.weight_set, later - sig.weight_set)
+    later_w = later & sig.weight_set
+    splits = bool(later_w) and bool(need_in)
+    return PassPlan(phase, needed, need_in, need_w, later_w, later - sig.weight_set, splits)
 
 
 class AutogradImpl:

@@ -430,7 +430,8 @@ class _Writer:
             "    if not plan.needed:\n"
             "        return _NONES\n"
             "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-            "    got = _compute(record, plan, saved, grads, _keeps_for_later(plan, None))\n"
+            "    got = _compute(record, plan, saved, grads,\n"
+            "                   plan.splits and _keeps_for_later(plan, None))\n"
             + place
             + f"    return (None, None, {outs})\n"
         )

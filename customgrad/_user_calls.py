@@ -74,7 +74,9 @@ class _Watch:
     __slots__ = ("before", "n_grads", "values")
 
     def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
-        self.values = values = _watched_values(saved, grads)
+        self.values = values = (
+            (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)
+        )
         self.n_grads = len(grads)
         self.before = [*map(getattr, values, _VERSION, _NO_VERSION)]
 

@@ -771,6 +771,10 @@ def _auto_split(op: CustomOp[..., Any], fn: Callable[..., Any], split: str, reco
     """The automatic splitter for a single backward, or None (``split="phase"``)."""
     if split != "auto":
         return None
+    # Tracing imports torch._dynamo; imported inside the first backward, that import keeps the
+    # backward's frames (and so the node and its saved tensors) alive for good. Import it now.
+    import torch._dynamo  # noqa: F401
+
     from customgrad._autosplit import AutoSplitter  # imports torch.fx: only when needed
 
     return AutoSplitter(op, fn, recompute)

@@ -187,3 +187,38 @@ def test_a_non_differentiable_output_does_not_stop_the_hand_off(fastpath: bool) 
     (gw,) = torch.autograd.grad(y, w, g)
     assert calls == ["shared"]
     torch.testing.assert_close((gx, gw), (g * w, g * x))
+
+
+FIRST_TRACE = """
+import gc, weakref, torch
+import customgrad as cg
+
+gc.disable()
+@cg.op("first_trace::lin", weights=("w",))
+def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.mT
+lin.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+lin.register_save_for_backward(lambda i, o: (i.x, i.w))
+lin.register_backward(lambda ctx, s, g: {"x": g @ s[1], "w": g.mT @ s[0]})
+x = torch.randn(3, 4, requires_grad=True)
+w = torch.randn(5, 4, requires_grad=True)
+out = lin(x, w)
+node = weakref.ref(out.grad_fn)
+torch.autograd.grad(out.sum(), x, retain_graph=True)  # the first backward traces
+del out
+print(node() is None)
+"""
+
+
+def test_the_node_of_the_first_traced_backward_is_freed() -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_TRACE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"

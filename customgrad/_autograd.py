@@ -13,31 +13,50 @@ This module depends on an op only through :class:`customgrad._rules.OpSpec`.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
 
-import optree
 import torch
-import torch.autograd.forward_ad as _fwad
 from torch.autograd.graph import GradientEdge
 
 from customgrad._errors import (
-    GradientTypeError,
     GradientValueError,
     MissingRegistrationError,
-    MutationError,
     UnsupportedError,
-    where,
+)
+from customgrad._forward_ad import forward_ad_active, jvp
+from customgrad._layout import (
+    _flatten_args,
+    _metas_by_name,
+    _public_outputs,
+    _regroup,
+    _slots,
+    _unflatten_args,
 )
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._routing import current_tag, route_for
-from customgrad._rules import AutogradRules, Half, OpSpec
+from customgrad._rules import AutogradRules, OpSpec
+from customgrad._saving import _SAVED_TENSORS, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
-from customgrad._validate import HALF_NAMES, Meta, collect_grads, describe
+from customgrad._switches import STATE as SWITCHES
+from customgrad._torch_internals import (
+    ACCUMULATE_GRAD,
+    captured_by_caller,
+    graph_kept,
+    graph_task_id,
+    will_execute,
+)
+from customgrad._user_calls import (
+    _call_user,
+    _guard_residuals,
+    _residual_slots,
+    _Watch,
+)
+from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
+from customgrad._user_calls import _requiring_grad as _requiring_grad
+from customgrad._validate import collect_grads
 
 __all__ = [
     "AutogradImpl",
@@ -53,7 +72,7 @@ log = logging.getLogger("customgrad")
 
 Phase = Literal["full", "input", "weight"]
 
-_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
+_will_execute = will_execute
 _warned_no_engine_query = False
 
 _Tensor = torch.Tensor
@@ -66,7 +85,7 @@ _functorch_active: Callable[[], bool] | None = getattr(
 _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
-_graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+_graph_task_id = graph_task_id
 try:
     from torch._C._functorch import TransformType as _TransformType
     from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
@@ -84,25 +103,7 @@ runs (``label``: ``"backward"``, ``"backward_input"``, ``"backward_weight"``,
 split)."""
 
 
-class SaveError(GradientTypeError):
-    """``save_for_backward`` returned a value customgrad cannot keep safely."""
-
-
-MSG_HIDDEN_TENSORS = """\
-{op}: save_for_backward returned {what}, which holds Tensors customgrad cannot see. Tensors \
-must be saved through autograd (so in-place changes before backward are caught and no \
-reference cycle keeps outputs alive), which customgrad does for Tensors inside tuples, lists, \
-dicts and NamedTuples. Return those instead:
-
-    return inputs.x, inputs.weight, rstd            # or a dict / a NamedTuple
-
-(save_for_backward defined at {loc})"""
-
-
-_ACCUMULATE: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
-_run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
-_RUN_BACKWARD_CODE = getattr(_run_backward, "__code__", None)
-_GRAD_CODE = getattr(torch.autograd.grad, "__code__", None)
+_ACCUMULATE = ACCUMULATE_GRAD
 
 
 _NOTHING: frozenset[int] = frozenset()
@@ -137,58 +138,24 @@ class CaptureMemo:
         last = self._last  # one tuple, replaced whole: threads never see half an update
         if last[0] == task:
             return last[1]
-        captured = _captured_by_caller(2 + above)
+        captured = captured_by_caller(2 + above)
         self._last = (task, captured)
         return captured
 
 
-def _captured_by_caller(depth: int) -> frozenset[int]:
-    """What ``torch.autograd.grad`` captures, read from its ``_engine_run_backward`` frame,
-    expected ``depth`` frames up (a few more are looked at, in case)."""
-    if _RUN_BACKWARD_CODE is None:
-        return _NOTHING
-    try:
-        frame: Any = sys._getframe(depth)
-    except ValueError:  # not that deep: not called from torch's engine on this thread
-        return _NOTHING
-    for _ in range(3):
-        if frame is None:
-            return _NOTHING
-        if frame.f_code is _RUN_BACKWARD_CODE:
-            caller = frame.f_back
-            if caller is None or caller.f_code is not _GRAD_CODE:
-                return _NOTHING  # .backward() captures nothing; other callers: ask the engine
-            local = frame.f_locals
-            args, kwargs = local.get("args"), local.get("kwargs")
-            if (
-                not isinstance(kwargs, dict)
-                or kwargs.get("accumulate_grad", True)
-                or not isinstance(args, tuple)
-                or len(args) < 4
-                or not isinstance(args[3], tuple)
-            ):
-                return _NOTHING  # a .backward() (nothing captured) or a call we don't know
-            ids = set()
-            for t in args[3]:
-                if isinstance(t, GradientEdge):
-                    t = getattr(t.node, "variable", None)
-                if t is not None:
-                    ids.add(id(t))
-            return frozenset(ids)
-        frame = frame.f_back
-    return _NOTHING
+def needed_edge(fn: Any, captured: frozenset[int]) -> bool:
+    """Whether the running pass uses the gradient sent along an edge to ``fn``.
 
-
-def _edge_needed(fn: Any, memo: CaptureMemo) -> bool:
-    """Whether the running pass uses the gradient sent along an edge to ``fn``."""
-    # frames above: AutogradImpl.backward, _node_apply
-    if type(fn) is _ACCUMULATE and id(fn.variable) in memo.captured_now(3):  # type: ignore[attr-defined]
-        return True
+    ``captured``: the leaves the running ``autograd.grad`` captures
+    (:meth:`CaptureMemo.captured_now`, read once per node backward).
+    """
+    if type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[attr-defined]
+        return True  # a leaf that autograd.grad captures: needed, without asking the engine
     if _will_execute is None:
         return engine_needs(fn)
     try:
         return _will_execute(fn)
-    except Exception:  # a leaf captured by autograd.grad: needed
+    except Exception:  # a captured leaf the caller's frame did not name: needed
         return True
 
 
@@ -229,7 +196,7 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        self.value: Any = record.handoff
+        self.value: Any = handed_over(record, grads)
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> Any:
@@ -248,7 +215,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                self.record.handoff = self.value
+                self.record.handoff = (self.grads, self.value)
         return self.value
 
 
@@ -310,189 +277,52 @@ class BackwardContext:
         )
 
 
-# --------------------------------------------------------------------------------------------
-# Running the user's backward functions
+def keeps_for_later(plan: PassPlan, target: Any) -> bool:
+    """Whether a pass keeps what a node's halves share for the node's later pass: when it
+    computes input gradients while weights that require grad are left for later, and that later
+    pass can come (the graph is retained, or a route defers the weight half to ``target``).
+    A non-retaining partial pass frees everything at once."""
+    return plan.splits and (target is not None or graph_kept())
 
 
-def _watched_values(saved: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The output gradients, then the saved values (leaves of a saved pytree)."""
-    if type(saved) is tuple:
-        return (*grads, *saved)
-    if saved is None:
-        return grads
-    if isinstance(saved, _Tensor):
-        return (*grads, saved)
-    return (*grads, *optree.tree_leaves(saved, none_is_leaf=True))
+def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
+    """What the node's earlier pass kept for this one (:data:`NO_HANDOFF` when nothing).
 
-
-def _raise_mutation(
-    spec: OpSpec,
-    half: Half,
-    fn: Callable[..., Any],
-    values: tuple[Any, ...],
-    before: list[Any],
-    n_grads: int,
-) -> None:
-    """Raise :class:`MutationError` for the first value whose version moved (if one did)."""
-    saved_tensors = 0
-    for i, (v, version) in enumerate(zip(values, before)):
-        is_grad = i < n_grads
-        if not is_grad and isinstance(v, _Tensor):
-            saved_tensors += 1
-        if version is not None and v._version != version:
-            what = f"the gradient of output {i}" if is_grad else f"saved tensor {saved_tensors - 1}"
-            label = HALF_NAMES[half]
-            raise MutationError(
-                f"{spec.name}: {label} modified {what} in place (its version went from "
-                f"{version} to {v._version}). The other half of a split backward may still "
-                f"need it, and autograd may share it with other nodes. Compute out of place "
-                f"(grad = grad * s, not grad.mul_(s)). ({label} defined at {where(fn)})"
-            )
-
-
-class _Watch:
-    """What a backward function must not write to in place (the output gradients and the saved
-    values), and their version counters before the node's backward ran.
-
-    Versions are read with ``getattr(v, "_version", None)`` over every value (C-level ``map``,
-    no Python frame per value): non-tensors read as None and never change.
+    A hand-off belongs to the pass that made it: it is read only by a pass with the same output
+    gradients (the same tensors), never by a pass of another loss through the same node.
     """
-
-    __slots__ = ("before", "n_grads", "values")
-
-    def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
-        self.values = values = _watched_values(saved, grads)
-        self.n_grads = len(grads)
-        self.before = [*map(getattr, values, _VERSION, _NO_VERSION)]
-
-    def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
-        """Raise :class:`MutationError` if ``fn`` moved a version counter."""
-        if [*map(getattr, self.values, _VERSION, _NO_VERSION)] != self.before:
-            _raise_mutation(spec, half, fn, self.values, self.before, self.n_grads)
+    handoff = record.handoff
+    if handoff is NO_HANDOFF:
+        return NO_HANDOFF
+    made_with, value = handoff
+    if made_with is grads or _same_tensors(
+        made_with, grads, record.op.signature.output_differentiability
+    ):
+        return value
+    return NO_HANDOFF
 
 
-def _call_user(
-    ctx: BackwardContext,
-    half: Half,
-    fn: Callable[..., Any],
-    saved: Any,
-    grads: tuple[Any, ...],
-    watch: _Watch,
-    nondiff: frozenset[Half],
-) -> Any:
-    """Call one registered backward function; refuse in-place writes to grads or saved values."""
-    if nondiff and half in nondiff and torch.is_grad_enabled():
-        with torch.no_grad():
-            result = fn(ctx, saved, *grads)
-        anchors = _requiring_grad(grads, saved)
-        if anchors:
-            result = _delay_error(ctx.op, half, fn, result, anchors)
-    else:
-        result = fn(ctx, saved, *grads)
-    watch.check(ctx.op, half, fn)
-    return result
+def _same_tensors(
+    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
+) -> bool:
+    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
 
-
-def _requiring_grad(grads: tuple[Any, ...], saved: Any) -> list[torch.Tensor]:
-    """The output gradients and saved tensors that require grad (in double backward)."""
-    tree: Any = (grads, saved)
-    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
-    return [t for t in leaves if isinstance(t, _Tensor) and t.requires_grad]
-
-
-class _RaiseIfDifferentiated(torch.autograd.Function):
-    """An alias of a tensor whose backward raises: for what autograd cannot differentiate (a
-    ``differentiable=False`` backward's gradients, a residual). Unlike torch's
-    ``once_differentiable``, the node has edges to the tensors the value was computed from
-    (``anchors``), so ``autograd.grad`` with respect to them runs it and raises, instead of
-    pruning it and returning a silently wrong gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, msg: str, value: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
-        ctx.msg = msg
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise UnsupportedError(ctx.msg)
-
-
-def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:
-    if not (t.is_floating_point() or t.is_complex()):
-        return t
-    return _RaiseIfDifferentiated.apply(msg, t, *anchors)  # type: ignore[no-untyped-call]
-
-
-def _delay_error(
-    spec: OpSpec, half: Half, fn: Callable[..., Any], result: Any, anchors: list[torch.Tensor]
-) -> Any:
-    """Make the gradients in ``result`` raise if anyone differentiates them (double backward)."""
-    if not isinstance(result, dict):
-        return result
-    label = HALF_NAMES[half]
-    msg = (
-        f"{spec.name}: {label} was registered with differentiable=False, so its gradients "
-        f"cannot be differentiated again (double backward, gradient penalties). Register a "
-        f"differentiable {label}, written with differentiable torch ops. ({label} defined at "
-        f"{where(fn)})"
-    )
-    out: dict[Any, Any] = {}
-    for name, g in result.items():
-        if isinstance(g, _Tensor):
-            g = _raises_if_differentiated(msg, g, anchors)
-        elif isinstance(g, (list, tuple)):
-            g = [
-                _raises_if_differentiated(msg, t, anchors) if isinstance(t, _Tensor) else t
-                for t in g
-            ]
-        out[name] = g
-    return out
-
-
-MSG_RESIDUAL_DOUBLE_BACKWARD = """\
-{op}: double backward (create_graph=True, gradient penalties) reached residual {name!r}, which \
-the kernel computed in the forward: autograd sees it as a constant, so the gradient through it \
-would be silently wrong. Save the inputs and recompute it in the backward with differentiable \
-torch ops if you need double backward; otherwise register the backward with \
-differentiable=False to declare the op once differentiable. (kernel defined at {loc})"""
-
-
-def _residual_slots(saved: Any, residuals: tuple[Any, ...], names: tuple[str, ...]) -> Any:
-    """For each residual that ``save_for_backward`` kept as it is: its position among the saved
-    tensors (in the order :func:`_save` saves them) and its name; None when there is none."""
-    tensors = [t for t in optree.tree_leaves(saved, none_is_leaf=True) if isinstance(t, _Tensor)]
-    slots = tuple(
-        (i, name) for i, t in enumerate(tensors) for r, name in zip(residuals, names) if t is r
-    )
-    return slots or None
-
-
-def _guard_residuals(
-    spec: OpSpec, saved: Any, grads: tuple[Any, ...], slots: tuple[tuple[int, str], ...]
-) -> Any:
-    """``saved`` with each residual replaced by an alias whose backward raises (in double
-    backward, where the backward builds a graph).
-
-    A residual depends on the op's inputs, not on the output gradients: its alias hangs off the
-    saved tensors that require grad, so double backward with respect to the output gradients
-    alone still works; only when no saved tensor requires grad does it hang off the gradients.
+    The gradients of non-differentiable outputs are not compared: autograd materializes a new
+    tensor of zeros for them in each pass.
     """
-    anchors = _requiring_grad((), saved) or _requiring_grad(grads, None)
-    if not anchors:
-        return saved
-    names = dict(slots)
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-    k = 0
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _Tensor):
-            name = names.get(k)
-            if name is not None:
-                msg = MSG_RESIDUAL_DOUBLE_BACKWARD.format(
-                    op=spec.name, name=name, loc=where(spec.signature.fn)
-                )
-                leaves[i] = _raises_if_differentiated(msg, leaf, anchors)
-            k += 1
-    return optree.tree_unflatten(treespec, leaves)
+    if len(a) != len(b):
+        return False
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is y or (differentiable is not None and not differentiable[i]):
+            continue
+        if not (
+            isinstance(x, list)
+            and isinstance(y, list)
+            and len(x) == len(y)
+            and all(p is q for p, q in zip(x, y))
+        ):
+            return False
+    return True
 
 
 class PassPlan(NamedTuple):
@@ -508,6 +338,9 @@ class PassPlan(NamedTuple):
     route takes them)."""
     later_in: frozenset[str]
     """Non-weight arguments that require grad but that this pass does not compute."""
+    splits: bool
+    """Whether the pass computes input gradients while weights that require grad are left for
+    a later pass (the earlier pass of a split)."""
 
 
 def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> PassPlan:
@@ -518,7 +351,9 @@ def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str])
     else:
         phase = "weight" if need_w else "input"
     later = requires - needed
-    return PassPlan(phase, needed, need_in, need_w, later & sig.weight_set, later - sig.weight_set)
+    later_w = later & sig.weight_set
+    splits = bool(later_w) and bool(need_in)
+    return PassPlan(phase, needed, need_in, need_w, later_w, later - sig.weight_set, splits)
 
 
 class AutogradImpl:
@@ -533,12 +368,12 @@ class AutogradImpl:
         sig = spec.signature
         self._plans: dict[tuple[int, int], PassPlan] = {}
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
+        self._tensor_slots: dict[tuple[int, ...], list[tuple[str, int, int | None]]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
         self.captures = CaptureMemo()
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
-        self._simple_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -587,7 +422,7 @@ class AutogradImpl:
         """
         spec = self.spec
         if backward and spec.rules is not self._ready_for and not self.ready():
-            raise MissingRegistrationError(spec.missing_autograd_message())
+            raise MissingRegistrationError(spec._missing_autograd_message())
         sig = spec.signature
         call = _Call(kernel)
         flat: Sequence[Any] = args
@@ -616,13 +451,13 @@ class AutogradImpl:
         sig = spec.signature
         lens = call.lens
         args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        outputs, residuals = spec.run_kernel(args, call.kernel)
+        outputs, residuals = spec._run_kernel(args, call.kernel)
         save = spec.rules.save
         inputs = tuple.__new__(sig.inputs_type, args)
         if save is None:
             if any(isinstance(a, _Tensor) and a.requires_grad for a in flat):
                 # registrations changed since apply checked them
-                raise MissingRegistrationError(spec.missing_autograd_message())
+                raise MissingRegistrationError(spec._missing_autograd_message())
         elif sig.residuals_type is None:
             call.saved = save(inputs, outputs)
         else:
@@ -662,7 +497,7 @@ class AutogradImpl:
         _save(ctx, record, self.spec, call.saved)
         if call.residuals:
             record.residual_slots = _residual_slots(call.saved, call.residuals, sig.residual_names)
-        if _forward_ad_active():
+        if forward_ad_active():
             args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
             outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
             record.forward_ad = (tuple.__new__(sig.inputs_type, args), outputs)
@@ -679,6 +514,27 @@ class AutogradImpl:
             needed = frozenset(n for i, n in enumerate(names) if needed_mask >> i & 1)
             plan = self._plans[key] = _pass_plan(self.spec.signature, requires, needed)
         return plan
+
+    def whole(self, plan: PassPlan) -> PassPlan:
+        """The plan that computes every gradient ``plan``'s node requires (what a plain
+        ``autograd.Function`` computes in each pass: used when the split is switched off)."""
+        requires = plan.needed | plan.later_w | plan.later_in
+        return self.plan(*_masks(self.spec.signature, requires, requires))
+
+    def tensor_slots(self, lens: tuple[int, ...]) -> list[tuple[str, int, int | None]]:
+        """For list lengths ``lens``: each Tensor argument's name, first flat position and list
+        length (None for a single tensor), cached."""
+        found = self._tensor_slots.get(lens)
+        if found is None:
+            sig = self.spec.signature
+            found = [
+                (name, start, n)
+                for name, (start, n) in _slots(sig, lens).items()
+                if sig.args[sig.index[name]].is_tensor
+            ]
+            if len(self._tensor_slots) < 256:
+                self._tensor_slots[lens] = found
+        return found
 
     def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
         """For each flat input position, the index of its argument."""
@@ -717,9 +573,11 @@ class AutogradImpl:
         if bwd is not None:
             split = self._auto_split(record, rules, saved, grads, plan)
             if split is not None:
-                handoff = None if record.handoff is NO_HANDOFF else record.handoff
-                result, kept = split.run(saved, grads, needed, handoff, keep)
-                record.handoff = NO_HANDOFF if kept is None else kept
+                handoff = handed_over(record, grads)
+                result, kept = split.run(
+                    saved, grads, needed, None if handoff is NO_HANDOFF else handoff, keep
+                )
+                record.handoff = NO_HANDOFF if kept is None else (grads, kept)
                 if observers:
                     ctx = BackwardContext(spec, phase, needed)
                     for o in observers:
@@ -743,7 +601,7 @@ class AutogradImpl:
         if need_in:
             bwd_in = rules.backward_input
             if bwd_in is None:
-                raise MissingRegistrationError(spec.missing_autograd_message())
+                raise MissingRegistrationError(spec._missing_autograd_message())
             result = _call_user(ctx, "input", bwd_in, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_input", phase, ctx, result)
@@ -753,7 +611,7 @@ class AutogradImpl:
         if need_w:
             bwd_w = rules.backward_weight
             if bwd_w is None:
-                raise MissingRegistrationError(spec.missing_autograd_message())
+                raise MissingRegistrationError(spec._missing_autograd_message())
             result = _call_user(ctx, "weight", bwd_w, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_weight", phase, ctx, result)
@@ -769,80 +627,6 @@ class AutogradImpl:
             for o in observers:
                 o("backward_shared", phase, ctx, shared.value)
         return grads_out
-
-    def _is_simple(self, rules: AutogradRules) -> bool:
-        """Whether :meth:`_compute_simple` may run ``rules``: the input/weight pair or a single
-        backward called as written (no shared work, automatic split, observer or
-        ``differentiable=False``), cached per rules object."""
-        if self.observers:
-            return False
-        if rules is self._simple_for:
-            return True
-        if rules.backward_shared is not None or rules.auto is not None or rules.nondifferentiable:
-            return False
-        self._simple_for = rules
-        return True
-
-    def _compute_simple(
-        self,
-        out: list[Any],
-        record: NodeRecord,
-        plan: PassPlan,
-        saved: Any,
-        grads: tuple[Any, ...],
-    ) -> None:
-        """:meth:`compute` for a node without list arguments whose rules are simple
-        (:meth:`_is_simple`) and that keeps nothing for a later pass: the same calls, checks
-        and errors, with the gradients written straight into the node's ``out`` slots."""
-        spec = self.spec
-        sig = spec.signature
-        rules = spec.rules
-        metas = record.metas
-        index = sig.index
-        watch = _Watch(saved, grads)
-        ctx = BackwardContext(spec, plan.phase, plan.needed)
-        bwd = rules.backward
-        if bwd is not None:
-            steps: tuple[tuple[Any, Half, frozenset[str], frozenset[str]], ...] = (
-                (bwd, "full", sig.tensor_set, plan.needed),
-            )
-        else:
-            steps = ()
-            if plan.need_in:
-                steps += ((rules.backward_input, "input", sig.input_set, plan.need_in),)
-            if plan.need_w:
-                steps += ((rules.backward_weight, "weight", sig.weight_set, plan.need_w),)
-                record.handoff = NO_HANDOFF
-        for fn, half, allowed, needed in steps:
-            if fn is None:
-                raise MissingRegistrationError(spec.missing_autograd_message())
-            result = fn(ctx, saved, *grads)
-            watch.check(spec, half, fn)
-            # The common case inline: a dict of valid gradients. Anything else goes through
-            # collect_grads, which accepts exactly the same dicts and raises the errors.
-            if type(result) is dict:
-                placed = 0
-                for name, g in result.items():
-                    if name not in allowed:
-                        break
-                    if g is not None:
-                        meta = metas[index[name]]
-                        if not (
-                            type(g) is _Tensor
-                            and meta is not None
-                            and g.shape == meta[0]
-                            and g.dtype is meta[1]
-                            and g.device == meta[2]
-                        ):
-                            break
-                    if name in needed:
-                        out[index[name] + 2] = g
-                        placed += 1
-                else:
-                    if placed == len(needed):
-                        continue
-            for name, g in collect_grads(sig, half, fn, result, allowed, needed, metas).items():
-                out[index[name] + 2] = g
 
     def _auto_split(
         self,
@@ -880,6 +664,7 @@ class AutogradImpl:
         arg_of = self._flat_arg_of if lens is None else self.arg_of(lens)
         req = node.needs_input_grad  # (impl, call, *flat)
         next_fns = None
+        captured: frozenset[int] = _NOTHING
         requires_mask = 0
         needed_mask = 0
         needed_items: set[int] | None = None if lens is None else set()
@@ -894,7 +679,9 @@ class AutogradImpl:
                     if need is None:
                         if next_fns is None:
                             next_fns = node.next_functions
-                        need = _edge_needed(next_fns[edge][0], self.captures)
+                            # frames above: AutogradImpl.backward, _node_apply
+                            captured = self.captures.captured_now(2)
+                        need = needed_edge(next_fns[edge][0], captured)
                     if need:
                         needed_mask |= bit
                         if needed_items is not None:
@@ -915,12 +702,13 @@ class AutogradImpl:
             saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
         out_lens = record.out_lens
         out_grads = grads if out_lens is None else _regroup(out_lens, grads)
-        keep = bool(plan.later_w) and bool(plan.need_in)
+        keep = keeps_for_later(plan, target)
         if not plan.needed:
             result: dict[str, Any] = {}
-        elif lens is None and self._is_simple(self.spec.rules):  # no shared work: keep is moot
-            self._compute_simple(out, record, plan, saved, out_grads)
-            result = {}
+        elif not SWITCHES.split:
+            # Split off: the whole backward, like a plain Function; the pass takes what it needs.
+            found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
+            result = {n: g for n, g in found.items() if n in plan.needed}
         else:
             result = self.compute(record, plan, saved, out_grads, keep)
         if deferred and target is not None:
@@ -940,67 +728,6 @@ class AutogradImpl:
                     if start + i in needed_items:  # type: ignore[operator]
                         out[start + i + 2] = gi
         return tuple(out)
-
-    def jvp(self, ctx: Any, tangents: tuple[Any, ...]) -> Any:
-        record: NodeRecord = ctx._cg
-        spec = self.spec
-        sig = spec.signature
-        rule = spec.rules.jvp
-        kept, record.forward_ad = record.forward_ad, None
-        if rule is None:
-            raise MissingRegistrationError(
-                f"{spec.name}: forward-mode AD (torch.func.jvp, jacfwd, dual tensors) reached "
-                f"this op, which has no jvp rule. Register one (customgrad never differentiates "
-                f"the kernel behind your registered backward):\n\n"
-                f"    @{spec.name.split('::')[1]}.register_jvp\n"
-                f"    def _(inputs, output, tangents):     # tangents.x is None without one\n"
-                f"        return tangents.x * 2              # the output's tangent\n"
-            )
-        if kept is None:  # pragma: no cover - jvp without forward AD active at forward
-            raise UnsupportedError(f"{spec.name}: jvp called without a forward-AD forward.")
-        inputs, outputs = kept
-        flat = tangents[2:]
-        by_arg = flat if record.lens is None else _unflatten_args(sig, record.lens, flat)
-        result = rule(inputs, outputs, tuple.__new__(sig.inputs_type, by_arg))
-        return _check_tangents(spec, rule, outputs, result, record.out_lens)
-
-
-def _check_tangents(
-    spec: OpSpec, rule: Callable[..., Any], outputs: Any, result: Any, out_lens: Any
-) -> Any:
-    sig = spec.signature
-    outs = outputs if sig.output_is_tuple else (outputs,)
-    got = result if sig.output_is_tuple else (result,)
-    loc = f"(jvp defined at {where(rule)})"
-    if not isinstance(got, (tuple, list)) or len(got) != len(outs):
-        raise GradientTypeError(
-            f"{spec.name}: jvp returned {describe(result)}; return one tangent per output "
-            f"({len(outs)}), shaped like the output. {loc}"
-        )
-    flat: list[Any] = []
-    for i, (o, t) in enumerate(zip(outs, got)):
-        pairs = list(zip(o, t)) if isinstance(o, (list, tuple)) else [(o, t)]
-        if isinstance(o, (list, tuple)) and (not isinstance(t, (list, tuple)) or len(t) != len(o)):
-            raise GradientTypeError(
-                f"{spec.name}: jvp returned {describe(t)} as the tangent of output {i}, a list of "
-                f"{len(o)} tensors; return a list of the same length. {loc}"
-            )
-        for oi, ti in pairs:
-            if ti is not None and not (
-                isinstance(ti, _Tensor)
-                and ti.shape == oi.shape
-                and ti.dtype == oi.dtype
-                and ti.device == oi.device
-            ):
-                raise GradientValueError(
-                    f"{spec.name}: jvp returned {describe(ti)} as the tangent of output {i}, "
-                    f"but the output is {describe(oi)}. Return a tangent of the output's shape, "
-                    f"dtype and device (or None). {loc}"
-                )
-            flat.append(ti)
-    if sig.plain_output:
-        return flat[0]
-    return tuple(flat) if (sig.output_is_tuple or out_lens[0] is not None) else flat[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -1033,7 +760,7 @@ class _CustomGradNode(torch.autograd.Function):
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
         impl: AutogradImpl = ctx._cg.impl
-        return impl.jvp(ctx, tangents)
+        return jvp(impl.spec, ctx, tangents)
 
     @staticmethod
     def vmap(info: Any, in_dims: Any, impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
@@ -1055,24 +782,6 @@ def _node_apply(node: Any, *grads: Any) -> Any:
 # AutogradImpl points that class's ``apply`` here.
 
 
-def _forward_ad_active() -> bool:
-    """Whether a jvp may follow this forward: a dual level, or a functorch jvp transform."""
-    if _fwad._current_level >= 0:
-        return True
-    if _functorch_active is None or not _functorch_active():
-        return False
-    return any(i.key() == _JVP for i in _functorch_interpreters())
-
-
-def _public_outputs(sig: Signature, out_lens: Any, output: Any) -> Any:
-    """The op's outputs from the node's flat outputs."""
-    if sig.output_is_tuple:
-        return _regroup(out_lens, output if isinstance(output, tuple) else (output,))
-    if sig.output_kinds and sig.output_kinds[0] is ArgKind.TENSOR_LIST:
-        return list(output)
-    return output
-
-
 def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
     diff = sig.output_differentiability
     if diff is None:
@@ -1087,186 +796,6 @@ def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
         pos += k
     if marked:
         ctx.mark_non_differentiable(*marked)
-
-
-# --------------------------------------------------------------------------------------------
-# Saving and restoring what save_for_backward returned
-
-
-class _Kept(NamedTuple):
-    """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
-    in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
-
-    leaves: list[Any]
-    treespec: Any
-    tensor_idx: list[int]
-
-
-# What ``record.kept`` holds when ``save_for_backward`` returned something simple.
-_SAVED_NONE: Any = object()  # None
-_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
-_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
-_OPAQUE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-_TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
-
-
-def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
-    """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
-    if saved is None:
-        record.kept = _SAVED_NONE
-        return
-    kind = type(saved)
-    if kind is _Tensor or kind is _Parameter:
-        ctx.save_for_backward(saved)
-        record.kept = _SAVED_TENSOR
-        return
-    if kind is tuple:
-        if _TENSOR_OR_NONE.issuperset(map(type, saved)):
-            # Tensors and Nones: saved_tensors gives the same tuple back
-            ctx.save_for_backward(*saved)
-            record.kept = _SAVED_TENSORS
-            return
-        tensor_idx: list[int] = []
-        for i, v in enumerate(saved):
-            k = type(v)
-            if k is _Tensor or k is _Parameter:
-                tensor_idx.append(i)
-            elif k not in _OPAQUE_LEAVES:
-                break
-        else:  # a flat tuple of leaves: no pytree needed
-            leaves = list(saved)
-            if tensor_idx:
-                ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-                for i in tensor_idx:
-                    leaves[i] = None
-            record.kept = _Kept(leaves, None, tensor_idx)
-            return
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
-    tensor_idx = []
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, _Tensor):
-            tensor_idx.append(i)
-        elif not isinstance(leaf, _OPAQUE_LEAVES):
-            _check_opaque_leaf(spec, leaf)
-    if tensor_idx:
-        ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
-        for i in tensor_idx:
-            leaves[i] = None
-    record.kept = _Kept(leaves, treespec, tensor_idx)
-
-
-def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
-    """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
-    Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
-    attrs = getattr(leaf, "__dict__", None)
-    values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
-    for name in getattr(type(leaf), "__slots__", ()):
-        values.append(getattr(leaf, name, None))
-    is_dataclass = dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
-    if is_dataclass:
-        values += [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
-    tree: Any = values
-    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(tree, none_is_leaf=True)):
-        return
-    if is_dataclass:
-        what = f"a dataclass ({type(leaf).__qualname__})"
-    else:
-        what = f"a {type(leaf).__qualname__} object with Tensor attributes"
-    save = spec.rules.save
-    raise SaveError(MSG_HIDDEN_TENSORS.format(op=spec.name, what=what, loc=where(save)))
-
-
-def _restore(node: Any, record: NodeRecord) -> Any:
-    kept = record.kept
-    if kept is _SAVED_TENSORS:
-        return node.saved_tensors
-    if kept is _SAVED_TENSOR:
-        return node.saved_tensors[0]
-    if kept is _SAVED_NONE:
-        return None
-    leaves, treespec, tensor_idx = kept
-    if tensor_idx:
-        leaves = list(leaves)
-        for i, t in zip(tensor_idx, node.saved_tensors):
-            leaves[i] = t
-    if treespec is None:
-        return tuple(leaves)
-    return optree.tree_unflatten(treespec, leaves)
-
-
-# --------------------------------------------------------------------------------------------
-# Lists: flattening arguments and outputs
-
-
-def _flatten_args(sig: Signature, args: tuple[Any, ...]) -> tuple[tuple[int, ...], list[Any]]:
-    """List arguments' items inline, with each list's length."""
-    lens: list[int] = []
-    flat: list[Any] = []
-    for spec, a in zip(sig.args, args):
-        if spec.kind is ArgKind.TENSOR_LIST:
-            items = list(a)
-            lens.append(len(items))
-            flat.extend(items)
-        else:
-            flat.append(a)
-    return tuple(lens), flat
-
-
-def _unflatten_args(sig: Signature, lens: tuple[int, ...], flat: Sequence[Any]) -> tuple[Any, ...]:
-    out: list[Any] = []
-    pos = 0
-    it = iter(lens)
-    for spec in sig.args:
-        if spec.kind is ArgKind.TENSOR_LIST:
-            n = next(it)
-            out.append(list(flat[pos : pos + n]))
-            pos += n
-        else:
-            out.append(flat[pos])
-            pos += 1
-    return tuple(out)
-
-
-def _slots(sig: Signature, lens: tuple[int, ...]) -> dict[str, tuple[int, int | None]]:
-    """Map each argument name to (first flat position, list length or None)."""
-    slots: dict[str, tuple[int, int | None]] = {}
-    pos = 0
-    it = iter(lens)
-    for spec in sig.args:
-        if spec.kind is ArgKind.TENSOR_LIST:
-            n = next(it)
-            slots[spec.name] = (pos, n)
-            pos += n
-        else:
-            slots[spec.name] = (pos, None)
-            pos += 1
-    return slots
-
-
-def _metas_by_name(sig: Signature, record: NodeRecord) -> dict[str, Meta]:
-    metas: dict[str, Meta] = {}
-    assert record.lens is not None
-    for name, (start, n) in _slots(sig, record.lens).items():
-        if sig.args[sig.index[name]].is_tensor:
-            m = record.metas
-            metas[name] = m[start] if n is None else list(m[start : start + n])
-    return metas
-
-
-def _regroup(out_lens: list[int | None] | None, flat: tuple[Any, ...]) -> tuple[Any, ...]:
-    """Group a node's flat outputs (or their gradients) back into the op's outputs."""
-    if out_lens is None or all(n is None for n in out_lens):
-        return tuple(flat)
-    out: list[Any] = []
-    pos = 0
-    for n in out_lens:
-        if n is None:
-            out.append(flat[pos])
-            pos += 1
-        else:
-            out.append(list(flat[pos : pos + n]))
-            pos += n
-    return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1321,6 +850,8 @@ class DeferredWork:
         )
         sig = impl.spec.signature
         later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
+        if not SWITCHES.split:  # the whole backward again, like a plain Function
+            later = impl.whole(later)
         found = impl.compute(record, later, self._saved, self._grads, keep=False)
         slots = _slots(sig, record.lens) if record.lens is not None else None
         edge_of: list[int] = []

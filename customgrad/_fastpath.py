@@ -10,49 +10,39 @@ make the same decisions with a fraction of the interpreter work.
 
 What it covers: ops without keyword-only arguments, mutated arguments, residuals, shared
 backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
-autograd is the input/weight pair or a single backward (called as written with
-``split="phase"``; with ``split="auto"`` the generated backward queries the edges and the traced
-split computes); ``list[Tensor]`` arguments get one fast path per layout of list lengths, written
-on first use (at most ``_MAX_LAYOUTS``). Calls must have plain tensors under grad mode, with no
-dispatch or function mode, functorch transform, profiler, forward-AD level or ``torch.compile``
-trace. Any other call declines (returns :data:`DECLINED`) and runs the general path
-(:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a route on the
-record), changed registrations, and observers also go to the general path.
+autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one fast
+path per layout of list lengths, written on first use (at most ``_MAX_LAYOUTS``). Calls must
+have plain tensors under grad mode, with no dispatch or function mode, functorch transform,
+profiler, forward-AD level, ``torch.compile`` trace, or kernel or autocast rule registered for
+the op through ``torch.library`` by someone else. Any other call declines (returns
+:data:`DECLINED`) and runs the general path (:class:`customgrad._autograd.AutogradImpl`).
+Backwards that a split plans (a route on the record), changed registrations and a switched-off
+split also go to the general path; ``CUSTOMGRAD_FASTPATH=0`` turns this module off.
 
-One set of rules: the pass plan (``AutogradImpl.plan``), the saved-value layout (``_save`` /
-``_restore``), the in-place watch and the gradient errors (``collect_grads``) are the general
-path's own; the generated code only decides the common case inline and hands anything unusual
-to them. ``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
+One set of rules: what is generated is argument handling only (unpacking, the per-argument
+checks of the call, the edge loop and the placement of gradients). Which edges a pass needs
+(``needed_edge``), the pass plan (``AutogradImpl.plan``), what a pass computes, validates and
+hands to the later pass (``AutogradImpl.compute``, ``collect_grads``), the saved-value layout
+(``_save`` / ``_restore``) and observers are the general path's own, called from here.
+``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from customgrad._autograd import (
-    _ACCUMULATE,
-    _NO_VERSION,
-    _SAVED_TENSORS,
-    _TENSOR_OR_NONE,
-    _VERSION,
-    BackwardContext,
-    _CustomGradNode,
-    _metas_by_name,
-    _raise_mutation,
-    _restore,
-    _save,
-    _watched_values,
-)
+from customgrad._autograd import _CustomGradNode, keeps_for_later, needed_edge
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
+from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, _restore, _save
 from customgrad._signature import ArgKind
-from customgrad._validate import collect_grads
+from customgrad._switches import STATE as SWITCHES
 
 if TYPE_CHECKING:
     from customgrad._autograd import AutogradImpl
@@ -82,6 +72,9 @@ def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
         defaults.append(p.default)
     return tuple(reversed(defaults))
 
+
+_OBSERVED = {"full": "backward", "input": "backward_input", "weight": "backward_weight"}
+"""The label an observer gets for each registered function (as ``AutogradImpl.compute``)."""
 
 _MAX_LAYOUTS = 64
 """List lengths an op's fast path is written for; calls with other lengths decline."""
@@ -123,6 +116,8 @@ def build(
     kernels: Mapping[str | None, Callable[..., Any]],
     checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
     mutates: bool,
+    impls: Set[str] | None,
+    foreign_keys: Mapping[str, tuple[str, ...]],
 ) -> Callable[[tuple[Any, ...]], Any] | None:
     """The fast call of ``impl``'s op for its current registrations and kernels, or None.
 
@@ -132,12 +127,17 @@ def build(
         checked_output: the op's output check, ``(args, out) -> (output, residuals)``, which
             raises the op's error for a kernel output it refuses.
         mutates: whether the op mutates an argument (no fast path then).
+        impls: the kernels registered through ``torch.library`` (a live set of
+            ``"ns/op/DispatchKey"``), or None when unknown (no fast path then).
+        foreign_keys: per device type, the keys in ``impls`` of kernels or autocast rules that
+            would run instead of customgrad's (a call on that device declines then).
 
     Returns:
         ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``.
     """
-    if not eligible(impl, impl.spec.rules, mutates):
+    if impls is None or not eligible(impl, impl.spec.rules, mutates):
         return None
+    foreign = (impls, foreign_keys)
     sig = impl.spec.signature
     lists = [i for i, k in enumerate(sig.kinds) if k is ArgKind.TENSOR_LIST]
     defaults = _trailing_defaults(sig.pysig, sig.nargs)
@@ -157,7 +157,7 @@ def build(
             f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
         )
     if not lists:
-        return _Writer(impl, kernels, checked_output, (), count).write()
+        return _Writer(impl, kernels, checked_output, foreign, (), count).write()
 
     # List arguments: one fast path per list-length layout, written on first use.
     layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
@@ -165,7 +165,7 @@ def build(
     def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
         if len(layouts) >= _MAX_LAYOUTS:
             return _decline
-        call = _Writer(impl, kernels, checked_output, lens, "").write()
+        call = _Writer(impl, kernels, checked_output, foreign, lens, "").write()
         layouts[lens] = call
         return call
 
@@ -209,9 +209,11 @@ class _Writer:
         impl: AutogradImpl,
         kernels: Mapping[str | None, Callable[..., Any]],
         checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
+        foreign: tuple[Set[str], Mapping[str, tuple[str, ...]]],
         lens: tuple[int, ...],
         count: str,
     ) -> None:
+        self.foreign = foreign
         self.impl = impl
         self.kernels = kernels
         self.checked_output = checked_output
@@ -295,7 +297,9 @@ class _Writer:
             f"        return _DECLINED\n"
             f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
             f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
-            f"            or _SPEC.rules is not _RULES or _IMPL.observers):\n"
+            f"            or _SPEC.rules is not _RULES\n"
+            f"            or not _IMPLS.isdisjoint(_FOREIGN.cpu if {first}.is_cpu else\n"
+            f"                _FOREIGN.cuda if {first}.is_cuda else _FOREIGN[{first}.device.type])):\n"
             f"        return _DECLINED\n"
             f"{pick}"
             f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
@@ -359,6 +363,9 @@ class _Writer:
         return ", ".join(parts)
 
     def _backward_source(self) -> str:
+        """The node's backward: the edge loop and the gradient placement unrolled for this
+        signature; what a pass computes, calls, validates and hands off is the general path's
+        (``needed_edge``, ``AutogradImpl.plan``, ``AutogradImpl.compute``)."""
         sig = self.sig
         flat = self._flat()
         edges: list[str] = []
@@ -366,19 +373,11 @@ class _Writer:
             if not is_slot:
                 continue
             bit = 1 << i
-            item = kind is ArgKind.TENSOR_LIST
-            mark = f"nmask |= {bit}" + (f"; n{p} = True" if item else "")
+            mark = f"nmask |= {bit}" + (f"; n{p} = True" if kind is ArgKind.TENSOR_LIST else "")
             ask = (
                 f"        rmask |= {bit}\n"
-                f"        fn = nf[e][0]\n"
-                f"        if type(fn) is _ACC and id(fn.variable) in _captured():\n"
-                f"            {mark}  # a leaf that autograd.grad captures\n"
-                f"        else:\n"
-                f"            try:\n"
-                f"                if _will(fn):\n"
-                f"                    {mark}\n"
-                f"            except Exception:  # a captured leaf the caller's frame did not name\n"
-                f"                {mark}\n"
+                f"        if _needed(nf[e][0], captured):\n"
+                f"            {mark}\n"
             )
             if kind is ArgKind.OPTIONAL_TENSOR:
                 ask = "".join("    " + line + "\n" for line in ask.splitlines())
@@ -392,140 +391,48 @@ class _Writer:
             if is_slot:
                 positions.setdefault(i, []).append(p)
         items = [p for p, (_, _, kind, _) in enumerate(flat) if kind is ArgKind.TENSOR_LIST]
-
-        def half(fn: str, label: str, allowed: frozenset[str], need: str) -> str:
-            """Call one registered function, check it, put its gradients in the slots."""
-            lines = [
-                f"        r = {fn}(ctx, saved, *grads)",
-                "        if [*_map(_getattr, watched, _VERSION, _NO_VERSION)] != before:",
-                f"            _mutated(_SPEC, {label!r}, {fn}, watched, before, len(grads))",
-                f"        ok = type(r) is dict and r.keys() <= _ALLOWED_{label}",
-            ]
-            for i, ps in positions.items():
-                name = sig.names[i]
-                if name not in allowed:
-                    continue
-                lines += [
-                    "        if ok:",
-                    f"            g = r.get({name!r}, _MISSING)",
-                    "            if g is _MISSING:",
-                    f"                ok = {name!r} not in {need}",
-                    "            elif g is not None:",
-                ]
-                if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                    lines.append(
-                        f"                ok = (type(g) is list or type(g) is tuple) and len(g) == {len(ps)}"
-                    )
-                    for k, p in enumerate(ps):
-                        lines += [
-                            "                if ok:",
-                            f"                    gi = g[{k}]",
-                            f"                    m = metas[{p}]",
-                            "                    ok = gi is None or (type(gi) is _T and gi.shape == m[0]",
-                            "                          and gi.dtype is m[1] and gi.device == m[2])",
-                        ]
-                    lines.append(f"            if ok and g is not None and {name!r} in {need}:")
-                    lines += [
-                        f"                if n{p}:\n                    g{p} = g[{k}]"
-                        for k, p in enumerate(ps)
-                    ]
-                else:
-                    (p,) = ps
-                    lines += [
-                        f"                m = metas[{p}]",
-                        "                ok = (type(g) is _T and m is not None and g.shape == m[0]",
-                        "                      and g.dtype is m[1] and g.device == m[2])",
-                        f"            if ok and {name!r} in {need}:",
-                        f"                g{p} = g",
-                    ]
-            lines += ["        if not ok:"]
-            if self.lens:
-                lines.append(
-                    f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need},"
-                    f" None, _by_name(_SIG, record))"
+        place = ""
+        for i, ps in positions.items():
+            name = sig.names[i]
+            if sig.kinds[i] is ArgKind.TENSOR_LIST:
+                place += f"    g = got.get({name!r})\n    if g is not None:\n"
+                place += "".join(
+                    f"        if n{p}:\n            g{p} = g[{k}]\n" for k, p in enumerate(ps)
                 )
             else:
-                lines.append(
-                    f"            got = _collect(_SIG, {label!r}, {fn}, r, _ALLOWED_{label}, {need},"
-                    f" metas)"
-                )
-            for i, ps in positions.items():
-                name = sig.names[i]
-                if name not in allowed:
-                    continue
-                if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                    lines.append(f"            g = got.get({name!r})")
-                    lines.append("            if g is not None:")
-                    lines += [
-                        f"                if n{p}:\n                    g{p} = g[{k}]"
-                        for k, p in enumerate(ps)
-                    ]
-                else:
-                    (p,) = ps
-                    lines.append(f"            g{p} = got.get({name!r}, g{p})")
-            return "\n".join(lines) + "\n"
-
-        rules = self.rules
-        if rules.backward is not None and rules.auto is not None:
-            # The automatic split (a traced plan per input signature, work handed from I to W)
-            # is the general path's: run it, then place what it returns.
-            body = (
-                "    keep = bool(plan.later_w) and bool(plan.need_in)\n"
-                "    got = _compute(record, plan, saved, grads, keep)\n"
-            )
-            for i, ps in positions.items():
-                name = sig.names[i]
-                if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                    body += f"    g = got.get({name!r})\n    if g is not None:\n"
-                    body += "".join(
-                        f"        if n{p}:\n            g{p} = g[{k}]\n" for k, p in enumerate(ps)
-                    )
-                else:
-                    (p,) = ps
-                    body += f"    g{p} = got.get({name!r})\n"
-        elif rules.backward is not None:
-            body = "    if True:\n" + half("_BWD", "full", sig.tensor_set, "needed")
-        else:
-            body = ""
-            if sig.input_names:
-                body += "    if plan.need_in:\n" + half(
-                    "_BWD_IN", "input", sig.input_set, "plan.need_in"
-                )
-            if sig.weights:
-                body += "    if plan.need_w:\n" + half(
-                    "_BWD_W", "weight", sig.weight_set, "plan.need_w"
-                )
+                (p,) = ps
+                place += f"    g{p} = got.get({name!r})\n"
         outs = ", ".join(
             f"g{p}" if is_slot else "None" for p, (_, _, _, is_slot) in enumerate(flat)
         )
-        inits = "".join(f"    g{p} = None\n" for p, (_, _, _, s) in enumerate(flat) if s)
+        inits = "".join(
+            f"    g{p} = None\n"
+            for p, (_, _, kind, s) in enumerate(flat)
+            if s and kind is ArgKind.TENSOR_LIST
+        )
         inits += "".join(f"    n{p} = False\n" for p in items)
         return (
             "def apply(node, *grads):\n"
             "    record = node._cg\n"
-            "    if record.route is not None or _SPEC.rules is not _RULES or _IMPL.observers:\n"
+            "    if (record.route is not None or _SPEC.rules is not _RULES\n"
+            "            or not _SWITCHES.split):\n"
             "        return _general(node, grads)\n"
             "    metas = record.metas\n"
             "    req = node.needs_input_grad\n"
             "    nf = node.next_functions\n"
+            "    captured = _captured_now()\n"
             "    rmask = nmask = e = 0\n"
             + inits
             + "".join(edges)
             + "    plan = _PLANS.get((rmask, nmask))\n"
             "    if plan is None:\n"
             "        plan = _plan(rmask, nmask)\n"
-            "    needed = plan.needed\n"
-            "    if not needed:\n"
+            "    if not plan.needed:\n"
             "        return _NONES\n"
             "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-            + (
-                ""
-                if rules.auto is not None and rules.backward is not None
-                else "    watched = (*grads, *saved) if type(saved) is tuple else _watched(saved, grads)\n"
-                "    before = [*_map(_getattr, watched, _VERSION, _NO_VERSION)]\n"
-                "    ctx = _Ctx(_SPEC, plan.phase, needed)\n"
-            )
-            + body
+            "    got = _compute(record, plan, saved, grads,\n"
+            "                   plan.splits and _keeps_for_later(plan, None))\n"
+            + place
             + f"    return (None, None, {outs})\n"
         )
 
@@ -537,7 +444,6 @@ class _Writer:
             "_T": torch.Tensor,
             "_P": torch.nn.Parameter,
             "_DECLINED": DECLINED,
-            "_MISSING": object(),
             "_EMPTY": _EMPTY,
             "_grad_enabled": torch.is_grad_enabled,
             "_fwad": _fwad,
@@ -546,11 +452,10 @@ class _Writer:
             "_tf_mode": torch._C._is_torch_function_mode_enabled,
             "_functorch": torch._C._are_functorch_transforms_active,
             "_compiling": torch.compiler.is_compiling,
-            "_will": torch._C._will_engine_execute_node,
-            "_ACC": _ACCUMULATE,
-            "_captured": impl.captures.captured_now,
             "_alias": _alias_check,
             "_checked_output": self.checked_output,
+            "_IMPLS": self.foreign[0],
+            "_FOREIGN": self.foreign[1],
             "_KERNEL": self.kernels.get(None),
             "_KERNELS": self.kernels,
             "_SPEC": spec,
@@ -559,12 +464,6 @@ class _Writer:
             "_IMPL": impl,
             "_LENS": self.lens or None,
             "_SAVE": rules.save,
-            "_BWD": rules.backward,
-            "_BWD_IN": rules.backward_input,
-            "_BWD_W": rules.backward_weight,
-            "_ALLOWED_full": sig.tensor_set,
-            "_ALLOWED_input": sig.input_set,
-            "_ALLOWED_weight": sig.weight_set,
             "_Inputs": sig.inputs_type,
             "_new": tuple.__new__,
             "_Record": NodeRecord,
@@ -572,20 +471,15 @@ class _Writer:
             "_keep": _save,
             "_restore": _restore,
             "_SAVED_TENSORS": _SAVED_TENSORS,
-            "_watched": _watched_values,
-            "_mutated": _raise_mutation,
-            "_map": map,
-            "_getattr": getattr,
-            "_VERSION": _VERSION,
-            "_NO_VERSION": _NO_VERSION,
             "_TENSOR_OR_NONE": _TENSOR_OR_NONE,
-            "_Ctx": BackwardContext,
-            "_collect": collect_grads,
-            "_by_name": _metas_by_name,
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
             "_compute": impl.compute,
+            "_needed": needed_edge,
+            "_captured_now": impl.captures.captured_now,
+            "_SWITCHES": SWITCHES,
+            "_keeps_for_later": keeps_for_later,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
         }

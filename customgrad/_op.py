@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -19,6 +20,10 @@ from customgrad._errors import (
     MutationError,
     where,
 )
+from customgrad._kernels import IMPLS as _IMPLS
+from customgrad._kernels import ForeignKeys, Kernels, dispatch_key
+from customgrad._kernels import device_types as _device_types
+from customgrad._messages import missing_autograd_message
 from customgrad._rules import (
     AutogradRules,
     BackwardFn,
@@ -29,14 +34,25 @@ from customgrad._rules import (
     SplitMode,
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
+from customgrad._switches import STATE as _SWITCHES
 
-__all__ = ["BackwardFn", "CustomOp", "JvpFn", "SaveForBackwardFn", "SharedFn", "op"]
+__all__ = [
+    "BackwardFn",
+    "CustomOp",
+    "JvpFn",
+    "SaveForBackwardFn",
+    "SharedFn",
+    "op",
+    "registered_ops",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 F = TypeVar("F", bound=Callable[..., Any])
 
-_OPS: dict[str, CustomOp[..., Any]] = {}
+_OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDictionary()
+"""The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
+its kernels) do, that is until it is replaced by a new definition of its name."""
 _DECLINED = _fastpath.DECLINED
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _tf_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
@@ -69,100 +85,6 @@ def _plain_dispatch() -> bool:
         or _tf_mode_enabled()
         or _functorch_active()
     )
-
-
-MSG_NO_AUTOGRAD = """\
-{name}: an input requires grad, but the op's autograd is not registered{missing}. Register a \
-save_for_backward function and {how}:
-
-    @{var}.register_save_for_backward
-    def _(inputs, output):
-        return {saved}
-{example}
-Call the op under torch.no_grad() or on inputs that don't require grad if you need no gradients.
-(op defined at {loc})"""
-
-EXAMPLE_PAIR = """
-    @{var}.register_backward_input           # gradients of {inputs}
-    def _(ctx, saved, grad):
-        {unpack} = saved
-        return {{{input_grads}}}
-
-    @{var}.register_backward_weight          # gradients of {weights}
-    def _(ctx, saved, grad):
-        {unpack} = saved
-        return {{{weight_grads}}}
-
-(or @{var}.register_backward: one function returning every gradient, split automatically).
-"""
-
-EXAMPLE_SINGLE = """
-    @{var}.register_backward                 # gradients of {inputs}
-    def _(ctx, saved, grad):
-        {unpack} = saved
-        return {{{input_grads}}}
-"""
-
-
-def _device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    if device_types is None:
-        return None
-    if isinstance(device_types, str):
-        return (device_types,)
-    return tuple(device_types)
-
-
-def _dispatch_key(qualname: str, device_type: object) -> str:
-    """The dispatch key of ``device_type`` ("cpu" → "CPU"), or a DefinitionError."""
-    fix = (
-        'Use a device type as torch.device names it, lowercase and without an index: "cpu", '
-        '"cuda", "xpu", "mps", ... (or None for every device).'
-    )
-    if not isinstance(device_type, str) or ":" in device_type:
-        raise DefinitionError(f"{qualname}: invalid device type {device_type!r}. {fix}")
-    try:
-        key = torch._C._dispatch_key_for_device(device_type)
-    except (RuntimeError, ValueError):
-        raise DefinitionError(f"{qualname}: unknown device type {device_type!r}. {fix}") from None
-    return str(key)
-
-
-class _Kernels:
-    """The op's kernels by device type (``None``: the kernel for every device)."""
-
-    def __init__(self, qualname: str, var: str, fn: Callable[..., Any]) -> None:
-        self.qualname = qualname
-        self.var = var
-        self.fn = fn
-        self.by_device: dict[str | None, Callable[..., Any]] = {}
-
-    def for_device(self, device_type: str) -> Callable[..., Any] | None:
-        by = self.by_device
-        return by.get(device_type) or by.get(None)
-
-    def for_args(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        """The kernel for the device of the first tensor in ``args``, or an error."""
-        by = self.by_device
-        if len(by) > 1 or None not in by:
-            for a in args:
-                t = a if isinstance(a, _Tensor) else None
-                if t is None and isinstance(a, (list, tuple)):
-                    t = next((x for x in a if isinstance(x, _Tensor)), None)
-                if t is not None:
-                    k = by.get(t.device.type)
-                    if k is not None:
-                        return k
-                    break
-        k = by.get(None)
-        if k is None:
-            devices = ", ".join(sorted(d for d in by if d is not None)) or "none"
-            raise MissingRegistrationError(
-                f"{self.qualname}: no kernel for these inputs' device (kernels registered for: "
-                f"{devices}). Add one with @{self.var}.register_kernel('<device>') or "
-                f"register a kernel for all devices with register_kernel(None). "
-                f"(op defined at {where(self.fn)})"
-            )
-        return k
 
 
 def _check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
@@ -216,16 +138,12 @@ class CustomOp(Generic[P, R]):
         residuals: Iterable[str] = (),
     ) -> None:
         ns, opname = parse_name(name)
-        if name in _OPS:
-            raise DefinitionError(
-                f"{name}: an op of that name is already defined (at {where(_OPS[name]._fn)}). "
-                f"Op names are global, like torch.ops; pick another name."
-            )
         weights = (weights,) if isinstance(weights, str) else tuple(weights)
         mutates = (mutates_args,) if isinstance(mutates_args, str) else tuple(mutates_args)
         residual_names = (residuals,) if isinstance(residuals, str) else tuple(residuals)
         types = _device_types(device_types)
-        keys = [(dt, _dispatch_key(name, dt)) for dt in types or ()]
+        for dt in types or ():
+            dispatch_key(name, dt)  # refuses an unknown device type
         kernel_schema = make_schema(name, fn, schema, mutates)
         diff = None if output_differentiability is None else tuple(output_differentiability)
         self._sig = Signature(name, kernel_schema, fn, weights, residual_names, diff)
@@ -237,7 +155,7 @@ class CustomOp(Generic[P, R]):
         self._mutates = mutates
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._var = opname
-        self._kernels = _Kernels(name, opname, fn)
+        self._kernels = Kernels(name, opname, fn)
         self._fake_fn: Callable[..., Any] | None = None
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
@@ -245,8 +163,13 @@ class CustomOp(Generic[P, R]):
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
         self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
-        self._registered_keys: set[str] = set()
+        self._foreign_keys = ForeignKeys(name)
 
+        old = _OPS.get(name)
+        if old is not None:
+            # A redefinition (a notebook cell run again): replace the old op, as torch's
+            # custom_op does. Its nodes in existing graphs keep their backward.
+            old._retire(self)
         self._lib = torch.library.Library(ns, "FRAGMENT")
         try:
             self._lib.define(opname + self.schema)
@@ -270,7 +193,7 @@ class CustomOp(Generic[P, R]):
             self._lib.impl(opname, self._autograd_impl, "Autograd")
             if mutates:
                 self._lib.impl(opname, self._inplace_view_impl, "ADInplaceOrView", with_keyset=True)
-            self._register_kernel(keys if types is not None else None, fn)
+            self._register_kernel(types, fn)
         except RuntimeError as e:
             self._lib._destroy()
             first = str(e).strip().splitlines()[0]
@@ -283,8 +206,15 @@ class CustomOp(Generic[P, R]):
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__wrapped__ = fn
 
+    def _retire(self, new: CustomOp[..., Any]) -> None:
+        """Give the name to ``new``: remove this op's registrations; calling it raises."""
+        self._lib._destroy()
+        self._fast_call = None
+        self._replaced_by = new
+        self.__class__ = _ReplacedOp
+
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
-    def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
+    def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
         """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
         sig = self._sig
         if kernel is None:
@@ -296,48 +226,13 @@ class CustomOp(Generic[P, R]):
             out = kernel(*args)
         return self._checked_output(args, out)
 
-    def missing_autograd_message(self) -> str:
-        sig = self._sig
-        missing = self.rules.missing(
-            has_inputs=bool(sig.input_names), has_weights=bool(sig.weights)
-        )
-        inputs = [n for n in sig.input_names if sig.args[sig.index[n]].kind is _TENSOR]
-        weights = list(sig.weights)
-        tensors = inputs + weights
-        unpack = ", ".join(tensors) if tensors else "saved_value"
-        if weights and inputs:
-            how = "either one backward or the input/weight pair"
-            example = EXAMPLE_PAIR.format(
-                var=self._var,
-                inputs=", ".join(repr(n) for n in inputs),
-                weights=", ".join(repr(n) for n in weights),
-                unpack=unpack,
-                input_grads=", ".join(f'"{n}": ...' for n in inputs),
-                weight_grads=", ".join(f'"{n}": ...' for n in weights),
-            )
-        else:
-            names = inputs or weights
-            how = "a backward"
-            example = EXAMPLE_SINGLE.format(
-                var=self._var,
-                inputs=", ".join(repr(n) for n in names) or "the Tensor arguments",
-                unpack=unpack,
-                input_grads=", ".join(f'"{n}": ...' for n in names),
-            )
-        return MSG_NO_AUTOGRAD.format(
-            name=self.name,
-            missing=f" (missing: {', '.join(missing)})" if missing else "",
-            how=how,
-            var=self._var,
-            saved=", ".join(f"inputs.{n}" for n in tensors) or "None",
-            example=example,
-            loc=where(self._fn),
-        )
+    def _missing_autograd_message(self) -> str:
+        return missing_autograd_message(self._sig, self.rules, self._var, self._fn)
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         fast = self._fast_call
-        if fast is not None and not kwargs:
+        if fast is not None and not kwargs and _SWITCHES.fastpath:
             out = fast(args)
             if out is not _DECLINED:
                 return out  # type: ignore[no-any-return]
@@ -381,6 +276,19 @@ class CustomOp(Generic[P, R]):
                 sig.check_args(args)
         if self._mutated_idx:
             self._check_mutated_no_grad(args)
+        if first is not None and (
+            _IMPLS is None
+            or not _IMPLS.isdisjoint(
+                self._foreign_keys.cpu
+                if first.is_cpu
+                else self._foreign_keys.cuda
+                if first.is_cuda
+                else self._foreign_keys[first.device.type]
+            )
+        ):  # self._dispatcher_decides(first.device.type), inline
+            # A kernel or autocast rule registered through torch.library would run: let the
+            # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).
+            return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
         kernel = self._shortcut_kernel(first) if plain else None
         if requires and sig.output_kinds:
             return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
@@ -441,6 +349,18 @@ class CustomOp(Generic[P, R]):
                     f"(op defined at {where(self._fn)})"
                 )
 
+    def _dispatcher_decides(self, device_type: str) -> bool:
+        """Whether a kernel that customgrad did not register would run for a call on
+        ``device_type``: a kernel for the device or an autocast rule registered through
+        ``torch.library`` (``register_kernel``, ``register_autocast``, ``Library.impl``).
+
+        customgrad registers one backend kernel (``CompositeExplicitAutograd``, which picks the
+        op's kernel by device) and its Autograd kernel, so any device or autocast key of the op
+        in torch.library's registrations is someone else's. When this torch does not keep those
+        registrations, every call goes through the dispatcher.
+        """
+        return _IMPLS is None or not _IMPLS.isdisjoint(self._foreign_keys[device_type])
+
     def _shortcut_kernel(self, first: torch.Tensor | None) -> Callable[..., Any] | None:
         """The kernel to call directly, skipping the dispatcher, or None to dispatch.
 
@@ -469,9 +389,7 @@ class CustomOp(Generic[P, R]):
 
     def _backend_full_impl(self, *args: Any, **kwargs: Any) -> Any:
         """Every return of the kernel (outputs, then residuals)."""
-        kernel = self._kernels.by_device.get(None)
-        if kernel is None:
-            kernel = self._kernels.for_args(self._sig.normalize(args, kwargs))
+        kernel = self._kernels.for_args(self._sig.normalize(args, kwargs))
         out = kernel(*args, **kwargs)
         self._checked_output(self._sig.normalize(args, kwargs), out)
         return out
@@ -483,22 +401,6 @@ class CustomOp(Generic[P, R]):
                 out = self._kernel_overload(*args, **kwargs)
             return self._sig.split_outputs(out, ())[0]
         return self._backend_full_impl(*args, **kwargs)
-
-    def _device_impl(self, device_type: str) -> Callable[..., Any]:
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            out = self._kernels.by_device[device_type](*args, **kwargs)
-            self._checked_output(self._sig.normalize(args, kwargs), out)
-            return out
-
-        return kernel
-
-    def _device_public_impl(self, device_type: str) -> Callable[..., Any]:
-        full = self._device_impl(device_type)
-
-        def kernel(*args: Any, **kwargs: Any) -> Any:
-            return self._sig.split_outputs(full(*args, **kwargs), ())[0]
-
-        return kernel
 
     def _fake_full_impl(self, *args: Any, **kwargs: Any) -> Any:
         fake = self._fake_fn
@@ -547,30 +449,19 @@ class CustomOp(Generic[P, R]):
     def _refresh_fast(self) -> None:
         """Rebuild the fast path for the current registrations and kernels."""
         self._fast_call = _fastpath.build(
-            self._impl, self._kernels.by_device, self._checked_output, bool(self._mutates)
+            self._impl,
+            self._kernels.by_device,
+            self._checked_output,
+            bool(self._mutates),
+            _IMPLS,
+            self._foreign_keys,
         )
 
-    def _register_kernel(self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]) -> None:
-        self._register_kernel_for(keys, fn)
-        self._refresh_fast()
-
-    def _register_kernel_for(
-        self, keys: list[tuple[str, str]] | None, fn: Callable[..., Any]
-    ) -> None:
-        if keys is None:
-            self._kernels.by_device[None] = fn
-            return
-        opname = self._var
-        for dt, key in keys:
+    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
+        """Put ``fn`` in the op's kernel table (the one backend kernel reads it by device)."""
+        for dt in types or (None,):
             self._kernels.by_device[dt] = fn
-            if key in self._registered_keys:
-                continue
-            if self._sig.residual_names:
-                self._lib.impl(opname, self._device_public_impl(dt), key)
-                self._lib.impl(f"{opname}.with_residuals", self._device_impl(dt), key)
-            else:
-                self._lib.impl(opname, self._device_impl(dt), key)
-            self._registered_keys.add(key)
+        self._refresh_fast()
 
     @overload
     def register_kernel(
@@ -602,12 +493,13 @@ class CustomOp(Generic[P, R]):
             tensor([2., 2.])
         """
         types = _device_types(device_types)
-        keys = None if types is None else [(dt, _dispatch_key(self.name, dt)) for dt in types]
+        for dt in types or ():
+            dispatch_key(self.name, dt)  # refuses an unknown device type
 
         def register(f: F) -> F:
             if not callable(f):
                 raise DefinitionError(f"{self.name}: register_kernel needs a function, got {f!r}.")
-            self._register_kernel(keys, f)
+            self._register_kernel(types, f)
             return f
 
         return register if fn is None else register(fn)
@@ -852,10 +744,56 @@ class CustomOp(Generic[P, R]):
         return f"<customgrad op {self.name}{self.schema}>"
 
 
+MSG_REPLACED = """\
+{name}: this op was replaced by a later definition of the same name (at {new_loc}), as \
+torch's custom_op replaces one; the old object no longer runs or takes registrations. Use the \
+new one: the object that definition returned, or torch.ops.{ns}.{opname}. (replaced op defined \
+at {old_loc})"""
+
+
+class _ReplacedOp(CustomOp[P, R]):
+    """A :class:`CustomOp` whose name a later definition took (see ``CustomOp._retire``)."""
+
+    _replaced_by: CustomOp[..., Any]
+
+    def _replaced(self) -> MissingRegistrationError:
+        ns, opname = self.name.split("::")
+        return MissingRegistrationError(
+            MSG_REPLACED.format(
+                name=self.name,
+                new_loc=where(self._replaced_by._fn),
+                ns=ns,
+                opname=opname,
+                old_loc=where(self._fn),
+            )
+        )
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        raise self._replaced()
+
+    def _set_rules(self, rules: AutogradRules) -> None:
+        raise self._replaced()
+
+    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
+        raise self._replaced()
+
+    def register_fake(self, fn: F) -> F:
+        raise self._replaced()
+
+
+def registered_ops() -> list[CustomOp[..., Any]]:
+    """Every customgrad op defined in this process (the current definition of each name)."""
+    return [op for op in _OPS.values() if type(op) is not _ReplacedOp]
+
+
 def _auto_split(op: CustomOp[..., Any], fn: Callable[..., Any], split: str, recompute: str) -> Any:
     """The automatic splitter for a single backward, or None (``split="phase"``)."""
     if split != "auto":
         return None
+    # Tracing imports torch._dynamo; imported inside the first backward, that import keeps the
+    # backward's frames (and so the node and its saved tensors) alive for good. Import it now.
+    import torch._dynamo  # noqa: F401
+
     from customgrad._autosplit import AutoSplitter  # imports torch.fx: only when needed
 
     return AutoSplitter(op, fn, recompute)

@@ -144,10 +144,10 @@ class OpSpec(Protocol):
     def rules(self) -> AutogradRules:
         """The current autograd registrations."""
 
-    def run_kernel(self, args: tuple[Any, ...], kernel: Any) -> Any:
+    def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> Any:
         """Run the forward below autograd on schema-ordered ``args``: everything the kernel
         returns (outputs, then residuals). ``kernel`` is the kernel to call directly, or None
         to go through the dispatcher."""
 
-    def missing_autograd_message(self) -> str:
+    def _missing_autograd_message(self) -> str:
         """The error message for an op whose autograd registrations are incomplete."""

@@ -45,9 +45,11 @@ def _check_tensor(
     index: int | None,
     grad: object,
     meta: TensorMeta,
-) -> None:
+) -> Any:
+    """``grad`` if it is a valid gradient for an input described by ``meta`` (cast to the
+    input's dtype where :func:`_autocast_dtype_ok` allows), else an error."""
     if grad is None:
-        return
+        return None
     if (
         isinstance(grad, torch.Tensor)
         and meta is not None
@@ -55,7 +57,7 @@ def _check_tensor(
         and grad.dtype == meta[1]
         and grad.device == meta[2]
     ):
-        return
+        return grad
     arg = f"'{name}'" if index is None else f"'{name}'[{index}]"
     where_ = where(fn)
     if not isinstance(grad, torch.Tensor):
@@ -81,7 +83,7 @@ def _check_tensor(
             f"{dtype} tensor, which has no gradient (only floating-point and complex tensors "
             f"do). Return None for it. ({label} defined at {where_})"
         )
-    if grad.dtype != dtype:
+    if grad.dtype != dtype and not _autocast_dtype_ok(grad, dtype):
         raise GradientValueError(
             f"{sig.qualname}: {label} returned a gradient for {arg} of dtype {grad.dtype}, but "
             f"the input has dtype {dtype}. Cast it explicitly (e.g. grad.to({dtype})); customgrad "
@@ -93,6 +95,19 @@ def _check_tensor(
             f"the input is on {device}. Return it on the input's device. "
             f"({label} defined at {where_})"
         )
+    return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def _autocast_dtype_ok(grad: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a floating gradient of another floating dtype than its input's comes from a
+    backward that ran under autocast, where torch's own rule applies: the autograd engine casts
+    every node's gradient to its input's dtype (a compiled backward runs under the forward's
+    autocast state, ``torch._functorch.config.backward_pass_autocast``)."""
+    return (
+        dtype.is_floating_point
+        and grad.dtype.is_floating_point
+        and torch.is_autocast_enabled(grad.device.type)
+    )
 
 
 def collect_grads(
@@ -123,7 +138,7 @@ def collect_grads(
         GradientTypeError: for a wrong kind of value.
         GradientValueError: for wrong keys, shapes, dtypes, devices or list lengths.
     """
-    if flat_metas is not None and type(result) is dict:
+    if type(result) is dict:
         # The common case, checked inline: a plain dict of valid gradients. Anything else is
         # checked below, which accepts exactly the same results and raises the errors.
         index = sig.index
@@ -132,8 +147,24 @@ def collect_grads(
             if name not in allowed:
                 break
             if grad is not None:
-                meta = flat_metas[index[name]]
-                if not (
+                meta = flat_metas[index[name]] if flat_metas is not None else metas[name]  # type: ignore[index]
+                if type(meta) is list:
+                    if not ((type(grad) is list or type(grad) is tuple) and len(grad) == len(meta)):
+                        break
+                    for g, m in zip(grad, meta):
+                        if g is not None and not (
+                            type(g) is torch.Tensor
+                            and m is not None
+                            and g.shape == m[0]
+                            and g.dtype is m[1]
+                            and g.device == m[2]
+                        ):
+                            break
+                    else:
+                        g = None
+                    if g is not None:  # an item failed the check
+                        break
+                elif not (
                     type(grad) is torch.Tensor
                     and meta is not None
                     and grad.shape == meta[0]
@@ -190,10 +221,12 @@ def _collect(
                     f"input list has {len(meta)} items. Return one Tensor or None per item. "
                     f"({label} defined at {where(fn)})"
                 )
-            for i, (g, m) in enumerate(zip(grad, meta)):
+            grad = [
                 _check_tensor(sig, label, fn, name, i, g, m)
+                for i, (g, m) in enumerate(zip(grad, meta))
+            ]
         else:
-            _check_tensor(sig, label, fn, name, None, grad, meta)
+            grad = _check_tensor(sig, label, fn, name, None, grad, meta)
         if name in needed:
             out[name] = grad
     if len(out) != len(needed):

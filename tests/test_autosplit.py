@@ -278,7 +278,8 @@ def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
         record = record_of(out.grad_fn)
         assert record is not None
         (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
-        owner, later, values = record.handoff
+        made_with, (owner, later, values) = record.handoff  # (output gradients, what is kept)
+        assert made_with[0] is g
         assert isinstance(owner, TracedSplit) and later == {"up", "down"}
         # recompute="cheap" keeps the two matmul results (h and dy @ down) and recomputes the
         # elementwise work; "none" also keeps dh, which the up gradient needs.

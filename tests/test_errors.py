@@ -164,20 +164,28 @@ def test_unsupported_output_type() -> None:
         cg.op(unique("f"), f)
 
 
-def test_duplicate_name() -> None:
+def test_calling_an_op_replaced_by_a_redefinition() -> None:
     name = unique("twice")
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return x
 
-    cg.op(name, f)
-    with pytest.raises(
-        cg.DefinitionError,
-        match=re.escape(
-            f"{name}: an op of that name is already defined (at {where(f)}). Op names are global"
-        ),
-    ):
-        cg.op(name, f)
+    def g(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    old = cg.op(name, f)
+    cg.op(name, g)
+    ns, opname = name.split("::")
+    message = (
+        f"{name}: this op was replaced by a later definition of the same name (at {where(g)}), "
+        f"as torch's custom_op replaces one; the old object no longer runs or takes "
+        f"registrations. Use the new one: the object that definition returned, or "
+        f"torch.ops.{ns}.{opname}. (replaced op defined at {where(f)})"
+    )
+    with pytest.raises(cg.MissingRegistrationError, match=re.escape(message)):
+        old(torch.ones(2))
+    with pytest.raises(cg.MissingRegistrationError, match=re.escape(message)):
+        old.register_kernel("cpu", f)
 
 
 def test_output_differentiability_length() -> None:

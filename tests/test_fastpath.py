@@ -261,20 +261,26 @@ def test_a_node_created_fast_is_run_by_the_general_path_after_new_rules() -> Non
     torch.testing.assert_close(w.grad, torch.full((3, 4), 10.0, dtype=torch.float64))
 
 
-def test_autograd_grad_finds_captured_leaves_without_asking_the_engine() -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
+def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
+    fast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
-    leaf, so the node reads the inputs from the caller instead and asks only about the rest."""
-    op = _define("TT", (1,), "pair", "none", fast=True)
-    assert op._fast_call is not None
-    namespace = op._fast_call.__globals__
+    leaf, so the node reads the inputs from the caller instead and asks only about the rest
+    (the same rule on both paths: ``customgrad._autograd.needed_edge``)."""
+    from customgrad import _autograd
+
+    op = _define("TT", (1,), "pair", "none", fast=fast)
+    assert (op._fast_call is not None) == fast
     asked: list[object] = []
-    will = namespace["_will"]
+    will = _autograd._will_execute
+    assert will is not None
 
     def counting(fn: object) -> bool:
         asked.append(fn)
         return bool(will(fn))
 
-    namespace["_will"] = counting
+    monkeypatch.setattr(_autograd, "_will_execute", counting)
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = op(x, w)
     (gw,) = torch.autograd.grad(out.sum(), [w], retain_graph=True)
@@ -288,3 +294,35 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine() -> None
     out = op(x, w)
     out.sum().backward()  # nothing captured: every edge is asked (cheap: no raise)
     assert len(asked) == 2
+
+
+def test_check_op_runs_the_path_a_user_call_runs() -> None:
+    from customgrad._autograd import _node_apply
+    from customgrad._op import autograd_impl
+    from customgrad.testing import check_op
+    from tests.conftest import linear_op
+
+    op = linear_op("test_fastpath_check::linear")
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 3, generator=g), torch.randn(5, 3, generator=g)
+    fast = op._fast_call
+    assert fast is not None
+    served: list[bool] = []
+
+    def counting(args: tuple[Any, ...]) -> Any:
+        out = fast(args)
+        if out is not cg._fastpath.DECLINED and autograd_impl(op).observers:  # check_op watches
+            assert type(out.grad_fn).apply is not _node_apply  # the generated node
+            served.append(True)
+        return out
+
+    op._fast_call = counting
+    try:
+        report = check_op(op, x, w)
+    finally:
+        op._fast_call = fast
+    # the split check ran the generated call, forward and backward (its node); the calls
+    # under opcheck's modes and fake tensors decline, as a user's do
+    assert served
+    assert report.calls["input"] == {"backward_input": 1}
+    assert report.calls["weight"] == {"backward_weight": 1}

@@ -1,0 +1,141 @@
+"""Keeping what ``save_for_backward`` returned: its tensors through autograd (so in-place
+changes are caught and no reference cycle keeps outputs alive), the rest as it is."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, NamedTuple
+
+import optree
+import torch
+
+from customgrad._errors import (
+    GradientTypeError,
+    where,
+)
+from customgrad._record import NodeRecord
+from customgrad._rules import OpSpec
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_VERSION = itertools.repeat("_version")
+_NO_VERSION = itertools.repeat(None)
+
+__all__ = ["SaveError"]
+
+
+class SaveError(GradientTypeError):
+    """``save_for_backward`` returned a value customgrad cannot keep safely."""
+
+
+MSG_HIDDEN_TENSORS = """\
+{op}: save_for_backward returned {what}, which holds Tensors customgrad cannot see. Tensors \
+must be saved through autograd (so in-place changes before backward are caught and no \
+reference cycle keeps outputs alive), which customgrad does for Tensors inside tuples, lists, \
+dicts and NamedTuples. Return those instead:
+
+    return inputs.x, inputs.weight, rstd            # or a dict / a NamedTuple
+
+(save_for_backward defined at {loc})"""
+
+
+class _Kept(NamedTuple):
+    """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
+    in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
+
+    leaves: list[Any]
+    treespec: Any
+    tensor_idx: list[int]
+
+
+# What ``record.kept`` holds when ``save_for_backward`` returned something simple.
+_SAVED_NONE: Any = object()  # None
+_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
+_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
+_OPAQUE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
+
+
+def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
+    """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
+    if saved is None:
+        record.kept = _SAVED_NONE
+        return
+    kind = type(saved)
+    if kind is _Tensor or kind is _Parameter:
+        ctx.save_for_backward(saved)
+        record.kept = _SAVED_TENSOR
+        return
+    if kind is tuple:
+        if _TENSOR_OR_NONE.issuperset(map(type, saved)):
+            # Tensors and Nones: saved_tensors gives the same tuple back
+            ctx.save_for_backward(*saved)
+            record.kept = _SAVED_TENSORS
+            return
+        tensor_idx: list[int] = []
+        for i, v in enumerate(saved):
+            k = type(v)
+            if k is _Tensor or k is _Parameter:
+                tensor_idx.append(i)
+            elif k not in _OPAQUE_LEAVES:
+                break
+        else:  # a flat tuple of leaves: no pytree needed
+            leaves = list(saved)
+            if tensor_idx:
+                ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+                for i in tensor_idx:
+                    leaves[i] = None
+            record.kept = _Kept(leaves, None, tensor_idx)
+            return
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    tensor_idx = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, _Tensor):
+            tensor_idx.append(i)
+        elif not isinstance(leaf, _OPAQUE_LEAVES):
+            _check_opaque_leaf(spec, leaf)
+    if tensor_idx:
+        ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
+        for i in tensor_idx:
+            leaves[i] = None
+    record.kept = _Kept(leaves, treespec, tensor_idx)
+
+
+def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
+    """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
+    Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
+    attrs = getattr(leaf, "__dict__", None)
+    values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
+    for name in getattr(type(leaf), "__slots__", ()):
+        values.append(getattr(leaf, name, None))
+    is_dataclass = dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+    if is_dataclass:
+        values += [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
+    tree: Any = values
+    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(tree, none_is_leaf=True)):
+        return
+    if is_dataclass:
+        what = f"a dataclass ({type(leaf).__qualname__})"
+    else:
+        what = f"a {type(leaf).__qualname__} object with Tensor attributes"
+    save = spec.rules.save
+    raise SaveError(MSG_HIDDEN_TENSORS.format(op=spec.name, what=what, loc=where(save)))
+
+
+def _restore(node: Any, record: NodeRecord) -> Any:
+    kept = record.kept
+    if kept is _SAVED_TENSORS:
+        return node.saved_tensors
+    if kept is _SAVED_TENSOR:
+        return node.saved_tensors[0]
+    if kept is _SAVED_NONE:
+        return None
+    leaves, treespec, tensor_idx = kept
+    if tensor_idx:
+        leaves = list(leaves)
+        for i, t in zip(tensor_idx, node.saved_tensors):
+            leaves[i] = t
+    if treespec is None:
+        return tuple(leaves)
+    return optree.tree_unflatten(treespec, leaves)

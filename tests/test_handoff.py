@@ -1,0 +1,224 @@
+"""What the input pass hands to the weight pass belongs to that pass: a pass with other output
+gradients never reads it, and it is freed as soon as no later pass can come (no reference
+cycle keeps it, or the node, alive until the cyclic GC)."""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import customgrad as cg
+from customgrad._record import NO_HANDOFF, record_of
+
+_ids = itertools.count()
+DT = torch.float64
+STYLES = ["auto", "shared", "from_function"]
+
+
+def mlp_op(style: str) -> cg.CustomOp[..., torch.Tensor]:
+    """``relu(x @ up.mT) @ down.mT``; the hidden gradient is work both halves need."""
+    name = f"test_handoff{next(_ids)}::mlp"
+    if style == "from_function":
+
+        class Mlp(torch.autograd.Function):
+            @staticmethod
+            def forward(
+                ctx: Any, x: torch.Tensor, up: torch.Tensor, down: torch.Tensor
+            ) -> torch.Tensor:
+                h = torch.relu(x @ up.mT)
+                ctx.save_for_backward(x, up, down, h)
+                return h @ down.mT
+
+            @staticmethod
+            def backward(ctx: Any, g: torch.Tensor) -> Any:
+                x, up, down, h = ctx.saved_tensors
+                dh = (g @ down) * (h > 0)
+                return dh @ up, dh.mT @ x, g.mT @ h
+
+        return cg.from_function(Mlp, name, weights=("up", "down"))
+
+    @cg.op(name, weights=("up", "down"))
+    def mlp(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ up.mT) @ down.mT
+
+    mlp.register_fake(lambda x, up, down: x.new_empty(x.shape[0], down.shape[0]))
+    mlp.register_save_for_backward(lambda i, o: (i.x, i.up, i.down, torch.relu(i.x @ i.up.mT)))
+    if style == "auto":
+
+        @mlp.register_backward
+        def _(ctx: cg.BackwardContext, s: Any, g: torch.Tensor) -> dict[str, Any]:
+            x, up, down, h = s
+            dh = (g @ down) * (h > 0)
+            return {"x": dh @ up, "up": dh.mT @ x, "down": g.mT @ h}
+
+    else:
+
+        @mlp.register_backward_shared
+        def _(ctx: cg.BackwardContext, s: Any, g: torch.Tensor) -> torch.Tensor:
+            return (g @ s[2]) * (s[3] > 0)
+
+        mlp.register_backward_input(lambda ctx, s, g: {"x": ctx.shared @ s[1]})
+        mlp.register_backward_weight(
+            lambda ctx, s, g: {"up": ctx.shared.mT @ s[0], "down": g.mT @ s[3]}
+        )
+    return mlp
+
+
+def reference(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ up.mT) @ down.mT
+
+
+def leaves() -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(0)
+    return tuple(torch.randn(*s, dtype=DT, requires_grad=True) for s in ((6, 4), (5, 4), (3, 5)))
+
+
+@pytest.fixture(params=[True, False], ids=["fast", "general"])
+def fastpath(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    monkeypatch.setattr(cg._switches.STATE, "fastpath", request.param)
+    yield request.param
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_weight_pass_of_another_loss_does_not_read_the_input_pass_hand_off(
+    style: str, fastpath: bool
+) -> None:
+    op = mlp_op(style)
+    x, up, down = leaves()
+    out = op(x, up, down)
+    ref = reference(x, up, down)
+    g1 = torch.randn_like(out)
+    (gx,) = torch.autograd.grad(out, x, g1, retain_graph=True)  # I of loss 1: keeps a hand-off
+    torch.testing.assert_close(gx, torch.autograd.grad(ref, x, g1, retain_graph=True)[0])
+    g2 = torch.randn_like(out)
+    got = torch.autograd.grad(out, (up, down), g2, retain_graph=True)  # W of loss 2
+    torch.testing.assert_close(got, torch.autograd.grad(ref, (up, down), g2, retain_graph=True))
+    # loss 1's own weight pass still gets loss 1's gradients
+    got = torch.autograd.grad(out, (up, down), g1)
+    torch.testing.assert_close(got, torch.autograd.grad(ref, (up, down), g1))
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_the_weight_pass_of_the_same_gradients_reads_the_hand_off(
+    style: str, fastpath: bool
+) -> None:
+    op = mlp_op(style)
+    x, up, down = leaves()
+    out = op(x, up, down)
+    g = torch.randn_like(out)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    torch.autograd.grad(out, x, g, retain_graph=True)
+    assert record.handoff is not NO_HANDOFF
+    got = torch.autograd.grad(out, (up, down), g)
+    assert record.handoff is NO_HANDOFF  # freed after the weight pass
+    torch.testing.assert_close(got, torch.autograd.grad(reference(x, up, down), (up, down), g))
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_a_non_retaining_input_pass_frees_the_hand_off_at_once(style: str, fastpath: bool) -> None:
+    op = mlp_op(style)
+    x, up, down = leaves()
+    out = op(x, up, down)  # kept alive: its node (and record) too
+    record = record_of(out.grad_fn)
+    assert record is not None
+    torch.autograd.grad(out, x, torch.randn_like(out))  # no retain_graph: no weight pass can come
+    assert record.handoff is NO_HANDOFF
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_an_input_pass_without_its_weight_pass_leaves_no_reference_cycle(
+    style: str, fastpath: bool
+) -> None:
+    op = mlp_op(style)
+    x, up, down = leaves()
+    # the first backward traces (split="auto") and imports what tracing needs: warm up
+    torch.autograd.grad(op(x, up, down).sum(), x)
+    gc.collect()
+    gc.disable()
+    try:
+        out = op(x, up, down)
+        record = record_of(out.grad_fn)
+        assert record is not None
+        node = weakref.ref(out.grad_fn)  # type: ignore[arg-type]
+        rec = weakref.ref(record)
+        del record
+        torch.autograd.grad(out.sum(), x, retain_graph=True)
+        del out
+        assert node() is None and rec() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+def test_a_non_differentiable_output_does_not_stop_the_hand_off(fastpath: bool) -> None:
+    """Autograd gives a non-differentiable output a new tensor of zeros in each pass: the
+    hand-off is still read by the weight pass of the same gradients (shared work done once)."""
+    calls: list[str] = []
+
+    @cg.op(
+        f"test_handoff{next(_ids)}::scale_and_max",
+        weights=("w",),
+        output_differentiability=(True, False),
+    )
+    def scale_and_max(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * w
+        return y, y.amax()
+
+    scale_and_max.register_fake(lambda x, w: (torch.empty_like(x), x.new_empty(())))
+    scale_and_max.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @scale_and_max.register_backward_shared
+    def _(ctx: cg.BackwardContext, s: Any, g: torch.Tensor, g_max: torch.Tensor) -> torch.Tensor:
+        calls.append("shared")
+        return g * 2
+
+    scale_and_max.register_backward_input(lambda ctx, s, g, gm: {"x": ctx.shared * s[1] / 2})
+    scale_and_max.register_backward_weight(lambda ctx, s, g, gm: {"w": ctx.shared * s[0] / 2})
+    x, w = (torch.randn(4, dtype=DT, requires_grad=True) for _ in range(2))
+    y, _ = scale_and_max(x, w)
+    g = torch.randn(4, dtype=DT)
+    (gx,) = torch.autograd.grad(y, x, g, retain_graph=True)
+    (gw,) = torch.autograd.grad(y, w, g)
+    assert calls == ["shared"]
+    torch.testing.assert_close((gx, gw), (g * w, g * x))
+
+
+FIRST_TRACE = """
+import gc, weakref, torch
+import customgrad as cg
+
+gc.disable()
+@cg.op("first_trace::lin", weights=("w",))
+def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.mT
+lin.register_fake(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+lin.register_save_for_backward(lambda i, o: (i.x, i.w))
+lin.register_backward(lambda ctx, s, g: {"x": g @ s[1], "w": g.mT @ s[0]})
+x = torch.randn(3, 4, requires_grad=True)
+w = torch.randn(5, 4, requires_grad=True)
+out = lin(x, w)
+node = weakref.ref(out.grad_fn)
+torch.autograd.grad(out.sum(), x, retain_graph=True)  # the first backward traces
+del out
+print(node() is None)
+"""
+
+
+def test_the_node_of_the_first_traced_backward_is_freed() -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", FIRST_TRACE], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True"

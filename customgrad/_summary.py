@@ -147,9 +147,9 @@ def summary(namespace: str | None = None) -> Summary:
 
 def _registered_ops() -> Iterable[CustomOp[..., Any]]:
     """The ops defined in this process (the registry of :mod:`customgrad._op`)."""
-    from customgrad import _op
+    from customgrad._op import registered_ops
 
-    return list(_op._OPS.values())
+    return registered_ops()
 
 
 def _registrations(op: CustomOp[..., Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:

@@ -122,7 +122,7 @@ class CompiledRegion:
     """Bytes the last I pass kept for W."""
     runs: dict[str, int] = field(default_factory=lambda: {"full": 0, "input": 0, "weight": 0})
     """How many times each graph ran."""
-    _pending: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = field(
+    _pending: weakref.WeakKeyDictionary[Any, _HandOff] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
     _logged: bool = field(default=False, repr=False)
@@ -206,6 +206,8 @@ class _Plan:
     weight_positions: list[int]
     handoff: list[fx.Node]
     recomputed: list[fx.Node]
+    tangents: list[int]
+    """Positions of the output gradients among the backward's arguments."""
 
 
 def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
@@ -328,7 +330,9 @@ def _plan(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> _Plan | str:
     input_gm = _subgraph(gm, a_i, (), [outs[j] for j in ipos] + hand)
     weight_gm = _subgraph(gm, w_only | recompute, hand, [outs[j] for j in wpos])
     recomputed = [n for n in gm.graph.nodes if n in recompute]
-    return _Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
+    return _Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed, tangents)
 
 
 def _example(node: fx.Node) -> Any:
@@ -337,6 +341,21 @@ def _example(node: fx.Node) -> Any:
 
 # --------------------------------------------------------------------------------------------
 # Running it
+
+
+class _HandOff:
+    """What an input pass kept for the weight pass of the same node, and the output
+    gradients) it was made with: a pass with other output gradients (another loss through the
+    same graph) never reads it."""
+
+    __slots__ = ("kept", "tangents")
+
+    def __init__(self, tangents: list[tuple[int, weakref.ref[Any]]], kept: list[Any]) -> None:
+        self.tangents = tangents
+        self.kept = kept
+
+    def made_with(self, args: Sequence[Any]) -> bool:
+        return all(i < len(args) and ref() is args[i] for i, ref in self.tangents)
 
 
 class _Backward:
@@ -374,6 +393,7 @@ class _Backward:
         node = torch._C._current_autograd_node()
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
+            made_with = [(i, weakref.ref(args[i])) for i in plan.tangents]  # before args clear
             out = list(input_fn(args))
             n = len(plan.input_positions)
             for j, g in zip(plan.input_positions, out[:n]):
@@ -381,15 +401,16 @@ class _Backward:
             kept = out[n:]
             size = sum(t.untyped_storage().nbytes() for t in kept if isinstance(t, torch.Tensor))
             with _LOCK:
-                region._pending[node] = kept
+                region._pending[node] = _HandOff(made_with, kept)
                 region.handoff_bytes = size
                 region.runs["input"] += 1
             return grads
         with _LOCK:
-            kept = region._pending.pop(node, [])
+            handoff = region._pending.pop(node, None)
             region.runs["weight"] += 1
-        args.extend(kept)
-        del kept
+        if handoff is not None:
+            args.extend(handoff.kept)
+            del handoff
         for j, g in zip(plan.weight_positions, weight_fn(args)):
             grads[j] = g
         return grads
@@ -423,9 +444,16 @@ class _Backward:
         if need_weight and not need_input:
             # without I's hand-off, W runs alone only if it needs none (the first stage's
             # input needs no gradient, a Linear alone); else the full graph
+            if not self.split[2].handoff:
+                return "weight"
             with _LOCK:
-                pending = node in region._pending
-            return "weight" if pending or not self.split[2].handoff else "full"
+                handoff = region._pending.get(node)
+            if handoff is not None and handoff.made_with(args):
+                return "weight"
+            if handoff is not None:  # another pass's (another loss's output gradients)
+                with _LOCK:
+                    region._pending.pop(node, None)
+            return "full"
         return "full"
 
 

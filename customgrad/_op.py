@@ -73,20 +73,6 @@ _LIST = ArgKind.TENSOR_LIST
 _OTHER = ArgKind.OTHER
 
 
-def _plain_dispatch() -> bool:
-    """True when nothing but the backend kernel would see a dispatcher call made now.
-
-    No dispatch or function mode, no functorch transform, no profiler: calling the kernel
-    directly then gives exactly what the dispatcher would, minus its overhead.
-    """
-    return not (
-        _profiler._is_profiler_enabled
-        or _dispatch_stack_len()
-        or _tf_mode_enabled()
-        or _functorch_active()
-    )
-
-
 def _check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
     """Refuse a registered function that cannot take ``want`` positional arguments."""
     if not callable(fn):
@@ -367,7 +353,18 @@ class CustomOp(Generic[P, R]):
         ``first`` is the first tensor argument. The dispatcher runs for ops that mutate, while a
         mode, transform or profiler is active, and for meta tensors (they go to the fake kernel).
         """
-        if first is None or self._mutates or first.is_meta or not _plain_dispatch():
+        if (
+            first is None
+            or self._mutates
+            or first.is_meta
+            # Nothing but the backend kernel may see a dispatcher call made now: no dispatch
+            # or function mode, no functorch transform, no profiler. Calling the kernel directly
+            # then gives exactly what the dispatcher would, minus its overhead.
+            or _profiler._is_profiler_enabled
+            or _dispatch_stack_len()
+            or _tf_mode_enabled()
+            or _functorch_active()
+        ):
             return None
         by_device = self._kernels.by_device
         if len(by_device) == 1 and None in by_device:

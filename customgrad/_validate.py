@@ -15,6 +15,8 @@ __all__ = ["HALF_NAMES", "Meta", "TensorMeta", "collect_grads", "describe"]
 TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
 Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
 
+_Tensor = torch.Tensor
+
 HALF_NAMES = {
     "full": "backward",
     "input": "backward_input",
@@ -158,7 +160,7 @@ def collect_grads(
                         break
                     for g, m in zip(grad, meta):
                         if g is not None and not (
-                            type(g) is torch.Tensor
+                            type(g) is _Tensor
                             and m is not None
                             and g.shape == m[0]
                             and g.dtype is m[1]
@@ -170,7 +172,7 @@ def collect_grads(
                     if g is not None:  # an item failed the check
                         break
                 elif not (
-                    type(grad) is torch.Tensor
+                    type(grad) is _Tensor
                     and meta is not None
                     and grad.shape == meta[0]
                     and grad.dtype is meta[1]

@@ -635,7 +635,8 @@ class AutogradImpl:
                 grads_out.update(got)
             else:
                 grads_out = got
-            record.handoff = NO_HANDOFF  # the later pass ran: free what was kept for it
+            if record.handoff is not NO_HANDOFF:  # the later pass ran: free what was kept for it
+                record.handoff = NO_HANDOFF
         if shared is not None and shared.computed and observers:
             for o in observers:
                 o("backward_shared", phase, ctx, shared.value)

@@ -218,7 +218,9 @@ class CustomOp(Generic[P, R]):
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         fast = self._fast_call
-        if fast is not None and not kwargs and _SWITCHES.fastpath:
+        grad = _grad_enabled()
+        if fast is not None and grad and not kwargs and _SWITCHES.fastpath:
+            # (without grad mode the fast call declines: not called, one frame less)
             out = fast(args)
             if out is not _DECLINED:
                 return out  # type: ignore[no-any-return]
@@ -231,7 +233,6 @@ class CustomOp(Generic[P, R]):
         # One pass over the arguments: are they of the right kinds, does any require grad,
         # and are they plain tensors (for the direct kernel call)? The first tensor picks the
         # kernel's device.
-        grad = _grad_enabled()
         requires = False
         plain = True
         first: Any = None

@@ -29,7 +29,6 @@ from customgrad._errors import (
 from customgrad._forward_ad import forward_ad_active, jvp
 from customgrad._layout import (
     _flatten_args,
-    _metas_by_name,
     _public_outputs,
     _regroup,
     _slots,
@@ -53,6 +52,7 @@ from customgrad._user_calls import (
     _guard_residuals,
     _residual_slots,
     _Watch,
+    _watch,
 )
 from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
 from customgrad._user_calls import _requiring_grad as _requiring_grad
@@ -149,7 +149,7 @@ def needed_edge(fn: Any, captured: frozenset[int]) -> bool:
     ``captured``: the leaves the running ``autograd.grad`` captures
     (:meth:`CaptureMemo.captured_now`, read once per node backward).
     """
-    if type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[attr-defined]
+    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[attr-defined]
         return True  # a leaf that autograd.grad captures: needed, without asking the engine
     if _will_execute is None:
         return engine_needs(fn)
@@ -229,7 +229,7 @@ class BackwardContext:
             requires grad is needed, or some of each kind are).
     """
 
-    __slots__ = ("_needed", "_shared", "op", "phase")
+    __slots__ = ("_needed", "_op", "_phase", "_shared")
 
     def __init__(
         self,
@@ -238,19 +238,31 @@ class BackwardContext:
         needed: frozenset[str],
         shared: _Shared | None = None,
     ) -> None:
-        self.op = op
-        self.phase: Phase = phase
+        self._op = op
+        self._phase: Phase = phase
         self._needed = needed
         self._shared = shared
 
+    # Read-only: a context without shared work is made once per pass plan and reused by every
+    # backward call with that plan (:attr:`PassPlan.ctx`).
+    @property
+    def op(self) -> Any:
+        return self._op
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
     def needs_input_grad(self, name: str) -> bool:
         """True if argument ``name`` requires grad and the engine will use its gradient now."""
-        if name not in self.op.signature.index:
+        if name in self._needed:
+            return True
+        if name not in self._op.signature.index:
             raise GradientValueError(
-                f"{self.op.name}: ctx.needs_input_grad({name!r}): no such argument. "
-                f"Arguments: {', '.join(self.op.signature.names)}."
+                f"{self._op.name}: ctx.needs_input_grad({name!r}): no such argument. "
+                f"Arguments: {', '.join(self._op.signature.names)}."
             )
-        return name in self._needed
+        return False
 
     @property
     def shared(self) -> Any:
@@ -341,9 +353,13 @@ class PassPlan(NamedTuple):
     splits: bool
     """Whether the pass computes input gradients while weights that require grad are left for
     a later pass (the earlier pass of a split)."""
+    ctx: BackwardContext
+    """The backward functions' context for this plan when the op registers no shared work
+    (a context is read-only then, so every call with this plan shares one)."""
 
 
-def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> PassPlan:
+def _pass_plan(spec: OpSpec, requires: frozenset[str], needed: frozenset[str]) -> PassPlan:
+    sig = spec.signature
     need_w = needed & sig.weight_set
     need_in = needed - sig.weight_set
     if needed >= requires or (need_w and need_in):
@@ -353,7 +369,9 @@ def _pass_plan(sig: Signature, requires: frozenset[str], needed: frozenset[str])
     later = requires - needed
     later_w = later & sig.weight_set
     splits = bool(later_w) and bool(need_in)
-    return PassPlan(phase, needed, need_in, need_w, later_w, later - sig.weight_set, splits)
+    later_in = later - sig.weight_set
+    ctx = BackwardContext(spec, phase, needed)
+    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx)
 
 
 class AutogradImpl:
@@ -368,7 +386,7 @@ class AutogradImpl:
         sig = spec.signature
         self._plans: dict[tuple[int, int], PassPlan] = {}
         self._arg_of: dict[tuple[int, ...] | None, tuple[int, ...]] = {}
-        self._tensor_slots: dict[tuple[int, ...], list[tuple[str, int, int | None]]] = {}
+        self._slots: dict[tuple[int, ...], dict[str, tuple[int, int | None]]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
         self.captures = CaptureMemo()
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
@@ -512,7 +530,7 @@ class AutogradImpl:
             names = self.spec.signature.names
             requires = frozenset(n for i, n in enumerate(names) if requires_mask >> i & 1)
             needed = frozenset(n for i, n in enumerate(names) if needed_mask >> i & 1)
-            plan = self._plans[key] = _pass_plan(self.spec.signature, requires, needed)
+            plan = self._plans[key] = _pass_plan(self.spec, requires, needed)
         return plan
 
     def whole(self, plan: PassPlan) -> PassPlan:
@@ -521,19 +539,14 @@ class AutogradImpl:
         requires = plan.needed | plan.later_w | plan.later_in
         return self.plan(*_masks(self.spec.signature, requires, requires))
 
-    def tensor_slots(self, lens: tuple[int, ...]) -> list[tuple[str, int, int | None]]:
-        """For list lengths ``lens``: each Tensor argument's name, first flat position and list
-        length (None for a single tensor), cached."""
-        found = self._tensor_slots.get(lens)
+    def slots(self, lens: tuple[int, ...]) -> dict[str, tuple[int, int | None]]:
+        """For list lengths ``lens``: each argument's first flat position and list length
+        (None for a single value), cached (:func:`customgrad._layout._slots`)."""
+        found = self._slots.get(lens)
         if found is None:
-            sig = self.spec.signature
-            found = [
-                (name, start, n)
-                for name, (start, n) in _slots(sig, lens).items()
-                if sig.args[sig.index[name]].is_tensor
-            ]
-            if len(self._tensor_slots) < 256:
-                self._tensor_slots[lens] = found
+            found = _slots(self.spec.signature, lens)
+            if len(self._slots) < 256:
+                self._slots[lens] = found
         return found
 
     def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
@@ -563,40 +576,42 @@ class AutogradImpl:
         spec = self.spec
         sig = spec.signature
         rules = spec.rules
-        metas = record.metas if record.lens is None else None
-        by_name = _metas_by_name(sig, record) if metas is None else None
+        metas = record.metas
+        lens = record.lens
+        slots = None if lens is None else self.slots(lens)
         phase = plan.phase
         needed = plan.needed
         observers = self.observers
         nondiff = rules.nondifferentiable
         bwd = rules.backward
         if bwd is not None:
-            split = self._auto_split(record, rules, saved, grads, plan)
+            split = (
+                None if rules.auto is None else self._auto_split(record, rules, saved, grads, plan)
+            )
             if split is not None:
-                handoff = handed_over(record, grads)
+                handoff = NO_HANDOFF if record.handoff is NO_HANDOFF else handed_over(record, grads)
                 result, kept = split.run(
                     saved, grads, needed, None if handoff is NO_HANDOFF else handoff, keep
                 )
                 record.handoff = NO_HANDOFF if kept is None else (grads, kept)
                 if observers:
-                    ctx = BackwardContext(spec, phase, needed)
                     for o in observers:
-                        o(f"backward (traced {phase} part)", phase, ctx, result)
-                return collect_grads(
-                    sig, "full", bwd, result, sig.tensor_set, needed, metas, by_name
-                )
-            ctx = BackwardContext(spec, phase, needed)
-            result = _call_user(ctx, "full", bwd, saved, grads, _Watch(saved, grads), nondiff)
+                        o(f"backward (traced {phase} part)", phase, plan.ctx, result)
+                return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, slots)
+            ctx = plan.ctx
+            result = _call_user(ctx, "full", bwd, saved, grads, _watch(saved, grads), nondiff)
             for o in observers:
                 o("backward", phase, ctx, result)
-            return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, by_name)
-        watch = _Watch(saved, grads)
+            return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, slots)
+        watch = _watch(saved, grads)
         need_in = plan.need_in
         need_w = plan.need_w
         shared = None
-        if rules.backward_shared is not None:
+        if rules.backward_shared is None:
+            ctx = plan.ctx
+        else:
             shared = _Shared(record, saved, grads, watch, keep and bool(need_in) and not need_w)
-        ctx = BackwardContext(spec, phase, needed, shared)
+            ctx = BackwardContext(spec, phase, needed, shared)
         grads_out: dict[str, Any] = {}
         if need_in:
             bwd_in = rules.backward_input
@@ -606,7 +621,7 @@ class AutogradImpl:
             for o in observers:
                 o("backward_input", phase, ctx, result)
             grads_out = collect_grads(
-                sig, "input", bwd_in, result, sig.input_set, need_in, metas, by_name
+                sig, "input", bwd_in, result, sig.input_set, need_in, metas, slots
             )
         if need_w:
             bwd_w = rules.backward_weight
@@ -615,14 +630,13 @@ class AutogradImpl:
             result = _call_user(ctx, "weight", bwd_w, saved, grads, watch, nondiff)
             for o in observers:
                 o("backward_weight", phase, ctx, result)
-            got = collect_grads(
-                sig, "weight", bwd_w, result, sig.weight_set, need_w, metas, by_name
-            )
+            got = collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas, slots)
             if grads_out:
                 grads_out.update(got)
             else:
                 grads_out = got
-            record.handoff = NO_HANDOFF  # the later pass ran: free what was kept for it
+            if record.handoff is not NO_HANDOFF:  # the later pass ran: free what was kept for it
+                record.handoff = NO_HANDOFF
         if shared is not None and shared.computed and observers:
             for o in observers:
                 o("backward_shared", phase, ctx, shared.value)
@@ -718,7 +732,7 @@ class AutogradImpl:
             for name, g in result.items():
                 out[index[name] + 2] = g
             return tuple(out)
-        slots = _slots(self.spec.signature, lens)
+        slots = self.slots(lens)
         for name, g in result.items():
             start, n = slots[name]
             if n is None:

@@ -9,9 +9,7 @@ from typing import Any
 
 import torch
 
-from customgrad._record import NodeRecord
 from customgrad._signature import ArgKind, Signature
-from customgrad._validate import Meta
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
@@ -62,15 +60,6 @@ def _slots(sig: Signature, lens: tuple[int, ...]) -> dict[str, tuple[int, int | 
             slots[spec.name] = (pos, None)
             pos += 1
     return slots
-
-
-def _metas_by_name(sig: Signature, record: NodeRecord) -> dict[str, Meta]:
-    metas: dict[str, Meta] = {}
-    assert record.lens is not None
-    m = record.metas
-    for name, start, n in record.impl.tensor_slots(record.lens):
-        metas[name] = m[start] if n is None else m[start : start + n]
-    return metas
 
 
 def _regroup(out_lens: list[int | None] | None, flat: tuple[Any, ...]) -> tuple[Any, ...]:

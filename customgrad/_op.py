@@ -73,20 +73,6 @@ _LIST = ArgKind.TENSOR_LIST
 _OTHER = ArgKind.OTHER
 
 
-def _plain_dispatch() -> bool:
-    """True when nothing but the backend kernel would see a dispatcher call made now.
-
-    No dispatch or function mode, no functorch transform, no profiler: calling the kernel
-    directly then gives exactly what the dispatcher would, minus its overhead.
-    """
-    return not (
-        _profiler._is_profiler_enabled
-        or _dispatch_stack_len()
-        or _tf_mode_enabled()
-        or _functorch_active()
-    )
-
-
 def _check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
     """Refuse a registered function that cannot take ``want`` positional arguments."""
     if not callable(fn):
@@ -232,7 +218,9 @@ class CustomOp(Generic[P, R]):
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         fast = self._fast_call
-        if fast is not None and not kwargs and _SWITCHES.fastpath:
+        grad = _grad_enabled()
+        if fast is not None and grad and not kwargs and _SWITCHES.fastpath:
+            # (without grad mode the fast call declines: not called, one frame less)
             out = fast(args)
             if out is not _DECLINED:
                 return out  # type: ignore[no-any-return]
@@ -245,7 +233,6 @@ class CustomOp(Generic[P, R]):
         # One pass over the arguments: are they of the right kinds, does any require grad,
         # and are they plain tensors (for the direct kernel call)? The first tensor picks the
         # kernel's device.
-        grad = _grad_enabled()
         requires = False
         plain = True
         first: Any = None
@@ -367,7 +354,18 @@ class CustomOp(Generic[P, R]):
         ``first`` is the first tensor argument. The dispatcher runs for ops that mutate, while a
         mode, transform or profiler is active, and for meta tensors (they go to the fake kernel).
         """
-        if first is None or self._mutates or first.is_meta or not _plain_dispatch():
+        if (
+            first is None
+            or self._mutates
+            or first.is_meta
+            # Nothing but the backend kernel may see a dispatcher call made now: no dispatch
+            # or function mode, no functorch transform, no profiler. Calling the kernel directly
+            # then gives exactly what the dispatcher would, minus its overhead.
+            or _profiler._is_profiler_enabled
+            or _dispatch_stack_len()
+            or _tf_mode_enabled()
+            or _functorch_active()
+        ):
             return None
         by_device = self._kernels.by_device
         if len(by_device) == 1 and None in by_device:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import optree
 import torch
@@ -63,27 +63,20 @@ def _raise_mutation(
             )
 
 
-class _Watch:
-    """What a backward function must not write to in place (the output gradients and the saved
-    values), and their version counters before the node's backward ran.
+_Watch: TypeAlias = "tuple[tuple[Any, ...], list[Any], int]"
+"""What a backward function must not write to in place (the output gradients and the saved
+values), their version counters before the node's backward ran, and the number of output
+gradients: :func:`_watch`'s result, which :func:`_call_user` checks."""
+
+
+def _watch(saved: Any, grads: tuple[Any, ...]) -> _Watch:
+    """The watch of one node backward (see :data:`_Watch`).
 
     Versions are read with ``getattr(v, "_version", None)`` over every value (C-level ``map``,
     no Python frame per value): non-tensors read as None and never change.
     """
-
-    __slots__ = ("before", "n_grads", "values")
-
-    def __init__(self, saved: Any, grads: tuple[Any, ...]) -> None:
-        self.values = values = (
-            (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)
-        )
-        self.n_grads = len(grads)
-        self.before = [*map(getattr, values, _VERSION, _NO_VERSION)]
-
-    def check(self, spec: OpSpec, half: Half, fn: Callable[..., Any]) -> None:
-        """Raise :class:`MutationError` if ``fn`` moved a version counter."""
-        if [*map(getattr, self.values, _VERSION, _NO_VERSION)] != self.before:
-            _raise_mutation(spec, half, fn, self.values, self.before, self.n_grads)
+    values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)
+    return values, [*map(getattr, values, _VERSION, _NO_VERSION)], len(grads)
 
 
 def _call_user(
@@ -95,7 +88,8 @@ def _call_user(
     watch: _Watch,
     nondiff: frozenset[Half],
 ) -> Any:
-    """Call one registered backward function; refuse in-place writes to grads or saved values."""
+    """Call one registered backward function; refuse in-place writes to grads or saved values
+    (:class:`MutationError` when ``fn`` moved a version counter that ``watch`` read before)."""
     if nondiff and half in nondiff and torch.is_grad_enabled():
         with torch.no_grad():
             result = fn(ctx, saved, *grads)
@@ -104,7 +98,10 @@ def _call_user(
             result = _delay_error(ctx.op, half, fn, result, anchors)
     else:
         result = fn(ctx, saved, *grads)
-    watch.check(ctx.op, half, fn)
+    # Did ``fn`` move a version counter? (checked here, not in a method: one frame less)
+    values = watch[0]
+    if [*map(getattr, values, _VERSION, _NO_VERSION)] != watch[1]:
+        _raise_mutation(ctx.op, half, fn, values, watch[1], watch[2])
     return result
 
 

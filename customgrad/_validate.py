@@ -15,6 +15,8 @@ __all__ = ["HALF_NAMES", "Meta", "TensorMeta", "collect_grads", "describe"]
 TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
 Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
 
+_Tensor = torch.Tensor
+
 HALF_NAMES = {
     "full": "backward",
     "input": "backward_input",
@@ -117,8 +119,8 @@ def collect_grads(
     result: object,
     allowed: frozenset[str],
     needed: frozenset[str] | set[str],
-    flat_metas: Sequence[TensorMeta] | None,
-    metas: Mapping[str, Meta] | None = None,
+    flat_metas: Sequence[TensorMeta],
+    slots: Mapping[str, tuple[int, int | None]] | None = None,
 ) -> dict[str, Any]:
     """Validate ``result`` and return the gradients of the ``needed`` arguments.
 
@@ -129,31 +131,36 @@ def collect_grads(
         result: what it returned.
         allowed: argument names it may return.
         needed: argument names whose gradient the running pass needs.
-        flat_metas: for an op without list arguments, shape, dtype and device of each argument
-            in schema order (None for non-tensors); else None and ``metas`` is given.
-        metas: shape, dtype and device of each Tensor argument by name (a list for list
-            arguments).
+        flat_metas: shape, dtype and device of each flat input (list items inline; None for
+            non-tensors): the node record's ``metas``.
+        slots: for an op with list arguments, each argument's first flat position and list
+            length (None for a single value), as ``_layout._slots`` gives them; None without
+            list arguments (then flat positions are the arguments' indices).
 
     Raises:
         GradientTypeError: for a wrong kind of value.
         GradientValueError: for wrong keys, shapes, dtypes, devices or list lengths.
     """
+    index = sig.index
     if type(result) is dict:
         # The common case, checked inline: a plain dict of valid gradients. Anything else is
         # checked below, which accepts exactly the same results and raises the errors.
-        index = sig.index
         out: dict[str, Any] = {}
         for name, grad in result.items():
             if name not in allowed:
                 break
             if grad is not None:
-                meta = flat_metas[index[name]] if flat_metas is not None else metas[name]  # type: ignore[index]
+                if slots is None:
+                    meta: Any = flat_metas[index[name]]
+                else:
+                    start, n = slots[name]
+                    meta = flat_metas[start] if n is None else flat_metas[start : start + n]
                 if type(meta) is list:
                     if not ((type(grad) is list or type(grad) is tuple) and len(grad) == len(meta)):
                         break
                     for g, m in zip(grad, meta):
                         if g is not None and not (
-                            type(g) is torch.Tensor
+                            type(g) is _Tensor
                             and m is not None
                             and g.shape == m[0]
                             and g.dtype is m[1]
@@ -165,7 +172,7 @@ def collect_grads(
                     if g is not None:  # an item failed the check
                         break
                 elif not (
-                    type(grad) is torch.Tensor
+                    type(grad) is _Tensor
                     and meta is not None
                     and grad.shape == meta[0]
                     and grad.dtype is meta[1]
@@ -177,9 +184,14 @@ def collect_grads(
         else:
             if len(out) == len(needed):
                 return out
-    if metas is None:
-        assert flat_metas is not None
-        metas = {name: flat_metas[i] for name, i in sig.index.items()}
+    metas: dict[str, Meta]
+    if slots is None:
+        metas = {name: flat_metas[i] for name, i in index.items()}
+    else:
+        metas = {
+            name: flat_metas[start] if n is None else list(flat_metas[start : start + n])
+            for name, (start, n) in slots.items()
+        }
     return _collect(sig, half, fn, result, allowed, needed, metas)
 
 

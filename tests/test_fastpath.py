@@ -326,3 +326,44 @@ def test_check_op_runs_the_path_a_user_call_runs() -> None:
     assert served
     assert report.calls["input"] == {"backward_input": 1}
     assert report.calls["weight"] == {"backward_weight": 1}
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
+def test_backward_context_is_read_only_and_kept_per_pass_plan(fast: bool) -> None:
+    """A backward without shared work gets one context per pass plan, reused by every call
+    with that plan: it must not be writable, or one backward could change what the next sees."""
+    attempts: list[str] = []
+    contexts: list[Any] = []
+
+    @cg.op(f"test_fastpath::ctx{next(_names)}", weights=("w",))
+    def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    scale.register_save_for_backward(lambda inputs, out: (inputs.x, inputs.w))
+
+    @scale.register_backward(split="phase")
+    def _(ctx: cg.BackwardContext, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        contexts.append(ctx)
+        for attr, value in (("phase", "weight"), ("op", None)):
+            try:
+                setattr(ctx, attr, value)
+            except AttributeError:
+                continue
+            attempts.append(attr)
+        x, w = saved
+        return {"x": g * w, "w": (g * x).sum(0)}
+
+    if not fast:
+        scale._fast_call = None
+    x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, dtype=torch.float64, requires_grad=True)
+    for _ in range(2):
+        scale(x, w).backward(torch.ones(3, 2, dtype=torch.float64))
+    assert attempts == []  # every write refused
+    assert contexts[0] is contexts[1]  # one context for the plan
+    assert contexts[1].phase == "full" and contexts[1].op is scale
+    assert contexts[1].needs_input_grad("x") and contexts[1].needs_input_grad("w")
+    torch.testing.assert_close(x.grad, 2 * w.expand(3, 2))
+    torch.testing.assert_close(w.grad, 2 * x.sum(0))
+    with pytest.raises(cg.GradientValueError, match=re.escape("no such argument")):
+        contexts[1].needs_input_grad("y")

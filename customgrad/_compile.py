@@ -509,6 +509,7 @@ class _SplitCompiler:
                 reason = 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
             elif _mutated_grad_input():
                 reason = "it mutates an input that requires grad, or threads effect/RNG state"
+        self.kinds = _weights_by_history(self.kinds)
         plan: _Plan | str = reason if reason is not None else _plan(gm, self.kinds)
         full = self.compile_one(gm, example_inputs, **kwargs)
         if isinstance(plan, str):
@@ -534,6 +535,56 @@ class _SplitCompiler:
             edge_weight,
             (_boxed(input_fn), _boxed(weight_fn), plan),
         )
+
+
+_HISTORY_NODES = 64
+
+
+def _weights_by_history(kinds: list[bool | None]) -> list[bool | None]:
+    """``kinds`` with the tensor inputs made from parameters only counted as weights.
+
+    A weight can reach a region as a plain tensor made from a parameter outside it (cast to
+    another dtype, transposed for a tied head, normalized): its gradient goes to parameters
+    only, so torch's split computes it in W. Told from the autograd history of the node whose
+    backward is being compiled (AOTAutograd compiles it lazily, inside the first backward):
+    an edge whose history reaches only ``nn.Parameter`` leaves, within a few nodes, is a
+    weight. The same compiled graph may later serve a node where that input is an activation:
+    the pass then needs gradients of both kinds at once and runs the full graph (never a
+    wrong gradient).
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return kinds
+    edges = node.next_functions
+    tensor_positions = [j for j, k in enumerate(kinds) if k is not None]
+    if len(edges) != len(tensor_positions):
+        return kinds
+    out = list(kinds)
+    for j, (fn, _) in zip(tensor_positions, edges):
+        if out[j] is False and fn is not None and _only_parameters_behind(fn):
+            out[j] = True
+    return out
+
+
+def _only_parameters_behind(root: Any) -> bool:
+    seen: set[Any] = set()
+    stack = [root]
+    leaves = 0
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > _HISTORY_NODES:
+            return False
+        variable = getattr(fn, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf
+            if not isinstance(variable, nn.Parameter):
+                return False
+            leaves += 1
+            continue
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return leaves > 0
 
 
 def _count(gm: fx.GraphModule) -> int:

@@ -122,7 +122,7 @@ class CompiledRegion:
     """Bytes the last I pass kept for W."""
     runs: dict[str, int] = field(default_factory=lambda: {"full": 0, "input": 0, "weight": 0})
     """How many times each graph ran."""
-    _pending: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = field(
+    _pending: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
     _logged: bool = field(default=False, repr=False)
@@ -339,94 +339,113 @@ def _example(node: fx.Node) -> Any:
 # Running it
 
 
+@dataclass
+class _Cut:
+    """One way to cut the backward: its compiled I and W graphs, and which edges are weights."""
+
+    input_fn: Callable[[list[Any]], Any]
+    weight_fn: Callable[[list[Any]], Any]
+    plan: _Plan
+    edge_weight: list[bool | None]
+    """One entry per edge of the node (the region's tensor inputs): weight, input, or None."""
+
+    def kinds_needed(self, needed: Sequence[bool]) -> tuple[bool, bool]:
+        """(an input's gradient needed, a weight's gradient needed) for the engine's needs."""
+        need_input = need_weight = False
+        for need, weight in zip(needed, self.edge_weight):
+            if need and weight is not None:
+                need_weight |= weight
+                need_input |= not weight
+        return need_input, need_weight
+
+
 class _Backward:
-    """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call."""
+    """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call.
+
+    ``cuts`` holds one cut, or two when a region input was told a weight by its history
+    (:func:`_weights_by_history`): the same compiled graph may serve a call where that input
+    is an activation, which the second cut (parameters only are weights) splits.
+    """
 
     def __init__(
         self,
         region: CompiledRegion,
         full: Callable[[list[Any]], Any],
         n_outputs: int,
-        edge_weight: Sequence[bool | None],
-        split: tuple[Callable[[list[Any]], Any], Callable[[list[Any]], Any], _Plan] | None,
+        cuts: Sequence[_Cut],
     ) -> None:
         self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) keep it
         self.region = region
         self.full = full
         self.n_outputs = n_outputs
-        # one entry per edge of the node (the region's tensor inputs): weight, input, or None
-        self.edge_weight = edge_weight
-        self.split = split
+        self.cuts = list(cuts)
 
     def __call__(self, args: list[Any]) -> Any:
         region = self.region
-        mode = self._mode(args)
-        if mode == "full":
+        mode, cut = self._mode()
+        node = torch._C._current_autograd_node()
+        if cut is None:
             with _LOCK:
                 region.runs["full"] += 1
-            node = torch._C._current_autograd_node()
-            if node is not None:
-                with _LOCK:
+                if node is not None:
                     region._pending.pop(node, None)
             return self.full(args)
-        assert self.split is not None  # _mode says full otherwise
-        input_fn, weight_fn, plan = self.split
-        node = torch._C._current_autograd_node()
+        plan = cut.plan
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
-            out = list(input_fn(args))
+            out = list(cut.input_fn(args))
             n = len(plan.input_positions)
             for j, g in zip(plan.input_positions, out[:n]):
                 grads[j] = g
             kept = out[n:]
             size = sum(t.untyped_storage().nbytes() for t in kept if isinstance(t, torch.Tensor))
             with _LOCK:
-                region._pending[node] = kept
+                region._pending[node] = (cut, kept)
                 region.handoff_bytes = size
                 region.runs["input"] += 1
             return grads
         with _LOCK:
-            kept = region._pending.pop(node, [])
+            _, kept = region._pending.pop(node, (cut, []))
             region.runs["weight"] += 1
         args.extend(kept)
         del kept
-        for j, g in zip(plan.weight_positions, weight_fn(args)):
+        for j, g in zip(plan.weight_positions, cut.weight_fn(args)):
             grads[j] = g
         return grads
 
-    def _mode(self, args: list[Any]) -> str:
-        if self.split is None or not split_enabled():
-            return "full"
+    def _mode(self) -> tuple[str, _Cut | None]:
+        """``("input", cut)``, ``("weight", cut)`` or ``("full", None)`` for the running pass."""
+        if not self.cuts or not split_enabled():
+            return "full", None
         region = self.region
         node = torch._C._current_autograd_node()
         if node is None:
             region.fall_back(
                 "no autograd node is running its backward (compiled autograd traces it whole)"
             )
-            return "full"
+            return "full", None
         edges = node.next_functions
-        if len(edges) != len(self.edge_weight):
+        if len(edges) != len(self.cuts[0].edge_weight):
             region.fall_back(
-                f"its node has {len(edges)} edges for {len(self.edge_weight)} tensor inputs"
+                f"its node has {len(edges)} edges for {len(self.cuts[0].edge_weight)} tensor inputs"
             )
-            return "full"
-        need_input = need_weight = False
-        for (fn, _), weight in zip(edges, self.edge_weight):
-            if fn is None or weight is None or not engine_needs(fn):
-                continue
-            if weight:
-                need_weight = True
-            else:
-                need_input = True
-        if need_input and not need_weight:
-            return "input"
-        if need_weight and not need_input:
+            return "full", None
+        needed = [fn is not None and engine_needs(fn) for fn, _ in edges]
+        with _LOCK:
+            pending = region._pending.get(node)
+        if pending is not None:  # this microbatch's I ran: W with the same cut, if it fits
+            cut = pending[0]
+            need_input, need_weight = cut.kinds_needed(needed)
+            return ("weight", cut) if need_weight and not need_input else ("full", None)
+        for cut in self.cuts:
+            need_input, need_weight = cut.kinds_needed(needed)
+            if need_input and not need_weight:
+                return "input", cut
             # without I's hand-off, W runs alone only if it needs none (the first stage's
             # input needs no gradient, a Linear alone); else the full graph
-            with _LOCK:
-                pending = node in region._pending
-            return "weight" if pending or not self.split[2].handoff else "full"
-        return "full"
+            if need_weight and not need_input and not cut.plan.handoff:
+                return "weight", cut
+        return "full", None
 
 
 # --------------------------------------------------------------------------------------------
@@ -509,16 +528,22 @@ class _SplitCompiler:
                 reason = 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
             elif _mutated_grad_input():
                 reason = "it mutates an input that requires grad, or threads effect/RNG state"
-        self.kinds = _weights_by_history(self.kinds)
-        plan: _Plan | str = reason if reason is not None else _plan(gm, self.kinds)
+        by_history = _weights_by_history(self.kinds)
+        variants = [by_history] + ([self.kinds] if by_history != self.kinds else [])
+        plans: list[_Plan | str] = [
+            reason if reason is not None else _plan(gm, kinds) for kinds in variants
+        ]
         full = self.compile_one(gm, example_inputs, **kwargs)
-        if isinstance(plan, str):
-            region.fall_back(plan)
-            return _Backward(region, _boxed(full), len(self.kinds), [], None)
-        input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
-        weight_examples = [*example_inputs, *(_example(h) for h in plan.handoff)]
-        weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
-        names = [n for n in _input_names(gm, self.kinds)]
+        if isinstance(plans[0], str):
+            region.fall_back(plans[0])
+            return _Backward(region, _boxed(full), len(self.kinds), [])
+        cuts = [
+            self._cut(plan, kinds, example_inputs, kwargs)
+            for plan, kinds in zip(plans, variants)
+            if not isinstance(plan, str)
+        ]
+        plan = cuts[0].plan
+        names = _input_names(gm, self.kinds)
         region.input_pass = GraphInfo(
             tuple(names[j] for j in plan.input_positions), _count(plan.input_gm)
         )
@@ -527,14 +552,20 @@ class _SplitCompiler:
         )
         region.handoff = tuple(h.name for h in plan.handoff)
         region.recomputed = tuple(n.name for n in plan.recomputed)
-        edge_weight = [k for k in self.kinds if k is not None]
-        return _Backward(
-            region,
-            _boxed(full),
-            len(self.kinds),
-            edge_weight,
-            (_boxed(input_fn), _boxed(weight_fn), plan),
-        )
+        return _Backward(region, _boxed(full), len(self.kinds), cuts)
+
+    def _cut(
+        self,
+        plan: _Plan,
+        kinds: list[bool | None],
+        example_inputs: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> _Cut:
+        input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
+        weight_examples = [*example_inputs, *(_example(h) for h in plan.handoff)]
+        weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
+        edge_weight: list[bool | None] = [k for k in kinds if k is not None]
+        return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, edge_weight)
 
 
 _HISTORY_NODES = 64

@@ -150,17 +150,31 @@ def test_weight_made_from_a_parameter_outside_the_region_is_computed_in_w(
     assert (f_i, f_w) == (eager_i, eager_w)
 
 
+class Activation(nn.Module):
+    """The compiled head of ``CastOutside`` where its second input is an activation."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.head = head
+
+    def forward(self, x: Tensor, v: Tensor) -> Tensor:
+        return self.head(x, v.t() * 0.5)  # type: ignore[no-any-return]
+
+
 @NON_LEAF
-def test_same_region_with_an_activation_where_a_weight_was_runs_full_and_stays_right(
-    cast_outside: tuple[nn.Module, nn.Module],
+@HOW
+def test_the_same_graph_with_an_activation_where_a_weight_was_splits_too(
+    cast_outside: tuple[nn.Module, nn.Module], how: str
 ) -> None:
     ref, m = cast_outside
-    head, ref_head = m.head, ref.head
+    heads = [r for r in regions() if r.name.startswith("Head")]
 
     def make() -> tuple[Tensor, Tensor]:
         return x_(), x_(seed=2, shape=(8, 8))
 
-    check_split(ref_head, head, make, "customgrad")  # both inputs are activations: right
+    f_i, f_w, full = check_split(Activation(ref.head), Activation(m.head), make, how)
+    assert [r for r in regions() if r.name.startswith("Head")] == heads  # no recompile
+    assert f_i + f_w == full  # before: the full graph in I and again in W
 
 
 # --------------------------------------------------------------------------------------------

@@ -128,12 +128,12 @@ class CastOutside(nn.Module):
         return self.head(x, self.w.t() * 0.5)
 
 
-@pytest.fixture(scope="module")
-def cast_outside() -> tuple[nn.Module, nn.Module]:
+@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
+def cast_outside(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     ref = CastOutside().double()
     m = copy.deepcopy(ref)
-    cg.compile(m.head, backend="aot_eager")
+    cg.compile(m.head, backend=request.param)
     m(x_()).sum().backward()
     return ref, m
 
@@ -314,16 +314,61 @@ class Checkpointed(nn.Module):
         return checkpoint(self.inner, x, use_reentrant=False)  # type: ignore[no-any-return]
 
 
+class InPlaceInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        h.relu_()
+        return h * 2
+
+
+class TensorKwargAndUnusedInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor, unused: Tensor, *, scale: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x)) * scale
+
+
+class Kwargs(nn.Module):
+    """Calls its compiled child with a tensor keyword argument that requires grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = TensorKwargAndUnusedInput()
+
+    def forward(self, x: Tensor, unused: Tensor, scale: Tensor) -> Tensor:
+        return self.child(x, unused, scale=scale)  # type: ignore[no-any-return]
+
+
+CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Tensor, ...]]]] = {
+    "tied weight": (Tied, lambda: (x_(),)),
+    "view input": (ViewInput, lambda: (x_(shape=(8, 4)),)),
+    "checkpoint inside": (Checkpointed, lambda: (x_(),)),
+    "in-place inside": (InPlaceInside, lambda: (x_(),)),
+    "tensor kwarg, unused input": (Kwargs, lambda: (x_(), x_(seed=4), x_(seed=5))),
+}
+
+
 @HOW
-@pytest.mark.parametrize(
-    ("cls", "shape"), [(Tied, (4, 8)), (ViewInput, (8, 4)), (Checkpointed, (4, 8))]
-)
-def test_tied_weight_view_input_and_checkpoint_inside_a_region(
-    cls: type[nn.Module], shape: tuple[int, ...], how: str
-) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_tied_weight_view_input_checkpoint_in_place_kwargs(case: str, how: str) -> None:
+    make_module, make_inputs = CASES[case]
     torch.manual_seed(0)
-    ref, m = compiled_pair(cls(), x_(shape=shape))
-    f_i, f_w, full = check_split(ref, m, lambda: (x_(shape=shape),), how)
+    module = make_module()
+    if isinstance(module, Kwargs):
+        ref = module.double()
+        m = copy.deepcopy(ref)
+        cg.compile(m.child, backend="aot_eager")
+        m(*make_inputs()).sum().backward()
+    else:
+        ref, m = compiled_pair(module, *make_inputs())
+    f_i, f_w, full = check_split(ref, m, make_inputs, how)
     assert f_i + f_w == full
 
 

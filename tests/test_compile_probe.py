@@ -592,3 +592,33 @@ def test_weight_shared_by_two_regions_costs_no_more_than_the_eager_split(
     eager = check_split(ref, copy.deepcopy(ref), lambda: (x_(),), how)
     assert compiled[0] == eager[0]  # I: input gradients only
     assert compiled[0] + compiled[1] <= eager[0] + eager[1]
+
+
+def test_inductor_dropout_split_equals_its_full_backward_with_the_same_seed() -> None:
+    """Inductor draws its own masks (not eager's): I and W read the one the forward saved."""
+    torch.manual_seed(0)
+    m = cg.compile(DropoutBlock().double(), backend="inductor")
+    m(x_()).sum().backward()
+
+    def step(how: str | None) -> tuple[list[Tensor], Tensor]:
+        m.zero_grad(set_to_none=True)
+        x = x_()
+        torch.manual_seed(7)
+        out = m(x)
+        dy = torch.ones_like(out)
+        if how is None:
+            out.backward(dy)
+            dx = x.grad
+        else:
+            backward_input, backward_weight = SPLITS[how]
+            params = list(m.parameters())
+            (dx,), groups = backward_input([out], [dy], [x], iter(params))
+            backward_weight(iter(params), groups)
+        assert dx is not None
+        return [p.grad for p in m.parameters() if p.grad is not None] + [dx], out.detach()
+
+    full, out = step(None)
+    for how in SPLITS:
+        got, out_split = step(how)
+        torch.testing.assert_close(out_split, out, rtol=0, atol=0)
+        close(got, full)

@@ -622,3 +622,24 @@ def test_inductor_dropout_split_equals_its_full_backward_with_the_same_seed() ->
         got, out_split = step(how)
         torch.testing.assert_close(out_split, out, rtol=0, atol=0)
         close(got, full)
+
+
+def test_state_dict_load_and_deepcopy_of_a_compiled_module(
+    block: tuple[nn.Module, nn.Module],
+) -> None:
+    ref, m = block
+    assert list(m.state_dict()) == list(ref.state_dict())  # no "_orig_mod." prefix
+    torch.manual_seed(11)
+    other = Block().double()
+    saved = copy.deepcopy(m.state_dict())
+    try:
+        m.load_state_dict(other.state_dict())
+        torch.testing.assert_close(m(x_()), other(x_()))  # the compiled call reads the new values
+        f_i, f_w, full = check_split(other, m, lambda: (x_(),), "customgrad")
+        assert f_i + f_w == full
+    finally:
+        m.load_state_dict(saved)
+        m.zero_grad(set_to_none=True)
+    twin = copy.deepcopy(m)
+    assert twin._compiled_call_impl is None  # as nn.Module.compile: compile the copy (documented)
+    torch.testing.assert_close(twin(x_()), m(x_()))

@@ -10,6 +10,10 @@ compiler:
 - **I**: the input gradients, plus the values W needs from them (the *hand-off*);
 - **W**: the weight gradients, from the saved values, the output gradients and the hand-off.
 
+Weights are the region's parameters, and the inputs made from parameters only outside it (a
+cast, a transposed tied weight), as torch's split counts them; when there are such inputs a
+second I/W pair, with parameters only as weights, serves calls where they are activations.
+
 What W can recompute without FLOPs (views, elementwise ops of saved values) is recomputed in W
 rather than kept. At run time the node asks the autograd engine which of its edges the running
 pass uses (as customgrad ops do, :func:`customgrad._autograd.engine_needs`) and runs full, I or

@@ -377,12 +377,16 @@ class _Backward:
         full: Callable[[list[Any]], Any],
         n_outputs: int,
         cuts: Sequence[_Cut],
+        late_cut: Callable[[], _Cut | None] | None = None,
     ) -> None:
         self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) keep it
         self.region = region
         self.full = full
         self.n_outputs = n_outputs
         self.cuts = list(cuts)
+        # compiled outside a backward (dynamic shapes): the cut by the first node's history,
+        # made at its first backward
+        self.late_cut = late_cut
 
     def __call__(self, args: list[Any]) -> Any:
         region = self.region
@@ -441,6 +445,12 @@ class _Backward:
             cut = pending[0]
             need_input, need_weight = cut.kinds_needed(needed)
             return ("weight", cut) if need_weight and not need_input else ("full", None)
+        with _LOCK:
+            late, self.late_cut = self.late_cut, None
+        if late is not None:
+            cut = late()
+            if cut is not None:
+                self.cuts.insert(0, cut)
         for cut in self.cuts:
             need_input, need_weight = cut.kinds_needed(needed)
             if need_input and not need_weight:
@@ -546,7 +556,46 @@ class _SplitCompiler:
             for plan, kinds in zip(plans, variants)
             if not isinstance(plan, str)
         ]
-        plan = cuts[0].plan
+        self._describe(gm, cuts[0].plan)
+        late = None
+        if torch._C._current_autograd_node() is None:  # compiled ahead of its first backward
+
+            def late() -> _Cut | None:
+                return self._late_cut(gm, example_inputs, kwargs, [c.edge_weight for c in cuts])
+
+        return _Backward(region, _boxed(full), len(self.kinds), cuts, late)
+
+    def _late_cut(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        kwargs: dict[str, Any],
+        known: list[list[bool | None]],
+    ) -> _Cut | None:
+        """The cut by the running node's history, if it differs from the known ones."""
+        kinds = _weights_by_history(self.kinds)
+        if [k for k in kinds if k is not None] in known:
+            return None
+        plan = _plan(gm, kinds)
+        if isinstance(plan, str):
+            return None
+        try:
+            cut = self._cut(plan, kinds, example_inputs, kwargs)
+            self._describe(gm, plan)
+            return cut
+        except Exception as e:  # the backend could not compile it here: the other cuts serve
+            log.warning(
+                "customgrad.compile: compiled region %s: could not compile the cut for weights "
+                "made outside it (%s: %s); calls with them run the full backward in W",
+                self.region.name,
+                type(e).__name__,
+                e,
+            )
+            return None
+
+    def _describe(self, gm: fx.GraphModule, plan: _Plan) -> None:
+        """What explain_split and the summary say of the region: the cut it runs first."""
+        region = self.region
         names = _input_names(gm, self.kinds)
         region.input_pass = GraphInfo(
             tuple(names[j] for j in plan.input_positions), _count(plan.input_gm)
@@ -556,7 +605,6 @@ class _SplitCompiler:
         )
         region.handoff = tuple(h.name for h in plan.handoff)
         region.recomputed = tuple(n.name for n in plan.recomputed)
-        return _Backward(region, _boxed(full), len(self.kinds), cuts)
 
     def _cut(
         self,

@@ -128,12 +128,17 @@ class CastOutside(nn.Module):
         return self.head(x, self.w.t() * 0.5)
 
 
-@pytest.fixture(scope="module", params=["aot_eager", "inductor"])
+@pytest.fixture(
+    scope="module",
+    params=["aot_eager", "inductor", "aot_eager, dynamic", "inductor, dynamic"],
+)
 def cast_outside(request: pytest.FixtureRequest) -> tuple[nn.Module, nn.Module]:
+    """With dynamic shapes AOTAutograd compiles the backward ahead of the first one."""
     torch.manual_seed(0)
     ref = CastOutside().double()
     m = copy.deepcopy(ref)
-    cg.compile(m.head, backend=request.param)
+    backend, _, dynamic = request.param.partition(", ")
+    cg.compile(m.head, backend=backend, dynamic=bool(dynamic))
     m(x_()).sum().backward()
     return ref, m
 

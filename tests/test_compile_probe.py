@@ -648,3 +648,43 @@ def test_state_dict_load_and_deepcopy_of_a_compiled_module(
     twin = copy.deepcopy(m)
     assert twin._compiled_call_impl is None  # as nn.Module.compile: compile the copy (documented)
     torch.testing.assert_close(twin(x_()), m(x_()))
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.b(self.a(x))  # type: ignore[no-any-return]
+
+
+@HOW
+def test_stage_compiled_over_blocks_compiled_on_their_own(how: str) -> None:
+    torch.manual_seed(0)
+    ref = TwoBlocks().double()
+    m = copy.deepcopy(ref)
+    for module in (m.a, m.b, m):
+        cg.compile(module, backend="aot_eager")
+    m(x_()).sum().backward()
+    f_i, f_w, full = check_split(ref, m, lambda: (x_(),), how)
+    assert f_i + f_w == full
+
+
+@HOW
+def test_freezing_a_weight_between_steps_recompiles_and_splits(
+    block: tuple[nn.Module, nn.Module], how: str
+) -> None:
+    ref, m = block
+    try:
+        for module in (ref, m):
+            module.fc1.weight.requires_grad_(False)  # type: ignore[union-attr, operator]
+        f_i, f_w, full = check_split(ref, m, lambda: (x_(),), how)
+        assert f_i + f_w == full
+        assert m.fc1.weight.grad is None  # type: ignore[union-attr]
+    finally:
+        for module in (ref, m):
+            module.fc1.weight.requires_grad_(True)  # type: ignore[union-attr, operator]
+    f_i, f_w, full = check_split(ref, m, lambda: (x_(),), how)
+    assert f_i + f_w == full

@@ -27,6 +27,7 @@ demo: $(STAMP)
 # predicted bubble at scale. Timings are this machine's: run it on an idle one.
 pictures: $(STAMP)
 	$(PY) examples/zero_bubble.py --out docs/img
+	$(PY) examples/zero_bubble.py --compile --out docs/img/compiled
 	$(PY) -m examples.split_picture --out docs/img/explain_split.png
 	$(PY) -m benchmarks.scale --out docs/img/scale.png
 
@@ -44,6 +45,7 @@ examples: $(STAMP)
 	$(PY) examples/quickstart.py
 	$(PY) -m examples.ops
 	$(PY) examples/zero_bubble.py --check
+	$(PY) examples/zero_bubble.py --check --compile
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .site

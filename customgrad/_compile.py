@@ -126,7 +126,7 @@ class CompiledRegion:
     """Bytes the last I pass kept for W."""
     runs: dict[str, int] = field(default_factory=lambda: {"full": 0, "input": 0, "weight": 0})
     """How many times each graph ran."""
-    _pending: weakref.WeakKeyDictionary[Any, tuple[Any, list[torch.Tensor]]] = field(
+    _pending: weakref.WeakKeyDictionary[Any, _HandOff] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
     _logged: bool = field(default=False, repr=False)
@@ -210,6 +210,8 @@ class _Plan:
     weight_positions: list[int]
     handoff: list[fx.Node]
     recomputed: list[fx.Node]
+    tangents: list[int]
+    """Positions of the output gradients among the backward's arguments."""
 
 
 def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
@@ -332,7 +334,9 @@ def _plan(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> _Plan | str:
     input_gm = _subgraph(gm, a_i, (), [outs[j] for j in ipos] + hand)
     weight_gm = _subgraph(gm, w_only | recompute, hand, [outs[j] for j in wpos])
     recomputed = [n for n in gm.graph.nodes if n in recompute]
-    return _Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
+    return _Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed, tangents)
 
 
 def _example(node: fx.Node) -> Any:
@@ -363,6 +367,24 @@ class _Cut:
         return need_input, need_weight
 
 
+class _HandOff:
+    """What an input pass kept for the weight pass of the same node, and the output
+    gradients) it was made with: a pass with other output gradients (another loss through the
+    same graph) never reads it."""
+
+    __slots__ = ("cut", "kept", "tangents")
+
+    def __init__(
+        self, cut: _Cut, tangents: list[tuple[int, weakref.ref[Any]]], kept: list[Any]
+    ) -> None:
+        self.cut = cut  # the I/W pair whose input graph made it
+        self.tangents = tangents
+        self.kept = kept
+
+    def made_with(self, args: Sequence[Any]) -> bool:
+        return all(i < len(args) and ref() is args[i] for i, ref in self.tangents)
+
+
 class _Backward:
     """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call.
 
@@ -390,7 +412,7 @@ class _Backward:
 
     def __call__(self, args: list[Any]) -> Any:
         region = self.region
-        mode, cut = self._mode()
+        mode, cut = self._mode(args)
         node = torch._C._current_autograd_node()
         if cut is None:
             with _LOCK:
@@ -401,6 +423,7 @@ class _Backward:
         plan = cut.plan
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
+            made_with = [(i, weakref.ref(args[i])) for i in plan.tangents]  # before args clear
             out = list(cut.input_fn(args))
             n = len(plan.input_positions)
             for j, g in zip(plan.input_positions, out[:n]):
@@ -408,20 +431,21 @@ class _Backward:
             kept = out[n:]
             size = sum(t.untyped_storage().nbytes() for t in kept if isinstance(t, torch.Tensor))
             with _LOCK:
-                region._pending[node] = (cut, kept)
+                region._pending[node] = _HandOff(cut, made_with, kept)
                 region.handoff_bytes = size
                 region.runs["input"] += 1
             return grads
         with _LOCK:
-            _, kept = region._pending.pop(node, (cut, []))
+            handoff = region._pending.pop(node, None)
             region.runs["weight"] += 1
-        args.extend(kept)
-        del kept
+        if handoff is not None:
+            args.extend(handoff.kept)
+            del handoff
         for j, g in zip(plan.weight_positions, cut.weight_fn(args)):
             grads[j] = g
         return grads
 
-    def _mode(self) -> tuple[str, _Cut | None]:
+    def _mode(self, args: Sequence[Any]) -> tuple[str, _Cut | None]:
         """``("input", cut)``, ``("weight", cut)`` or ``("full", None)`` for the running pass."""
         if not self.cuts or not split_enabled():
             return "full", None
@@ -440,11 +464,15 @@ class _Backward:
             return "full", None
         needed = [fn is not None and engine_needs(fn) for fn, _ in edges]
         with _LOCK:
-            pending = region._pending.get(node)
-        if pending is not None:  # this microbatch's I ran: W with the same cut, if it fits
-            cut = pending[0]
-            need_input, need_weight = cut.kinds_needed(needed)
-            return ("weight", cut) if need_weight and not need_input else ("full", None)
+            handoff = region._pending.get(node)
+        if handoff is not None and handoff.made_with(args):
+            # this microbatch's I ran: W with the same cut, if the pass needs weights only
+            need_input, need_weight = handoff.cut.kinds_needed(needed)
+            if need_weight and not need_input:
+                return "weight", handoff.cut
+        elif handoff is not None:  # another pass's (another loss's output gradients)
+            with _LOCK:
+                region._pending.pop(node, None)
         with _LOCK:
             late, self.late_cut = self.late_cut, None
         if late is not None:

@@ -585,3 +585,22 @@ def test_summary_lists_compiled_regions(block: tuple[nn.Module, nn.Module]) -> N
         assert f"I keeps {len(region.handoff)} value(s) for W" in row.detail
     assert "compiled region" in str(cg.summary())
     assert cg.summary("test_compile").compiled_regions == ()
+
+
+def test_a_handoff_is_never_read_by_a_pass_of_other_output_gradients(
+    block: tuple[nn.Module, nn.Module],
+) -> None:
+    # an input-only pass with one set of output gradients, then a weight-only pass of another
+    # loss through the same graph: W must not read the first pass's hand-off
+    ref, m = block
+    x, _ = inputs(seed=5)
+    out = m(x)
+    g1, g2 = torch.randn_like(out), torch.randn_like(out)
+    (dx,) = torch.autograd.grad(out, [x], g1, retain_graph=True)
+    dw = torch.autograd.grad(out, list(m.parameters()), g2)
+    x_ref = x.detach().requires_grad_()
+    out_ref = ref(x_ref)
+    torch.testing.assert_close(dx, torch.autograd.grad(out_ref, [x_ref], g1, retain_graph=True)[0])
+    for got, want in zip(dw, torch.autograd.grad(out_ref, list(ref.parameters()), g2)):
+        torch.testing.assert_close(got, want)
+    assert all(r.pending() == 0 for r in REGIONS[m])

@@ -10,6 +10,10 @@ compiler:
 - **I**: the input gradients, plus the values W needs from them (the *hand-off*);
 - **W**: the weight gradients, from the saved values, the output gradients and the hand-off.
 
+Weights are the region's parameters, and the inputs made from parameters only outside it (a
+cast, a transposed tied weight), as torch's split counts them; when there are such inputs a
+second I/W pair, with parameters only as weights, serves calls where they are activations.
+
 What W can recompute without FLOPs (views, elementwise ops of saved values) is recomputed in W
 rather than kept. At run time the node asks the autograd engine which of its edges the running
 pass uses (as customgrad ops do, :func:`customgrad._autograd.engine_needs`) and runs full, I or
@@ -343,14 +347,37 @@ def _example(node: fx.Node) -> Any:
 # Running it
 
 
+@dataclass
+class _Cut:
+    """One way to cut the backward: its compiled I and W graphs, and which edges are weights."""
+
+    input_fn: Callable[[list[Any]], Any]
+    weight_fn: Callable[[list[Any]], Any]
+    plan: _Plan
+    edge_weight: list[bool | None]
+    """One entry per edge of the node (the region's tensor inputs): weight, input, or None."""
+
+    def kinds_needed(self, needed: Sequence[bool]) -> tuple[bool, bool]:
+        """(an input's gradient needed, a weight's gradient needed) for the engine's needs."""
+        need_input = need_weight = False
+        for need, weight in zip(needed, self.edge_weight):
+            if need and weight is not None:
+                need_weight |= weight
+                need_input |= not weight
+        return need_input, need_weight
+
+
 class _HandOff:
     """What an input pass kept for the weight pass of the same node, and the output
     gradients) it was made with: a pass with other output gradients (another loss through the
     same graph) never reads it."""
 
-    __slots__ = ("kept", "tangents")
+    __slots__ = ("cut", "kept", "tangents")
 
-    def __init__(self, tangents: list[tuple[int, weakref.ref[Any]]], kept: list[Any]) -> None:
+    def __init__(
+        self, cut: _Cut, tangents: list[tuple[int, weakref.ref[Any]]], kept: list[Any]
+    ) -> None:
+        self.cut = cut  # the I/W pair whose input graph made it
         self.tangents = tangents
         self.kept = kept
 
@@ -359,49 +386,52 @@ class _HandOff:
 
 
 class _Backward:
-    """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call."""
+    """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call.
+
+    ``cuts`` holds one cut, or two when a region input was told a weight by its history
+    (:func:`_weights_by_history`): the same compiled graph may serve a call where that input
+    is an activation, which the second cut (parameters only are weights) splits.
+    """
 
     def __init__(
         self,
         region: CompiledRegion,
         full: Callable[[list[Any]], Any],
         n_outputs: int,
-        edge_weight: Sequence[bool | None],
-        split: tuple[Callable[[list[Any]], Any], Callable[[list[Any]], Any], _Plan] | None,
+        cuts: Sequence[_Cut],
+        late_cut: Callable[[], _Cut | None] | None = None,
     ) -> None:
         self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) keep it
         self.region = region
         self.full = full
         self.n_outputs = n_outputs
-        # one entry per edge of the node (the region's tensor inputs): weight, input, or None
-        self.edge_weight = edge_weight
-        self.split = split
+        self.cuts = list(cuts)
+        # compiled outside a backward (dynamic shapes): the cut by the first node's history,
+        # made at its first backward
+        self.late_cut = late_cut
 
     def __call__(self, args: list[Any]) -> Any:
         region = self.region
-        mode = self._mode(args)
-        if mode == "full":
+        mode, cut = self._mode(args)
+        node = torch._C._current_autograd_node()
+        if cut is None:
             with _LOCK:
                 region.runs["full"] += 1
-            node = torch._C._current_autograd_node()
-            if node is not None:
-                with _LOCK:
+                if node is not None:
                     region._pending.pop(node, None)
             return self.full(args)
-        assert self.split is not None  # _mode says full otherwise
-        input_fn, weight_fn, plan = self.split
-        node = torch._C._current_autograd_node()
+        plan = cut.plan
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
             made_with = [(i, weakref.ref(args[i])) for i in plan.tangents]  # before args clear
-            out = list(input_fn(args))
+            out = list(cut.input_fn(args))
             n = len(plan.input_positions)
             for j, g in zip(plan.input_positions, out[:n]):
                 grads[j] = g
             kept = out[n:]
             size = sum(t.untyped_storage().nbytes() for t in kept if isinstance(t, torch.Tensor))
             with _LOCK:
-                region._pending[node] = _HandOff(made_with, kept)
+                region._pending[node] = _HandOff(cut, made_with, kept)
                 region.handoff_bytes = size
                 region.runs["input"] += 1
             return grads
@@ -411,50 +441,53 @@ class _Backward:
         if handoff is not None:
             args.extend(handoff.kept)
             del handoff
-        for j, g in zip(plan.weight_positions, weight_fn(args)):
+        for j, g in zip(plan.weight_positions, cut.weight_fn(args)):
             grads[j] = g
         return grads
 
-    def _mode(self, args: list[Any]) -> str:
-        if self.split is None or not split_enabled():
-            return "full"
+    def _mode(self, args: Sequence[Any]) -> tuple[str, _Cut | None]:
+        """``("input", cut)``, ``("weight", cut)`` or ``("full", None)`` for the running pass."""
+        if not self.cuts or not split_enabled():
+            return "full", None
         region = self.region
         node = torch._C._current_autograd_node()
         if node is None:
             region.fall_back(
                 "no autograd node is running its backward (compiled autograd traces it whole)"
             )
-            return "full"
+            return "full", None
         edges = node.next_functions
-        if len(edges) != len(self.edge_weight):
+        if len(edges) != len(self.cuts[0].edge_weight):
             region.fall_back(
-                f"its node has {len(edges)} edges for {len(self.edge_weight)} tensor inputs"
+                f"its node has {len(edges)} edges for {len(self.cuts[0].edge_weight)} tensor inputs"
             )
-            return "full"
-        need_input = need_weight = False
-        for (fn, _), weight in zip(edges, self.edge_weight):
-            if fn is None or weight is None or not engine_needs(fn):
-                continue
-            if weight:
-                need_weight = True
-            else:
-                need_input = True
-        if need_input and not need_weight:
-            return "input"
-        if need_weight and not need_input:
+            return "full", None
+        needed = [fn is not None and engine_needs(fn) for fn, _ in edges]
+        with _LOCK:
+            handoff = region._pending.get(node)
+        if handoff is not None and handoff.made_with(args):
+            # this microbatch's I ran: W with the same cut, if the pass needs weights only
+            need_input, need_weight = handoff.cut.kinds_needed(needed)
+            if need_weight and not need_input:
+                return "weight", handoff.cut
+        elif handoff is not None:  # another pass's (another loss's output gradients)
+            with _LOCK:
+                region._pending.pop(node, None)
+        with _LOCK:
+            late, self.late_cut = self.late_cut, None
+        if late is not None:
+            cut = late()
+            if cut is not None:
+                self.cuts.insert(0, cut)
+        for cut in self.cuts:
+            need_input, need_weight = cut.kinds_needed(needed)
+            if need_input and not need_weight:
+                return "input", cut
             # without I's hand-off, W runs alone only if it needs none (the first stage's
             # input needs no gradient, a Linear alone); else the full graph
-            if not self.split[2].handoff:
-                return "weight"
-            with _LOCK:
-                handoff = region._pending.get(node)
-            if handoff is not None and handoff.made_with(args):
-                return "weight"
-            if handoff is not None:  # another pass's (another loss's output gradients)
-                with _LOCK:
-                    region._pending.pop(node, None)
-            return "full"
-        return "full"
+            if need_weight and not need_input and not cut.plan.handoff:
+                return "weight", cut
+        return "full", None
 
 
 # --------------------------------------------------------------------------------------------
@@ -537,15 +570,61 @@ class _SplitCompiler:
                 reason = 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
             elif _mutated_grad_input():
                 reason = "it mutates an input that requires grad, or threads effect/RNG state"
-        plan: _Plan | str = reason if reason is not None else _plan(gm, self.kinds)
+        by_history = _weights_by_history(self.kinds)
+        variants = [by_history] + ([self.kinds] if by_history != self.kinds else [])
+        plans: list[_Plan | str] = [
+            reason if reason is not None else _plan(gm, kinds) for kinds in variants
+        ]
         full = self.compile_one(gm, example_inputs, **kwargs)
+        if isinstance(plans[0], str):
+            region.fall_back(plans[0])
+            return _Backward(region, _boxed(full), len(self.kinds), [])
+        cuts = [
+            self._cut(plan, kinds, example_inputs, kwargs)
+            for plan, kinds in zip(plans, variants)
+            if not isinstance(plan, str)
+        ]
+        self._describe(gm, cuts[0].plan)
+        late = None
+        if torch._C._current_autograd_node() is None:  # compiled ahead of its first backward
+
+            def late() -> _Cut | None:
+                return self._late_cut(gm, example_inputs, kwargs, [c.edge_weight for c in cuts])
+
+        return _Backward(region, _boxed(full), len(self.kinds), cuts, late)
+
+    def _late_cut(
+        self,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        kwargs: dict[str, Any],
+        known: list[list[bool | None]],
+    ) -> _Cut | None:
+        """The cut by the running node's history, if it differs from the known ones."""
+        kinds = _weights_by_history(self.kinds)
+        if [k for k in kinds if k is not None] in known:
+            return None
+        plan = _plan(gm, kinds)
         if isinstance(plan, str):
-            region.fall_back(plan)
-            return _Backward(region, _boxed(full), len(self.kinds), [], None)
-        input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
-        weight_examples = [*example_inputs, *(_example(h) for h in plan.handoff)]
-        weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
-        names = [n for n in _input_names(gm, self.kinds)]
+            return None
+        try:
+            cut = self._cut(plan, kinds, example_inputs, kwargs)
+            self._describe(gm, plan)
+            return cut
+        except Exception as e:  # the backend could not compile it here: the other cuts serve
+            log.warning(
+                "customgrad.compile: compiled region %s: could not compile the cut for weights "
+                "made outside it (%s: %s); calls with them run the full backward in W",
+                self.region.name,
+                type(e).__name__,
+                e,
+            )
+            return None
+
+    def _describe(self, gm: fx.GraphModule, plan: _Plan) -> None:
+        """What explain_split and the summary say of the region: the cut it runs first."""
+        region = self.region
+        names = _input_names(gm, self.kinds)
         region.input_pass = GraphInfo(
             tuple(names[j] for j in plan.input_positions), _count(plan.input_gm)
         )
@@ -554,14 +633,69 @@ class _SplitCompiler:
         )
         region.handoff = tuple(h.name for h in plan.handoff)
         region.recomputed = tuple(n.name for n in plan.recomputed)
-        edge_weight = [k for k in self.kinds if k is not None]
-        return _Backward(
-            region,
-            _boxed(full),
-            len(self.kinds),
-            edge_weight,
-            (_boxed(input_fn), _boxed(weight_fn), plan),
-        )
+
+    def _cut(
+        self,
+        plan: _Plan,
+        kinds: list[bool | None],
+        example_inputs: Sequence[Any],
+        kwargs: dict[str, Any],
+    ) -> _Cut:
+        input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
+        weight_examples = [*example_inputs, *(_example(h) for h in plan.handoff)]
+        weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
+        edge_weight: list[bool | None] = [k for k in kinds if k is not None]
+        return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, edge_weight)
+
+
+_HISTORY_NODES = 64
+
+
+def _weights_by_history(kinds: list[bool | None]) -> list[bool | None]:
+    """``kinds`` with the tensor inputs made from parameters only counted as weights.
+
+    A weight can reach a region as a plain tensor made from a parameter outside it (cast to
+    another dtype, transposed for a tied head, normalized): its gradient goes to parameters
+    only, so torch's split computes it in W. Told from the autograd history of the node whose
+    backward is being compiled (AOTAutograd compiles it lazily, inside the first backward):
+    an edge whose history reaches only ``nn.Parameter`` leaves, within a few nodes, is a
+    weight. The same compiled graph may later serve a node where that input is an activation:
+    the pass then needs gradients of both kinds at once and runs the full graph (never a
+    wrong gradient).
+    """
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return kinds
+    edges = node.next_functions
+    tensor_positions = [j for j, k in enumerate(kinds) if k is not None]
+    if len(edges) != len(tensor_positions):
+        return kinds
+    out = list(kinds)
+    for j, (fn, _) in zip(tensor_positions, edges):
+        if out[j] is False and fn is not None and _only_parameters_behind(fn):
+            out[j] = True
+    return out
+
+
+def _only_parameters_behind(root: Any) -> bool:
+    seen: set[Any] = set()
+    stack = [root]
+    leaves = 0
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > _HISTORY_NODES:
+            return False
+        variable = getattr(fn, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf
+            if not isinstance(variable, nn.Parameter):
+                return False
+            leaves += 1
+            continue
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return leaves > 0
 
 
 def _count(gm: fx.GraphModule) -> int:

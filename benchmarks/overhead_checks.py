@@ -3,73 +3,182 @@
 Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks`` (``--quick`` for a short run).
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the backward that
-``customgrad/_fastpath.py`` generates for its signature. This script rebuilds that backward from
-its own source with one check removed at a time and times forward + ``out.backward(g)`` of each
-variant against a plain ``torch.autograd.Function``, all in the same rounds (CPU time, 1 thread,
-minimum over rounds):
+``customgrad/_fastpath.py`` generates for its signature, which calls the general path's engine
+query (``needed_edge``), plan and ``AutogradImpl.compute``. This script swaps one function the
+core calls for a variant without the check, one check at a time, and times forward +
+``out.backward(g)`` of each variant against a plain ``torch.autograd.Function``, all in the same
+rounds (CPU time, 1 thread, minimum over rounds):
 
-- ``no in-place watch``: the version counters of the output gradients and saved tensors are not
-  read before and after each user backward (in-place writes to them go unnoticed);
-- ``no gradient validation``: the returned dict's keys and each gradient's type, shape, dtype
-  and device are not checked;
-- ``no engine query``: every gradient that autograd marks as required is computed, as a plain
-  ``autograd.Function`` does, instead of asking the engine which ones the running pass needs
-  (this is what makes the split backward possible: without it, I and W both compute everything).
+- ``no in-place watch``: ``customgrad._autograd._watch`` and ``_call_user`` (the names
+  ``compute`` looks up) without reading the version counters of the output gradients and saved
+  values before and after each user backward (in-place writes to them go unnoticed);
+- ``no gradient validation``: ``customgrad._autograd.collect_grads`` takes the needed
+  gradients from the returned dict without checking its keys or each gradient's type, shape,
+  dtype and device;
+- ``no engine query``: the generated backward's ``_needed`` (``needed_edge``) answers "needed"
+  for every edge autograd marks as requiring grad, and ``_captured_now`` reads no frame, so every
+  required gradient is computed, as a plain ``autograd.Function`` does (the query is what makes
+  the split backward possible: without it, I and W both compute everything).
 
-A measurement, not a configuration: the variants exist only inside this script, and it stops
-with an error if the generated source no longer has the shape it edits.
+A measurement, not a configuration: the variants exist only inside this script, every swap is
+undone in a ``finally``, and the script stops with an error if a name it swaps no longer exists
+or if a variant does not change what it should (checked on small ops before timing).
 """
 
 from __future__ import annotations
 
 import argparse
-import re
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
 import torch
 
+import customgrad as cg
+import customgrad._autograd as core
 from benchmarks import overhead  # the op and the anchor, defined once
 
-_QUERY = re.compile(
-    r"(?P<i> +)fn = nf\[e\]\[0\]\n"
-    r"(?P=i)if type\(fn\) is _ACC and id\(fn\.variable\) in _captured\(\):\n"
-    r"(?P=i)    (?P<set>nmask \|= \d+)[^\n]*\n"
-    r"(?P=i)else:\n"
-    r"(?:(?P=i)    [^\n]*\n)+?"
-    r"(?P=i)        nmask \|= \d+\n"
-)
-_WATCH_SETUP = re.compile(r" +watched = [^\n]*\n +before = [^\n]*\n")
-_WATCH_CHECK = re.compile(r" +if \[\*_map\(_getattr, watched[^\n]*\n +_mutated\([^\n]*\n")
-_DICT_CHECK = re.compile(r"(?P<i> +)ok = type\(r\) is dict and r\.keys\(\) <= _ALLOWED_\w+\n")
-_GRAD_CHECK = re.compile(
-    r"(?P<i> +)ok = \(type\(g\) is _T and m is not None[^\n]*\n +and g\.dtype[^\n]*\n"
-)
+_NO_WATCH: tuple[tuple[Any, ...], list[Any], int] = ((), [], 0)
 
 
-def _edit(pattern: re.Pattern[str], repl: str, text: str, what: str) -> str:
-    new, n = pattern.subn(repl, text)
-    if n == 0:
-        raise SystemExit(
-            f"overhead_checks: the generated backward no longer contains {what}; "
-            "update the patterns at the top of benchmarks/overhead_checks.py"
-        )
-    return new
+def _fail(msg: str) -> SystemExit:
+    return SystemExit(f"overhead_checks: {msg}; update benchmarks/overhead_checks.py")
 
 
-def _variants(apply_src: str) -> dict[str, str]:
-    no_watch = _edit(_WATCH_SETUP, "", apply_src, "the in-place watch's setup")
-    no_watch = _edit(_WATCH_CHECK, "", no_watch, "the in-place watch's check")
-    no_val = _edit(_DICT_CHECK, r"\g<i>ok = True\n", apply_src, "the dict check")
-    no_val = _edit(_GRAD_CHECK, r"\g<i>ok = True\n", no_val, "the gradient check")
-    no_query = _edit(_QUERY, r"\g<i>\g<set>\n", apply_src, "the engine query")
+@contextlib.contextmanager
+def _swapped(scope: MutableMapping[str, Any], where: str, **new: Any) -> Iterator[None]:
+    """Within the block, ``scope[name]`` is ``new[name]``; restored after, whatever happens."""
+    missing = [name for name in new if name not in scope]
+    if missing:
+        raise _fail(f"{where} no longer has {', '.join(missing)}")
+    old = {name: scope[name] for name in new}
+    try:
+        scope.update(new)
+        yield
+    finally:
+        scope.update(old)
+
+
+def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]:
+    """Variant name -> a context manager factory that takes one check out."""
+    module = vars(core)
+    call_user: Any = module.get("_call_user")
+
+    def unwatched_call(
+        ctx: Any, half: Any, fn: Any, saved: Any, grads: Any, watch: Any, nondiff: Any
+    ) -> Any:
+        if nondiff:  # not on the fast path (it declines such ops): the core's own handling
+            return call_user(ctx, half, fn, saved, grads, watch, nondiff)
+        return fn(ctx, saved, *grads)
+
+    def unchecked(
+        sig: Any,
+        half: Any,
+        fn: Any,
+        result: Any,
+        allowed: Any,
+        needed: Any,
+        metas: Any,
+        slots: Any = None,
+    ) -> dict[str, Any]:
+        return {name: g for name, g in result.items() if name in needed}
+
+    def every_edge(fn: Any, captured: Any) -> bool:
+        return True
+
+    def no_frame(above: int = 1) -> frozenset[int]:
+        return frozenset()
+
+    where = "customgrad._autograd"
     return {
-        "all checks": apply_src,
-        "no in-place watch": no_watch,
-        "no gradient validation": no_val,
-        "no engine query": no_query,
+        "all checks": contextlib.nullcontext,
+        "no in-place watch": lambda: _swapped(
+            module, where, _watch=lambda saved, grads: _NO_WATCH, _call_user=unwatched_call
+        ),
+        "no gradient validation": lambda: _swapped(module, where, collect_grads=unchecked),
+        "no engine query": lambda: _swapped(
+            fast_ns, "the generated backward", _needed=every_edge, _captured_now=no_frame
+        ),
     }
+
+
+# --- proof that each variant takes its check out (on the fast path) ---------------------------
+
+
+def _probe_ops() -> tuple[cg.CustomOp[..., torch.Tensor], cg.CustomOp[..., torch.Tensor]]:
+    """Two ops that break a rule: one writes to its output gradient in place, one returns a
+    gradient of the wrong shape (which autograd would silently sum to the input's shape)."""
+
+    @cg.op("cg_bench_checks::scale_inplace", weights=())
+    def inplace(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    inplace.register_fake(lambda x: torch.empty_like(x))
+    inplace.register_save_for_backward(lambda inputs, out: None)
+    inplace.register_backward(lambda ctx, s, g: {"x": g.mul_(2)}, split="phase")
+
+    @cg.op("cg_bench_checks::scale_badshape", weights=())
+    def badshape(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    badshape.register_fake(lambda x: torch.empty_like(x))
+    badshape.register_save_for_backward(lambda inputs, out: None)
+    badshape.register_backward(lambda ctx, s, g: {"x": torch.stack([g, g])}, split="phase")
+    return inplace, badshape
+
+
+def _raises(fn: Callable[[], Any]) -> bool:
+    try:
+        fn()
+    except cg.CustomGradError:
+        return True
+    return False
+
+
+def _verify(variants: dict[str, Callable[[], Any]]) -> None:
+    """Stop unless each variant changes exactly the behaviour its check is for, through the
+    generated backward of the timed op (engine query) or of ops like it (the other two)."""
+    inplace, badshape = _probe_ops()
+    x = torch.randn(3, requires_grad=True)
+
+    def run_inplace() -> None:
+        inplace(x).backward(torch.ones(3))
+
+    def run_badshape() -> None:
+        badshape(x).backward(torch.ones(3))
+
+    op = overhead.CG["linear", "pair"]
+    xl = torch.randn(8, 16, requires_grad=True)
+    wl = torch.randn(16, 16, requires_grad=True)
+    halves: list[str] = []
+
+    def run_input_only() -> list[str]:
+        halves.clear()
+        op(xl, wl, None).backward(torch.ones(8, 16), inputs=[xl])
+        return list(halves)
+
+    def observe(label: str, *_: Any) -> None:
+        halves.append(label)
+
+    for probe in (inplace, badshape, op):
+        if probe._fast_call is None:
+            raise _fail(f"{probe.name} has no fast path")
+    expected = {
+        "all checks": (True, True, ["backward_input"]),
+        "no in-place watch": (False, True, ["backward_input"]),
+        "no gradient validation": (True, False, ["backward_input"]),
+        "no engine query": (True, True, ["backward_input", "backward_weight"]),
+    }
+    with op._impl.observing(observe):
+        for name, variant in variants.items():
+            with variant():
+                got = (_raises(run_inplace), _raises(run_badshape), run_input_only())
+            if got != expected[name]:
+                raise _fail(
+                    f"{name!r} does not behave as it should (in-place write caught, wrong "
+                    f"shape caught, halves run for x alone: expected {expected[name]}, got {got})"
+                )
 
 
 def main() -> None:
@@ -84,17 +193,9 @@ def main() -> None:
     customgrad().backward(grad)  # builds the fast path
     call = op._fast_call
     if call is None:
-        raise SystemExit("overhead_checks: the op did not take the fast path")
-    namespace = call.__globals__
-    source = call.__customgrad_source__
-    apply_src = source[source.index("def apply(node, *grads):") :]
-    backward_cls = namespace["_c_apply"].__self__._backward_cls
-    original = backward_cls.apply
-    applies: dict[str, Any] = {}
-    for name, text in _variants(apply_src).items():
-        scope = dict(namespace)
-        exec(text, scope)
-        applies[name] = scope["apply"]
+        raise _fail("the op did not take the fast path")
+    variants = _variants(call.__globals__)
+    _verify(variants)
 
     def timed(fn: Callable[[], torch.Tensor]) -> float:
         start = time.process_time()
@@ -102,18 +203,15 @@ def main() -> None:
             fn().backward(grad)
         return (time.process_time() - start) / number * 1e6
 
-    best = dict.fromkeys(["autograd.Function", *applies], float("inf"))
-    try:
-        for fn in (function, customgrad):
-            for _ in range(300):
-                fn().backward(grad)
-        for _ in range(repeat):
-            best["autograd.Function"] = min(best["autograd.Function"], timed(function))
-            for name, apply in applies.items():
-                backward_cls.apply = apply
+    best = dict.fromkeys(["autograd.Function", *variants], float("inf"))
+    for fn in (function, customgrad):
+        for _ in range(300):
+            fn().backward(grad)
+    for _ in range(repeat):
+        best["autograd.Function"] = min(best["autograd.Function"], timed(function))
+        for name, variant in variants.items():
+            with variant():
                 best[name] = min(best[name], timed(customgrad))
-    finally:
-        backward_cls.apply = original
 
     base, full = best["autograd.Function"], best["all checks"]
     print(
@@ -123,7 +221,7 @@ def main() -> None:
     print("| customgrad backward | us | / autograd.Function | the check costs |")
     print("|---|---:|---:|---:|")
     print(f"| (plain autograd.Function) | {base:.1f} | 1.00 | |")
-    for name in applies:
+    for name in variants:
         cost = "" if name == "all checks" else f"{full - best[name]:+.1f} us"
         print(f"| {name} | {best[name]:.1f} | {best[name] / base:.2f} | {cost} |")
 

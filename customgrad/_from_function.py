@@ -295,8 +295,8 @@ def _public_schema(
     if schema is not None:
         return schema
 
-    def prototype(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
+    def prototype(*args: Any, **kwargs: Any) -> Any:  # only its signature is read
+        return None
 
     prototype.__signature__ = inspect.Signature(params, return_annotation=returns)  # type: ignore[attr-defined]
     try:

@@ -74,7 +74,7 @@ Compute it once: hand it from the input pass to the weight pass with register_ba
     @op.register_backward_input
     def _(ctx, saved, grad):
         dh = ctx.shared              # computed once
-        ...
+        return {"x": dh @ saved.w_up}
 
 or register one backward that computes every gradient (register_backward, split="auto", the
 default): customgrad traces it and runs shared work once, handing it to the weight pass."""

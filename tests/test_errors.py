@@ -1866,7 +1866,7 @@ def test_check_op_flops_messages_are_pinned() -> None:
         "    @op.register_backward_input\n"
         "    def _(ctx, saved, grad):\n"
         "        dh = ctx.shared              # computed once\n"
-        "        ...\n"
+        '        return {"x": dh @ saved.w_up}\n'
         "\n"
         "or register one backward that computes every gradient (register_backward, "
         'split="auto", the\n'

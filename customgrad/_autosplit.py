@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from customgrad._errors import CustomGradError, where
 from customgrad._flops import formula_of
-from customgrad._guards import Unguarded, ambient, package_of, reads, reads_nothing
+from customgrad._guards import CONSTANTS, Unguarded, ambient, package_of, reads, reads_nothing
 from customgrad._rules import OpSpec
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
@@ -71,20 +71,6 @@ MSG_FALLBACK = (
 )
 
 _Tensor = torch.Tensor
-# Saved values a trace may keep as constants (the signature compares them by value).
-_CONSTANTS = (
-    type(None),
-    bool,
-    int,
-    complex,
-    str,
-    bytes,
-    torch.dtype,
-    torch.device,
-    torch.layout,
-    torch.memory_format,
-    torch.Size,
-)
 _functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
 _dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
 _get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
@@ -405,7 +391,7 @@ def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
             key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
         elif kind is float:
             key.append((float, leaf.hex()))  # exact, and nan equals nan
-        elif kind in _CONSTANTS:
+        elif kind in CONSTANTS:
             key.append((kind, leaf))
         elif flat:
             return None

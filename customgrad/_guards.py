@@ -51,7 +51,9 @@ _TRUSTED_ROOTS = frozenset(sys.stdlib_module_names) | {
     "typing_extensions",
 }
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone", "mtia", "maia")
-_VALUES = (
+# Plain values compared by value (floats apart: by their exact bits). A saved value of one of
+# these kinds may be kept as a constant in a trace (customgrad._autosplit's signature).
+CONSTANTS = (
     type(None),
     bool,
     int,
@@ -63,9 +65,8 @@ _VALUES = (
     torch.layout,
     torch.memory_format,
     torch.Size,
-    range,
-    slice,
 )
+_VALUES = (*CONSTANTS, range, slice)
 _CODE = (
     types.BuiltinFunctionType,
     types.MethodDescriptorType,

@@ -163,6 +163,19 @@ def split_once(
     return f_i, f_w, result["i"][0]
 
 
+def assert_splits_exactly(ref: nn.Module, m: nn.Module, x: Tensor, dy: Tensor) -> None:
+    """Under torch's and customgrad's split: eager's gradients, I computes the input gradients
+    only, and I + W does the full backward's FLOPs."""
+    dx_ref, dw_ref, full, only_input = eager_reference(ref, x, dy)
+    for how in ("torch", "customgrad"):
+        zero(m)
+        xi = x.detach().clone().requires_grad_()
+        f_i, f_w, dinputs = split_once(m, xi, dy, how)
+        torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
+        assert_same(grads(m), dw_ref)
+        assert (f_i, f_i + f_w) == (only_input, full)
+
+
 # --------------------------------------------------------------------------------------------
 # 1. In place, schedules accept the stage, bad input
 
@@ -234,15 +247,7 @@ def test_split_under_default_config_has_no_donated_buffer_error(
 
 def test_inductor_region_splits_under_both(block_inductor: tuple[nn.Module, nn.Module]) -> None:
     ref, m = block_inductor
-    x, dy = inputs(seed=3)
-    dx_ref, dw_ref, full, only_input = eager_reference(ref, x, dy)
-    for how in ("torch", "customgrad"):
-        zero(m)
-        xi = x.detach().clone().requires_grad_()
-        f_i, f_w, dinputs = split_once(m, xi, dy, how)
-        torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
-        assert_same(grads(m), dw_ref)
-        assert (f_i, f_i + f_w) == (only_input, full)
+    assert_splits_exactly(ref, m, *inputs(seed=3))
 
 
 def test_handoff_is_no_more_than_eager_split_holds(block: tuple[nn.Module, nn.Module]) -> None:
@@ -297,15 +302,7 @@ def test_views_of_saved_values_are_recomputed_not_kept() -> None:
 
 def test_customgrad_ops_inside_a_compiled_block_split() -> None:
     ref, m = pair(OpBlock(), backend="aot_eager")
-    x, dy = inputs(seed=6)
-    dx_ref, dw_ref, full, only_input = eager_reference(ref, x, dy)
-    for how in ("torch", "customgrad"):
-        zero(m)
-        xi = x.detach().clone().requires_grad_()
-        f_i, f_w, dinputs = split_once(m, xi, dy, how)
-        torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
-        assert_same(grads(m), dw_ref)
-        assert (f_i, f_i + f_w) == (only_input, full)
+    assert_splits_exactly(ref, m, *inputs(seed=6))
 
 
 # --------------------------------------------------------------------------------------------

@@ -52,15 +52,7 @@ def run_case(case: Case, device: torch.device) -> tuple[Outcome, dict[str, int]]
     runs = {k: after[k] - before[k] for k in after}
     all_runs: list[object] = [None] * world
     dist.all_gather_object(all_runs, runs)
-    want = w.reference(case.impl, device)
-    problems = []
-    for s in mine:
-        for i in range(s * per, (s + 1) * per):
-            for name, p in blocks[i].named_parameters():
-                ref = want[f"{i}.{name}"]
-                if p.grad is None or not torch.allclose(p.grad, ref, rtol=1e-9, atol=1e-12):
-                    err = "none" if p.grad is None else f"{(p.grad - ref).abs().max().item():.3g}"
-                    problems.append(f"rank {rank}: {i}.{name}: max abs difference {err}")
+    problems = w.grad_problems(rank, mine, per, blocks, w.reference(case.impl, device))
     everyone: list[object] = [None] * world
     dist.all_gather_object(everyone, problems)
     (timeline,) = timer.gather()

@@ -210,15 +210,7 @@ def run_case(case: Case, device: torch.device) -> Outcome:
     kwargs = {"target": target} if 2 * world - 1 in mine else {}
     with timer.step(count_flops=True):
         schedule.step(*([x] if 0 in mine else []), **kwargs)
-    want = reference(case.impl, device)
-    problems = []
-    for s in mine:
-        for i in range(s * per, (s + 1) * per):
-            for name, p in blocks[i].named_parameters():
-                w = want[f"{i}.{name}"]
-                if p.grad is None or not torch.allclose(p.grad, w, rtol=1e-9, atol=1e-12):
-                    err = "none" if p.grad is None else f"{(p.grad - w).abs().max().item():.3g}"
-                    problems.append(f"rank {rank}: {i}.{name}: max abs difference {err}")
+    problems = grad_problems(rank, mine, per, blocks, reference(case.impl, device))
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, problems)
     (timeline,) = timer.gather()
@@ -325,3 +317,18 @@ def fail_on_rank(failing_rank: int, pid_dir: str) -> None:
 def hang(pid_dir: str) -> None:
     Path(pid_dir, f"{dist.get_rank()}.pid").write_text(str(os.getpid()))
     time.sleep(3600)
+
+
+def grad_problems(
+    rank: int, mine: list[int], per: int, blocks: Any, want: dict[str, torch.Tensor]
+) -> list[str]:
+    """Each parameter of this rank's stages whose gradient differs from one process's."""
+    problems = []
+    for s in mine:
+        for i in range(s * per, (s + 1) * per):
+            for name, p in blocks[i].named_parameters():
+                w = want[f"{i}.{name}"]
+                if p.grad is None or not torch.allclose(p.grad, w, rtol=1e-9, atol=1e-12):
+                    err = "none" if p.grad is None else f"{(p.grad - w).abs().max().item():.3g}"
+                    problems.append(f"rank {rank}: {i}.{name}: max abs difference {err}")
+    return problems

@@ -13,7 +13,6 @@ This module depends on an op only through :class:`customgrad._rules.OpSpec`.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
@@ -76,9 +75,6 @@ _will_execute = will_execute
 _warned_no_engine_query = False
 
 _Tensor = torch.Tensor
-_VERSION = itertools.repeat("_version")
-_NO_VERSION = itertools.repeat(None)
-_Parameter = torch.nn.Parameter
 _functorch_active: Callable[[], bool] | None = getattr(
     torch._C, "_are_functorch_transforms_active", None
 )
@@ -86,15 +82,6 @@ _unwrap_if_dead: Callable[[Any], Any] | None = getattr(
     getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
 )
 _graph_task_id = graph_task_id
-try:
-    from torch._C._functorch import TransformType as _TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    _JVP: Any = _TransformType.Jvp
-    _functorch_interpreters: Callable[[], Any] = retrieve_all_functorch_interpreters
-except ImportError:  # pragma: no cover - torch without functorch
-    _JVP = None
-    _functorch_interpreters = list
 
 BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
 """Called as ``observer(label, phase, ctx, result)`` after each registered backward function

@@ -3,7 +3,6 @@ what a jvp will need."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,9 +22,6 @@ from customgrad._rules import OpSpec
 from customgrad._validate import describe
 
 _Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
-_VERSION = itertools.repeat("_version")
-_NO_VERSION = itertools.repeat(None)
 
 
 try:

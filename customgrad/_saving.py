@@ -4,7 +4,6 @@ changes are caught and no reference cycle keeps outputs alive), the rest as it i
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from typing import Any, NamedTuple
 
 import optree
@@ -19,8 +18,6 @@ from customgrad._rules import OpSpec
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
-_VERSION = itertools.repeat("_version")
-_NO_VERSION = itertools.repeat(None)
 
 __all__ = ["SaveError"]
 

@@ -15,16 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
 
-from customgrad._errors import (
-    GradientValueError,
-    MissingRegistrationError,
-    UnsupportedError,
-)
+from customgrad._errors import MissingRegistrationError, UnsupportedError
 from customgrad._forward_ad import forward_ad_active, jvp
 from customgrad._layout import (
     _flatten_args,
@@ -33,7 +29,16 @@ from customgrad._layout import (
     _slots,
     _unflatten_args,
 )
-from customgrad._record import NO_HANDOFF, NodeRecord
+from customgrad._pass import (
+    BackwardContext,
+    PassPlan,
+    Phase,
+    Runner,
+    keeps_for_later,
+    pass_plan,
+    write_runner,
+)
+from customgrad._record import NodeRecord
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, OpSpec
 from customgrad._saving import _SAVED_TENSORS, SaveError, _restore, _save
@@ -42,20 +47,12 @@ from customgrad._switches import STATE as SWITCHES
 from customgrad._torch_internals import (
     ACCUMULATE_GRAD,
     captured_by_caller,
-    graph_kept,
     graph_task_id,
     will_execute,
 )
-from customgrad._user_calls import (
-    _call_user,
-    _guard_residuals,
-    _residual_slots,
-    _Watch,
-    _watch,
-)
+from customgrad._user_calls import _guard_residuals, _residual_slots
 from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
 from customgrad._user_calls import _requiring_grad as _requiring_grad
-from customgrad._validate import collect_grads
 
 __all__ = [
     "AutogradImpl",
@@ -65,11 +62,10 @@ __all__ = [
     "Phase",
     "SaveError",
     "engine_needs",
+    "keeps_for_later",
 ]
 
 log = logging.getLogger("customgrad")
-
-Phase = Literal["full", "input", "weight"]
 
 _will_execute = will_execute
 _warned_no_engine_query = False
@@ -166,201 +162,6 @@ def engine_needs(fn: Any) -> bool:
         return True
 
 
-# --------------------------------------------------------------------------------------------
-# What a backward function sees
-
-
-class _Shared:
-    """``ctx.shared`` of one backward call: computed at most once, kept for a later pass."""
-
-    __slots__ = ("computed", "grads", "keep", "record", "saved", "value", "watch")
-
-    def __init__(
-        self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], watch: _Watch, keep: bool
-    ):
-        self.record = record
-        self.saved = saved
-        self.grads = grads
-        self.watch = watch
-        self.keep = keep
-        self.value: Any = handed_over(record, grads)
-        self.computed = False  # by this call (not handed over from an earlier pass)
-
-    def get(self, ctx: BackwardContext) -> Any:
-        if self.value is NO_HANDOFF:
-            spec = self.record.op
-            fn = spec.rules.backward_shared
-            if fn is None:
-                raise MissingRegistrationError(
-                    f"{spec.name}: ctx.shared was read, but no shared work is registered. "
-                    f"Register the work both halves need:\n\n"
-                    f"    @{spec.name.split('::')[1]}.register_backward_shared\n"
-                    f"    def _(ctx, saved, grad):\n"
-                    f"        return grad @ saved.w_down      # read as ctx.shared\n"
-                )
-            nondiff = spec.rules.nondifferentiable
-            self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
-            self.computed = True
-            if self.keep:
-                self.record.handoff = (self.grads, self.value)
-        return self.value
-
-
-class BackwardContext:
-    """What a customgrad backward function is told about the running pass.
-
-    Attributes:
-        op: the :class:`~customgrad.CustomOp` whose backward runs.
-        phase: ``"input"`` when the pass needs only non-weight arguments' gradients,
-            ``"weight"`` when it needs only weights', ``"full"`` otherwise (every argument that
-            requires grad is needed, or some of each kind are).
-    """
-
-    __slots__ = ("_needed", "_op", "_phase", "_shared")
-
-    def __init__(
-        self,
-        op: Any,
-        phase: Phase,
-        needed: frozenset[str],
-        shared: _Shared | None = None,
-    ) -> None:
-        self._op = op
-        self._phase: Phase = phase
-        self._needed = needed
-        self._shared = shared
-
-    # Read-only: a context without shared work is made once per pass plan and reused by every
-    # backward call with that plan (:attr:`PassPlan.ctx`).
-    @property
-    def op(self) -> Any:
-        return self._op
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    def needs_input_grad(self, name: str) -> bool:
-        """True if argument ``name`` requires grad and the engine will use its gradient now."""
-        if name in self._needed:
-            return True
-        if name not in self._op.signature.index:
-            raise GradientValueError(
-                f"{self._op.name}: ctx.needs_input_grad({name!r}): no such argument. "
-                f"Arguments: {', '.join(self._op.signature.names)}."
-            )
-        return False
-
-    @property
-    def shared(self) -> Any:
-        """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
-        split, kept for the later one and freed after it."""
-        if self._shared is None:
-            var = self.op.name.split("::")[1]
-            raise MissingRegistrationError(
-                f"{self.op.name}: ctx.shared was read, but the op registers no shared work. "
-                f"ctx.shared is what register_backward_shared computes for the halves of the "
-                f"input/weight pair; register the work both halves need:\n\n"
-                f"    @{var}.register_backward_shared\n"
-                f"    def _(ctx, saved, grad):\n"
-                f"        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
-                f"(A single register_backward computes such work itself: its automatic split "
-                f"runs it once and hands it from I to W.)"
-            )
-        return self._shared.get(self)
-
-    def __repr__(self) -> str:
-        return (
-            f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
-            f"needed={sorted(self._needed)})"
-        )
-
-
-def keeps_for_later(plan: PassPlan, target: Any) -> bool:
-    """Whether a pass keeps what a node's halves share for the node's later pass: when it
-    computes input gradients while weights that require grad are left for later, and that later
-    pass can come (the graph is retained, or a route defers the weight half to ``target``).
-    A non-retaining partial pass frees everything at once."""
-    return plan.splits and (target is not None or graph_kept())
-
-
-def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
-    """What the node's earlier pass kept for this one (:data:`NO_HANDOFF` when nothing).
-
-    A hand-off belongs to the pass that made it: it is read only by a pass with the same output
-    gradients (the same tensors), never by a pass of another loss through the same node.
-    """
-    handoff = record.handoff
-    if handoff is NO_HANDOFF:
-        return NO_HANDOFF
-    made_with, value = handoff
-    if made_with is grads or _same_tensors(
-        made_with, grads, record.op.signature.output_differentiability
-    ):
-        return value
-    return NO_HANDOFF
-
-
-def _same_tensors(
-    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
-) -> bool:
-    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
-
-    The gradients of non-differentiable outputs are not compared: autograd materializes a new
-    tensor of zeros for them in each pass.
-    """
-    if len(a) != len(b):
-        return False
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x is y or (differentiable is not None and not differentiable[i]):
-            continue
-        if not (
-            isinstance(x, list)
-            and isinstance(y, list)
-            and len(x) == len(y)
-            and all(p is q for p, q in zip(x, y))
-        ):
-            return False
-    return True
-
-
-class PassPlan(NamedTuple):
-    """What one backward call of a node computes, from which arguments require grad and which
-    the pass needs (argument names)."""
-
-    phase: Phase
-    needed: frozenset[str]
-    need_in: frozenset[str]
-    need_w: frozenset[str]
-    later_w: frozenset[str]
-    """Weights that require grad but that this pass does not compute (a later pass will, or a
-    route takes them)."""
-    later_in: frozenset[str]
-    """Non-weight arguments that require grad but that this pass does not compute."""
-    splits: bool
-    """Whether the pass computes input gradients while weights that require grad are left for
-    a later pass (the earlier pass of a split)."""
-    ctx: BackwardContext
-    """The backward functions' context for this plan when the op registers no shared work
-    (a context is read-only then, so every call with this plan shares one)."""
-
-
-def _pass_plan(spec: OpSpec, requires: frozenset[str], needed: frozenset[str]) -> PassPlan:
-    sig = spec.signature
-    need_w = needed & sig.weight_set
-    need_in = needed - sig.weight_set
-    if needed >= requires or (need_w and need_in):
-        phase: Phase = "full"
-    else:
-        phase = "weight" if need_w else "input"
-    later = requires - needed
-    later_w = later & sig.weight_set
-    splits = bool(later_w) and bool(need_in)
-    later_in = later - sig.weight_set
-    ctx = BackwardContext(spec, phase, needed)
-    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx)
-
-
 class AutogradImpl:
     """The autograd of one op: applies its node in forward and runs its backward.
 
@@ -379,6 +180,8 @@ class AutogradImpl:
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
+        self._runners: dict[tuple[int, int], Runner] = {}
+        self._runners_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -517,7 +320,7 @@ class AutogradImpl:
             names = self.spec.signature.names
             requires = frozenset(n for i, n in enumerate(names) if requires_mask >> i & 1)
             needed = frozenset(n for i, n in enumerate(names) if needed_mask >> i & 1)
-            plan = self._plans[key] = _pass_plan(self.spec, requires, needed)
+            plan = self._plans[key] = pass_plan(self.spec, requires, needed, key)
         return plan
 
     def whole(self, plan: PassPlan) -> PassPlan:
@@ -555,105 +358,33 @@ class AutogradImpl:
         grads: tuple[Any, ...],
         keep: bool,
     ) -> dict[str, Any]:
-        """Run the registered backward for the gradients ``plan.needed`` and validate them.
+        """Run ``plan``'s runner: the registered backward for the gradients ``plan.needed``,
+        validated (:func:`customgrad._pass.write_runner`).
 
         ``keep``: a later pass of this node will compute the rest, so keep what the halves
         share (``record.handoff``) for it; else the hand-off is freed.
         """
-        spec = self.spec
-        sig = spec.signature
-        rules = spec.rules
-        metas = record.metas
-        lens = record.lens
-        slots = None if lens is None else self.slots(lens)
-        phase = plan.phase
-        needed = plan.needed
-        observers = self.observers
-        nondiff = rules.nondifferentiable
-        bwd = rules.backward
-        if bwd is not None:
-            split = (
-                None if rules.auto is None else self._auto_split(record, rules, saved, grads, plan)
-            )
-            if split is not None:
-                handoff = NO_HANDOFF if record.handoff is NO_HANDOFF else handed_over(record, grads)
-                result, kept = split.run(
-                    saved, grads, needed, None if handoff is NO_HANDOFF else handoff, keep
-                )
-                record.handoff = NO_HANDOFF if kept is None else (grads, kept)
-                if observers:
-                    for o in observers:
-                        o(f"backward (traced {phase} part)", phase, plan.ctx, result)
-                return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, slots)
-            ctx = plan.ctx
-            result = _call_user(ctx, "full", bwd, saved, grads, _watch(saved, grads), nondiff)
-            for o in observers:
-                o("backward", phase, ctx, result)
-            return collect_grads(sig, "full", bwd, result, sig.tensor_set, needed, metas, slots)
-        watch = _watch(saved, grads)
-        need_in = plan.need_in
-        need_w = plan.need_w
-        shared = None
-        if rules.backward_shared is None:
-            ctx = plan.ctx
-        else:
-            shared = _Shared(record, saved, grads, watch, keep and bool(need_in) and not need_w)
-            ctx = BackwardContext(spec, phase, needed, shared)
-        grads_out: dict[str, Any] = {}
-        if need_in:
-            bwd_in = rules.backward_input
-            if bwd_in is None:
-                raise MissingRegistrationError(spec._missing_autograd_message())
-            result = _call_user(ctx, "input", bwd_in, saved, grads, watch, nondiff)
-            for o in observers:
-                o("backward_input", phase, ctx, result)
-            grads_out = collect_grads(
-                sig, "input", bwd_in, result, sig.input_set, need_in, metas, slots
-            )
-        if need_w:
-            bwd_w = rules.backward_weight
-            if bwd_w is None:
-                raise MissingRegistrationError(spec._missing_autograd_message())
-            result = _call_user(ctx, "weight", bwd_w, saved, grads, watch, nondiff)
-            for o in observers:
-                o("backward_weight", phase, ctx, result)
-            got = collect_grads(sig, "weight", bwd_w, result, sig.weight_set, need_w, metas, slots)
-            if grads_out:
-                grads_out.update(got)
-            else:
-                grads_out = got
-            if record.handoff is not NO_HANDOFF:  # the later pass ran: free what was kept for it
-                record.handoff = NO_HANDOFF
-        if shared is not None and shared.computed and observers:
-            for o in observers:
-                o("backward_shared", phase, ctx, shared.value)
-        return grads_out
+        run = self.runners(self.spec.rules).get(plan.key)
+        if run is None:
+            run = self.runner(plan)
+        return run(record, saved, grads, keep)
 
-    def _auto_split(
-        self,
-        record: NodeRecord,
-        rules: AutogradRules,
-        saved: Any,
-        grads: tuple[Any, ...],
-        plan: PassPlan,
-    ) -> Any:
-        """The node's automatic-split plan, or None to call the single backward as it is."""
-        auto = rules.auto
-        if auto is None or (torch.is_grad_enabled() and _graph_task_id() != -1):
-            # A create_graph backward (double backward): call the backward as written, so its
-            # gradients are differentiable exactly as the user wrote them.
-            return None
-        split = record.split
-        if split is None:
-            requires = plan.needed | plan.later_w | plan.later_in
-            spec = self.spec
+    def runners(self, rules: AutogradRules) -> dict[tuple[int, int], Runner]:
+        """The runners written for ``rules``, by plan key (a new set of registrations starts a
+        new table)."""
+        if rules is not self._runners_for:
+            self._runners = {}
+            self._runners_for = rules
+        return self._runners
 
-            def make_ctx(needed: frozenset[str]) -> BackwardContext:
-                return BackwardContext(spec, "full", needed)
-
-            split = auto.plan(make_ctx, saved, grads, requires)
-            record.split = split if split is not None else False
-        return split or None
+    def runner(self, plan: PassPlan) -> Runner:
+        """``plan``'s runner under the current registrations, written on first use."""
+        rules = self.spec.rules
+        runners = self.runners(rules)
+        run = runners.get(plan.key)
+        if run is None:
+            run = runners[plan.key] = write_runner(self.spec, rules, plan, self, self.slots)
+        return run
 
     def backward(self, node: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """The node's backward: compute what the pass needs, hand over what the route defers."""

@@ -21,8 +21,8 @@ split also go to the general path; ``CUSTOMGRAD_FASTPATH=0`` turns this module o
 
 One set of rules: what is generated is argument handling only (unpacking, the per-argument
 checks of the call, the edge loop and the placement of gradients). Which edges a pass needs
-(``needed_edge``), the pass plan (``AutogradImpl.plan``), what a pass computes, validates and
-hands to the later pass (``AutogradImpl.compute``, ``collect_grads``), the saved-value layout
+(``needed_edge``), the pass plan (``AutogradImpl.plan``) and the plan's runner, which computes,
+validates and hands to the later pass (:mod:`customgrad._pass`), the saved-value layout
 (``_save`` / ``_restore``) and observers are the general path's own, called from here.
 ``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
 """
@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from customgrad._autograd import _CustomGradNode, keeps_for_later, needed_edge
+from customgrad._autograd import _CustomGradNode, needed_edge
+from customgrad._pass import keeps_for_later
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
@@ -72,9 +73,6 @@ def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
         defaults.append(p.default)
     return tuple(reversed(defaults))
 
-
-_OBSERVED = {"full": "backward", "input": "backward_input", "weight": "backward_weight"}
-"""The label an observer gets for each registered function (as ``AutogradImpl.compute``)."""
 
 _MAX_LAYOUTS = 64
 """List lengths an op's fast path is written for; calls with other lengths decline."""
@@ -365,7 +363,7 @@ class _Writer:
     def _backward_source(self) -> str:
         """The node's backward: the edge loop and the gradient placement unrolled for this
         signature; what a pass computes, calls, validates and hands off is the general path's
-        (``needed_edge``, ``AutogradImpl.plan``, ``AutogradImpl.compute``)."""
+        (``needed_edge``, ``AutogradImpl.plan``, the plan's runner from :mod:`customgrad._pass`)."""
         sig = self.sig
         flat = self._flat()
         edges: list[str] = []
@@ -430,8 +428,10 @@ class _Writer:
             "    if not plan.needed:\n"
             "        return _NONES\n"
             "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-            "    got = _compute(record, plan, saved, grads,\n"
-            "                   plan.splits and _keeps_for_later(plan, None))\n"
+            "    run = _RUNNERS.get(plan.key)\n"
+            "    if run is None:\n"
+            "        run = _runner(plan)\n"
+            "    got = run(record, saved, grads, plan.splits and _keeps_for_later(plan, None))\n"
             + place
             + f"    return (None, None, {outs})\n"
         )
@@ -475,7 +475,8 @@ class _Writer:
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
-            "_compute": impl.compute,
+            "_RUNNERS": impl.runners(rules),
+            "_runner": impl.runner,
             "_needed": needed_edge,
             "_captured_now": impl.captures.captured_now,
             "_SWITCHES": SWITCHES,

@@ -19,7 +19,7 @@ from customgrad._rules import Half, OpSpec
 from customgrad._validate import HALF_NAMES
 
 if TYPE_CHECKING:
-    from customgrad._autograd import BackwardContext
+    from customgrad._pass import BackwardContext
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter

@@ -10,12 +10,23 @@ import torch
 from customgrad._errors import GradientTypeError, GradientValueError, where
 from customgrad._signature import ArgKind, Signature
 
-__all__ = ["HALF_NAMES", "Meta", "TensorMeta", "collect_grads", "describe"]
+__all__ = [
+    "HALF_NAMES",
+    "Meta",
+    "TensorMeta",
+    "check_source",
+    "collect_grads",
+    "describe",
+    "metas_by_name",
+    "write_check",
+]
 
 TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
 Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
 
 _Tensor = torch.Tensor
+_MISSING: Any = object()
+"""A key the registered function did not return (in :func:`check_source`'s lines)."""
 
 HALF_NAMES = {
     "full": "backward",
@@ -122,7 +133,9 @@ def collect_grads(
     flat_metas: Sequence[TensorMeta],
     slots: Mapping[str, tuple[int, int | None]] | None = None,
 ) -> dict[str, Any]:
-    """Validate ``result`` and return the gradients of the ``needed`` arguments.
+    """Validate ``result`` and return the gradients of the ``needed`` arguments: the complete
+    check, with the errors (a pass's runner checks a plain dict of valid gradients inline with
+    :func:`check_source`'s lines and hands anything else here).
 
     Args:
         sig: the op's signature.
@@ -141,58 +154,96 @@ def collect_grads(
         GradientTypeError: for a wrong kind of value.
         GradientValueError: for wrong keys, shapes, dtypes, devices or list lengths.
     """
-    index = sig.index
-    if type(result) is dict:
-        # The common case, checked inline: a plain dict of valid gradients. Anything else is
-        # checked below, which accepts exactly the same results and raises the errors.
-        out: dict[str, Any] = {}
-        for name, grad in result.items():
-            if name not in allowed:
-                break
-            if grad is not None:
-                if slots is None:
-                    meta: Any = flat_metas[index[name]]
-                else:
-                    start, n = slots[name]
-                    meta = flat_metas[start] if n is None else flat_metas[start : start + n]
-                if type(meta) is list:
-                    if not ((type(grad) is list or type(grad) is tuple) and len(grad) == len(meta)):
-                        break
-                    for g, m in zip(grad, meta):
-                        if g is not None and not (
-                            type(g) is _Tensor
-                            and m is not None
-                            and g.shape == m[0]
-                            and g.dtype is m[1]
-                            and g.device == m[2]
-                        ):
-                            break
-                    else:
-                        g = None
-                    if g is not None:  # an item failed the check
-                        break
-                elif not (
-                    type(grad) is _Tensor
-                    and meta is not None
-                    and grad.shape == meta[0]
-                    and grad.dtype is meta[1]
-                    and grad.device == meta[2]
-                ):
-                    break
-            if name in needed:
-                out[name] = grad
-        else:
-            if len(out) == len(needed):
-                return out
-    metas: dict[str, Meta]
+    return _collect(sig, half, fn, result, allowed, needed, metas_by_name(sig, flat_metas, slots))
+
+
+def metas_by_name(
+    sig: Signature,
+    flat_metas: Sequence[TensorMeta],
+    slots: Mapping[str, tuple[int, int | None]] | None,
+) -> dict[str, Meta]:
+    """Each argument's meta by name: a list of item metas for a ``list[Tensor]`` argument."""
     if slots is None:
-        metas = {name: flat_metas[i] for name, i in index.items()}
-    else:
-        metas = {
-            name: flat_metas[start] if n is None else list(flat_metas[start : start + n])
-            for name, (start, n) in slots.items()
-        }
-    return _collect(sig, half, fn, result, allowed, needed, metas)
+        return {name: flat_metas[i] for name, i in sig.index.items()}
+    return {
+        name: flat_metas[start] if n is None else list(flat_metas[start : start + n])
+        for name, (start, n) in slots.items()
+    }
+
+
+def check_source(
+    sig: Signature, half: str, fn: str, allowed: frozenset[str], needed: frozenset[str], out: str
+) -> list[str]:
+    """Python lines that validate ``r``, what the registered function named ``fn`` returned, and
+    set ``out`` to the needed gradients by name: the validation of one pass written out for one
+    (signature, half, needed arguments).
+
+    The lines read ``r``, ``metas`` (the node record's flat metas) and ``slots`` (the op's
+    :func:`customgrad._layout._slots` for the call's list lengths; None without list
+    arguments), and the names ``_T`` (``torch.Tensor``), ``_MISSING``, ``_SIG`` (``sig``),
+    ``_collect`` (:func:`collect_grads`), ``_ALLOWED_<out>`` and ``_NEEDED_<out>`` (``allowed``
+    and ``needed``). A plain dict of valid gradients is accepted inline; anything else goes to
+    :func:`collect_grads`, which accepts exactly the same results (and casts an autocast
+    gradient) and raises the errors.
+    """
+    lists = sig.has_lists
+    lines = [f"ok = type(r) is dict and r.keys() <= _ALLOWED_{out}"]
+    for name in sig.names:
+        if name not in allowed:
+            continue
+        i = sig.index[name]
+        g = f"g_{i}"
+        lines += ["if ok:", f"    {g} = r.get({name!r}, _MISSING)", f"    if {g} is _MISSING:"]
+        lines.append("        ok = False" if name in needed else f"        {g} = None")
+        lines.append(f"    elif {g} is not None:")
+        if sig.kinds[i] is ArgKind.TENSOR_LIST:
+            lines += [
+                f"        start, n = slots[{name!r}]",
+                f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == n",
+                "        if ok:",
+                f"            for gi, m in zip({g}, metas[start : start + n]):",
+                "                if gi is not None and not (type(gi) is _T and m is not None",
+                "                        and gi.shape == m[0] and gi.dtype is m[1] and gi.device == m[2]):",
+                "                    ok = False",
+                "                    break",
+            ]
+        else:
+            lines += [
+                f"        m = metas[{f'slots[{name!r}][0]' if lists else i}]",
+                f"        ok = (type({g}) is _T and m is not None and {g}.shape == m[0]",
+                f"              and {g}.dtype is m[1] and {g}.device == m[2])",
+            ]
+    kept = ", ".join(f"{n!r}: g_{sig.index[n]}" for n in sig.names if n in needed and n in allowed)
+    lines += [
+        "if ok:",
+        f"    {out} = {{{kept}}}",
+        "else:",
+        f"    {out} = _collect(_SIG, {half!r}, {fn}, r, _ALLOWED_{out}, _NEEDED_{out}, metas, "
+        f"{'slots' if lists else 'None'})",
+    ]
+    return lines
+
+
+def write_check(
+    sig: Signature, half: str, allowed: frozenset[str], needed: frozenset[str]
+) -> Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]:
+    """:func:`check_source` as a function ``check(fn, r, metas, slots) -> gradients`` (what a
+    pass's runner runs inline; for tests)."""
+    lines = check_source(sig, half, "fn", allowed, needed, "got")
+    source = "def check(fn, r, metas, slots):\n" + "".join(f"    {line}\n" for line in lines)
+    source += "    return got\n"
+    ns: dict[str, Any] = {
+        "_T": _Tensor,
+        "_MISSING": _MISSING,
+        "_SIG": sig,
+        "_collect": collect_grads,
+        "_ALLOWED_got": allowed,
+        "_NEEDED_got": needed,
+    }
+    exec(compile(source, f"<customgrad check of {sig.qualname}>", "exec"), ns)
+    check: Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]
+    check = ns["check"]
+    return check
 
 
 def _collect(

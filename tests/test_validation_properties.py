@@ -193,16 +193,19 @@ def test_random_dicts_raise_or_give_reference_gradients(
                 assert got is None or torch.count_nonzero(got) == 0
 
 
-GRADS = st.sampled_from(["ok", "none", "wrong_shape", "wrong_dtype", "not_tensor", "omit"])
+GRADS = st.sampled_from(
+    ["ok", "none", "wrong_shape", "wrong_dtype", "not_tensor", "omit", "list_length", "item_bad"]
+)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shapes=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3)), min_size=1, max_size=3),
     kinds=st.lists(GRADS, min_size=3, max_size=3),
     needed=st.lists(st.booleans(), min_size=3, max_size=3),
     extra_key=st.booleans(),
     half=st.sampled_from(["full", "input", "weight"]),
+    list_len=st.one_of(st.none(), st.integers(0, 2)),
 )
 def test_inline_check_and_full_check_agree(
     shapes: list[tuple[int, int]],
@@ -210,34 +213,55 @@ def test_inline_check_and_full_check_agree(
     needed: list[bool],
     extra_key: bool,
     half: str,
+    list_len: int | None,
 ) -> None:
-    """collect_grads checks a plain dict of valid gradients inline (the node's common case) and
-    hands anything else to the full check: both must accept the same dicts, and an invalid one
-    must raise the same error as the full check alone."""
+    """A pass's runner checks a plain dict of valid gradients inline (the node's common case,
+    ``check_source``'s lines) and hands anything else to the full check: both must accept the
+    same dicts, and an invalid one must raise the same error as the full check alone. The
+    first argument is a ``list[Tensor]`` of ``list_len`` items when that is not None."""
+    from customgrad._layout import _slots
     from customgrad._signature import Signature
-    from customgrad._validate import _collect, collect_grads
+    from customgrad._validate import collect_grads, write_check
 
     names = [f"t{i}" for i in range(len(shapes))]
-    params = ", ".join(f"{n}: torch.Tensor" for n in names)
+    kind_of = ["list[torch.Tensor]" if i == 0 and list_len is not None else "torch.Tensor"
+               for i in range(len(names))]  # fmt: skip
+    params = ", ".join(f"{n}: {k}" for n, k in zip(names, kind_of))
     scope: dict[str, Any] = {"torch": torch}
-    exec(f"def fn({params}) -> torch.Tensor:\n    return {names[0]}\n", scope)
+    exec(f"def fn({params}) -> torch.Tensor:\n    return torch.zeros(1)\n", scope)
     weights = tuple(names[1:])
     sig = Signature("prop::collect", str(torch.library.infer_schema(scope["fn"], mutates_args=())),
                     scope["fn"], weights)  # fmt: skip
     allowed = {"full": sig.tensor_set, "input": sig.input_set, "weight": sig.weight_set}[half]
-    metas = [(torch.Size(s), torch.float64, torch.device("cpu")) for s in shapes]
+
+    def meta(shape: tuple[int, int]) -> Any:
+        return (torch.Size(shape), torch.float64, torch.device("cpu"))
+
+    lens = None if list_len is None else (list_len,)
+    metas = [meta(s) for s in shapes]
+    if list_len is not None:
+        metas = [meta(shapes[0])] * list_len + metas[1:]
+    slots = None if lens is None else _slots(sig, lens)
     need = frozenset(n for n, k in zip(names, needed) if k and n in allowed)
     result: dict[str, Any] = {}
-    for name, shape, kind in zip(names, shapes, kinds):
+    for i, (name, shape, kind) in enumerate(zip(names, shapes, kinds)):
         if kind == "omit":
             continue
-        result[name] = {
-            "ok": torch.zeros(shape, dtype=torch.float64),
+        good = torch.zeros(shape, dtype=torch.float64)
+        bad = {
+            "ok": good,
             "none": None,
             "wrong_shape": torch.zeros((*shape, 1), dtype=torch.float64),
             "wrong_dtype": torch.zeros(shape, dtype=torch.float32),
             "not_tensor": 1.0,
+            "list_length": good,
+            "item_bad": torch.zeros((*shape, 1), dtype=torch.float64),
         }[kind]
+        if i == 0 and list_len is not None:
+            n = list_len + (1 if kind == "list_length" else 0)
+            result[name] = None if kind == "none" else [good] * max(0, n - 1) + [bad] * min(n, 1)
+        else:
+            result[name] = bad
     if extra_key:
         result["unknown"] = None
 
@@ -246,11 +270,16 @@ def test_inline_check_and_full_check_agree(
             got = run()
         except cg.CustomGradError as e:
             return type(e).__name__, str(e)
-        return "ok", {k: (None if v is None else v.shape) for k, v in got.items()}
+        return "ok", {
+            k: v if v is None or isinstance(v, torch.Tensor) else [t is None for t in v]
+            for k, v in got.items()
+        }
 
-    inline = outcome(lambda: collect_grads(sig, half, fn, result, allowed, need, metas, None))
-    full = outcome(lambda: _collect(sig, half, fn, result, allowed, need, dict(zip(names, metas))))
-    assert inline == full
+    inline = outcome(lambda: write_check(sig, half, allowed, need)(fn, result, metas, slots))
+    full = outcome(lambda: collect_grads(sig, half, fn, result, allowed, need, metas, slots))
+    assert inline[0] == full[0] and str(inline[1]) == str(full[1])
+    if inline[0] == "ok":
+        assert inline[1].keys() == full[1].keys() == need & result.keys()
 
 
 def fn(ctx: Any, saved: Any, grad: Any) -> dict[str, Any]:

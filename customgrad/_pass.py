@@ -1,0 +1,438 @@
+"""What one backward call of a customgrad node computes: its pass plan, and the plan's runner.
+
+A :class:`PassPlan` is decided once per (op, arguments that require grad, arguments the pass
+needs): the phase, which registered functions run, what is left for a later pass and whether
+this pass keeps what the halves share for it. Its runner (:func:`write_runner`) is that plan
+executed: a Python function written once per (registrations, plan) with every decision taken,
+which calls the registered functions, refuses in-place writes to the gradients and saved values,
+validates what they return (:func:`customgrad._validate.check_source`) and keeps or frees the
+hand-off. Every backward of a customgrad node runs a runner: the general path
+(``AutogradImpl.backward``, deferred weight work) and the fast path (:mod:`customgrad._fastpath`)
+alike, so these rules are written here once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
+
+import torch
+
+from customgrad._errors import GradientValueError, MissingRegistrationError
+from customgrad._record import NO_HANDOFF, NodeRecord
+from customgrad._rules import AutogradRules, OpSpec
+from customgrad._torch_internals import graph_kept, graph_task_id
+from customgrad._user_calls import _call_user, _raise_mutation, _Watch, _watched_values
+from customgrad._validate import _MISSING, HALF_NAMES, check_source, collect_grads
+
+__all__ = [
+    "BackwardContext",
+    "PassPlan",
+    "Phase",
+    "Runner",
+    "handed_over",
+    "keeps_for_later",
+    "pass_plan",
+    "write_runner",
+]
+
+Phase = Literal["full", "input", "weight"]
+
+Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
+"""``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
+
+``keep``: a later pass of this node will compute the rest, so keep what the halves share
+(``record.handoff``) for it; else the hand-off is freed."""
+
+_VERSION = itertools.repeat("_version")
+_NO_VERSION = itertools.repeat(None)
+
+
+# --------------------------------------------------------------------------------------------
+# What a backward function sees
+
+
+class _Shared:
+    """``ctx.shared`` of one backward call: computed at most once, kept for a later pass."""
+
+    __slots__ = ("computed", "grads", "keep", "record", "saved", "value", "watch")
+
+    def __init__(
+        self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], watch: _Watch, keep: bool
+    ):
+        self.record = record
+        self.saved = saved
+        self.grads = grads
+        self.watch = watch
+        self.keep = keep
+        self.value: Any = handed_over(record, grads)
+        self.computed = False  # by this call (not handed over from an earlier pass)
+
+    def get(self, ctx: BackwardContext) -> Any:
+        if self.value is NO_HANDOFF:
+            spec = self.record.op
+            fn = spec.rules.backward_shared
+            if fn is None:
+                raise MissingRegistrationError(
+                    f"{spec.name}: ctx.shared was read, but no shared work is registered. "
+                    f"Register the work both halves need:\n\n"
+                    f"    @{spec.name.split('::')[1]}.register_backward_shared\n"
+                    f"    def _(ctx, saved, grad):\n"
+                    f"        return grad @ saved.w_down      # read as ctx.shared\n"
+                )
+            nondiff = spec.rules.nondifferentiable
+            self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
+            self.computed = True
+            if self.keep:
+                self.record.handoff = (self.grads, self.value)
+        return self.value
+
+
+class BackwardContext:
+    """What a customgrad backward function is told about the running pass.
+
+    Attributes:
+        op: the :class:`~customgrad.CustomOp` whose backward runs.
+        phase: ``"input"`` when the pass needs only non-weight arguments' gradients,
+            ``"weight"`` when it needs only weights', ``"full"`` otherwise (every argument that
+            requires grad is needed, or some of each kind are).
+    """
+
+    __slots__ = ("_needed", "_op", "_phase", "_shared")
+
+    def __init__(
+        self,
+        op: Any,
+        phase: Phase,
+        needed: frozenset[str],
+        shared: _Shared | None = None,
+    ) -> None:
+        self._op = op
+        self._phase: Phase = phase
+        self._needed = needed
+        self._shared = shared
+
+    # Read-only: a context without shared work is made once per pass plan and reused by every
+    # backward call with that plan (:attr:`PassPlan.ctx`).
+    @property
+    def op(self) -> Any:
+        return self._op
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def needs_input_grad(self, name: str) -> bool:
+        """True if argument ``name`` requires grad and the engine will use its gradient now."""
+        if name in self._needed:
+            return True
+        if name not in self._op.signature.index:
+            raise GradientValueError(
+                f"{self._op.name}: ctx.needs_input_grad({name!r}): no such argument. "
+                f"Arguments: {', '.join(self._op.signature.names)}."
+            )
+        return False
+
+    @property
+    def shared(self) -> Any:
+        """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
+        split, kept for the later one and freed after it."""
+        if self._shared is None:
+            var = self.op.name.split("::")[1]
+            raise MissingRegistrationError(
+                f"{self.op.name}: ctx.shared was read, but the op registers no shared work. "
+                f"ctx.shared is what register_backward_shared computes for the halves of the "
+                f"input/weight pair; register the work both halves need:\n\n"
+                f"    @{var}.register_backward_shared\n"
+                f"    def _(ctx, saved, grad):\n"
+                f"        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
+                f"(A single register_backward computes such work itself: its automatic split "
+                f"runs it once and hands it from I to W.)"
+            )
+        return self._shared.get(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
+            f"needed={sorted(self._needed)})"
+        )
+
+
+def keeps_for_later(plan: PassPlan, target: Any) -> bool:
+    """Whether a pass keeps what a node's halves share for the node's later pass: when it
+    computes input gradients while weights that require grad are left for later, and that later
+    pass can come (the graph is retained, or a route defers the weight half to ``target``).
+    A non-retaining partial pass frees everything at once."""
+    return plan.splits and (target is not None or graph_kept())
+
+
+def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
+    """What the node's earlier pass kept for this one (:data:`NO_HANDOFF` when nothing).
+
+    A hand-off belongs to the pass that made it: it is read only by a pass with the same output
+    gradients (the same tensors), never by a pass of another loss through the same node.
+    """
+    handoff = record.handoff
+    if handoff is NO_HANDOFF:
+        return NO_HANDOFF
+    made_with, value = handoff
+    if made_with is grads or _same_tensors(
+        made_with, grads, record.op.signature.output_differentiability
+    ):
+        return value
+    return NO_HANDOFF
+
+
+def _same_tensors(
+    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
+) -> bool:
+    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
+
+    The gradients of non-differentiable outputs are not compared: autograd materializes a new
+    tensor of zeros for them in each pass.
+    """
+    if len(a) != len(b):
+        return False
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x is y or (differentiable is not None and not differentiable[i]):
+            continue
+        if not (
+            isinstance(x, list)
+            and isinstance(y, list)
+            and len(x) == len(y)
+            and all(p is q for p, q in zip(x, y))
+        ):
+            return False
+    return True
+
+
+class PassPlan(NamedTuple):
+    """What one backward call of a node computes, from which arguments require grad and which
+    the pass needs (argument names)."""
+
+    phase: Phase
+    needed: frozenset[str]
+    need_in: frozenset[str]
+    need_w: frozenset[str]
+    later_w: frozenset[str]
+    """Weights that require grad but that this pass does not compute (a later pass will, or a
+    route takes them)."""
+    later_in: frozenset[str]
+    """Non-weight arguments that require grad but that this pass does not compute."""
+    splits: bool
+    """Whether the pass computes input gradients while weights that require grad are left for
+    a later pass (the earlier pass of a split)."""
+    ctx: BackwardContext
+    """The backward functions' context for this plan when the op registers no shared work
+    (a context is read-only then, so every call with this plan shares one)."""
+    key: tuple[int, int]
+    """(arguments that require grad, arguments needed) as bit masks (bit ``i``: argument
+    ``i``): the plan's key among its op's plans and runners."""
+
+
+def pass_plan(
+    spec: OpSpec, requires: frozenset[str], needed: frozenset[str], key: tuple[int, int]
+) -> PassPlan:
+    """The plan for a call where ``requires`` require grad and the pass needs ``needed``
+    (``key``: the same as argument bit masks)."""
+    sig = spec.signature
+    need_w = needed & sig.weight_set
+    need_in = needed - sig.weight_set
+    if needed >= requires or (need_w and need_in):
+        phase: Phase = "full"
+    else:
+        phase = "weight" if need_w else "input"
+    later = requires - needed
+    later_w = later & sig.weight_set
+    splits = bool(later_w) and bool(need_in)
+    later_in = later - sig.weight_set
+    ctx = BackwardContext(spec, phase, needed)
+    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx, key)
+
+
+def auto_split(
+    spec: OpSpec, record: NodeRecord, rules: AutogradRules, saved: Any, grads: Any, plan: PassPlan
+) -> Any:
+    """The node's automatic-split plan, or None to call the single backward as it is."""
+    auto = rules.auto
+    if auto is None or (torch.is_grad_enabled() and graph_task_id() != -1):
+        # A create_graph backward (double backward): call the backward as written, so its
+        # gradients are differentiable exactly as the user wrote them.
+        return None
+    split = record.split
+    if split is None:
+        requires = plan.needed | plan.later_w | plan.later_in
+
+        def make_ctx(needed: frozenset[str]) -> BackwardContext:
+            return BackwardContext(spec, "full", needed)
+
+        split = auto.plan(make_ctx, saved, grads, requires)
+        record.split = split if split is not None else False
+    return split or None
+
+
+# --------------------------------------------------------------------------------------------
+# The runner of a plan
+
+
+def write_runner(
+    spec: OpSpec,
+    rules: AutogradRules,
+    plan: PassPlan,
+    observed: Any,
+    slots_of: Callable[[Any], Any],
+) -> Runner:
+    """The runner of ``plan`` under ``rules`` (see :data:`Runner`).
+
+    Args:
+        spec: the op.
+        rules: its registrations (a runner is written for one set; new ones get new runners).
+        plan: the pass plan.
+        observed: what holds the observers to call after each registered function runs, as
+            its ``observers`` attribute (the op's ``AutogradImpl``; read on every call).
+        slots_of: list lengths -> the op's slots (``AutogradImpl.slots``; for list arguments).
+    """
+    sig = spec.signature
+    nondiff = rules.nondifferentiable
+    phase = plan.phase
+    lines: list[str] = ["metas = record.metas"]
+    if sig.has_lists:
+        lines.append("slots = _slots_of(record.lens)")
+    ns: dict[str, Any] = {
+        "_SPEC": spec,
+        "_SIG": sig,
+        "_RULES": rules,
+        "_PLAN": plan,
+        "_CTX": plan.ctx,
+        "_PHASE": phase,
+        "_NEEDED": plan.needed,
+        "_NONDIFF": nondiff,
+        "_T": torch.Tensor,
+        "_MISSING": _MISSING,
+        "_NO_HANDOFF": NO_HANDOFF,
+        "_map": map,
+        "_getattr": getattr,
+        "_VERSION": _VERSION,
+        "_NO_VERSION": _NO_VERSION,
+        "_watched_values": _watched_values,
+        "_raise_mutation": _raise_mutation,
+        "_call_user": _call_user,
+        "_collect": collect_grads,
+        "_OBSERVED": observed,
+        "_slots_of": slots_of,
+        "_auto_split": auto_split,
+        "_handed_over": handed_over,
+        "_Shared": _Shared,
+        "_BackwardContext": BackwardContext,
+        "_missing": spec._missing_autograd_message,
+        "_Missing": MissingRegistrationError,
+    }
+    watch = [
+        "values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)",
+        "before = [*_map(_getattr, values, _VERSION, _NO_VERSION)]",
+    ]
+
+    def call(half: str, fn: Callable[..., Any] | None) -> list[str]:
+        """Call one registered function (refusing in-place writes), then its observers."""
+        if fn is None:  # registrations without it: the op's own message
+            return ["raise _Missing(_missing())"]
+        var = f"_FN_{half}"
+        ns[var] = fn
+        if half in nondiff:
+            out = [
+                f"r = _call_user(ctx, {half!r}, {var}, saved, grads, (values, before, len(grads)), "
+                f"_NONDIFF)"
+            ]
+        else:
+            out = [
+                f"r = {var}(ctx, saved, *grads)",
+                "if [*_map(_getattr, values, _VERSION, _NO_VERSION)] != before:",
+                f"    _raise_mutation(_SPEC, {half!r}, {var}, values, before, len(grads))",
+            ]
+        return out + _observe(HALF_NAMES[half], "r")
+
+    def check(
+        half: str,
+        fn: Callable[..., Any] | None,
+        allowed: frozenset[str],
+        need: frozenset[str],
+        out: str,
+    ) -> list[str]:
+        ns[f"_ALLOWED_{out}"] = allowed
+        ns[f"_NEEDED_{out}"] = need
+        return check_source(sig, half, f"_FN_{half}", allowed, need, out)
+
+    if rules.backward is not None:
+        bwd = rules.backward
+        ns["_FN_full"] = bwd
+        if rules.auto is not None:
+            # The automatic split: the traced part for this pass, with the hand-off it reads
+            # and keeps; the backward as written when the split declines.
+            lines += [
+                "split = _auto_split(_SPEC, record, _RULES, saved, grads, _PLAN)",
+                "if split is not None:",
+                *_indent(
+                    [
+                        "handoff = record.handoff",
+                        "if handoff is not _NO_HANDOFF:",
+                        "    handoff = _handed_over(record, grads)",
+                        "r, kept = split.run(saved, grads, _NEEDED, "
+                        "None if handoff is _NO_HANDOFF else handoff, keep)",
+                        "record.handoff = _NO_HANDOFF if kept is None else (grads, kept)",
+                        "ctx = _CTX",
+                        *_observe(f"backward (traced {phase} part)", "r"),
+                        *check("full", bwd, sig.tensor_set, plan.needed, "got"),
+                        "return got",
+                    ]
+                ),
+            ]
+        lines += ["ctx = _CTX", *watch, *call("full", bwd)]
+        lines += check("full", bwd, sig.tensor_set, plan.needed, "got")
+        lines.append("return got")
+    else:
+        lines += watch
+        shared = rules.backward_shared is not None
+        if shared:
+            keep_now = bool(plan.need_in) and not plan.need_w
+            lines += [
+                f"shared = _Shared(record, saved, grads, (values, before, len(grads)), "
+                f"keep and {keep_now})",
+                "ctx = _BackwardContext(_SPEC, _PHASE, _NEEDED, shared)",
+            ]
+        else:
+            lines.append("ctx = _CTX")
+        outs = []
+        if plan.need_in:
+            lines += call("input", rules.backward_input)
+            lines += check("input", rules.backward_input, sig.input_set, plan.need_in, "got_in")
+            outs.append("got_in")
+        if plan.need_w:
+            lines += call("weight", rules.backward_weight)
+            lines += check("weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w")
+            # the later pass ran: free what was kept for it
+            lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
+            outs.append("got_w")
+        if shared:
+            lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
+        if len(outs) == 2:
+            lines += ["got_in.update(got_w)", "return got_in"]
+        else:
+            lines.append(f"return {outs[0] if outs else '{}'}")
+    source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
+    exec(
+        compile(source, f"<customgrad pass of {spec.name}: {phase} {sorted(plan.needed)}>", "exec"),
+        ns,
+    )
+    run: Runner = ns["run"]
+    run.__customgrad_source__ = source  # type: ignore[attr-defined]
+    return run
+
+
+def _observe(label: str, value: str) -> list[str]:
+    """Lines that call the observers (read on each call) after a registered function ran."""
+    return ["for o in _OBSERVED.observers:", f"    o({label!r}, _PHASE, ctx, {value})"]
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["    " + x for x in lines]

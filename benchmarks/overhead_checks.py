@@ -4,17 +4,18 @@ Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the backward that
 ``customgrad/_fastpath.py`` generates for its signature, which calls the general path's engine
-query (``needed_edge``), plan and ``AutogradImpl.compute``. This script swaps one function the
-core calls for a variant without the check, one check at a time, and times forward +
-``out.backward(g)`` of each variant against a plain ``torch.autograd.Function``, all in the same
-rounds (CPU time, 1 thread, minimum over rounds):
+query (``needed_edge``), plan and the plan's runner (``customgrad/_pass.py``). This script swaps
+one function the core calls (or that writes a runner's lines) for a variant without the check,
+one check at a time, rewrites the runners, and times forward + ``out.backward(g)`` of each
+variant against a plain ``torch.autograd.Function``, all in the same rounds (CPU time, 1 thread,
+minimum over rounds):
 
-- ``no in-place watch``: ``customgrad._autograd._watch`` and ``_call_user`` (the names
-  ``compute`` looks up) without reading the version counters of the output gradients and saved
-  values before and after each user backward (in-place writes to them go unnoticed);
-- ``no gradient validation``: ``customgrad._autograd.collect_grads`` takes the needed
-  gradients from the returned dict without checking its keys or each gradient's type, shape,
-  dtype and device;
+- ``no in-place watch``: ``customgrad._pass.watch_lines`` and ``call_lines`` write runners
+  that call the registered functions without reading the version counters of the output
+  gradients and saved values before and after each (in-place writes to them go unnoticed);
+- ``no gradient validation``: the runner's ``check_source`` lines take the needed gradients
+  from the returned dict without checking its keys or each gradient's type, shape, dtype and
+  device;
 - ``no engine query``: the generated backward's ``_needed`` (``needed_edge``) answers "needed"
   for every edge autograd marks as requiring grad, and ``_captured_now`` reads no frame, so every
   required gradient is computed, as a plain ``autograd.Function`` does (the query is what makes
@@ -36,10 +37,10 @@ from typing import Any
 import torch
 
 import customgrad as cg
-import customgrad._autograd as core
+import customgrad._pass as runners
 from benchmarks import overhead  # the op and the anchor, defined once
-
-_NO_WATCH: tuple[tuple[Any, ...], list[Any], int] = ((), [], 0)
+from customgrad._op import registered_ops
+from customgrad._pass import call_lines
 
 
 def _fail(msg: str) -> SystemExit:
@@ -48,41 +49,37 @@ def _fail(msg: str) -> SystemExit:
 
 @contextlib.contextmanager
 def _swapped(scope: MutableMapping[str, Any], where: str, **new: Any) -> Iterator[None]:
-    """Within the block, ``scope[name]`` is ``new[name]``; restored after, whatever happens."""
+    """Within the block, ``scope[name]`` is ``new[name]``; restored after, whatever happens.
+    Every op's runners are written again on entry and on exit (they bake in what was swapped)."""
     missing = [name for name in new if name not in scope]
     if missing:
         raise _fail(f"{where} no longer has {', '.join(missing)}")
     old = {name: scope[name] for name in new}
     try:
         scope.update(new)
+        _forget_runners()
         yield
     finally:
         scope.update(old)
+        _forget_runners()
+
+
+def _forget_runners() -> None:
+    for op in registered_ops():
+        op._impl._runners.clear()  # the same table the fast path reads
 
 
 def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]:
     """Variant name -> a context manager factory that takes one check out."""
-    module = vars(core)
-    call_user: Any = module.get("_call_user")
+    module = vars(runners)
 
-    def unwatched_call(
-        ctx: Any, half: Any, fn: Any, saved: Any, grads: Any, watch: Any, nondiff: Any
-    ) -> Any:
-        if nondiff:  # not on the fast path (it declines such ops): the core's own handling
-            return call_user(ctx, half, fn, saved, grads, watch, nondiff)
-        return fn(ctx, saved, *grads)
+    def unwatched_call(half: str, fn: str, nondifferentiable: bool) -> list[str]:
+        if nondifferentiable:  # not on the timed op: the core's own handling
+            return list(call_lines(half, fn, nondifferentiable))
+        return [f"r = {fn}(ctx, saved, *grads)"]
 
-    def unchecked(
-        sig: Any,
-        half: Any,
-        fn: Any,
-        result: Any,
-        allowed: Any,
-        needed: Any,
-        metas: Any,
-        slots: Any = None,
-    ) -> dict[str, Any]:
-        return {name: g for name, g in result.items() if name in needed}
+    def unchecked(sig: Any, half: str, fn: str, allowed: Any, needed: Any, out: str) -> list[str]:
+        return [f"{out} = {{n: g for n, g in r.items() if n in _NEEDED_{out}}}"]
 
     def every_edge(fn: Any, captured: Any) -> bool:
         return True
@@ -90,13 +87,13 @@ def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]
     def no_frame(above: int = 1) -> frozenset[int]:
         return frozenset()
 
-    where = "customgrad._autograd"
+    where = "customgrad._pass"
     return {
         "all checks": contextlib.nullcontext,
         "no in-place watch": lambda: _swapped(
-            module, where, _watch=lambda saved, grads: _NO_WATCH, _call_user=unwatched_call
+            module, where, watch_lines=lambda: [], call_lines=unwatched_call
         ),
-        "no gradient validation": lambda: _swapped(module, where, collect_grads=unchecked),
+        "no gradient validation": lambda: _swapped(module, where, check_source=unchecked),
         "no engine query": lambda: _swapped(
             fast_ns, "the generated backward", _needed=every_edge, _captured_now=no_frame
         ),

@@ -190,6 +190,32 @@ def build(
     return dispatch
 
 
+_RUNTIME: dict[str, Any] = {
+    "_T": torch.Tensor,
+    "_P": torch.nn.Parameter,
+    "_DECLINED": DECLINED,
+    "_EMPTY": _EMPTY,
+    "_grad_enabled": torch.is_grad_enabled,
+    "_fwad": _fwad,
+    "_prof": torch.autograd.profiler,
+    "_dispatch_len": torch._C._len_torch_dispatch_stack,
+    "_tf_mode": torch._C._is_torch_function_mode_enabled,
+    "_functorch": torch._C._are_functorch_transforms_active,
+    "_compiling": torch.compiler.is_compiling,
+    "_alias": _alias_check,
+    "_Record": NodeRecord,
+    "_tag": current_tag,
+    "_keep": _save,
+    "_restore": _restore,
+    "_SAVED_TENSORS": _SAVED_TENSORS,
+    "_TENSOR_OR_NONE": _TENSOR_OR_NONE,
+    "_needed": needed_edge,
+    "_SWITCHES": SWITCHES,
+    "_keeps_for_later": keeps_for_later,
+}
+"""What every fast path reads that is the same for every op (each gets its own copy)."""
+
+
 def _decline(args: tuple[Any, ...]) -> Any:
     return DECLINED
 
@@ -441,18 +467,7 @@ class _Writer:
         spec = impl.spec
         n_inputs = len(self._flat())
         ns: dict[str, Any] = {
-            "_T": torch.Tensor,
-            "_P": torch.nn.Parameter,
-            "_DECLINED": DECLINED,
-            "_EMPTY": _EMPTY,
-            "_grad_enabled": torch.is_grad_enabled,
-            "_fwad": _fwad,
-            "_prof": torch.autograd.profiler,
-            "_dispatch_len": torch._C._len_torch_dispatch_stack,
-            "_tf_mode": torch._C._is_torch_function_mode_enabled,
-            "_functorch": torch._C._are_functorch_transforms_active,
-            "_compiling": torch.compiler.is_compiling,
-            "_alias": _alias_check,
+            **_RUNTIME,
             "_checked_output": self.checked_output,
             "_IMPLS": self.foreign[0],
             "_FOREIGN": self.foreign[1],
@@ -466,21 +481,12 @@ class _Writer:
             "_SAVE": rules.save,
             "_Inputs": sig.inputs_type,
             "_new": tuple.__new__,
-            "_Record": NodeRecord,
-            "_tag": current_tag,
-            "_keep": _save,
-            "_restore": _restore,
-            "_SAVED_TENSORS": _SAVED_TENSORS,
-            "_TENSOR_OR_NONE": _TENSOR_OR_NONE,
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
             "_RUNNERS": impl.runners(rules),
             "_runner": impl.runner,
-            "_needed": needed_edge,
             "_captured_now": impl.captures.captured_now,
-            "_SWITCHES": SWITCHES,
-            "_keeps_for_later": keeps_for_later,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
         }

@@ -328,10 +328,7 @@ def write_runner(
         "_missing": spec._missing_autograd_message,
         "_Missing": MissingRegistrationError,
     }
-    watch = [
-        "values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)",
-        "before = [*_map(_getattr, values, _VERSION, _NO_VERSION)]",
-    ]
+    watch = watch_lines()
 
     def call(half: str, fn: Callable[..., Any] | None) -> list[str]:
         """Call one registered function (refusing in-place writes), then its observers."""
@@ -339,26 +336,9 @@ def write_runner(
             return ["raise _Missing(_missing())"]
         var = f"_FN_{half}"
         ns[var] = fn
-        if half in nondiff:
-            out = [
-                f"r = _call_user(ctx, {half!r}, {var}, saved, grads, (values, before, len(grads)), "
-                f"_NONDIFF)"
-            ]
-        else:
-            out = [
-                f"r = {var}(ctx, saved, *grads)",
-                "if [*_map(_getattr, values, _VERSION, _NO_VERSION)] != before:",
-                f"    _raise_mutation(_SPEC, {half!r}, {var}, values, before, len(grads))",
-            ]
-        return out + _observe(HALF_NAMES[half], "r")
+        return call_lines(half, var, half in nondiff) + _observe(HALF_NAMES[half], "r")
 
-    def check(
-        half: str,
-        fn: Callable[..., Any] | None,
-        allowed: frozenset[str],
-        need: frozenset[str],
-        out: str,
-    ) -> list[str]:
+    def check(half: str, allowed: frozenset[str], need: frozenset[str], out: str) -> list[str]:
         ns[f"_ALLOWED_{out}"] = allowed
         ns[f"_NEEDED_{out}"] = need
         return check_source(sig, half, f"_FN_{half}", allowed, need, out)
@@ -382,13 +362,13 @@ def write_runner(
                         "record.handoff = _NO_HANDOFF if kept is None else (grads, kept)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
-                        *check("full", bwd, sig.tensor_set, plan.needed, "got"),
+                        *check("full", sig.tensor_set, plan.needed, "got"),
                         "return got",
                     ]
                 ),
             ]
         lines += ["ctx = _CTX", *watch, *call("full", bwd)]
-        lines += check("full", bwd, sig.tensor_set, plan.needed, "got")
+        lines += check("full", sig.tensor_set, plan.needed, "got")
         lines.append("return got")
     else:
         lines += watch
@@ -405,11 +385,11 @@ def write_runner(
         outs = []
         if plan.need_in:
             lines += call("input", rules.backward_input)
-            lines += check("input", rules.backward_input, sig.input_set, plan.need_in, "got_in")
+            lines += check("input", sig.input_set, plan.need_in, "got_in")
             outs.append("got_in")
         if plan.need_w:
             lines += call("weight", rules.backward_weight)
-            lines += check("weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w")
+            lines += check("weight", sig.weight_set, plan.need_w, "got_w")
             # the later pass ran: free what was kept for it
             lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
             outs.append("got_w")
@@ -427,6 +407,31 @@ def write_runner(
     run: Runner = ns["run"]
     run.__customgrad_source__ = source  # type: ignore[attr-defined]
     return run
+
+
+def watch_lines() -> list[str]:
+    """Lines that read the version counters of the output gradients and the saved values before
+    the registered functions run (``values``, ``before``)."""
+    return [
+        "values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)",
+        "before = [*_map(_getattr, values, _VERSION, _NO_VERSION)]",
+    ]
+
+
+def call_lines(half: str, fn: str, nondifferentiable: bool) -> list[str]:
+    """Lines that call the registered function named ``fn`` (into ``r``) and refuse an in-place
+    write to what :func:`watch_lines` watched; a ``differentiable=False`` one runs without grad
+    (:func:`customgrad._user_calls._call_user`)."""
+    if nondifferentiable:
+        return [
+            f"r = _call_user(ctx, {half!r}, {fn}, saved, grads, (values, before, len(grads)), "
+            f"_NONDIFF)"
+        ]
+    return [
+        f"r = {fn}(ctx, saved, *grads)",
+        "if [*_map(_getattr, values, _VERSION, _NO_VERSION)] != before:",
+        f"    _raise_mutation(_SPEC, {half!r}, {fn}, values, before, len(grads))",
+    ]
 
 
 def _observe(label: str, value: str) -> list[str]:

@@ -49,7 +49,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from customgrad._errors import CustomGradError, where
 from customgrad._flops import formula_of
-from customgrad._guards import CONSTANTS, Unguarded, ambient, package_of, reads, reads_nothing
+from customgrad._guards import (
+    CONSTANTS,
+    ReadGuard,
+    Unguarded,
+    ambient,
+    package_of,
+    reads_nothing,
+)
 from customgrad._rules import OpSpec
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
@@ -229,8 +236,8 @@ class AutoSplitter:
         self._cache: dict[Any, TracedSplit | Fallback] = {}
         self._logged = False
         self._mutates: Fallback | None = None
-        self._own = package_of(fn)
         self._no_reads = reads_nothing(fn)
+        self._read_guard = ReadGuard(fn, package_of(fn))
 
     def plan(
         self,
@@ -299,7 +306,7 @@ class AutoSplitter:
             and fn.__kwdefaults__ is None
         ):
             return ()
-        return reads(fn, self._own)
+        return self._read_guard.key()
 
     def _trace(
         self,

@@ -35,7 +35,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAX_ITEMS", "Unguarded", "ambient", "package_of", "reads", "reads_nothing"]
+__all__ = [
+    "MAX_ITEMS",
+    "ReadGuard",
+    "Unguarded",
+    "ambient",
+    "package_of",
+    "reads",
+    "reads_nothing",
+]
 
 MAX_ITEMS = 64
 """The most items a container read by a backward may hold to be compared by value."""
@@ -189,6 +197,12 @@ class _Walk:
         self.key: list[Any] = []
         self.seen: set[int] = set()
         self.own = own  # the backward's own package: walked even where it is installed
+        # Where each value was read and what was there (see ReadGuard); ``stable``: every value
+        # in the key is fixed by the identity of the objects read (nothing mutable by value).
+        self.found: list[tuple[Any, str, Any]] = []
+        self.functions: list[tuple[Any, Any, Any, Any, Any]] = []
+        self.cells: list[tuple[Any, Any]] = []
+        self.stable = True
 
     def trusted(self, module_name: Any) -> bool:
         if not _trusted(module_name):
@@ -208,6 +222,7 @@ class _Walk:
             self.value(fn.__self__, where, frozenset())
             return
         if kind is functools.partial:
+            self.stable = False  # its arguments can be replaced (__setstate__)
             self.function(fn.func, where)
             for a in (*fn.args, *fn.keywords.values()):
                 self.value(a, where, frozenset())
@@ -222,6 +237,8 @@ class _Walk:
             ):
                 return  # a builtin, a class, an op: code
             raise Unguarded(f"a {kind.__qualname__} object", where)  # a callable object
+        self.functions.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__, fn.__module__))
+        self.found.append((fn.__dict__, "__wrapped__", fn.__dict__.get("__wrapped__", _UNBOUND)))
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is not None:
             self.function(wrapped, where)
@@ -235,18 +252,24 @@ class _Walk:
             builtins = builtins.__dict__
         name = fn.__qualname__
         key = self.key
+        found = self.found
         for g in globals_:
             if g in scope:
+                found.append((scope, g, scope[g]))
                 self.value(scope[g], ("the global", g, name), attrs)
-            elif g not in builtins:
-                key.append(g)  # unbound now: defining it later must trace again
+            else:
+                found.append((scope, g, _UNBOUND))
+                if g not in builtins:
+                    key.append(g)  # unbound now: defining it later must trace again
         if fn.__closure__:
             for var, cell in zip(code.co_freevars, fn.__closure__):
                 try:
                     content = cell.cell_contents
                 except ValueError:
+                    self.cells.append((cell, _UNBOUND))
                     key.append(var)
                     continue
+                self.cells.append((cell, content))
                 self.value(content, ("the closure variable", var, name), attrs)
         for d in fn.__defaults__ or ():
             self.value(d, ("a default argument", "", name), attrs)
@@ -276,6 +299,8 @@ class _Walk:
         ):
             if depth > 8 or len(v) > MAX_ITEMS:
                 raise Unguarded(f"a {kind.__name__} of {len(v)} items (or nested deeper)", where)
+            if kind in (list, dict, set):
+                self.stable = False  # compared by value: read again at every call
             key.append((kind, len(v)))
             if kind is dict:
                 for k, item in v.items():
@@ -289,10 +314,12 @@ class _Walk:
                 raise Unguarded(f"a {kind.__qualname__} (a tensor subclass)", where)
             # A trace keeps the tensor itself (and so its identity for as long as it lives) and
             # sees its values as they are when it runs.
+            self.stable = False  # its metadata can change in place
             key.append((id(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad))
         elif isinstance(v, enum.Enum):
             key.append((kind, v.name))
         elif dataclasses.is_dataclass(v):  # a config object: its fields, by value
+            self.stable = False
             key.append(kind)
             for field in dataclasses.fields(v):
                 self.value(getattr(v, field.name), (*where, field.name), attrs, depth + 1)
@@ -311,9 +338,11 @@ class _Walk:
         """Guard what the code may read from a user module or class: the attributes it names."""
         if depth > 8:
             raise Unguarded(f"{v!r} (nested too deep)", where)
-        found = v.__dict__
-        for a in sorted(attrs & found.keys()):
-            self.value(found[a], (*where, a), attrs, depth + 1)
+        namespace = v.__dict__
+        for a in sorted(attrs):
+            self.found.append((namespace, a, namespace.get(a, _UNBOUND)))
+            if a in namespace:
+                self.value(namespace[a], (*where, a), attrs, depth + 1)
 
 
 def package_of(fn: Any) -> str:
@@ -339,6 +368,73 @@ def reads_nothing(fn: Any) -> types.CodeType | None:
     return code
 
 
+_UNBOUND: Any = object()
+
+
+class ReadGuard:
+    """:func:`reads` of one function, walked again only when something it read was rebound.
+
+    A walk records where it read each value (a global, a closure cell, a function's code,
+    defaults and module, a user module's or class's attribute) and the object it found there.
+    When the key holds nothing compared by value that can change in place (no list, dict, set,
+    dataclass or tensor), it is fixed by those objects' identity: a later call checks that each
+    place still holds the same object and walks again only if one does not. Otherwise every call
+    walks.
+    """
+
+    __slots__ = ("_fn", "_last", "_own")
+
+    def __init__(self, fn: Any, own: str = "") -> None:
+        self._fn = fn
+        self._own = own
+        self._last: Any = None  # (found, functions, cells, key) of the last stable walk
+
+    def key(self) -> Any:
+        """``reads(fn, own)``.
+
+        Raises:
+            Unguarded: it reads an object whose state a trace would freeze.
+        """
+        last = self._last
+        if last is not None:
+            found, functions, cells, key = last
+            for namespace, name, obj in found:
+                if namespace.get(name, _UNBOUND) is not obj:
+                    break
+            else:
+                for f, code, defaults, kwdefaults, module in functions:
+                    if (
+                        f.__code__ is not code
+                        or f.__defaults__ is not defaults
+                        or f.__kwdefaults__ is not kwdefaults
+                        or f.__module__ is not module
+                    ):
+                        break
+                else:
+                    for cell, obj in cells:
+                        try:
+                            if cell.cell_contents is not obj:
+                                break
+                        except ValueError:
+                            if obj is not _UNBOUND:
+                                break
+                    else:
+                        return key
+        walk = _walk(self._fn, self._own)
+        key = tuple(walk.key)
+        self._last = (walk.found, walk.functions, walk.cells, key) if walk.stable else None
+        return key
+
+
+def _walk(fn: Any, own: str) -> _Walk:
+    walk = _Walk(own)
+    try:
+        walk.function(fn, ("the backward", "", ""))
+    except RuntimeError as e:  # a dict or list changed size while it was read (another thread)
+        raise Unguarded(f"state that changed while it was read ({e})", ("", "", "")) from None
+    return walk
+
+
 def reads(fn: Any, own: str = "") -> Any:
     """A hashable key of everything ``fn`` reads from Python state (closures, defaults, globals,
     recursively through the user's functions it calls). ``own``: its package
@@ -347,9 +443,4 @@ def reads(fn: Any, own: str = "") -> Any:
     Raises:
         Unguarded: it reads an object whose state a trace would freeze.
     """
-    walk = _Walk(own)
-    try:
-        walk.function(fn, ("the backward", "", ""))
-    except RuntimeError as e:  # a dict or list changed size while it was read (another thread)
-        raise Unguarded(f"state that changed while it was read ({e})", ("", "", "")) from None
-    return tuple(walk.key)
+    return tuple(_walk(fn, own).key)

@@ -327,9 +327,7 @@ class WeightGradQueue:
         roots: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for item in work:
-            edges, grads = item.gradients(self.streams, self.sync_streams, key)
-            roots.extend(edges)
-            values.extend(grads)
+            item.collect(self.streams, self.sync_streams, key, roots, values)
         self._ledger.ran(key)
         if roots:
             send_gradients(roots, values)

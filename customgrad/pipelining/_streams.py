@@ -69,11 +69,18 @@ class QueuedWork:
         self.stream = stream
         self.event = None if stream is None else stream.record_event()
 
-    def gradients(
-        self, streams: StreamPolicy, sync_streams: bool, key: tuple[int, int]
-    ) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        """Compute the work's weight gradients, on the stream it was queued on: ``(edges,
-        gradients)`` to send through the engine. ``key`` names the microbatch in errors.
+    def collect(
+        self,
+        streams: StreamPolicy,
+        sync_streams: bool,
+        key: tuple[int, int],
+        roots: list[GradientEdge],
+        values: list[torch.Tensor],
+    ) -> None:
+        """Compute the work's weight gradients on the stream it was queued on, and append them
+        to ``values`` and their edges to ``roots``, keeping no other reference to them (so that
+        a leaf's gradient becomes its ``.grad`` without a copy). ``key`` names the microbatch in
+        errors.
 
         Raises:
             StreamSyncError: without ``sync_streams``, the current stream is another one and the
@@ -82,17 +89,19 @@ class QueuedWork:
         queued = self.stream
         current = None if queued is None else streams.current(queued.device)
         if queued is None or current == queued:
-            return self.work.gradients()  # type: ignore[no-any-return]
-        if not sync_streams:
+            edges, grads = self.work.gradients()
+        elif not sync_streams:
             if self.event is not None and not self.event.query():
                 raise StreamSyncError(
                     MSG_STREAM.format(stage=key[0], mb=key[1], queued=queued, current=current)
                 )
-            return self.work.gradients()  # type: ignore[no-any-return]
-        if current is not None:
-            queued.wait_stream(current)
-        with streams.use(queued):
             edges, grads = self.work.gradients()
-        if current is not None:
-            current.wait_stream(queued)
-        return edges, grads
+        else:
+            if current is not None:
+                queued.wait_stream(current)
+            with streams.use(queued):
+                edges, grads = self.work.gradients()
+            if current is not None:
+                current.wait_stream(queued)
+        roots.extend(edges)
+        values.extend(grads)

@@ -1,9 +1,13 @@
-"""An op's kernels: the table by device type, and which kernel the dispatcher would run.
+"""An op's kernels: the table by device type and the fake kernel, which kernel a direct call
+runs, and the check of what a kernel returns.
 
 customgrad registers one backend kernel per op (``CompositeExplicitAutograd``), which picks
 the op's kernel from :class:`Kernels` by device. A kernel or autocast rule registered for the op
 through ``torch.library`` by anyone else shows in ``torch.library``'s registrations under the
-device's keys (:class:`ForeignKeys`): the direct call then lets the dispatcher run it.
+device's keys (:class:`ForeignKeys`): the direct call then lets the dispatcher run it. Otherwise
+the direct call runs the kernel itself (:meth:`Kernels.shortcut`) when nothing but the backend
+kernel would see a dispatcher call; every kernel's return is checked the same way
+(:meth:`Kernels.checked_output`), whichever path ran it.
 """
 
 from __future__ import annotations
@@ -13,12 +17,25 @@ from typing import Any
 
 import torch
 
-from customgrad._errors import DefinitionError, MissingRegistrationError, where
+from customgrad._errors import (
+    DefinitionError,
+    KernelOutputError,
+    MissingRegistrationError,
+    where,
+)
+from customgrad._signature import Signature
 from customgrad._torch_internals import library_impls
 
 __all__ = ["IMPLS", "ForeignKeys", "Kernels", "device_types", "dispatch_key"]
 
 _Tensor = torch.Tensor
+_tf_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
+_dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
+_functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
+_profiler = torch.autograd.profiler
+_alias_check: Callable[..., bool] | None = getattr(
+    torch._C, "_any_output_is_alias_to_input_or_output", None
+)
 
 
 def device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -66,13 +83,26 @@ class ForeignKeys(dict[str, tuple[str, str]]):
 
 
 class Kernels:
-    """The op's kernels by device type (``None``: the kernel for every device)."""
+    """The op's kernels by device type (``None``: the kernel for every device) and its fake
+    kernel; which kernel a direct call runs, and the check of what a kernel returns.
 
-    def __init__(self, qualname: str, var: str, fn: Callable[..., Any]) -> None:
-        self.qualname = qualname
+    Args:
+        sig: the op's signature (its name and function name the op in messages).
+        var: the op's name as a Python variable, for the fixes messages show.
+        mutates: whether the op writes into an argument (then every call goes through the
+            dispatcher, whose ``ADInplaceOrView`` kernel records the writes).
+    """
+
+    def __init__(self, sig: Signature, var: str, mutates: bool) -> None:
+        self.sig = sig
+        self.qualname = sig.qualname
         self.var = var
-        self.fn = fn
+        self.fn = sig.fn
+        self.mutates = mutates
         self.by_device: dict[str | None, Callable[..., Any]] = {}
+        self.fake: Callable[..., Any] | None = None
+        """The fake kernel (``register_fake``), or None."""
+        self.foreign_keys = ForeignKeys(sig.qualname)
 
     def for_device(self, device_type: str) -> Callable[..., Any] | None:
         by = self.by_device
@@ -101,3 +131,62 @@ class Kernels:
                 f"(op defined at {where(self.fn)})"
             )
         return k
+
+    def dispatcher_decides(self, device_type: str) -> bool:
+        """Whether a kernel that customgrad did not register would run for a call on
+        ``device_type``: a kernel for the device or an autocast rule registered through
+        ``torch.library`` (``register_kernel``, ``register_autocast``, ``Library.impl``).
+
+        customgrad registers one backend kernel (``CompositeExplicitAutograd``, which picks the
+        op's kernel by device) and its Autograd kernel, so any device or autocast key of the op
+        in torch.library's registrations is someone else's. When this torch does not keep those
+        registrations, every call goes through the dispatcher.
+        """
+        return IMPLS is None or not IMPLS.isdisjoint(self.foreign_keys[device_type])
+
+    def shortcut(self, first: torch.Tensor | None) -> Callable[..., Any] | None:
+        """The kernel to call directly, skipping the dispatcher, or None to dispatch.
+
+        ``first`` is the first tensor argument. The dispatcher runs for ops that mutate, while a
+        mode, transform or profiler is active, and for meta tensors (they go to the fake kernel).
+        """
+        if (
+            first is None
+            or self.mutates
+            or first.is_meta
+            # Nothing but the backend kernel may see a dispatcher call made now: no dispatch
+            # or function mode, no functorch transform, no profiler. Calling the kernel directly
+            # then gives exactly what the dispatcher would, minus its overhead.
+            or _profiler._is_profiler_enabled
+            or _dispatch_stack_len()
+            or _tf_mode_enabled()
+            or _functorch_active()
+        ):
+            return None
+        by_device = self.by_device
+        if len(by_device) == 1 and None in by_device:
+            return by_device[None]
+        return self.for_device(first.device.type)
+
+    def checked_output(self, args: tuple[Any, ...], out: Any) -> tuple[Any, tuple[Any, ...]]:
+        """Check the kernel's return against the schema and refuse outputs that alias inputs:
+        ``(outputs as the op returns them, residuals)``."""
+        sig = self.sig
+        if type(out) is _Tensor and not sig.kernel_output_is_tuple:
+            public: Any = out
+            residuals: tuple[Any, ...] = ()
+            outs: tuple[Any, ...] = (out,)
+        else:
+            public, residuals = sig.split_outputs(out, args)
+            if out is None:
+                return public, residuals
+            outs = tuple(out) if sig.kernel_output_is_tuple else (out,)
+        if _alias_check is not None and _alias_check(args, {}, outs):
+            raise KernelOutputError(
+                f"{self.qualname}: the kernel returned a Tensor that is (a view of) one of its "
+                f"inputs or of another output. Custom ops must return new tensors (as "
+                f"torch.library.custom_op requires); under torch.compile an alias would give "
+                f"different results. Return a copy (x.clone()), or leave the op out of the "
+                f"aliasing part. (kernel defined at {where(self.fn)})"
+            )
+        return public, residuals

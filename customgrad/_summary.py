@@ -160,7 +160,7 @@ def _registrations(op: CustomOp[..., Any]) -> tuple[tuple[str, ...], tuple[str, 
     registered = tuple(
         name
         for name, present in (
-            ("fake", op._fake_fn is not None),
+            ("fake", op._kernels.fake is not None),
             ("jvp", rules.jvp is not None),
             ("shared", rules.backward_shared is not None),
         )

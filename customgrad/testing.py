@@ -279,8 +279,8 @@ def check_op(
         except Exception as e:  # a check that crashes is a failure of the op, reported
             status, detail = "failed", f"raised {_short_exc(e)}"
         report.results.append(CheckResult(name, status, detail))
-    report.flops = dict(case.flops)
-    report.calls = {p: dict(c) for p, c in case.calls.items()}
+    report.flops = dict(case.split.flops)
+    report.calls = {p: dict(c) for p, c in case.split.calls.items()}
     report.backward = _backward_split(op)
     if raise_on_failure:
         report.raise_if_failed()
@@ -322,23 +322,13 @@ def _short_exc(e: BaseException, lines: int = 6) -> str:
     return f"{type(e).__name__}: {body}"
 
 
-class _Case:
-    """The op and its arguments (bound once, by the op's signature), with a fresh copy of the
-    arguments for each check, and one method per check."""
+class _Arguments:
+    """The op's arguments, bound once by its signature, and a fresh copy of them for each check:
+    which tensors are differentiated (:attr:`diff`), and calling the op on a copy."""
 
-    def __init__(
-        self,
-        op: CustomOp[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        atol: float,
-        rtol: float,
-    ):
+    def __init__(self, op: CustomOp[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
         self.op = op
         self.sig = op.signature
-        self.atol = atol
-        self.rtol = rtol
         self.names = list(self.sig.names)
         self.values: dict[str, Any] = dict(zip(self.names, self.sig.bind(args, kwargs)))
         weights = self.sig.weight_set
@@ -359,23 +349,7 @@ class _Case:
         if not chosen:
             chosen = [s for s, t in zip(slots, tensors) if t.is_floating_point()]
         self.diff = chosen
-        self.flops: dict[str, int] = {}
-        self._counted: dict[Pass, list[tuple[Any, int, Any]]] = {}
-        self.calls: dict[Pass, dict[str, int]] = {}
-        self._split: dict[str, tuple[Status, str]] | None = None
-
-    def run(self, name: str) -> tuple[Status, str]:
-        """Run the check ``name`` (one of :data:`CHECKS`)."""
-        if name in ("split", "flops"):  # one run of the split answers both
-            if self._split is None:
-                try:
-                    self._split = self.run_split()
-                except Exception as e:  # e.g. no autograd registered: a failure of both
-                    failed: tuple[Status, str] = ("failed", f"raised {_short_exc(e)}")
-                    self._split = {"split": failed, "flops": failed}
-            return self._split[name]
-        check: Callable[[], tuple[Status, str]] = getattr(self, f"run_{name}")
-        return check()
+        """The differentiated tensors: those that require grad, else every floating-point one."""
 
     def get(self, slot: _Slot, values: dict[str, Any] | None = None) -> torch.Tensor:
         v = (self.values if values is None else values)[slot.name]
@@ -434,9 +408,45 @@ class _Case:
         leaves = optree.tree_leaves(out, none_is_leaf=False)
         return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
 
+
+# --------------------------------------------------------------------------------------------
+# Checks
+
+
+class _Case:
+    """The op and its arguments, with one method per check (the split and FLOPs checks share
+    one run, :class:`_SplitCheck`)."""
+
+    def __init__(
+        self,
+        op: CustomOp[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        atol: float,
+        rtol: float,
+    ):
+        self.op = op
+        self.args = _Arguments(op, args, kwargs)
+        self.split = _SplitCheck(self.args, atol=atol, rtol=rtol)
+        self._split_outcome: dict[str, tuple[Status, str]] | None = None
+
+    def run(self, name: str) -> tuple[Status, str]:
+        """Run the check ``name`` (one of :data:`CHECKS`)."""
+        if name in ("split", "flops"):  # one run of the split answers both
+            if self._split_outcome is None:
+                try:
+                    self._split_outcome = self.split.run()
+                except Exception as e:  # e.g. no autograd registered: a failure of both
+                    failed: tuple[Status, str] = ("failed", f"raised {_short_exc(e)}")
+                    self._split_outcome = {"split": failed, "flops": failed}
+            return self._split_outcome[name]
+        check: Callable[[], tuple[Status, str]] = getattr(self, f"run_{name}")
+        return check()
+
     # -- opcheck ------------------------------------------------------------------------------
     def run_opcheck(self) -> tuple[Status, str]:
-        args, kwargs = self.split_call(self.copy())
+        args, kwargs = self.args.split_call(self.args.copy())
         with _quiet():
             results = torch.library.opcheck(self.op.opoverload, args, kwargs, raise_exception=False)
         failed = [
@@ -451,9 +461,9 @@ class _Case:
 
     # -- fake kernel --------------------------------------------------------------------------
     def run_fake(self) -> tuple[Status, str]:
-        values = self.copy(grad=False)
+        values = self.args.copy(grad=False)
         with torch.no_grad():
-            real = optree.tree_leaves(self.call(values, self.op.opoverload))
+            real = optree.tree_leaves(self.args.call(values, self.op.opoverload))
         with FakeTensorMode(allow_non_fake_inputs=False) as mode:
             fake_values = {
                 k: [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in v]
@@ -462,7 +472,7 @@ class _Case:
                 for k, v in values.items()
             }
             try:
-                fake = optree.tree_leaves(self.call(fake_values, self.op.opoverload))
+                fake = optree.tree_leaves(self.args.call(fake_values, self.op.opoverload))
             except Exception as e:
                 return "failed", f"the fake kernel raised {_short_exc(e)}"
         if len(real) != len(fake):
@@ -490,17 +500,17 @@ class _Case:
 
     # -- gradcheck ----------------------------------------------------------------------------
     def _float64_fn(self) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
-        values = self.copy(float64=True)
-        leaves = [self.get(s, values) for s in self.diff]
+        values = self.args.copy(float64=True)
+        leaves = [self.args.get(s, values) for s in self.args.diff]
 
         def fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            out = self.call(self.with_diff(values, tensors))
+            out = self.args.call(self.args.with_diff(values, tensors))
             return tuple(t for t in optree.tree_leaves(out) if t.is_floating_point())
 
         return fn, leaves
 
     def run_gradcheck(self) -> tuple[Status, str]:
-        if not self.diff:
+        if not self.args.diff:
             return "skipped", "no floating-point tensor argument to differentiate"
         fn, leaves = self._float64_fn()
         try:
@@ -510,7 +520,7 @@ class _Case:
         return "passed", ""
 
     def run_gradgradcheck(self) -> tuple[Status, str]:
-        if not self.diff:
+        if not self.args.diff:
             return "skipped", "no floating-point tensor argument to differentiate"
         declared = sorted(self.op.rules.nondifferentiable)
         if declared:
@@ -540,7 +550,7 @@ class _Case:
     def _explain(self, e: GradcheckError) -> str:
         """The first line of a gradcheck error, with input numbers replaced by argument names."""
         first = str(e).strip().splitlines()[0].rstrip(",")
-        labels = [s.label() for s in self.diff]
+        labels = [s.label() for s in self.args.diff]
 
         def name(m: re.Match[str]) -> str:
             i = int(m.group(1))
@@ -548,10 +558,29 @@ class _Case:
 
         return re.sub(r"with respect to input (\d+)", name, first)
 
-    # -- split and FLOPs ----------------------------------------------------------------------
-    def run_split(self) -> dict[str, tuple[Status, str]]:
-        inputs = [s for s in self.diff if not s.is_weight]
-        weights = [s for s in self.diff if s.is_weight]
+
+class _SplitCheck:
+    """The ``split`` and ``flops`` checks: the input pass then the weight pass against the full
+    backward, their FLOPs counted and every call of the op's backward functions watched.
+
+    Attributes:
+        flops: FLOPs per pass (``"full"``, ``"input"``, ``"weight"``) once run.
+        calls: per pass, how often each backward function ran.
+    """
+
+    def __init__(self, args: _Arguments, *, atol: float, rtol: float) -> None:
+        self.args = args
+        self.op = args.op
+        self.atol = atol
+        self.rtol = rtol
+        self.flops: dict[str, int] = {}
+        self._counted: dict[Pass, list[tuple[Any, int, Any]]] = {}
+        self.calls: dict[Pass, dict[str, int]] = {}
+
+    def run(self) -> dict[str, tuple[Status, str]]:
+        """Both checks' outcomes, from one run of the split."""
+        inputs = [s for s in self.args.diff if not s.is_weight]
+        weights = [s for s in self.args.diff if s.is_weight]
         if not inputs or not weights:
             what = "no weight" if not weights else "no non-weight argument"
             reason = f"nothing to split: {what} among the differentiated arguments"
@@ -561,18 +590,18 @@ class _Case:
         watch = _BackwardWatch(self.op)
 
         def forward() -> tuple[dict[str, Any], list[torch.Tensor]]:
-            values = self.copy(float64=True)
-            return values, self.outputs(self.call(values))
+            values = self.args.copy(float64=True)
+            return values, self.args.outputs(self.args.call(values))
 
         values, outs = forward()
         gouts = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
         passes: dict[Pass, list[torch.Tensor | None]] = {}
         with watch:
-            leaves = [self.get(s, values) for s in self.diff]
+            leaves = [self.args.get(s, values) for s in self.args.diff]
             full = self._grad("full", watch, outs, leaves, gouts, retain=False)
             values, outs = forward()
-            x_leaves = [self.get(s, values) for s in inputs]
-            w_leaves = [self.get(s, values) for s in weights]
+            x_leaves = [self.args.get(s, values) for s in inputs]
+            w_leaves = [self.args.get(s, values) for s in weights]
             passes["input"] = self._grad("input", watch, outs, x_leaves, gouts, retain=True)
             passes["weight"] = self._grad("weight", watch, outs, w_leaves, gouts, retain=False)
         self.calls = {p: dict(c) for p, c in watch.calls.items()}
@@ -580,9 +609,9 @@ class _Case:
         # split == full
         mismatches: list[str] = []
         split_grads = dict(zip(inputs, passes["input"])) | dict(zip(weights, passes["weight"]))
-        for slot, g_full in zip(self.diff, full):
+        for slot, g_full in zip(self.args.diff, full):
             g_split = split_grads[slot]
-            ref = self.get(slot, values)
+            ref = self.args.get(slot, values)
             a = torch.zeros_like(ref) if g_full is None else g_full
             b = torch.zeros_like(ref) if g_split is None else g_split
             try:

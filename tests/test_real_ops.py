@@ -573,7 +573,7 @@ def twin(op: cg.CustomOp[..., Any], tag: str) -> cg.CustomOp[..., Any]:
         schema=sig.kernel_schema,
         output_differentiability=sig.output_differentiability,
     )
-    new.register_fake(op._fake_fn)
+    new.register_fake(op._kernels.fake)
     assert op.rules.save is not None
     new.register_save_for_backward(op.rules.save)
     return new

@@ -18,37 +18,35 @@ into ``.grad`` (not ``autograd.grad``) defers its weight halves. The engine then
 deferred weights' accumulators in I with no gradient: their tensor hooks are called with
 ``None`` and their post-accumulate-grad hooks fire with ``.grad`` unset, in I, and again in W.
 ``customgrad.pipelining.PipelineStage(..., queue=queue)`` avoids that.
+
+The forward side (tags, and a module attached to the queue) is :mod:`._tagging`; running queued
+work on its stream is :mod:`._streams`; what the queue holds during a step is its ``_Ledger``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils.hooks import RemovableHandle
 
-from customgrad._record import NodeRecord, record_of
-from customgrad._routing import Route, install_for_task, routing, tagging
-from customgrad._split_plan import grad_node, is_leaf_accumulator, plan_input_pass, reach
+from customgrad._record import NodeRecord
+from customgrad._routing import routing, tagging
+from customgrad._split_plan import grad_node, plan_input_pass
 from customgrad.pipelining._backward import send_gradients
 from customgrad.pipelining._errors import (
     MissingInputPassError,
     PendingWeightWorkError,
     StrayWeightWorkError,
-    StreamSyncError,
     WeightPassTwiceError,
 )
+from customgrad.pipelining._streams import AcceleratorStreams, QueuedWork, StreamPolicy
+from customgrad.pipelining._tagging import Attachment, Key, Tag
 
 __all__ = ["AcceleratorStreams", "StreamPolicy", "WeightGradQueue"]
-
-Key = tuple[int, int]
-
-_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 
 MSG_NO_INPUT_PASS = """\
 WeightGradQueue.run(stage={stage}, microbatch={mb}): nothing was queued for this microbatch: \
@@ -83,91 +81,74 @@ customgrad.pipelining.PipelineStage(..., queue=queue), which queues only the sch
 forwards. Work already queued can still be run with queue.run(stage, microbatch).
 """
 
-MSG_STREAM = """\
-WeightGradQueue.run(stage={stage}, microbatch={mb}): its work was queued on stream {queued} and \
-is run from stream {current}, which has not waited for it. Make the current stream wait first \
-(current.wait_stream(queued)), or create the queue with WeightGradQueue(sync_streams=True), \
-which runs the work on the stream it was queued on and makes the current stream wait for it.
-"""
 
+class _Ledger:
+    """What a queue holds during one step, per ``(stage, microbatch)``: the work queued and not
+    yet run, the keys whose W ran, the keys queued since the last ``dw_builder`` call, and the
+    numbering of an attached module's microbatches. Backwards on several threads may feed it."""
 
-class StreamPolicy(Protocol):
-    """How the queue sees device streams (injected, so that tests can fake them on CPU)."""
+    def __init__(self) -> None:
+        self.pending: dict[Key, list[QueuedWork]] = {}
+        self.done: set[Key] = set()
+        self.recent: list[Key] = []
+        self._counters: dict[int, int] = {}
+        self._lock = threading.Lock()
 
-    def current(self, device: torch.device) -> Any:
-        """The current stream of ``device``, or None on a device without streams."""
+    def add(self, key: Key, item: QueuedWork) -> None:
+        with self._lock:
+            if key not in self.pending:
+                self.pending[key] = []
+                self.recent.append(key)
+            self.pending[key].append(item)
 
-    def use(self, stream: Any) -> AbstractContextManager[None]:
-        """Make ``stream`` current for its device inside the block."""
+    def work_for(self, key: Key) -> list[QueuedWork]:
+        """The work queued under ``key``; it stays queued until :meth:`ran`.
 
+        Raises:
+            MissingInputPassError: nothing was queued under ``key``.
+            WeightPassTwiceError: W already ran for ``key`` in this step.
+        """
+        stage, microbatch = key
+        with self._lock:
+            if key in self.done:
+                raise WeightPassTwiceError(MSG_TWICE.format(stage=stage, mb=microbatch))
+            work = self.pending.get(key)
+            if work is None:
+                raise MissingInputPassError(MSG_NO_INPUT_PASS.format(stage=stage, mb=microbatch))
+        return work
 
-class AcceleratorStreams:
-    """The streams of ``torch.accelerator`` (CUDA, XPU, ...); none on CPU and meta."""
+    def ran(self, key: Key) -> None:
+        """W ran for ``key``: its work leaves the queue."""
+        with self._lock:
+            del self.pending[key]
+            self.done.add(key)
 
-    def current(self, device: torch.device) -> Any:
-        if device.type in ("cpu", "meta"):
-            return None
-        return torch.accelerator.current_stream(device)
+    def next_microbatch(self, stage: int) -> int:
+        mb = self._counters.get(stage, 0)
+        self._counters[stage] = mb + 1
+        return mb
 
-    @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
-        prev = torch.accelerator.current_stream(stream.device)
-        torch.accelerator.set_stream(stream)
-        try:
-            yield
-        finally:
-            torch.accelerator.set_stream(prev)
+    def finish(self, stage: int | None) -> None:
+        """End a step for ``stage`` (or every stage).
 
-
-class _Work:
-    __slots__ = ("event", "stream", "work")
-
-    def __init__(self, work: Any, stream: Any) -> None:
-        self.work = work
-        self.stream = stream
-        self.event = None if stream is None else stream.record_event()
-
-
-class _Attachment:
-    """What :meth:`WeightGradQueue.attach` returns: ``remove()`` detaches the queue."""
-
-    def __init__(self, *handles: RemovableHandle) -> None:
-        self._handles = handles
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-class _Tag:
-    """What a forward under the queue tags its customgrad nodes with: where their weight halves
-    go when the queue's input pass defers them."""
-
-    __slots__ = ("attached", "key", "queue")
-
-    def __init__(self, queue: WeightGradQueue, key: Key, attached: bool) -> None:
-        self.queue = queue
-        self.key = key
-        self.attached = attached
-
-    def defer(self, record: NodeRecord, work: Any) -> None:
-        self.queue._enqueue(self.key, work)
-
-
-def _accumulates(node: Node, record: NodeRecord) -> bool:
-    """Whether the running backward accumulates into ``.grad`` (rather than captures, as
-    ``autograd.grad`` does, or skips) the gradient of every leaf on ``node``'s weight side."""
-    if _will_execute is None:
-        return False
-    weights = [fn for (fn, _), w in zip(node.next_functions, record.edge_is_weight()) if w and fn]
-    for leaf in reach(weights, set()):
-        if is_leaf_accumulator(leaf):
-            try:
-                if not _will_execute(leaf):
-                    return False  # not needed now: nothing to defer
-            except Exception:  # a leaf captured by autograd.grad: compute it now
-                return False
-    return True
+        Raises:
+            PendingWeightWorkError: some microbatch's W never ran.
+        """
+        with self._lock:
+            keys = [k for k in self.pending if stage is None or k[0] == stage]
+            if keys:
+                raise PendingWeightWorkError(
+                    MSG_PENDING.format(
+                        which="" if stage is None else f"stage={stage}",
+                        keys=", ".join(map(str, sorted(keys))),
+                    )
+                )
+            self.done = {k for k in self.done if stage is not None and k[0] != stage}
+            self.recent = [k for k in self.recent if stage is not None and k[0] != stage]
+            if stage is None:
+                self._counters.clear()
+            else:
+                self._counters.pop(stage, None)
 
 
 class WeightGradQueue:
@@ -213,20 +194,16 @@ class WeightGradQueue:
     def __init__(self, *, sync_streams: bool = True, streams: StreamPolicy | None = None) -> None:
         self.sync_streams = sync_streams
         self.streams: StreamPolicy = AcceleratorStreams() if streams is None else streams
-        self._pending: dict[Key, list[_Work]] = {}
-        self._done: set[Key] = set()
-        self._recent: list[Key] = []
-        self._counters: dict[int, int] = {}
-        self._lock = threading.Lock()  # the queue may be fed by backwards on several threads
+        self._ledger = _Ledger()
 
     # ------------------------------------------------------------------ forward side
 
     def microbatch(self, stage: int, microbatch: int) -> AbstractContextManager[None]:
         """Run a forward inside this block to queue its customgrad weight work under the key
         when its input pass runs through :meth:`backward`."""
-        return tagging(_Tag(self, (stage, microbatch), attached=False))
+        return tagging(Tag(self, (stage, microbatch), attached=False))
 
-    def attach(self, module: torch.nn.Module, stage: int) -> _Attachment:
+    def attach(self, module: torch.nn.Module, stage: int) -> Attachment:
         """Queue the weight work of every forward of ``module``, numbering microbatches 0, 1, ...
 
         For ``torch.distributed.pipelining.PipelineStage(module, ..., dw_builder=...)``, whose
@@ -239,56 +216,11 @@ class WeightGradQueue:
         outside the schedule: otherwise the schedule's next :meth:`dw_builder` call finds that
         work too and raises :class:`StrayWeightWorkError`.
         """
-        tags: list[contextlib.ExitStack] = []
+        return Attachment(self, module, stage)
 
-        def pre(mod: torch.nn.Module, args: Any) -> None:
-            mb = self._counters.get(stage, 0)
-            self._counters[stage] = mb + 1
-            stack = contextlib.ExitStack()
-            stack.enter_context(tagging(_Tag(self, (stage, mb), attached=True)))
-            tags.append(stack)
-
-        def post(mod: torch.nn.Module, args: Any, out: Any) -> None:
-            if tags:
-                tags.pop().close()
-            outs = out if isinstance(out, (tuple, list)) else (out,)
-            for o in outs:
-                if isinstance(o, torch.Tensor) and o.grad_fn is not None:
-                    self._plan_at(o.grad_fn)
-
-        return _Attachment(
-            module.register_forward_pre_hook(pre),
-            module.register_forward_hook(post, always_call=True),
-        )
-
-    def _plan_at(self, root: Node) -> None:
-        """Plan the backward that reaches ``root`` (an attached module's output) when it runs."""
-        planned = [-1]
-
-        def hook(grad_outputs: Any) -> None:
-            task = torch._C._current_graph_task_id()
-            if planned[0] == task:
-                return
-            planned[0] = task
-
-            def target_of(record: NodeRecord) -> _Tag | None:
-                tag = record.tag
-                if isinstance(tag, _Tag) and tag.queue is self and tag.attached:
-                    return tag
-                return None
-
-            plan = plan_input_pass([root], set(), target_of, defer_native=False)
-            routes: dict[NodeRecord, Route] = {}
-            for node, target in plan.deferred.items():
-                record = record_of(node)
-                if record is not None and _accumulates(node, record):
-                    weights = record.edge_is_weight()
-                    routes[record] = Route(
-                        needed=tuple(False if w else None for w in weights), defer=target
-                    )
-            install_for_task(routes)
-
-        root.register_prehook(hook)
+    def _next_microbatch(self, stage: int) -> int:
+        """The number of an attached module's next forward in this step."""
+        return self._ledger.next_microbatch(stage)
 
     # ------------------------------------------------------------------ backward side
 
@@ -358,9 +290,9 @@ class WeightGradQueue:
         stage_inputs = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
         stop = {n for v in stage_inputs if (n := grad_node(v)) is not None}
 
-        def target_of(record: NodeRecord) -> _Tag | None:
+        def target_of(record: NodeRecord) -> Tag | None:
             tag = record.tag
-            return tag if isinstance(tag, _Tag) and tag.queue is self else None
+            return tag if isinstance(tag, Tag) and tag.queue is self else None
 
         plan = plan_input_pass(roots, stop, target_of, defer_native=False)
         targets: list[torch.Tensor | GradientEdge] = [*stage_inputs]
@@ -375,16 +307,11 @@ class WeightGradQueue:
             )
 
     def _enqueue(self, key: Key, work: Any) -> None:
-        item = _Work(work, self.streams.current(work.device))
-        with self._lock:
-            if key not in self._pending:
-                self._pending[key] = []
-                self._recent.append(key)
-            self._pending[key].append(item)
+        self._ledger.add(key, QueuedWork(work, self.streams.current(work.device)))
 
     def pending(self) -> list[Key]:
         """The ``(stage, microbatch)`` keys whose W has not run yet."""
-        return list(self._pending)
+        return list(self._ledger.pending)
 
     def run(self, stage: int, microbatch: int) -> None:
         """Run W for one microbatch: compute its queued weight gradients and accumulate them.
@@ -396,44 +323,14 @@ class WeightGradQueue:
                 for the one the work was queued on.
         """
         key = (stage, microbatch)
-        with self._lock:
-            if key in self._done:
-                raise WeightPassTwiceError(MSG_TWICE.format(stage=stage, mb=microbatch))
-            work = self._pending.get(key)
-            if work is None:
-                raise MissingInputPassError(MSG_NO_INPUT_PASS.format(stage=stage, mb=microbatch))
+        work = self._ledger.work_for(key)
         roots: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for item in work:
-            self._collect(key, item, roots, values)
-        with self._lock:
-            del self._pending[key]
-            self._done.add(key)
+            item.collect(self.streams, self.sync_streams, key, roots, values)
+        self._ledger.ran(key)
         if roots:
             send_gradients(roots, values)
-
-    def _collect(
-        self, key: Key, item: _Work, roots: list[GradientEdge], values: list[torch.Tensor]
-    ) -> None:
-        queued = item.stream
-        current = None if queued is None else self.streams.current(queued.device)
-        if queued is None or current == queued:
-            edges, grads = item.work.gradients()
-        elif not self.sync_streams:
-            if item.event is not None and not item.event.query():
-                raise StreamSyncError(
-                    MSG_STREAM.format(stage=key[0], mb=key[1], queued=queued, current=current)
-                )
-            edges, grads = item.work.gradients()
-        else:
-            if current is not None:
-                queued.wait_stream(current)
-            with self.streams.use(queued):
-                edges, grads = item.work.gradients()
-            if current is not None:
-                current.wait_stream(queued)
-        roots.extend(edges)
-        values.extend(grads)
 
     def finish(self, stage: int | None = None) -> None:
         """End a step (for one stage, or all): check no work is left, start counting anew.
@@ -441,21 +338,7 @@ class WeightGradQueue:
         Raises:
             PendingWeightWorkError: some microbatch's W never ran.
         """
-        with self._lock:
-            keys = [k for k in self._pending if stage is None or k[0] == stage]
-            if keys:
-                raise PendingWeightWorkError(
-                    MSG_PENDING.format(
-                        which="" if stage is None else f"stage={stage}",
-                        keys=", ".join(map(str, sorted(keys))),
-                    )
-                )
-            self._done = {k for k in self._done if stage is not None and k[0] != stage}
-            self._recent = [k for k in self._recent if stage is not None and k[0] != stage]
-            if stage is None:
-                self._counters.clear()
-            else:
-                self._counters.pop(stage, None)
+        self._ledger.finish(stage)
 
     # ------------------------------------------------------------------ PipelineStage
 
@@ -469,7 +352,7 @@ class WeightGradQueue:
             StrayWeightWorkError: more than one microbatch's work was queued since the last
                 call: a forward and backward of an attached module ran outside the schedule.
         """
-        keys = [k for k in self._recent if stage is None or k[0] == stage]
+        keys = [k for k in self._ledger.recent if stage is None or k[0] == stage]
         if len(keys) > 1:
             raise StrayWeightWorkError(
                 MSG_STRAY.format(
@@ -483,14 +366,15 @@ class WeightGradQueue:
     def runner(self, keys: list[Key], *, strict: bool) -> Callable[[], None]:
         """A function that runs W for ``keys``; with ``strict=False``, keys with no work are
         skipped (a stage without customgrad ops queues none)."""
-        self._recent = [k for k in self._recent if k not in keys]
+        ledger = self._ledger
+        ledger.recent = [k for k in ledger.recent if k not in keys]
 
         def run() -> None:
             for s, mb in keys:
-                if strict or (s, mb) in self._pending:
+                if strict or (s, mb) in ledger.pending:
                     self.run(s, mb)
 
         return run
 
     def __repr__(self) -> str:
-        return f"WeightGradQueue(pending={self.pending()}, done={sorted(self._done)})"
+        return f"WeightGradQueue(pending={self.pending()}, done={sorted(self._ledger.done)})"

@@ -91,6 +91,9 @@ _ACCUMULATE = ACCUMULATE_GRAD
 
 _NOTHING: frozenset[int] = frozenset()
 
+MAX_LAYOUTS = 64
+"""Layouts of list lengths an op gets runners written for; calls with others share one set."""
+
 
 class CaptureMemo:
     """Which leaves the running ``torch.autograd.grad`` captures, remembered per graph task.
@@ -180,7 +183,7 @@ class AutogradImpl:
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
-        self._runners: dict[tuple[int, int], Runner] = {}
+        self._runners: dict[tuple[int, ...] | None, dict[tuple[int, int], Runner]] = {}
         self._runners_for: AutogradRules | None = None
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
@@ -364,27 +367,43 @@ class AutogradImpl:
         ``keep``: a later pass of this node will compute the rest, so keep what the halves
         share (``record.handoff``) for it; else the hand-off is freed.
         """
-        run = self.runners(self.spec.rules).get(plan.key)
+        lens = record.lens
+        run = self.runners(self.spec.rules, lens).get(plan.key)
         if run is None:
-            run = self.runner(plan)
+            run = self.runner(plan, lens)
         return run(record, saved, grads, keep)
 
-    def runners(self, rules: AutogradRules) -> dict[tuple[int, int], Runner]:
-        """The runners written for ``rules``, by plan key (a new set of registrations starts a
-        new table)."""
+    def runners(
+        self, rules: AutogradRules, lens: tuple[int, ...] | None
+    ) -> dict[tuple[int, int], Runner]:
+        """The runners written for ``rules`` and the layout of list lengths ``lens``, by plan
+        key (a new set of registrations starts new tables). Past :data:`MAX_LAYOUTS` layouts,
+        the runners of any layout (``None``)."""
         if rules is not self._runners_for:
             self._runners = {}
             self._runners_for = rules
-        return self._runners
+        table = self._runners.get(lens)
+        if table is None:
+            if len(self._runners) >= MAX_LAYOUTS:
+                lens = None
+            table = self._runners.setdefault(lens, {})
+        return table
 
-    def runner(self, plan: PassPlan) -> Runner:
-        """``plan``'s runner under the current registrations, written on first use."""
+    def runner(self, plan: PassPlan, lens: tuple[int, ...] | None) -> Runner:
+        """``plan``'s runner under the current registrations for the layout ``lens``, written
+        on first use."""
         rules = self.spec.rules
-        runners = self.runners(rules)
-        run = runners.get(plan.key)
+        table = self.runners(rules, lens)
+        run = table.get(plan.key)
         if run is None:
-            run = runners[plan.key] = write_runner(self.spec, rules, plan, self, self.slots)
+            layout = lens if self._runners.get(lens) is table else None
+            run = table[plan.key] = write_runner(self.spec, rules, plan, self, self.slots, layout)
         return run
+
+    def forget_runners(self) -> None:
+        """Write every runner again on next use (the tables the fast path holds included)."""
+        for table in self._runners.values():
+            table.clear()
 
     def backward(self, node: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """The node's backward: compute what the pass needs, hand over what the route defers."""

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from customgrad._autograd import _CustomGradNode, needed_edge
+from customgrad._autograd import MAX_LAYOUTS, _CustomGradNode, needed_edge
 from customgrad._pass import keeps_for_later
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
@@ -74,7 +74,7 @@ def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
     return tuple(reversed(defaults))
 
 
-_MAX_LAYOUTS = 64
+_MAX_LAYOUTS = MAX_LAYOUTS
 """List lengths an op's fast path is written for; calls with other lengths decline."""
 
 
@@ -456,7 +456,7 @@ class _Writer:
             "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
             "    run = _RUNNERS.get(plan.key)\n"
             "    if run is None:\n"
-            "        run = _runner(plan)\n"
+            "        run = _runner(plan, _LENS)\n"
             "    got = run(record, saved, grads, plan.splits and _keeps_for_later(plan, None))\n"
             + place
             + f"    return (None, None, {outs})\n"
@@ -484,7 +484,7 @@ class _Writer:
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
-            "_RUNNERS": impl.runners(rules),
+            "_RUNNERS": impl.runners(rules, self.lens or None),
             "_runner": impl.runner,
             "_captured_now": impl.captures.captured_now,
             "_NONES": (None,) * (n_inputs + 2),

@@ -282,6 +282,7 @@ def write_runner(
     plan: PassPlan,
     observed: Any,
     slots_of: Callable[[Any], Any],
+    lens: tuple[int, ...] | None = None,
 ) -> Runner:
     """The runner of ``plan`` under ``rules`` (see :data:`Runner`).
 
@@ -292,12 +293,15 @@ def write_runner(
         observed: what holds the observers to call after each registered function runs, as
             its ``observers`` attribute (the op's ``AutogradImpl``; read on every call).
         slots_of: list lengths -> the op's slots (``AutogradImpl.slots``; for list arguments).
+        lens: for an op with list arguments, the one layout of list lengths the runner is for
+            (its items are checked one by one); None: any layout, read from the record.
     """
     sig = spec.signature
     nondiff = rules.nondifferentiable
     phase = plan.phase
     lines: list[str] = ["metas = record.metas"]
-    if sig.has_lists:
+    slots = None if lens is None else slots_of(lens)
+    if sig.has_lists and slots is None:
         lines.append("slots = _slots_of(record.lens)")
     ns: dict[str, Any] = {
         "_SPEC": spec,
@@ -321,6 +325,7 @@ def write_runner(
         "_collect": collect_grads,
         "_OBSERVED": observed,
         "_slots_of": slots_of,
+        "_SLOTS": slots,
         "_auto_split": auto_split,
         "_handed_over": handed_over,
         "_Shared": _Shared,
@@ -341,7 +346,7 @@ def write_runner(
     def check(half: str, allowed: frozenset[str], need: frozenset[str], out: str) -> list[str]:
         ns[f"_ALLOWED_{out}"] = allowed
         ns[f"_NEEDED_{out}"] = need
-        return check_source(sig, half, f"_FN_{half}", allowed, need, out)
+        return check_source(sig, half, f"_FN_{half}", allowed, need, out, slots)
 
     if rules.backward is not None:
         bwd = rules.backward

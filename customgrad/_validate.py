@@ -172,21 +172,36 @@ def metas_by_name(
 
 
 def check_source(
-    sig: Signature, half: str, fn: str, allowed: frozenset[str], needed: frozenset[str], out: str
+    sig: Signature,
+    half: str,
+    fn: str,
+    allowed: frozenset[str],
+    needed: frozenset[str],
+    out: str,
+    slots: Mapping[str, tuple[int, int | None]] | None = None,
 ) -> list[str]:
     """Python lines that validate ``r``, what the registered function named ``fn`` returned, and
     set ``out`` to the needed gradients by name: the validation of one pass written out for one
-    (signature, half, needed arguments).
+    (signature, half, needed arguments, layout of list lengths).
 
-    The lines read ``r``, ``metas`` (the node record's flat metas) and ``slots`` (the op's
-    :func:`customgrad._layout._slots` for the call's list lengths; None without list
-    arguments), and the names ``_T`` (``torch.Tensor``), ``_MISSING``, ``_SIG`` (``sig``),
-    ``_collect`` (:func:`collect_grads`), ``_ALLOWED_<out>`` and ``_NEEDED_<out>`` (``allowed``
-    and ``needed``). A plain dict of valid gradients is accepted inline; anything else goes to
-    :func:`collect_grads`, which accepts exactly the same results (and casts an autocast
-    gradient) and raises the errors.
+    The lines read ``r`` and ``metas`` (the node record's flat metas), and the names ``_T``
+    (``torch.Tensor``), ``_MISSING``, ``_SIG`` (``sig``), ``_collect`` (:func:`collect_grads`),
+    ``_ALLOWED_<out>`` and ``_NEEDED_<out>`` (``allowed`` and ``needed``). For an op with list
+    arguments, ``slots`` (:func:`customgrad._layout._slots` of one layout, bound as ``_SLOTS``)
+    places every item, one check each; without it the lines read the call's layout from a
+    variable ``slots`` and loop over the items. A plain dict of valid gradients is accepted
+    inline; anything else goes to :func:`collect_grads`, which accepts exactly the same results
+    (and casts an autocast gradient) and raises the errors.
     """
     lists = sig.has_lists
+
+    def tensor_ok(g: str, m: str, indent: str) -> list[str]:
+        return [
+            f"{indent}m = metas[{m}]",
+            f"{indent}ok = (type({g}) is _T and m is not None and {g}.shape == m[0]",
+            f"{indent}      and {g}.dtype is m[1] and {g}.device == m[2])",
+        ]
+
     lines = [f"ok = type(r) is dict and r.keys() <= _ALLOWED_{out}"]
     for name in sig.names:
         if name not in allowed:
@@ -196,7 +211,19 @@ def check_source(
         lines += ["if ok:", f"    {g} = r.get({name!r}, _MISSING)", f"    if {g} is _MISSING:"]
         lines.append("        ok = False" if name in needed else f"        {g} = None")
         lines.append(f"    elif {g} is not None:")
-        if sig.kinds[i] is ArgKind.TENSOR_LIST:
+        if sig.kinds[i] is ArgKind.TENSOR_LIST and slots is not None:
+            start, n = slots[name]
+            lines.append(
+                f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == {n}"
+            )
+            for k in range(n or 0):
+                lines += [
+                    "        if ok:",
+                    f"            gi = {g}[{k}]",
+                    "            if gi is not None:",
+                    *tensor_ok("gi", str(start + k), "                "),
+                ]
+        elif sig.kinds[i] is ArgKind.TENSOR_LIST:
             lines += [
                 f"        start, n = slots[{name!r}]",
                 f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == n",
@@ -207,35 +234,41 @@ def check_source(
                 "                    ok = False",
                 "                    break",
             ]
+        elif not lists:
+            lines += tensor_ok(g, str(i), "        ")
+        elif slots is not None:
+            lines += tensor_ok(g, str(slots[name][0]), "        ")
         else:
-            lines += [
-                f"        m = metas[{f'slots[{name!r}][0]' if lists else i}]",
-                f"        ok = (type({g}) is _T and m is not None and {g}.shape == m[0]",
-                f"              and {g}.dtype is m[1] and {g}.device == m[2])",
-            ]
+            lines += tensor_ok(g, f"slots[{name!r}][0]", "        ")
     kept = ", ".join(f"{n!r}: g_{sig.index[n]}" for n in sig.names if n in needed and n in allowed)
+    layout = "None" if not lists else "slots" if slots is None else "_SLOTS"
     lines += [
         "if ok:",
         f"    {out} = {{{kept}}}",
         "else:",
         f"    {out} = _collect(_SIG, {half!r}, {fn}, r, _ALLOWED_{out}, _NEEDED_{out}, metas, "
-        f"{'slots' if lists else 'None'})",
+        f"{layout})",
     ]
     return lines
 
 
 def write_check(
-    sig: Signature, half: str, allowed: frozenset[str], needed: frozenset[str]
+    sig: Signature,
+    half: str,
+    allowed: frozenset[str],
+    needed: frozenset[str],
+    slots: Mapping[str, tuple[int, int | None]] | None = None,
 ) -> Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]:
     """:func:`check_source` as a function ``check(fn, r, metas, slots) -> gradients`` (what a
-    pass's runner runs inline; for tests)."""
-    lines = check_source(sig, half, "fn", allowed, needed, "got")
+    pass's runner runs inline; for tests). ``slots``: write it for that one layout."""
+    lines = check_source(sig, half, "fn", allowed, needed, "got", slots)
     source = "def check(fn, r, metas, slots):\n" + "".join(f"    {line}\n" for line in lines)
     source += "    return got\n"
     ns: dict[str, Any] = {
         "_T": _Tensor,
         "_MISSING": _MISSING,
         "_SIG": sig,
+        "_SLOTS": slots,
         "_collect": collect_grads,
         "_ALLOWED_got": allowed,
         "_NEEDED_got": needed,

@@ -367,3 +367,42 @@ def test_backward_context_is_read_only_and_kept_per_pass_plan(fast: bool) -> Non
     torch.testing.assert_close(w.grad, 2 * x.sum(0))
     with pytest.raises(cg.GradientValueError, match=re.escape("no such argument")):
         contexts[1].needs_input_grad("y")
+
+
+def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
+    """Each layout of list lengths gets its own fast path and runners (items checked one by
+    one) up to MAX_LAYOUTS; past it, calls share runners that read the layout from the node.
+    Both give the reference gradients and refuse a wrong item."""
+    from customgrad._autograd import MAX_LAYOUTS
+
+    @cg.op("cg_fast::layouts", weights=("s",))
+    def wsum(xs: list[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
+        return sum((x * s for x in xs), torch.zeros_like(s))
+
+    wsum.register_fake(lambda xs, s: torch.empty_like(s))
+    wsum.register_save_for_backward(lambda inputs, out: (list(inputs.xs), inputs.s))
+    bad = {"on": False}
+
+    @wsum.register_backward_input
+    def _(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        xs, s = saved
+        grads = [g * s for _ in xs]
+        if bad["on"]:
+            grads[-1] = grads[-1][:1]
+        return {"xs": grads}
+
+    wsum.register_backward_weight(lambda ctx, saved, g: {"s": sum(g * x for x in saved[0])})
+    s = torch.randn(3, requires_grad=True)
+    for n in range(1, MAX_LAYOUTS + 6):
+        xs = [torch.randn(3, requires_grad=True) for _ in range(n)]
+        wsum(xs, s).sum().backward()
+        for x in xs:
+            torch.testing.assert_close(x.grad, s.detach())
+    assert len(wsum._impl._runners) == MAX_LAYOUTS + 1  # and the shared one (None)
+    assert None in wsum._impl._runners
+    for n in (2, MAX_LAYOUTS + 3):  # a layout with its own runners, and one past the limit
+        xs = [torch.randn(3, requires_grad=True) for _ in range(n)]
+        bad["on"] = True
+        with pytest.raises(cg.GradientValueError, match=rf"'xs'\[{n - 1}\] of shape \(1,\)"):
+            wsum(xs, s).sum().backward()
+        bad["on"] = False

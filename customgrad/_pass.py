@@ -13,6 +13,7 @@ alike, so these rules are written here once.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
@@ -45,6 +46,8 @@ Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
 ``keep``: a later pass of this node will compute the rest, so keep what the halves share
 (``record.handoff``) for it; else the hand-off is freed."""
 
+_grad_enabled = torch.is_grad_enabled
+_graph_task_id = graph_task_id
 _VERSION = itertools.repeat("_version")
 _NO_VERSION = itertools.repeat(None)
 
@@ -252,21 +255,21 @@ def pass_plan(
 
 
 def auto_split(
-    spec: OpSpec, record: NodeRecord, rules: AutogradRules, saved: Any, grads: Any, plan: PassPlan
+    record: NodeRecord,
+    auto: Any,
+    make_ctx: Callable[[frozenset[str]], BackwardContext],
+    saved: Any,
+    grads: Any,
+    requires: frozenset[str],
 ) -> Any:
-    """The node's automatic-split plan, or None to call the single backward as it is."""
-    auto = rules.auto
-    if auto is None or (torch.is_grad_enabled() and graph_task_id() != -1):
+    """The node's automatic-split plan (``auto``: the op's ``AutoSplitter``), or None to call
+    the single backward as it is. ``requires``: the arguments of the node that require grad."""
+    if _grad_enabled() and _graph_task_id() != -1:
         # A create_graph backward (double backward): call the backward as written, so its
         # gradients are differentiable exactly as the user wrote them.
         return None
     split = record.split
     if split is None:
-        requires = plan.needed | plan.later_w | plan.later_in
-
-        def make_ctx(needed: frozenset[str]) -> BackwardContext:
-            return BackwardContext(spec, "full", needed)
-
         split = auto.plan(make_ctx, saved, grads, requires)
         record.split = split if split is not None else False
     return split or None
@@ -306,8 +309,6 @@ def write_runner(
     ns: dict[str, Any] = {
         "_SPEC": spec,
         "_SIG": sig,
-        "_RULES": rules,
-        "_PLAN": plan,
         "_CTX": plan.ctx,
         "_PHASE": phase,
         "_NEEDED": plan.needed,
@@ -327,6 +328,9 @@ def write_runner(
         "_slots_of": slots_of,
         "_SLOTS": slots,
         "_auto_split": auto_split,
+        "_AUTO": rules.auto,
+        "_REQUIRES": plan.needed | plan.later_w | plan.later_in,
+        "_make_ctx": functools.partial(BackwardContext, spec, "full"),
         "_handed_over": handed_over,
         "_Shared": _Shared,
         "_BackwardContext": BackwardContext,
@@ -355,7 +359,7 @@ def write_runner(
             # The automatic split: the traced part for this pass, with the hand-off it reads
             # and keeps; the backward as written when the split declines.
             lines += [
-                "split = _auto_split(_SPEC, record, _RULES, saved, grads, _PLAN)",
+                "split = _auto_split(record, _AUTO, _make_ctx, saved, grads, _REQUIRES)",
                 "if split is not None:",
                 *_indent(
                     [

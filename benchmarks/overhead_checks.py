@@ -78,7 +78,9 @@ def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]
             return list(call_lines(half, fn, nondifferentiable))
         return [f"r = {fn}(ctx, saved, *grads)"]
 
-    def unchecked(sig: Any, half: str, fn: str, allowed: Any, needed: Any, out: str) -> list[str]:
+    def unchecked(
+        sig: Any, half: str, fn: str, allowed: Any, needed: Any, out: str, slots: Any = None
+    ) -> list[str]:
         return [f"{out} = {{n: g for n, g in r.items() if n in _NEEDED_{out}}}"]
 
     def every_edge(fn: Any, captured: Any) -> bool:

@@ -1,10 +1,10 @@
 """The ``register_*`` methods of an op: each checks the function it is given and swaps it in.
 
 Kernels go into the op's kernel table (:class:`~customgrad._kernels.Kernels`); autograd
-registrations replace the op's :class:`~customgrad._rules.AutogradRules` whole, so that a backward
-always sees one consistent set. Every change of rules or kernels rebuilds the op's fast call. A function that
-cannot take the arguments customgrad will call it with is refused here, when it is registered,
-rather than at its first call (:func:`check_arity`).
+registrations replace the op's :class:`~customgrad._rules.AutogradRules` whole, so that a
+backward always sees one consistent set. Every change of rules or kernels rebuilds the op's fast
+call. A function that cannot take the arguments customgrad will call it with is refused here,
+when it is registered, rather than at its first call (:func:`check_arity`).
 """
 
 from __future__ import annotations

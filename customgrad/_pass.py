@@ -409,10 +409,10 @@ def write_runner(
         else:
             lines.append(f"return {outs[0] if outs else '{}'}")
     source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
-    exec(
-        compile(source, f"<customgrad pass of {spec.name}: {phase} {sorted(plan.needed)}>", "exec"),
-        ns,
+    where = f"{spec.name}: {phase} {sorted(plan.needed)}" + (
+        f", list lengths {lens}" if lens else ""
     )
+    exec(compile(source, f"<customgrad pass of {where}>", "exec"), ns)
     run: Runner = ns["run"]
     run.__customgrad_source__ = source  # type: ignore[attr-defined]
     return run

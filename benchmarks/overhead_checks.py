@@ -66,7 +66,7 @@ def _swapped(scope: MutableMapping[str, Any], where: str, **new: Any) -> Iterato
 
 def _forget_runners() -> None:
     for op in registered_ops():
-        op._impl.forget_runners()  # the same tables the fast path reads
+        op._impl.runners.forget()  # the same tables the fast path reads
 
 
 def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]:

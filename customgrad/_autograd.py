@@ -33,10 +33,9 @@ from customgrad._pass import (
     BackwardContext,
     PassPlan,
     Phase,
-    Runner,
+    Runners,
     keeps_for_later,
     pass_plan,
-    write_runner,
 )
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag, route_for
@@ -90,9 +89,6 @@ _ACCUMULATE = ACCUMULATE_GRAD
 
 
 _NOTHING: frozenset[int] = frozenset()
-
-MAX_LAYOUTS = 64
-"""Layouts of list lengths an op gets runners written for; calls with others share one set."""
 
 
 class CaptureMemo:
@@ -183,8 +179,8 @@ class AutogradImpl:
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
-        self._runners: dict[tuple[int, ...] | None, dict[tuple[int, int], Runner]] = {}
-        self._runners_for: AutogradRules | None = None
+        self.runners = Runners(spec, self, self.slots)
+        """The runners of this op's plans (:class:`customgrad._pass.Runners`)."""
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -368,42 +364,10 @@ class AutogradImpl:
         share (``record.handoff``) for it; else the hand-off is freed.
         """
         lens = record.lens
-        run = self.runners(self.spec.rules, lens).get(plan.key)
+        run = self.runners.table(self.spec.rules, lens).get(plan.key)
         if run is None:
-            run = self.runner(plan, lens)
+            run = self.runners.runner(plan, lens)
         return run(record, saved, grads, keep)
-
-    def runners(
-        self, rules: AutogradRules, lens: tuple[int, ...] | None
-    ) -> dict[tuple[int, int], Runner]:
-        """The runners written for ``rules`` and the layout of list lengths ``lens``, by plan
-        key (a new set of registrations starts new tables). Past :data:`MAX_LAYOUTS` layouts,
-        the runners of any layout (``None``)."""
-        if rules is not self._runners_for:
-            self._runners = {}
-            self._runners_for = rules
-        table = self._runners.get(lens)
-        if table is None:
-            if len(self._runners) >= MAX_LAYOUTS:
-                lens = None
-            table = self._runners.setdefault(lens, {})
-        return table
-
-    def runner(self, plan: PassPlan, lens: tuple[int, ...] | None) -> Runner:
-        """``plan``'s runner under the current registrations for the layout ``lens``, written
-        on first use."""
-        rules = self.spec.rules
-        table = self.runners(rules, lens)
-        run = table.get(plan.key)
-        if run is None:
-            layout = lens if self._runners.get(lens) is table else None
-            run = table[plan.key] = write_runner(self.spec, rules, plan, self, self.slots, layout)
-        return run
-
-    def forget_runners(self) -> None:
-        """Write every runner again on next use (the tables the fast path holds included)."""
-        for table in self._runners.values():
-            table.clear()
 
     def backward(self, node: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """The node's backward: compute what the pass needs, hand over what the route defers."""

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from customgrad._autograd import MAX_LAYOUTS, _CustomGradNode, needed_edge
-from customgrad._pass import keeps_for_later
+from customgrad._autograd import _CustomGradNode, needed_edge
+from customgrad._pass import MAX_LAYOUTS, keeps_for_later
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
@@ -484,8 +484,8 @@ class _Writer:
             "_PLANS": impl._plans,
             "_plan": impl.plan,
             "_general": impl.backward,
-            "_RUNNERS": impl.runners(rules, self.lens or None),
-            "_runner": impl.runner,
+            "_RUNNERS": impl.runners.table(rules, self.lens or None),
+            "_runner": impl.runners.runner,
             "_captured_now": impl.captures.captured_now,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),

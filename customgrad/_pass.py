@@ -32,6 +32,7 @@ __all__ = [
     "PassPlan",
     "Phase",
     "Runner",
+    "Runners",
     "handed_over",
     "keeps_for_later",
     "pass_plan",
@@ -45,6 +46,9 @@ Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
 
 ``keep``: a later pass of this node will compute the rest, so keep what the halves share
 (``record.handoff``) for it; else the hand-off is freed."""
+
+MAX_LAYOUTS = 64
+"""Layouts of list lengths an op gets runners written for; calls with others share one set."""
 
 _grad_enabled = torch.is_grad_enabled
 _graph_task_id = graph_task_id
@@ -416,6 +420,61 @@ def write_runner(
     run: Runner = ns["run"]
     run.__customgrad_source__ = source  # type: ignore[attr-defined]
     return run
+
+
+class Runners:
+    """The runners of one op's plans: per set of registrations, per layout of list lengths
+    (up to :data:`MAX_LAYOUTS`, then one shared set that reads the layout from the node), per
+    plan key; each written on first use.
+
+    Args:
+        spec: the op.
+        observed: what holds the observers (see :func:`write_runner`).
+        slots_of: list lengths -> the op's slots.
+    """
+
+    def __init__(self, spec: OpSpec, observed: Any, slots_of: Callable[[Any], Any]) -> None:
+        self._spec = spec
+        self._observed = observed
+        self._slots_of = slots_of
+        self._tables: dict[tuple[int, ...] | None, dict[tuple[int, int], Runner]] = {}
+        self._rules: AutogradRules | None = None
+
+    def table(
+        self, rules: AutogradRules, lens: tuple[int, ...] | None
+    ) -> dict[tuple[int, int], Runner]:
+        """The runners written for ``rules`` and the layout ``lens``, by plan key (a new set of
+        registrations starts new tables)."""
+        if rules is not self._rules:
+            self._tables = {}
+            self._rules = rules
+        table = self._tables.get(lens)
+        if table is None:
+            if len(self._tables) >= MAX_LAYOUTS:
+                lens = None
+            table = self._tables.setdefault(lens, {})
+        return table
+
+    def runner(self, plan: PassPlan, lens: tuple[int, ...] | None) -> Runner:
+        """``plan``'s runner under the op's current registrations for the layout ``lens``."""
+        rules = self._spec.rules
+        table = self.table(rules, lens)
+        run = table.get(plan.key)
+        if run is None:
+            layout = lens if self._tables.get(lens) is table else None
+            run = table[plan.key] = write_runner(
+                self._spec, rules, plan, self._observed, self._slots_of, layout
+            )
+        return run
+
+    def layouts(self) -> list[tuple[int, ...] | None]:
+        """The layouts that have their own runners (None: the shared set)."""
+        return list(self._tables)
+
+    def forget(self) -> None:
+        """Write every runner again on next use (the tables the fast path holds included)."""
+        for table in self._tables.values():
+            table.clear()
 
 
 def watch_lines() -> list[str]:

@@ -373,7 +373,7 @@ def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
     """Each layout of list lengths gets its own fast path and runners (items checked one by
     one) up to MAX_LAYOUTS; past it, calls share runners that read the layout from the node.
     Both give the reference gradients and refuse a wrong item."""
-    from customgrad._autograd import MAX_LAYOUTS
+    from customgrad._pass import MAX_LAYOUTS
 
     @cg.op("cg_fast::layouts", weights=("s",))
     def wsum(xs: list[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
@@ -398,8 +398,8 @@ def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
         wsum(xs, s).sum().backward()
         for x in xs:
             torch.testing.assert_close(x.grad, s.detach())
-    assert len(wsum._impl._runners) == MAX_LAYOUTS + 1  # and the shared one (None)
-    assert None in wsum._impl._runners
+    layouts = wsum._impl.runners.layouts()
+    assert len(layouts) == MAX_LAYOUTS + 1 and None in layouts  # and the shared set
     for n in (2, MAX_LAYOUTS + 3):  # a layout with its own runners, and one past the limit
         xs = [torch.randn(3, requires_grad=True) for _ in range(n)]
         bad["on"] = True

@@ -351,10 +351,12 @@ def write_runner(
         ns[var] = fn
         return call_lines(half, var, half in nondiff) + _observe(HALF_NAMES[half], "r")
 
-    def check(half: str, allowed: frozenset[str], need: frozenset[str], out: str) -> list[str]:
+    def check(
+        half: str, allowed: frozenset[str], need: frozenset[str], out: str, into: str | None = None
+    ) -> list[str]:
         ns[f"_ALLOWED_{out}"] = allowed
         ns[f"_NEEDED_{out}"] = need
-        return check_source(sig, half, f"_FN_{half}", allowed, need, out, slots)
+        return check_source(sig, half, f"_FN_{half}", allowed, need, out, slots, into)
 
     if rules.backward is not None:
         bwd = rules.backward
@@ -395,23 +397,18 @@ def write_runner(
             ]
         else:
             lines.append("ctx = _CTX")
-        outs = []
+        lines.append("got = {}")
         if plan.need_in:
             lines += call("input", rules.backward_input)
-            lines += check("input", sig.input_set, plan.need_in, "got_in")
-            outs.append("got_in")
+            lines += check("input", sig.input_set, plan.need_in, "got_in", "got")
         if plan.need_w:
             lines += call("weight", rules.backward_weight)
-            lines += check("weight", sig.weight_set, plan.need_w, "got_w")
+            lines += check("weight", sig.weight_set, plan.need_w, "got_w", "got")
             # the later pass ran: free what was kept for it
             lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
-            outs.append("got_w")
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
-        if len(outs) == 2:
-            lines += ["got_in.update(got_w)", "return got_in"]
-        else:
-            lines.append(f"return {outs[0] if outs else '{}'}")
+        lines.append("return got")
     source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
     where = f"{spec.name}: {phase} {sorted(plan.needed)}" + (
         f", list lengths {lens}" if lens else ""

@@ -179,10 +179,12 @@ def check_source(
     needed: frozenset[str],
     out: str,
     slots: Mapping[str, tuple[int, int | None]] | None = None,
+    into: str | None = None,
 ) -> list[str]:
     """Python lines that validate ``r``, what the registered function named ``fn`` returned, and
-    set ``out`` to the needed gradients by name: the validation of one pass written out for one
-    (signature, half, needed arguments, layout of list lengths).
+    set ``out`` to the needed gradients by name (or, with ``into``, add them to the dict named
+    ``into``): the validation of one pass written out for one (signature, half, needed
+    arguments, layout of list lengths).
 
     The lines read ``r`` and ``metas`` (the node record's flat metas), and the names ``_T``
     (``torch.Tensor``), ``_MISSING``, ``_SIG`` (``sig``), ``_collect`` (:func:`collect_grads`),
@@ -240,16 +242,14 @@ def check_source(
             lines += tensor_ok(g, str(slots[name][0]), "        ")
         else:
             lines += tensor_ok(g, f"slots[{name!r}][0]", "        ")
-    kept = ", ".join(f"{n!r}: g_{sig.index[n]}" for n in sig.names if n in needed and n in allowed)
+    kept = [n for n in sig.names if n in needed and n in allowed]
     layout = "None" if not lists else "slots" if slots is None else "_SLOTS"
-    lines += [
-        "if ok:",
-        f"    {out} = {{{kept}}}",
-        "else:",
-        f"    {out} = _collect(_SIG, {half!r}, {fn}, r, _ALLOWED_{out}, _NEEDED_{out}, metas, "
-        f"{layout})",
-    ]
-    return lines
+    full = f"_collect(_SIG, {half!r}, {fn}, r, _ALLOWED_{out}, _NEEDED_{out}, metas, {layout})"
+    if into is None:
+        items = ", ".join(f"{n!r}: g_{sig.index[n]}" for n in kept)
+        return [*lines, "if ok:", f"    {out} = {{{items}}}", "else:", f"    {out} = {full}"]
+    stores = [f"    {into}[{n!r}] = g_{sig.index[n]}" for n in kept] or ["    pass"]
+    return [*lines, "if ok:", *stores, "else:", f"    {into}.update({full})"]
 
 
 def write_check(
@@ -258,10 +258,14 @@ def write_check(
     allowed: frozenset[str],
     needed: frozenset[str],
     slots: Mapping[str, tuple[int, int | None]] | None = None,
+    into: bool = False,
 ) -> Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]:
     """:func:`check_source` as a function ``check(fn, r, metas, slots) -> gradients`` (what a
-    pass's runner runs inline; for tests). ``slots``: write it for that one layout."""
-    lines = check_source(sig, half, "fn", allowed, needed, "got", slots)
+    pass's runner runs inline; for tests). ``slots``: write it for that one layout; ``into``:
+    the lines that add the gradients to a dict."""
+    lines = check_source(sig, half, "fn", allowed, needed, "got", slots, "got" if into else None)
+    if into:
+        lines = ["got = {}", *lines]
     source = "def check(fn, r, metas, slots):\n" + "".join(f"    {line}\n" for line in lines)
     source += "    return got\n"
     ns: dict[str, Any] = {

@@ -276,10 +276,12 @@ def test_inline_check_and_full_check_agree(
         }
 
     full = outcome(lambda: collect_grads(sig, half, fn, result, allowed, need, metas, slots))
-    # written for any layout (reading the call's slots), and for this one layout
+    # written for any layout (reading the call's slots), for this one layout, and adding the
+    # gradients to a dict (the second half of a pass)
     for inline in (
         outcome(lambda: write_check(sig, half, allowed, need)(fn, result, metas, slots)),
         outcome(lambda: write_check(sig, half, allowed, need, slots)(fn, result, metas, None)),
+        outcome(lambda: write_check(sig, half, allowed, need, into=True)(fn, result, metas, slots)),
     ):
         assert inline[0] == full[0] and str(inline[1]) == str(full[1])
         if inline[0] == "ok":

@@ -14,8 +14,8 @@ minimum over rounds):
   that call the registered functions without reading the version counters of the output
   gradients and saved values before and after each (in-place writes to them go unnoticed);
 - ``no gradient validation``: the runner's ``check_source`` lines take the needed gradients
-  from the returned dict without checking its keys or each gradient's type, shape, dtype and
-  device;
+  from the returned dict (``r[name]``) without checking its keys or each gradient's type,
+  shape, dtype and device;
 - ``no engine query``: the generated backward's ``_needed`` (``needed_edge``) answers "needed"
   for every edge autograd marks as requiring grad, and ``_captured_now`` reads no frame, so every
   required gradient is computed, as a plain ``autograd.Function`` does (the query is what makes
@@ -79,9 +79,20 @@ def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]
         return [f"r = {fn}(ctx, saved, *grads)"]
 
     def unchecked(
-        sig: Any, half: str, fn: str, allowed: Any, needed: Any, out: str, slots: Any = None
+        sig: Any,
+        half: str,
+        fn: str,
+        allowed: Any,
+        needed: Any,
+        out: str,
+        slots: Any = None,
+        into: str | None = None,
     ) -> list[str]:
-        return [f"{out} = {{n: g for n, g in r.items() if n in _NEEDED_{out}}}"]
+        # the needed gradients, taken as returned (no check of keys, types, shapes, ...)
+        names = [n for n in sig.names if n in needed]
+        if into:
+            return [f"{into}[{n!r}] = r[{n!r}]" for n in names]
+        return [f"{out} = {{{', '.join(f'{n!r}: r[{n!r}]' for n in names)}}}"]
 
     def every_edge(fn: Any, captured: Any) -> bool:
         return True

@@ -14,7 +14,6 @@ alike, so these rules are written here once.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -24,7 +23,14 @@ from customgrad._errors import GradientValueError, MissingRegistrationError
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import AutogradRules, OpSpec
 from customgrad._torch_internals import graph_kept, graph_task_id
-from customgrad._user_calls import _call_user, _raise_mutation, _Watch, _watched_values
+from customgrad._user_calls import (
+    _NO_VERSION,
+    _VERSION,
+    _call_user,
+    _raise_mutation,
+    _Watch,
+    _watched_values,
+)
 from customgrad._validate import _MISSING, HALF_NAMES, check_source, collect_grads
 
 __all__ = [
@@ -52,8 +58,6 @@ MAX_LAYOUTS = 64
 
 _grad_enabled = torch.is_grad_enabled
 _graph_task_id = graph_task_id
-_VERSION = itertools.repeat("_version")
-_NO_VERSION = itertools.repeat(None)
 
 
 # --------------------------------------------------------------------------------------------

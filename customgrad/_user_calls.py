@@ -66,17 +66,8 @@ def _raise_mutation(
 _Watch: TypeAlias = "tuple[tuple[Any, ...], list[Any], int]"
 """What a backward function must not write to in place (the output gradients and the saved
 values), their version counters before the node's backward ran, and the number of output
-gradients: :func:`_watch`'s result, which :func:`_call_user` checks."""
-
-
-def _watch(saved: Any, grads: tuple[Any, ...]) -> _Watch:
-    """The watch of one node backward (see :data:`_Watch`).
-
-    Versions are read with ``getattr(v, "_version", None)`` over every value (C-level ``map``,
-    no Python frame per value): non-tensors read as None and never change.
-    """
-    values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)
-    return values, [*map(getattr, values, _VERSION, _NO_VERSION)], len(grads)
+gradients: what a pass's runner reads before the registered functions run
+(``customgrad._pass.watch_lines``), which :func:`_call_user` checks."""
 
 
 def _call_user(

@@ -325,8 +325,8 @@ class AutogradImpl:
     def whole(self, plan: PassPlan) -> PassPlan:
         """The plan that computes every gradient ``plan``'s node requires (what a plain
         ``autograd.Function`` computes in each pass: used when the split is switched off)."""
-        requires = plan.needed | plan.later_w | plan.later_in
-        return self.plan(*_masks(self.spec.signature, requires, requires))
+        requires = plan.key[0]
+        return self.plan(requires, requires)
 
     def slots(self, lens: tuple[int, ...]) -> dict[str, tuple[int, int | None]]:
         """For list lengths ``lens``: each argument's first flat position and list length
@@ -564,7 +564,7 @@ class DeferredWork:
             self._weights,
         )
         sig = impl.spec.signature
-        later = impl.plan(*_masks(sig, plan.needed | plan.later_w | plan.later_in, weights))
+        later = impl.plan(plan.key[0], _mask(sig, weights))
         if not SWITCHES.split:  # the whole backward again, like a plain Function
             later = impl.whole(later)
         found = impl.compute(record, later, self._saved, self._grads, keep=False)
@@ -613,7 +613,6 @@ def _deferred(
     return DeferredWork(impl, node, record, plan, weights, saved, grads)
 
 
-def _masks(sig: Signature, requires: frozenset[str], needed: frozenset[str]) -> tuple[int, int]:
-    req = sum(1 << i for i, n in enumerate(sig.names) if n in requires)
-    need = sum(1 << i for i, n in enumerate(sig.names) if n in needed)
-    return req, need
+def _mask(sig: Signature, names: frozenset[str]) -> int:
+    """``names`` as an argument bit mask (bit ``i``: argument ``i``)."""
+    return sum(1 << i for i, n in enumerate(sig.names) if n in names)

@@ -237,6 +237,8 @@ class PassPlan(NamedTuple):
     ctx: BackwardContext
     """The backward functions' context for this plan when the op registers no shared work
     (a context is read-only then, so every call with this plan shares one)."""
+    requires: frozenset[str]
+    """Every argument of the node that requires grad (``needed | later_w | later_in``)."""
     key: tuple[int, int]
     """(arguments that require grad, arguments needed) as bit masks (bit ``i``: argument
     ``i``): the plan's key among its op's plans and runners."""
@@ -259,7 +261,7 @@ def pass_plan(
     splits = bool(later_w) and bool(need_in)
     later_in = later - sig.weight_set
     ctx = BackwardContext(spec, phase, needed)
-    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx, key)
+    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx, requires, key)
 
 
 def auto_split(
@@ -337,7 +339,7 @@ def write_runner(
         "_SLOTS": slots,
         "_auto_split": auto_split,
         "_AUTO": rules.auto,
-        "_REQUIRES": plan.needed | plan.later_w | plan.later_in,
+        "_REQUIRES": plan.requires,
         "_make_ctx": functools.partial(BackwardContext, spec, "full"),
         "_handed_over": handed_over,
         "_Shared": _Shared,

@@ -11,7 +11,7 @@ make the same decisions with a fraction of the interpreter work.
 What it covers: ops without keyword-only arguments, mutated arguments, residuals, shared
 backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
 autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one fast
-path per layout of list lengths, written on first use (at most ``_MAX_LAYOUTS``). Calls must
+path per layout of list lengths, written on first use (at most ``MAX_LAYOUTS``). Calls must
 have plain tensors under grad mode, with no dispatch or function mode, functorch transform,
 profiler, forward-AD level, ``torch.compile`` trace, or kernel or autocast rule registered for
 the op through ``torch.library`` by someone else. Any other call declines (returns
@@ -72,10 +72,6 @@ def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
             break
         defaults.append(p.default)
     return tuple(reversed(defaults))
-
-
-_MAX_LAYOUTS = MAX_LAYOUTS
-"""List lengths an op's fast path is written for; calls with other lengths decline."""
 
 
 def _kernel_picker(kinds: tuple[ArgKind, ...]) -> int | None:
@@ -161,7 +157,7 @@ def build(
     layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
 
     def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
-        if len(layouts) >= _MAX_LAYOUTS:
+        if len(layouts) >= MAX_LAYOUTS:
             return _decline
         call = _Writer(impl, kernels, checked_output, foreign, lens, "").write()
         layouts[lens] = call

@@ -349,25 +349,34 @@ def write_runner(
     }
     watch = watch_lines()
 
-    def call(half: str, fn: Callable[..., Any] | None) -> list[str]:
-        """Call one registered function (refusing in-place writes), then its observers."""
+    def half_lines(
+        half: str,
+        fn: Callable[..., Any] | None,
+        allowed: frozenset[str],
+        need: frozenset[str],
+        out: str,
+        into: str | None = None,
+    ) -> list[str]:
+        """Call one registered function (refusing in-place writes), its observers, then check
+        what it returned."""
         if fn is None:  # registrations without it: the op's own message
             return ["raise _Missing(_missing())"]
         var = f"_FN_{half}"
         ns[var] = fn
-        return call_lines(half, var, half in nondiff) + _observe(HALF_NAMES[half], "r")
-
-    def check(
-        half: str, allowed: frozenset[str], need: frozenset[str], out: str, into: str | None = None
-    ) -> list[str]:
         ns[f"_ALLOWED_{out}"] = allowed
         ns[f"_NEEDED_{out}"] = need
-        return check_source(sig, half, f"_FN_{half}", allowed, need, out, slots, into)
+        return [
+            *call_lines(half, var, half in nondiff),
+            *_observe(HALF_NAMES[half], "r"),
+            *check_source(sig, half, var, allowed, need, out, slots, into),
+        ]
 
     if rules.backward is not None:
         bwd = rules.backward
-        ns["_FN_full"] = bwd
         if rules.auto is not None:
+            ns["_FN_full"] = bwd
+            ns["_ALLOWED_got"] = sig.tensor_set
+            ns["_NEEDED_got"] = plan.needed
             # The automatic split: the traced part for this pass, with the hand-off it reads
             # and keeps; the backward as written when the split declines.
             lines += [
@@ -383,13 +392,15 @@ def write_runner(
                         "record.handoff = _NO_HANDOFF if kept is None else (grads, kept)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
-                        *check("full", sig.tensor_set, plan.needed, "got"),
+                        *check_source(
+                            sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", slots
+                        ),
                         "return got",
                     ]
                 ),
             ]
-        lines += ["ctx = _CTX", *watch, *call("full", bwd)]
-        lines += check("full", sig.tensor_set, plan.needed, "got")
+        lines += ["ctx = _CTX", *watch]
+        lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
         lines.append("return got")
     else:
         lines += watch
@@ -405,11 +416,13 @@ def write_runner(
             lines.append("ctx = _CTX")
         lines.append("got = {}")
         if plan.need_in:
-            lines += call("input", rules.backward_input)
-            lines += check("input", sig.input_set, plan.need_in, "got_in", "got")
+            lines += half_lines(
+                "input", rules.backward_input, sig.input_set, plan.need_in, "got_in", "got"
+            )
         if plan.need_w:
-            lines += call("weight", rules.backward_weight)
-            lines += check("weight", sig.weight_set, plan.need_w, "got_w", "got")
+            lines += half_lines(
+                "weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w", "got"
+            )
             # the later pass ran: free what was kept for it
             lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
         if shared:

@@ -33,8 +33,10 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "FRAME_READABLE",
     "captured_by_caller",
+    "compiling_module",
     "graph_kept",
     "graph_task_id",
+    "is_aot_node",
     "library_impls",
     "will_execute",
 ]
@@ -50,6 +52,25 @@ graph_kept: Callable[[], bool] = getattr(
     getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", lambda: True
 )
 """Whether the running backward retains the graph (``retain_graph=True``); True when unknown."""
+
+
+def is_aot_node(node: Any) -> bool:
+    """Whether ``node`` is the autograd node of an AOTAutograd-compiled graph (its
+    ``autograd.Function`` class carries the compiled forward, ``compiled_fw``)."""
+    return getattr(getattr(node, "_forward_cls", None), "compiled_fw", None) is not None
+
+
+def compiling_module() -> Any:
+    """The ``self`` of the frame dynamo is compiling now (read from the running
+    ``InstructionTranslator``, while a backend is called), or None."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        return tx.output.root_tx.f_locals.get("self")
+    except Exception:  # no frame being compiled, or a torch that keeps it elsewhere
+        return None
+
 
 ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
 """The class of a leaf's gradient-accumulation node."""

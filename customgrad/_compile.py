@@ -43,7 +43,7 @@ from customgrad._autograd import engine_needs
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._switches import split_enabled
 from customgrad._torch_internals import (
-    compiling_module,
+    compiling_locals,
     graph_kept,
     is_aot_node,
 )
@@ -887,10 +887,11 @@ def _dynamo_input_names(gm: fx.GraphModule) -> list[str]:
 def _region_label(gm: fx.GraphModule) -> str:
     """The class of the module whose frame dynamo compiled (``Block``), else of the first
     module the graph calls, else "compiled function"."""
-    module = compiling_module()
+    frame = compiling_locals()  # forward(self, ...), or _call_for's call(*args) of call_impl
+    module = frame.get("self", getattr(frame.get("call_impl"), "__self__", None))
     if isinstance(module, nn.Module):
         for cls in type(module).__mro__:  # past FSDP2's generated FSDP<Block> class
-            if not cls.__module__.startswith("torch."):
+            if not cls.__module__.startswith("torch.distributed"):
                 return cls.__qualname__
         return type(module).__qualname__
     for n in gm.graph.nodes:

@@ -33,7 +33,7 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "FRAME_READABLE",
     "captured_by_caller",
-    "compiling_module",
+    "compiling_locals",
     "graph_kept",
     "graph_task_id",
     "is_aot_node",
@@ -60,16 +60,16 @@ def is_aot_node(node: Any) -> bool:
     return getattr(getattr(node, "_forward_cls", None), "compiled_fw", None) is not None
 
 
-def compiling_module() -> Any:
-    """The ``self`` of the frame dynamo is compiling now (read from the running
-    ``InstructionTranslator``, while a backend is called), or None."""
+def compiling_locals() -> dict[str, Any]:
+    """The locals of the frame dynamo is compiling now (read from the running
+    ``InstructionTranslator``, while a backend is called); empty when none."""
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
-        tx = InstructionTranslator.current_tx()
-        return tx.output.root_tx.f_locals.get("self")
+        found = InstructionTranslator.current_tx().output.root_tx.f_locals
     except Exception:  # no frame being compiled, or a torch that keeps it elsewhere
-        return None
+        return {}
+    return found if isinstance(found, dict) else {}
 
 
 ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))

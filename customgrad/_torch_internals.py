@@ -33,6 +33,7 @@ __all__ = [
     "ACCUMULATE_GRAD",
     "FRAME_READABLE",
     "captured_by_caller",
+    "compile_options",
     "compiling_locals",
     "graph_kept",
     "graph_task_id",
@@ -58,6 +59,41 @@ def is_aot_node(node: Any) -> bool:
     """Whether ``node`` is the autograd node of an AOTAutograd-compiled graph (its
     ``autograd.Function`` class carries the compiled forward, ``compiled_fw``)."""
     return getattr(getattr(node, "_forward_cls", None), "compiled_fw", None) is not None
+
+
+def compile_options(compiled: Any) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments (``backend``, ``options``, ``dynamic``,
+    ``fullgraph``) that made ``compiled``: a function compiled by ``torch.compile`` (what
+    ``nn.Module.compile`` stores in ``_compiled_call_impl``) or an ``OptimizedModule``. Read
+    from dynamo's context (``OptimizeContext``) and its backend wrapper; inductor's ``mode`` comes
+    back resolved into ``options``. None when they cannot be read."""
+    ctx = getattr(compiled, "dynamo_ctx", None)  # an OptimizedModule
+    if ctx is None:
+        code, cells = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
+        if code is None or not cells:
+            return None
+        try:
+            ctx = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("self")
+        except ValueError:  # an empty cell
+            return None
+    backend: Any = getattr(ctx, "callback", None)
+    for _ in range(3):  # CatchErrorsWrapper -> ConvertFrame(Assert) -> WrapBackendDebug -> it
+        backend = getattr(backend, "_torchdynamo_orig_backend", backend)
+    if backend is None or not hasattr(ctx, "fullgraph"):
+        return None
+    found: dict[str, Any] = {
+        "fullgraph": bool(getattr(ctx, "fullgraph", False)),
+        "dynamic": getattr(ctx, "_dynamic", None),
+    }
+    if type(backend).__name__ == "_TorchCompileInductorWrapper":
+        found["backend"] = "inductor"
+        found["options"] = dict(getattr(backend, "config", {})) or None
+    elif type(backend).__name__ == "_TorchCompileWrapper":
+        found["backend"] = backend.compiler_name
+        found.update(getattr(backend, "kwargs", None) or {})
+    else:
+        found["backend"] = backend
+    return found
 
 
 def compiling_locals() -> dict[str, Any]:

@@ -10,15 +10,20 @@ compiler:
 - **I**: the input gradients, plus the values W needs from them (the *hand-off*);
 - **W**: the weight gradients, from the saved values, the output gradients and the hand-off.
 
-Weights are the region's parameters, and the inputs made from parameters only outside it (a
-cast, a transposed tied weight), as torch's split counts them; when there are such inputs a
-second I/W pair, with parameters only as weights, serves calls where they are activations.
+Which gradients I computes follows the pass: the ones the running pass needs (the autograd
+engine says which of the node's edges it uses, as for customgrad ops,
+:func:`customgrad._autograd.engine_needs`); W computes the rest. Each such pattern is cut and
+compiled once, when first met; the pattern torch's split counts (parameters, and inputs made
+from parameters only outside the region: a cast, a transposed tied weight) is cut ahead, in the
+first backward. Blocks of one class share one compiled graph whose arguments may hold an
+activation in one block and a parameter-made tensor in another: each call gets its own cut.
 
 What W can recompute without FLOPs (views, elementwise ops of saved values) is recomputed in W
-rather than kept. At run time the node asks the autograd engine which of its edges the running
-pass uses (as customgrad ops do, :func:`customgrad._autograd.engine_needs`) and runs full, I or
-W. The hand-off is keyed by the node (one per microbatch), kept in a weak map so it goes with
-the graph if W never runs, and dropped by W.
+rather than kept. The hand-off is keyed by the node (one per microbatch), kept in a weak map so
+it goes with the graph if W never runs, and dropped by W. It belongs to the pass that made it:
+W reads it only when the engine gives the node the same output gradients as in I (recorded by
+a pre-hook the forward puts on the node; AOTAutograd's own copies of them, contiguous or zeros,
+are new in each pass), so a pass of another loss never reads it.
 
 What cannot split keeps the full backward, with one log line saying why: CUDA graphs
 (``mode="reduce-overhead"``), compiled autograd, tensor-subclass or mutated inputs that require
@@ -32,7 +37,7 @@ import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -40,6 +45,7 @@ import torch
 from torch import fx, nn
 
 from customgrad._autograd import engine_needs
+from customgrad._compiled_cut import Plan, cut_graph, example_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._switches import split_enabled
 from customgrad._torch_internals import (
@@ -86,14 +92,6 @@ customgrad.compile only, on the module itself (not torch.compile's OptimizedModu
 
     customgrad.compile(block)          # instead of block.compile() / torch.compile(block)
 """
-
-# aten ops W may recompute rather than keep: no FLOPs, nothing random, no mutation.
-_VIEWS = {
-    "alias", "as_strided", "detach", "expand", "permute", "reshape", "select", "slice",
-    "squeeze", "t", "transpose", "unsqueeze", "view", "_unsafe_view", "_reshape_alias",
-}  # fmt: skip
-_RECOMPUTE_DEPTH = 8
-
 
 # --------------------------------------------------------------------------------------------
 # What explain_split and the summary read
@@ -228,151 +226,6 @@ def region_of(node: Any) -> CompiledRegion | None:
 
 
 # --------------------------------------------------------------------------------------------
-# Cutting the backward graph
-
-
-@dataclass
-class _Plan:
-    input_gm: fx.GraphModule
-    weight_gm: fx.GraphModule
-    input_positions: list[int]
-    weight_positions: list[int]
-    handoff: list[fx.Node]
-    recomputed: list[fx.Node]
-    tangents: list[int]
-    """Positions of the output gradients among the backward's arguments."""
-
-
-def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        stack.extend(n.all_input_nodes)
-    return seen
-
-
-def _op_name(node: fx.Node) -> str | None:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
-    return None
-
-
-def _free(node: fx.Node) -> bool:
-    """Whether ``node`` costs no FLOPs: a view or an elementwise op, nothing random or in place."""
-    if node.op in ("placeholder", "get_attr"):
-        return True
-    if node.op != "call_function":
-        return False
-    target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
-        return False
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return _op_name(node) in _VIEWS or torch.Tag.pointwise in target.tags
-
-
-def _recomputable(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool:
-    """Whether W can rebuild ``node`` from the backward's inputs with free ops only."""
-    if node in memo:
-        return memo[node]
-    ok = node.op == "placeholder" or (
-        depth < _RECOMPUTE_DEPTH
-        and _free(node)
-        and all(_recomputable(a, memo, depth + 1) for a in node.all_input_nodes)
-    )
-    memo[node] = ok
-    return ok
-
-
-def _subgraph(
-    gm: fx.GraphModule, keep: set[fx.Node], extra: Sequence[fx.Node], outputs: Sequence[Any]
-) -> fx.GraphModule:
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            env[n] = graph.node_copy(n)
-    for h in extra:
-        p = graph.placeholder(f"handoff_{h.name}")
-        p.meta = dict(h.meta)
-        env[h] = p
-    for n in gm.graph.nodes:
-        if n in keep and n not in env and n.op not in ("placeholder", "output"):
-            env[n] = graph.node_copy(n, env.__getitem__)
-    out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
-    out.meta["user_visible_output_idxs"] = [
-        i for i, o in enumerate(outputs) if isinstance(o, fx.Node)
-    ]
-    graph.lint()
-    return fx.GraphModule(gm, graph)
-
-
-def _is_mutating(node: fx.Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
-
-
-def _plan(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> _Plan | str:
-    """Cut ``gm`` (outputs: one gradient per region input) into I and W, or say why not.
-
-    ``is_weight[j]`` is True for a weight's gradient, False for an input's, None for a
-    non-tensor input (always a None gradient).
-    """
-    out_node = gm.graph.output_node()
-    outs = list(out_node.args[0])  # type: ignore[arg-type]
-    if len(outs) != len(is_weight):
-        return (
-            f"its backward has {len(outs)} outputs for {len(is_weight)} inputs (AOTAutograd "
-            "deduplicated or regrouped them)"
-        )
-    if any(_is_mutating(n) for n in gm.graph.nodes):
-        return "its backward graph mutates a tensor in place"
-    ipos = [j for j, o in enumerate(outs) if isinstance(o, fx.Node) and is_weight[j] is False]
-    wpos = [j for j, o in enumerate(outs) if isinstance(o, fx.Node) and is_weight[j]]
-    a_i = _ancestors(outs[j] for j in ipos)
-    a_w = _ancestors(outs[j] for j in wpos)
-    w_only = {n for n in a_w if n not in a_i and n.op != "placeholder"}
-    memo: dict[fx.Node, bool] = {}
-    handoff: dict[fx.Node, None] = {}
-    recompute: set[fx.Node] = set()
-
-    def need(a: fx.Node) -> None:
-        if a.op == "placeholder" or a in w_only or a in recompute or a in handoff:
-            return
-        if _recomputable(a, memo):
-            stack = [a]
-            while stack:
-                n = stack.pop()
-                if n.op != "placeholder" and n not in recompute:
-                    recompute.add(n)
-                    stack.extend(n.all_input_nodes)
-        else:
-            handoff[a] = None
-
-    for n in w_only:
-        for a in n.all_input_nodes:
-            need(a)
-    for j in wpos:
-        need(outs[j])
-    hand = [n for n in gm.graph.nodes if n in handoff]
-    input_gm = _subgraph(gm, a_i, (), [outs[j] for j in ipos] + hand)
-    weight_gm = _subgraph(gm, w_only | recompute, hand, [outs[j] for j in wpos])
-    recomputed = [n for n in gm.graph.nodes if n in recompute]
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    tangents = [i for i, n in enumerate(placeholders) if n.name.startswith("tangents")]
-    return _Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed, tangents)
-
-
-def _example(node: fx.Node) -> Any:
-    return node.meta.get("val")
-
-
-# --------------------------------------------------------------------------------------------
 # Running it
 
 
@@ -382,7 +235,7 @@ class _Cut:
 
     input_fn: Callable[[list[Any]], Any]
     weight_fn: Callable[[list[Any]], Any]
-    plan: _Plan
+    plan: Plan
     later: tuple[bool, ...]
     """One entry per edge of the node (the region's tensor inputs): whether W computes its
     gradient (I computes the others)."""
@@ -724,7 +577,7 @@ class _SplitCompiler:
 
         full = self.compile_one(gm, example_inputs, **kwargs)
         by_history = later_of(_weights_by_history(self.kinds)) if reason is None else ()
-        first = _plan(gm, self._is_weight(by_history)) if reason is None else reason
+        first = cut_graph(gm, self._is_weight(by_history)) if reason is None else reason
         if isinstance(first, str):
             region.fall_back(first)
             return _Backward(region, _boxed(full), len(self.kinds), len(positions), [])
@@ -732,7 +585,7 @@ class _SplitCompiler:
         self._describe(gm, first)
         params_only = later_of(self.kinds)
         if params_only != by_history:
-            plan = _plan(gm, self._is_weight(params_only))
+            plan = cut_graph(gm, self._is_weight(params_only))
             if not isinstance(plan, str):
                 cuts.append(self._cut(plan, params_only, example_inputs, kwargs))
 
@@ -757,7 +610,7 @@ class _SplitCompiler:
         """The cut whose W computes the gradients of ``later``, compiled when a pass first
         needs it (blocks of one class share a graph whose inputs hold activations in one block
         and weights made from parameters in another)."""
-        plan = _plan(gm, self._is_weight(later))
+        plan = cut_graph(gm, self._is_weight(later))
         if isinstance(plan, str):
             self.region.note_repeat(plan)
             return None
@@ -773,7 +626,7 @@ class _SplitCompiler:
             self._describe(gm, plan)
         return cut
 
-    def _describe(self, gm: fx.GraphModule, plan: _Plan) -> None:
+    def _describe(self, gm: fx.GraphModule, plan: Plan) -> None:
         """What explain_split and the summary say of the region: the cut it runs first."""
         region = self.region
         names = _input_names(gm, self.kinds)
@@ -788,13 +641,13 @@ class _SplitCompiler:
 
     def _cut(
         self,
-        plan: _Plan,
+        plan: Plan,
         later: tuple[bool, ...],
         example_inputs: Sequence[Any],
         kwargs: dict[str, Any],
     ) -> _Cut:
         input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
-        weight_examples = [*example_inputs, *(_example(h) for h in plan.handoff)]
+        weight_examples = [*example_inputs, *(example_of(h) for h in plan.handoff)]
         weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
         return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, later)
 
@@ -810,9 +663,8 @@ def _weights_by_history(kinds: list[bool | None]) -> list[bool | None]:
     only, so torch's split computes it in W. Told from the autograd history of the node whose
     backward is being compiled (AOTAutograd compiles it lazily, inside the first backward):
     an edge whose history reaches only ``nn.Parameter`` leaves, within a few nodes, is a
-    weight. The same compiled graph may later serve a node where that input is an activation:
-    the pass then needs gradients of both kinds at once and runs the full graph (never a
-    wrong gradient).
+    weight. This only picks the cut compiled ahead; a call whose pass needs another pattern
+    (the same graph serving a block where that input is an activation) gets its own.
     """
     node = torch._C._current_autograd_node()
     if node is None:

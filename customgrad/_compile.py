@@ -246,21 +246,22 @@ class _Cut:
 
 
 def _same_pass(made: Sequence[Any] | None, now: Sequence[Any] | None) -> bool:
-    """Whether two records of output gradients (weak references, None for "no gradient") hold
-    the same tensors."""
+    """Whether ``now`` (output gradients, None for "no gradient") holds the tensors of ``made``
+    (a :func:`_weak` record), unmodified since."""
     if made is None or now is None or len(made) != len(now):
         return False
-    for ref, g in zip(made, now):
-        if ref is None:
+    for entry, g in zip(made, now):
+        if entry is None:
             if g is not None:
                 return False
-        elif ref() is not g:
+        elif entry[0]() is not g or g._version != entry[1]:  # the same tensor, not written to
             return False
     return True
 
 
 def _weak(grads: Sequence[Any]) -> list[Any]:
-    return [weakref.ref(g) if isinstance(g, torch.Tensor) else None for g in grads]
+    """A record of output gradients: per tensor a weak reference and its version counter."""
+    return [(weakref.ref(g), g._version) if isinstance(g, torch.Tensor) else None for g in grads]
 
 
 def _engine_grads(region: CompiledRegion, node: Any, tangents: Sequence[Any]) -> list[Any] | None:

@@ -338,3 +338,16 @@ def test_a_hook_that_replaces_the_gradients_in_w_makes_w_compute_its_own(
     assert "some pass ran the full backward" in region.describe()
     lines = [r.getMessage() for r in caplog.records if "would split" in r.getMessage()]
     assert len(lines) == 1
+
+
+def test_a_gradient_written_to_between_i_and_w_is_another_pass() -> None:
+    """The same gradient tensor, modified in place after I: W computes from its new values."""
+    ref, m = compiled(HookedBlock())
+    x = x_(seed=10)
+    y = m(x)
+    g = _g((4, 8), seed=2)
+    torch.autograd.grad(y, [x], g, retain_graph=True)
+    g.mul_(3)
+    dw = torch.autograd.grad(y, list(m.parameters()), g)
+    xr = x.detach().requires_grad_()
+    close(list(dw), list(torch.autograd.grad(ref(xr), list(ref.parameters()), g)))

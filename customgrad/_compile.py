@@ -339,15 +339,16 @@ class _PassRecorder:
 _WALK = 4
 
 
-def _watch(region: CompiledRegion, outputs: Any) -> None:
+def _watch(region: CompiledRegion, outputs: Any, earlier: Sequence[Any]) -> None:
     """Put a :class:`_PassRecorder` on the autograd node a compiled forward just made (reached
-    from its outputs within a few view nodes)."""
+    from its outputs within a few view nodes; not an input's, ``earlier``, which an output that
+    is an input, or a view of one, leads to)."""
     outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
     seen: set[int] = set()
     for o in outs:
         fn = o.grad_fn if isinstance(o, torch.Tensor) else None
         for _ in range(_WALK):
-            if fn is None:
+            if fn is None or any(fn is e for e in earlier):
                 break
             if is_aot_node(fn):
                 if id(fn) not in seen:
@@ -363,9 +364,12 @@ def _watching(region: CompiledRegion, compiled: Any) -> Any:
 
     @functools.wraps(compiled)
     def run(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return compiled(*args)
+        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # boxed
+        earlier = [a.grad_fn for a in flat if isinstance(a, torch.Tensor) and a.grad_fn is not None]
         out = compiled(*args)
-        if torch.is_grad_enabled():
-            _watch(region, out)
+        _watch(region, out, earlier)
         return out
 
     return run

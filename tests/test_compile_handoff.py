@@ -351,3 +351,30 @@ def test_a_gradient_written_to_between_i_and_w_is_another_pass() -> None:
     dw = torch.autograd.grad(y, list(m.parameters()), g)
     xr = x.detach().requires_grad_()
     close(list(dw), list(torch.autograd.grad(ref(xr), list(ref.parameters()), g)))
+
+
+class PassThrough(nn.Module):
+    """Returns a view of its input beside a new output: the input's node is no region's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x.view(-1), self.fc(x)
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_the_recorder_goes_on_the_region_s_own_node_only() -> None:
+    """An output that is a view of the region's input (AOTAutograd remakes it outside its
+    graph) leads to the node of the region before: the pass recorder goes on this region's own
+    node only (else it would keep the other node's gradients as long as that node lives)."""
+    first, second = Block().double(), PassThrough().double()
+    cg.compile(first, backend="aot_eager")
+    cg.compile(second, backend="aot_eager")
+    for _ in range(2):  # compiles, then runs compiled
+        h = first(x_())
+        same, y = second(h)
+        (y.sum() + same.sum()).backward()
+    (r,) = [r for r in regions() if r.name.startswith("PassThrough")]
+    assert len(r._passes) == 0

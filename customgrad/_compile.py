@@ -272,8 +272,8 @@ def _engine_grads(region: CompiledRegion, node: Any, tangents: Sequence[Any]) ->
     AOTAutograd's copies for the compiled graph (``tangents``: a contiguous copy of an expanded
     or transposed gradient, zeros for an output that got none) are new in each pass. A pre-hook
     registered after the recorder could replace them: each tangent must be one of the recorded
-    gradients, or a copy AOTAutograd would make of one (of a non-contiguous gradient, or
-    zeros for a missing one); otherwise the pass is unknown.
+    gradients, or a copy AOTAutograd would make of one (of the same shape into other strides,
+    or zeros for a missing one); otherwise the pass is unknown.
     """
     with _LOCK:
         seen = region._passes.pop(node, None)
@@ -281,14 +281,23 @@ def _engine_grads(region: CompiledRegion, node: Any, tangents: Sequence[Any]) ->
         return None
     grads = [g if isinstance(g, torch.Tensor) else None for g in seen]
     ids = {id(g) for g in grads if g is not None}
-    copied = [g for g in grads if g is None or not g.is_contiguous()]
+    unmatched = [g for g in grads if g is None or id(g) not in {id(t) for t in tangents}]
     for t in tangents:
         if not isinstance(t, torch.Tensor) or id(t) in ids:
             continue
-        k = next((k for k, g in enumerate(copied) if g is None or g.shape == t.shape), None)
+        # AOTAutograd copies a gradient only into other strides (the traced ones, which the copy
+        # has), and makes zeros for a missing one
+        k = next(
+            (
+                k
+                for k, g in enumerate(unmatched)
+                if g is None or (g.shape == t.shape and g.stride() != t.stride())
+            ),
+            None,
+        )
         if k is None:
             return None  # a tangent that is no recorded gradient nor a copy of one
-        del copied[k]
+        del unmatched[k]
     return grads
 
 

@@ -80,6 +80,18 @@ class ThreeOut(nn.Module):
         return self.fc2(h), self.fc3(h), h
 
 
+class TransposedOut(nn.Module):
+    """A transposed output: AOTAutograd copies a contiguous gradient into its strides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc2(torch.relu(self.fc1(x))).t())
+
+
 def compiled(module: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(eager float64 reference, compiled copy whose backward compiled in a full backward)."""
     torch.manual_seed(0)
@@ -105,6 +117,8 @@ LAYOUTS: dict[str, tuple[Callable[[], nn.Module], Loss]] = {
     "expanded (y.sum())": (Block, lambda y: ([y.sum()], None)),
     # a transposed gradient (a column-major dy, as from a matmul's backward)
     "transposed": (Block, lambda y: ([y], [_g((8, 4)).t()])),
+    # a contiguous gradient for a transposed output
+    "contiguous for a transposed output": (TransposedOut, lambda y: ([y], [_g((8, 4))])),
     # every other column of a wider tensor
     "non-contiguous": (Block, lambda y: ([y], [_g((4, 16))[:, ::2]])),
     # a differentiable output that receives no gradient: AOTAutograd gets zeros each pass

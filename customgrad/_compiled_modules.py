@@ -13,10 +13,12 @@ splits.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
 
 from customgrad._compile import compile as cg_compile
+from customgrad._errors import ArgumentValueError
 from customgrad._torch_internals import compile_options
 
 __all__ = ["split_compiled"]
@@ -30,7 +32,9 @@ def _by_torch(module: nn.Module) -> bool:
     return compiled is not None and not getattr(compiled, "_customgrad_compiled", False)
 
 
-def _recompile(module: nn.Module, compiled: object, how: str, path: str, done: list[str]) -> None:
+def _recompile(
+    module: nn.Module, compiled: Any, how: str, path: str, done: list[str], kept: list[str]
+) -> None:
     options = compile_options(compiled)
     if options is None:
         log.warning(
@@ -40,8 +44,19 @@ def _recompile(module: nn.Module, compiled: object, how: str, path: str, done: l
             how,
         )
         options = {}
-    cg_compile(module, **options)
-    done.append(f"{path or '<stage>'} ({type(module).__qualname__}, {how})")
+    name = f"{path or '<stage>'} ({type(module).__qualname__}, {how})"
+    try:
+        cg_compile(module, **options)
+    except ArgumentValueError:
+        # a backend without AOTAutograd (backend="eager", ...): its backward is autograd's own,
+        # which splits as it is; a wrapper becomes the in-place compile the schedules accept
+        if isinstance(compiled, nn.Module):  # the OptimizedModule
+            module.compile(**options)
+        else:
+            module._compiled_call_impl = compiled
+        kept.append(name)
+        return
+    done.append(name)
 
 
 def split_compiled(module: nn.Module, owner: str) -> tuple[nn.Module, list[str]]:
@@ -60,9 +75,10 @@ def split_compiled(module: nn.Module, owner: str) -> tuple[nn.Module, list[str]]
     from torch._dynamo.eval_frame import OptimizedModule
 
     done: list[str] = []
+    kept: list[str] = []
     if isinstance(module, OptimizedModule):
         inner = module._orig_mod
-        _recompile(inner, module, "torch.compile wrapper", "", done)
+        _recompile(inner, module, "torch.compile wrapper", "", done, kept)
         module = inner
     for path, parent in list(module.named_modules()):
         for name, child in list(parent._modules.items()):
@@ -70,12 +86,19 @@ def split_compiled(module: nn.Module, owner: str) -> tuple[nn.Module, list[str]]
                 inner = child._orig_mod
                 parent._modules[name] = inner
                 full = f"{path}.{name}" if path else name
-                _recompile(inner, child, "torch.compile wrapper", full, done)
+                _recompile(inner, child, "torch.compile wrapper", full, done, kept)
     for path, sub in module.named_modules():
         if _by_torch(sub):
             compiled = sub._compiled_call_impl
             sub._compiled_call_impl = None
-            _recompile(sub, compiled, "nn.Module.compile", path, done)
+            _recompile(sub, compiled, "nn.Module.compile", path, done, kept)
+    if kept:
+        log.info(
+            "%s: compiled modules left as torch compiled them (a backend without AOTAutograd: "
+            "autograd's own backward, which splits): %s",
+            owner,
+            ", ".join(kept),
+        )
     if done:
         log.warning(
             "%s: compiled modules recompiled with customgrad.compile (same options) so their "

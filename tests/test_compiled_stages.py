@@ -119,6 +119,21 @@ def test_modules_compiled_by_torch_split_on_customgrad_stage(
     assert all(r.status == "split" for r in regions() if r.name in used)
 
 
+@pytest.mark.parametrize("how", ["nn.Module.compile", "torch.compile wrappers"])
+def test_a_backend_without_aot_autograd_is_left_to_autograd_s_own_split(
+    group: None, how: str
+) -> None:
+    """backend="eager": no AOTAutograd, so autograd's own backward, which splits as it is; a
+    wrapper becomes the in-place compile the schedules accept. No error, right gradients."""
+    mods, ref = stage_modules(how, backend="eager")
+    stages = [PipelineStage(m, i, 2, CPU) for i, m in enumerate(mods)]
+    for s in stages:
+        for sub in s.submod.modules():
+            assert not isinstance(sub, torch._dynamo.eval_frame.OptimizedModule)
+    assert all(b._compiled_call_impl is not None for s in stages for b in s.submod)
+    step(stages, ref)
+
+
 def test_split_compiled_false_names_customgrad_compile(group: None) -> None:
     mods, _ = stage_modules("nn.Module.compile")
     stages = [PipelineStage(m, i, 2, CPU, split_compiled=False) for i, m in enumerate(mods)]

@@ -184,6 +184,9 @@ def _compiled_region_rows() -> Sequence[CompiledRegionRow]:
                 f"I keeps {len(region.handoff)} value(s) for W, W recomputes "
                 f"{len(region.recomputed)}"
             )
+            repeated = getattr(region, "repeated", None)
+            if repeated:
+                detail += f"; some pass ran the full backward: {repeated}"
             rows.append(CompiledRegionRow(region.name, "split", detail))
         else:
             rows.append(CompiledRegionRow(region.name, "fell back", region.reason or "-"))

@@ -349,7 +349,9 @@ def test_a_hook_that_replaces_the_gradients_in_w_makes_w_compute_its_own(
     close(list(dw), list(torch.autograd.grad(yr, list(ref.parameters()), 2 * g1)))
     (region,) = [r for r in regions() if r.name.startswith("HookedBlock")]
     assert region.repeated is not None and "other output gradients" in region.repeated
-    assert "some pass ran the full backward" in region.describe()
+    assert "some pass ran the full backward" in region.describe()  # explain_split's text
+    (row,) = [r for r in cg.summary().compiled_regions if r.region == region.name]
+    assert "some pass ran the full backward: a pass needing only" in row.detail
     lines = [r.getMessage() for r in caplog.records if "would split" in r.getMessage()]
     assert len(lines) == 1
 

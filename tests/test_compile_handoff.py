@@ -394,3 +394,34 @@ def test_the_recorder_goes_on_the_region_s_own_node_only() -> None:
         (y.sum() + same.sum()).backward()
     (r,) = [r for r in regions() if r.name.startswith("PassThrough")]
     assert len(r._passes) == 0
+
+
+class MixInductor(nn.Module):
+    """``Mix`` again, for inductor: its own compiled graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor, v: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x) @ v)
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_a_cut_compiled_in_a_later_backward_by_inductor_splits_exactly() -> None:
+    """The cut for the activation block's graph is compiled when the weight block's pass first
+    needs another pattern, inside that backward, by inductor."""
+    torch.manual_seed(0)
+    ref = Shared(MixInductor, weight_block_last=False).double()
+    m = copy.deepcopy(ref)
+    cg.compile(m.a, backend="inductor")
+    cg.compile(m.b, backend="inductor")
+    m(x_(shape=(8, 8))).sum().backward()
+    loss: Loss = lambda y: ([y], [_g((8, 8))])  # noqa: E731
+    full, dx, dw = eager(ref, loss, x_(shape=(8, 8)))
+    for how in SPLITS:
+        m.zero_grad(set_to_none=True)
+        f_i, f_w, (got_dx,) = split(m, loss, x_(shape=(8, 8)), how)
+        close([got_dx], [dx])
+        close([p.grad for p in m.parameters()], dw)
+        assert f_i + f_w == full

@@ -49,6 +49,7 @@ from customgrad._compiled_cut import Plan, cut_graph, example_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._switches import split_enabled
 from customgrad._torch_internals import (
+    compiled_autograd_on,
     compiling_locals,
     graph_kept,
     is_aot_node,
@@ -375,6 +376,11 @@ def _watching(region: CompiledRegion, compiled: Any) -> Any:
     def run(*args: Any) -> Any:
         if not torch.is_grad_enabled():
             return compiled(*args)
+        if compiled_autograd_on() and region.status == "split":
+            region.fall_back(
+                "compiled autograd runs its backward graph itself (whole, in each pass), "
+                "not customgrad's split"
+            )
         flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # boxed
         earlier = [a.grad_fn for a in flat if isinstance(a, torch.Tensor) and a.grad_fn is not None]
         out = compiled(*args)

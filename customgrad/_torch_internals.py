@@ -34,6 +34,7 @@ __all__ = [
     "FRAME_READABLE",
     "captured_by_caller",
     "compile_options",
+    "compiled_autograd_on",
     "compiling_locals",
     "graph_kept",
     "graph_task_id",
@@ -94,6 +95,13 @@ def compile_options(compiled: Any) -> dict[str, Any] | None:
     else:
         found["backend"] = backend
     return found
+
+
+def compiled_autograd_on() -> bool:
+    """Whether compiled autograd is on (``torch._dynamo.compiled_autograd``'s flag): it then
+    traces and runs each backward itself, AOTAutograd's compiled backwards included."""
+    module = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(module, "compiled_autograd_enabled", False))
 
 
 def compiling_locals() -> dict[str, Any]:

@@ -425,3 +425,38 @@ def test_a_cut_compiled_in_a_later_backward_by_inductor_splits_exactly() -> None
         close([got_dx], [dx])
         close([p.grad for p in m.parameters()], dw)
         assert f_i + f_w == full
+
+
+class CompiledAutogradBlock(HookedBlock):
+    """``Block`` as another class, for compiled autograd (its region is marked fallen back)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_compiled_autograd_is_said_to_run_the_backward_whole(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Compiled autograd runs AOTAutograd's backward graph itself, never customgrad's cut:
+    right gradients, the region marked fallen back, one log line."""
+    from torch._dynamo import compiled_autograd
+
+    ref, m = compiled(CompiledAutogradBlock())
+    x = x_(seed=11)
+    traced = compiled_autograd._enable(torch.compile(backend="aot_eager"))
+    with caplog.at_level(logging.WARNING, logger="customgrad"), traced:
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            y = m(x)
+            dx, groups = torch_split.stage_backward_input(
+                [y], [torch.ones_like(y)], [x], iter(m.parameters())
+            )
+            torch_split.stage_backward_weight(iter(m.parameters()), groups)
+    _, want_dx, want_dw = eager(ref, lambda y: ([y], [torch.ones_like(y)]), x)
+    close([dx[0]], [want_dx])
+    close([p.grad for p in m.parameters()], want_dw)
+    (region,) = [r for r in regions() if r.name.startswith("CompiledAutogradBlock")]
+    assert region.status == "fallback" and region.reason is not None
+    assert region.reason.startswith("compiled autograd runs its backward graph itself")
+    lines = [r for r in caplog.records if "compiled autograd runs" in r.getMessage()]
+    assert len(lines) == 1

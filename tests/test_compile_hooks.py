@@ -16,7 +16,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad._compile import region_of, regions
-from customgrad._torch_internals import compiling_locals, is_aot_node
+from customgrad._torch_internals import (
+    compile_options,
+    compiled_autograd_on,
+    compiling_locals,
+    is_aot_node,
+)
 
 
 class Block(nn.Module):
@@ -115,6 +120,22 @@ def test_torch_internals_compile_adapters() -> None:
     assert compiling_locals() == {}  # outside a compile
     assert is_aot_node(out.grad_fn)
     assert not is_aot_node((out * 2).grad_fn)
+
+    lin = nn.Linear(2, 2)
+    lin.compile(mode="max-autotune-no-cudagraphs", fullgraph=True, dynamic=False)
+    found = compile_options(lin._compiled_call_impl)
+    assert found is not None and found["backend"] == "inductor"
+    assert (found["fullgraph"], found["dynamic"]) == (True, False)
+    assert found["options"] and found["options"].get("max_autotune") is True
+    wrapped = torch.compile(nn.Linear(2, 2), backend="aot_eager")
+    assert compile_options(wrapped) == {"fullgraph": False, "dynamic": None, "backend": "aot_eager"}
+    assert compile_options(lambda: None) is None
+
+    from torch._dynamo import compiled_autograd
+
+    assert not compiled_autograd_on()
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        assert compiled_autograd_on()
 
 
 @pytest.fixture

@@ -48,7 +48,9 @@ def _float_as_fp32(original: Any) -> Any:
 
     def cvt(arg: Any) -> Any:
         if isinstance(arg, float):
-            return tl.tensor(TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+            return tl.tensor(
+                TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32
+            )
         return original(arg)
 
     return cvt

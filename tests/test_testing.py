@@ -398,5 +398,5 @@ def test_an_op_without_counted_flops_says_so() -> None:
     assert report["flops"].detail == MSG_NO_FLOPS.format(
         ran="input pass: backward_input x1; weight pass: backward_weight x1"
     )
-    assert "[skip] flops: could not measure FLOPs" in str(report)
+    assert "[skip] flops (float64): could not measure FLOPs" in str(report)
     assert "[ok  ] flops" not in str(report)

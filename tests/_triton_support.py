@@ -36,7 +36,7 @@ try:
 except ImportError:  # triton is a dev dependency; without it the Triton tests skip
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "INTERPRETED", "interpreter_shims"]
+__all__ = ["HAS_TRITON", "INTERPRETED", "count_launches", "interpreter_shims"]
 
 INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
 """Whether ``@triton.jit`` kernels run in Triton's interpreter in this process."""
@@ -93,3 +93,24 @@ def interpreter_shims() -> Iterator[None]:
     finally:
         for (module, name), value in saved.items():
             setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def count_launches(*kernels: Any) -> Iterator[dict[str, int]]:
+    """Count the launches of ``kernels`` (``@triton.jit`` functions) in the ``with`` block, by
+    kernel name: ``{"_backward_kernel": 1}``. Works interpreted and compiled (each kernel's
+    pre-run hook: the interpreter has no global launch hook)."""
+    counts: dict[str, int] = {k.__name__: 0 for k in kernels}
+    hooks = []
+    for k in kernels:
+
+        def hook(*args: Any, _name: str = k.__name__, **kwargs: Any) -> None:
+            counts[_name] += 1
+
+        k.add_pre_run_hook(hook)
+        hooks.append((k, hook))
+    try:
+        yield counts
+    finally:
+        for k, hook in hooks:
+            k.pre_run_hooks.remove(hook)

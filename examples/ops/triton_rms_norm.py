@@ -167,7 +167,7 @@ if HAS_TRITON:
                 f"check_op(op, ..., dtype=torch.float32)."
             )
 
-    def _forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    def _forward(x: Tensor, weight: Tensor, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
         _check("examples::triton_rms_norm", x, weight)
         n_cols = x.shape[-1]
         x2 = x.reshape(-1, n_cols).contiguous()

@@ -1,0 +1,260 @@
+"""Triton kernels through customgrad: run on CPU by Triton's interpreter (``TRITON_INTERPRET=1``,
+set by ``tests/_triton_support.py`` before Triton is imported) and on CUDA compiled
+(``make gpu-check``, the tests marked ``cuda``).
+
+The fused RMSNorm example (``examples/ops/triton_rms_norm.py``): gradients against torch in
+float32, its backward kernel launched once across the input and the weight pass, under
+``torch.compile``; ``check_op`` in the kernel's own dtype, counting launches per pass.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import customgrad as cg
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from customgrad.testing import (
+    FIX_LAUNCHED_TWICE,
+    MSG_COARSE_DTYPE,
+    MSG_NO_FLOAT64,
+    CheckFailed,
+    check_op,
+)
+from tests._triton_support import HAS_TRITON, INTERPRETED, count_launches, interpreter_shims
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a dev dependency)")
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from examples.ops import triton_rms_norm as rms_module
+    from examples.ops import triton_scale_shift as scale_shift_module
+    from examples.ops.triton_rms_norm import triton_rms_norm, triton_rms_norm_backward
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0")),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+# The backward reads the residual rstd: registered differentiable=False, no double backward.
+ONCE = ["opcheck", "fake", "gradcheck", "split", "flops"]
+
+
+def _reference(x: Tensor, w: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _args(device: str, *shape: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g).to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device).requires_grad_()
+    return x, w
+
+
+def _kernels() -> tuple[Any, Any]:
+    return rms_module._forward_kernel, rms_module._backward_kernel
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_and_gradients_match_torch_in_float32(device: str) -> None:
+    x, w = _args(device, 3, 5, 12)  # 12 columns: a masked block of 16
+    with count_launches(*_kernels()) as launches:
+        y = triton_rms_norm(x, w)
+        g = torch.randn_like(y)
+        dx, dw = torch.autograd.grad(y, (x, w), g)
+    assert launches == {"_forward_kernel": 1, "_backward_kernel": 1}
+    ref = _reference(x, w)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, rx, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw, rw, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_kernel_launched_once_across_input_and_weight_pass(device: str) -> None:
+    x, w = _args(device, 4, 8, seed=1)
+    y = triton_rms_norm(x, w)
+    grad = torch.randn_like(y)
+    full = torch.autograd.grad(_reference(x, w), (x, w), grad)
+    with count_launches(*_kernels()) as launches:
+        _, groups = stage_backward_input([y], [grad], [x], iter([w]))
+        after_input = dict(launches)
+        stage_backward_weight(iter([w]), groups)
+    assert after_input == {"_forward_kernel": 0, "_backward_kernel": 1}
+    assert launches == {"_forward_kernel": 0, "_backward_kernel": 1}  # W launched nothing
+    assert x.grad is not None and w.grad is not None
+    torch.testing.assert_close(x.grad, full[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, full[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_aot_eager_gives_eager_gradients(device: str) -> None:
+    x, w = _args(device, 2, 3, 8, seed=2)
+    triton_rms_norm(x, w).sum().backward()
+    xc, wc = (t.detach().clone().requires_grad_() for t in (x, w))
+    fn = torch.compile(
+        lambda a, b: triton_rms_norm(a, b).sum(), backend="aot_eager", fullgraph=True
+    )
+    loss = fn(xc, wc)
+    with count_launches(*_kernels()) as launches:
+        loss.backward()
+    assert launches["_backward_kernel"] == 1
+    torch.testing.assert_close(xc.grad, x.grad)
+    torch.testing.assert_close(wc.grad, w.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_op_in_float32_counts_one_backward_launch(device: str) -> None:
+    x, w = (t.detach() for t in _args(device, 4, 8, seed=3))
+    report = check_op(triton_rms_norm, x, w, dtype=torch.float32, checks=ONCE)
+    assert report.ok, str(report)
+    assert report["gradcheck"].dtype == "float32" and report["split"].dtype == "float32"
+    kernel = "examples::triton_rms_norm_backward"
+    assert report.launches["full"] == {kernel: 1}
+    assert report.launches["input"] == {kernel: 1}
+    assert report.launches["weight"] == {}
+    assert report["flops"].status == "passed"
+    assert report["flops"].detail.startswith("no FLOPs to count")
+    assert f"kernel launches, input: {kernel} x1" in str(report)
+    assert "[ok  ] gradcheck (float32)" in str(report)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU kernel is Triton's only when interpreted")
+def test_check_op_default_float64_names_the_kernel_and_the_fix() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(CheckFailed) as info:
+        check_op(triton_rms_norm, x, w, checks=ONCE)
+    exc = (
+        "UnsupportedError: examples::triton_rms_norm: the Triton kernel takes float32, float16 "
+        "or bfloat16 tensors, got torch.float64. Convert the arguments (x.float()), or check the "
+        "op in its own dtype: check_op(op, ..., dtype=torch.float32)."
+    )
+    expected = MSG_NO_FLOAT64.format(op="examples::triton_rms_norm", exc=exc)
+    assert isinstance(info.value, cg.CustomGradError)
+    for name in ("gradcheck", "split", "flops"):
+        assert info.value.report[name].detail == expected
+    assert info.value.report["fake"].status == "passed"  # the arguments as given: float32
+    with pytest.raises(CheckFailed, match=re.escape(f"  - gradcheck: {expected}")):
+        check_op(triton_rms_norm, x, w, checks=ONCE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_op_in_bfloat16_skips_finite_differences_saying_why(device: str) -> None:
+    x, w = (t.detach() for t in _args(device, 4, 8, seed=4))
+    report = check_op(triton_rms_norm, x, w, dtype=torch.bfloat16, checks=ONCE)
+    assert report.ok, str(report)
+    assert report["gradcheck"].status == "skipped"
+    assert report["gradcheck"].detail == MSG_COARSE_DTYPE.format(dtype="bfloat16")
+    assert report["split"].status == "passed" and report["split"].dtype == "bfloat16"
+
+
+def _relaunching_op(name: str) -> cg.CustomOp[..., Tensor]:
+    """RMSNorm whose two halves each launch the fused backward kernel (the mistake)."""
+
+    @cg.op(name, weights=("weight",), residuals=("rstd",))
+    def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return triton_rms_norm(x, weight), torch.rsqrt(
+            x.float().pow(2).mean(-1) + 1e-6
+        )
+
+    op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
+    op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
+
+    @op.register_backward_input(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        return {"x": triton_rms_norm_backward(grad, *saved)[0]}
+
+    @op.register_backward_weight(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        return {"weight": triton_rms_norm_backward(grad, *saved)[1]}
+
+    return op
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_op_reports_a_backward_kernel_launched_in_both_passes(device: str) -> None:
+    op = _relaunching_op(f"test_triton::relaunch_{device}")
+    x, w = (t.detach() for t in _args(device, 4, 8, seed=5))
+    report = check_op(op, x, w, dtype=torch.float32, checks=ONCE, raise_on_failure=False)
+    assert [r.name for r in report.failures] == ["flops"], str(report)
+    kernel = "examples::triton_rms_norm_backward"
+    assert report.launches["input"] == {kernel: 1} and report.launches["weight"] == {kernel: 1}
+    assert report["flops"].detail == (
+        f"the backward kernel {kernel} ran in both passes, computing the same result in the "
+        f"input pass and again in the weight pass: work done twice\n{FIX_LAUNCHED_TWICE}"
+    )
+
+
+def test_check_op_float32_gradcheck_catches_a_wrong_gradient() -> None:
+    @cg.op("test_triton::wrong", weights=("w",))
+    def wrong(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    wrong.register_fake(lambda x, w: torch.empty_like(x))
+    wrong.register_save_for_backward(lambda i, o: (i.x, i.w))
+    wrong.register_backward_input(lambda ctx, s, g: {"x": g * s[1]})
+    wrong.register_backward_weight(lambda ctx, s, g: {"w": (g * s[0]).sum(0) * 1.1})
+    report = check_op(
+        wrong, torch.randn(4, 3), torch.randn(3), dtype=torch.float32, raise_on_failure=False
+    )
+    assert report["gradcheck"].status == "failed"
+    assert report["gradcheck"].dtype == "float32"
+    assert "with respect to 'w'" in report["gradcheck"].detail
+
+
+def test_check_op_refuses_a_dtype_that_is_not_floating() -> None:
+    with pytest.raises(
+        cg.CustomGradError,
+        match=re.escape(
+            'check_op(examples::triton_rms_norm): dtype must be a floating-point torch.dtype, "own" '
+            "(the arguments' own dtypes) or None (float64), got torch.int64. Pass e.g. "
+            "dtype=torch.float32."
+        ),
+    ):
+        check_op(triton_rms_norm, torch.randn(2, 4), torch.randn(4), dtype=torch.int64)
+
+
+# -- the other Triton example and the interpreter's gaps ----------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_shift_runs_its_triton_kernel(device: str) -> None:
+    g = torch.Generator().manual_seed(6)
+    x, w, b = (torch.randn(s, generator=g).to(device) for s in ((4, 8), (8,), (8,)))
+    with count_launches(scale_shift_module._scale_shift_kernel) as launches:
+        torch.testing.assert_close(scale_shift_module.scale_shift(x, w, b), x * w + b)
+    assert launches == {"_scale_shift_kernel": 1}
+    assert check_op(scale_shift_module.scale_shift, x, w, b, dtype=torch.float32).ok
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gaps_kernel(x_ptr, out_ptr, eps, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        y = libdevice.tanh(x) + libdevice.rsqrt(x * x + eps.to(tl.float32))
+        tl.store(out_ptr + offs, y, mask=mask)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the shims fill gaps of the interpreter only")
+def test_interpreter_shims_fill_the_float_argument_and_libdevice_gaps() -> None:
+    x = torch.randn(10)
+    out = torch.full_like(x, float("nan"))
+    with pytest.raises(Exception, match="'float' object has no attribute 'to'"):
+        _gaps_kernel[(1,)](x, out, 1e-3, 10, 16)  # the gap, unshimmed
+    with interpreter_shims():
+        _gaps_kernel[(1,)](x, out, 1e-3, 10, 16)
+    torch.testing.assert_close(out, torch.tanh(x) + torch.rsqrt(x * x + 1e-3))

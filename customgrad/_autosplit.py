@@ -151,6 +151,8 @@ def _why(e: BaseException) -> tuple[str, str]:
     )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
+    from customgrad._triton import raw_launch
+
     first = (str(e).strip().splitlines() or [""])[0]
     if len(first) > 160:
         first = first[:157] + "..."
@@ -165,6 +167,15 @@ def _why(e: BaseException) -> tuple[str, str]:
             "it calls an op whose output shape depends on tensor values (nonzero, "
             "masked_select, unique)",
             "keep shapes fixed (masks instead of selection)",
+        )
+    launch = raw_launch(e)
+    if launch is not None:
+        return (
+            f"it launches the Triton kernel {launch.kernel} directly ({launch.at}), which fake "
+            f"tensors cannot run",
+            "make the kernel an op with a fake kernel (a customgrad op, or "
+            "torch.library.triton_op) and call the op from the backward: the trace keeps it as "
+            "one opaque call",
         )
     if "data pointer" in first or "data_ptr" in first:
         return (

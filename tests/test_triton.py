@@ -166,9 +166,7 @@ def _relaunching_op(name: str) -> cg.CustomOp[..., Tensor]:
 
     @cg.op(name, weights=("weight",), residuals=("rstd",))
     def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
-        return triton_rms_norm(x, weight), torch.rsqrt(
-            x.float().pow(2).mean(-1) + 1e-6
-        )
+        return triton_rms_norm(x, weight), torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
 
     op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
     op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
@@ -258,3 +256,65 @@ def test_interpreter_shims_fill_the_float_argument_and_libdevice_gaps() -> None:
     with interpreter_shims():
         _gaps_kernel[(1,)](x, out, 1e-3, 10, 16)
     torch.testing.assert_close(out, torch.tanh(x) + torch.rsqrt(x * x + 1e-3))
+
+
+# -- a raw Triton launch in a backward -----------------------------------------------------------
+def _raw_launch_op(name: str) -> cg.CustomOp[..., Tensor]:
+    """RMSNorm whose single backward launches the backward kernel itself (no op around it)."""
+
+    @cg.op(name, weights=("weight",), residuals=("rstd",))
+    def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return triton_rms_norm(x, weight), torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+
+    op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
+    op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
+
+    @op.register_backward(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        dx, dw = rms_module._backward(grad, *saved)  # the raw launch
+        return {"x": dx, "weight": dw}
+
+    return op
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_raw_launch_in_a_backward_under_compile_names_the_op_and_the_fix() -> None:
+    op = _raw_launch_op("test_triton::raw_compiled")
+    x, w = _args("cpu", 4, 8, seed=7)
+    fn = torch.compile(lambda a, b: op(a, b).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception) as info:
+        fn(x, w).backward()
+    err = info.value
+    inner = getattr(err, "inner_exception", None)  # dynamo wraps it: BackendCompilerFailed
+    err = inner if isinstance(inner, BaseException) else err
+    assert isinstance(err, cg.UnsupportedError) and isinstance(err, RuntimeError)
+    launched_at = f"{rms_module.__file__}:"
+    assert str(err).startswith(
+        "test_triton::raw_compiled: backward launches the Triton kernel _backward_kernel "
+        f"directly ({launched_at}"
+    )
+    assert (
+        "on tensors without data: torch.compile traces the backward on fake tensors, which a raw "
+        "launch cannot read. Make the kernel an op with a fake kernel and call the op from the "
+        "backward, so the trace keeps it as one opaque call:"
+    ) in str(err)
+    assert "torch.library.triton_op + wrap_triton" in str(err)
+    assert re.search(r"\(backward defined at .*test_triton\.py:\d+\)$", str(err))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_automatic_split_fallback_names_the_raw_launch() -> None:
+    op = _raw_launch_op("test_triton::raw_auto")
+    x, w = _args("cpu", 4, 8, seed=8)
+    with count_launches(rms_module._backward_kernel) as launches:
+        op(x, w).sum().backward()
+    assert launches["_backward_kernel"] == 1
+    auto = op.rules.auto
+    assert isinstance(auto, cg._autosplit.AutoSplitter)
+    fallback = auto.fallback()
+    assert fallback is not None
+    assert fallback.describe().startswith(
+        "not split automatically (it launches the Triton kernel _backward_kernel directly "
+        f"({rms_module.__file__}:"
+    )
+    assert "which fake tensors cannot run)" in fallback.describe()

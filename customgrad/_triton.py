@@ -51,9 +51,16 @@ class RawLaunch:
     at: str
 
 
+_NO_DATA = (
+    "data pointer",  # compiled Triton; torch's invalid python storage; FakeTensor's warning
+    "data_ptr",
+    'storage of a tensor on device "meta"',  # the interpreter copying a fake tensor to the host
+)
+
+
 def _data_pointer_error(e: BaseException) -> bool:
     text = str(e)
-    return "data pointer" in text or "data_ptr" in text
+    return any(s in text for s in _NO_DATA)
 
 
 def raw_launch(e: BaseException) -> RawLaunch | None:

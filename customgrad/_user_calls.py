@@ -91,7 +91,7 @@ def _call_user(
     else:
         try:
             result = fn(ctx, saved, *grads)
-        except RuntimeError as e:  # a raw Triton launch on fake tensors (torch.compile)
+        except Exception as e:  # a raw Triton launch on fake tensors (torch.compile)?
             raise_if_raw_launch(e, ctx.op.name, HALF_NAMES[half], fn)
             raise
     # Did ``fn`` move a version counter? (checked here, not in a method: one frame less)

@@ -637,7 +637,7 @@ def from_function(
                 why = f"it launches the Triton kernel {launch.kernel} directly ({launch.at})"
                 raise UnsupportedError(
                     MSG_NO_FAKE.format(
-                        op=qualname, why=why, function=function.__qualname__,
+                        op=qualname, why=why, function=function.__name__,
                         args=", ".join(names), loc=where(forward),
                     )
                 ) from e  # fmt: skip

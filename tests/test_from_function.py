@@ -575,7 +575,7 @@ def test_triton_function_without_a_fake_kernel_names_the_op_and_how_to_give_one(
         "    @op.register_fake\n"
         "    def _(x, weight, eps):\n"
         "        return torch.empty_like(x)              # each output's shape, dtype and device\n\n"
-        f"(forward defined at {__file__}:{function.forward.__code__.co_firstlineno + 1})"
+        f"(forward defined at {__file__}:{function.forward.__code__.co_firstlineno})"
     )
 
 

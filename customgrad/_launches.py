@@ -64,11 +64,11 @@ class LaunchCounter(TorchDispatchMode):
         if runtime is not None and not runtime.interpret:
             self._triton_hooks = runtime.launch_enter_hook
             self._triton_hooks.add(self._triton_launch)
-        super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         if self._triton_hooks is not None:
             self._triton_hooks.remove(self._triton_launch)
             self._triton_hooks = None

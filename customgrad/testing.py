@@ -741,9 +741,10 @@ class _SplitCheck:
 
         # split == full
         mismatches: list[str] = []
-        tolerances: dict[str, float] = {}  # torch's defaults for the dtype when neither is given
+        atol: float | None = None  # both None: torch's defaults for the dtype
+        rtol: float | None = None
         if self.atol is not None or self.rtol is not None:
-            tolerances = {"atol": self.atol or 0.0, "rtol": self.rtol or 0.0}
+            atol, rtol = self.atol or 0.0, self.rtol or 0.0
         split_grads = dict(zip(inputs, passes["input"])) | dict(zip(weights, passes["weight"]))
         for slot, g_full in zip(self.args.diff, full):
             g_split = split_grads[slot]
@@ -751,7 +752,7 @@ class _SplitCheck:
             a = torch.zeros_like(ref) if g_full is None else g_full
             b = torch.zeros_like(ref) if g_split is None else g_split
             try:
-                torch.testing.assert_close(b, a, **tolerances)
+                torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
             except AssertionError as e:
                 pass_name = "weight" if slot.is_weight else "input"
                 mismatches.append(

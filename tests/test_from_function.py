@@ -504,7 +504,7 @@ def test_requires_grad_read_in_forward_under_aot_autograd() -> None:
 def _triton_function() -> type[torch.autograd.Function]:
     """RMSNorm as a Function: its forward launches the Triton kernel itself (raw), its backward
     calls the fused backward kernel through its op (which has a fake kernel)."""
-    from examples.ops import triton_rms_norm as rms
+    from examples.ops import triton_fused_rms_norm as rms
 
     class TritonRMSNorm(torch.autograd.Function):
         @staticmethod

@@ -2,9 +2,11 @@
 set by ``tests/_triton_support.py`` before Triton is imported) and on CUDA compiled
 (``make gpu-check``, the tests marked ``cuda``).
 
-The fused RMSNorm example (``examples/ops/triton_rms_norm.py``): gradients against torch in
-float32, its backward kernel launched once across the input and the weight pass, under
-``torch.compile``; ``check_op`` in the kernel's own dtype, counting launches per pass.
+The fused RMSNorm example (``examples/ops/triton_fused_rms_norm.py``): gradients against torch
+in float32, its backward kernel launched once across the input and the weight pass (through
+``register_backward_shared``, and through a traced ``register_backward``), under
+``torch.compile``; ``check_op`` in the kernel's own dtype, counting launches per pass; a raw
+launch in a backward; the interpreter's shims.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ if HAS_TRITON:
     import triton.language as tl
     from triton.language.extra import libdevice
 
-    from examples.ops import triton_rms_norm as rms_module
+    from examples.ops import triton_fused_rms_norm as rms_module
     from examples.ops import triton_scale_shift as scale_shift_module
-    from examples.ops.triton_rms_norm import triton_rms_norm, triton_rms_norm_backward
+    from examples.ops.triton_fused_rms_norm import triton_rms_norm, triton_rms_norm_backward
 
 DEVICES = [
     pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0")),
@@ -318,3 +320,35 @@ def test_automatic_split_fallback_names_the_raw_launch() -> None:
         f"({rms_module.__file__}:"
     )
     assert "which fake tensors cannot run)" in fallback.describe()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_traced_backward_calling_the_kernel_op_launches_it_once(device: str) -> None:
+    """The other way: one register_backward calls the backward op once and returns both
+    gradients; the automatic split computes the call once, in I, and hands dweight to W."""
+
+    @cg.op(f"test_triton::traced_{device}", weights=("weight",), residuals=("rstd",))
+    def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return rms_module._forward(x, weight)  # type: ignore[no-any-return]
+
+    op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
+    op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
+
+    @op.register_backward(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        dx, dw = triton_rms_norm_backward(grad, *saved)
+        return {"x": dx, "weight": dw}
+
+    x, w = _args(device, 4, 8, seed=9)
+    y = op(x, w)
+    grad = torch.randn_like(y)
+    full = torch.autograd.grad(_reference(x, w), (x, w), grad)
+    with count_launches(rms_module._backward_kernel) as launches:
+        _, groups = stage_backward_input([y], [grad], [x], iter([w]))
+        assert launches == {"_backward_kernel": 1}
+        stage_backward_weight(iter([w]), groups)
+    assert launches == {"_backward_kernel": 1}
+    auto = op.rules.auto
+    assert isinstance(auto, cg._autosplit.AutoSplitter) and auto.fallback() is None
+    torch.testing.assert_close(x.grad, full[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, full[1], atol=1e-5, rtol=1e-5)

@@ -51,6 +51,7 @@ from customgrad._errors import CustomGradError, where
 from customgrad._flops import formula_of
 from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
 from customgrad._rules import OpSpec
+from customgrad._torch_internals import legacy_batched
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
 
@@ -270,6 +271,12 @@ class AutoSplitter:
                 )
             else:
                 signature = (signature, ambient(), reads)
+        if not isinstance(signature, Fallback) and any(
+            isinstance(t, _Tensor) and legacy_batched(t) for t in leaves
+        ):
+            # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the backward
+            # on batched gradients: called as written, it batches each op it runs.
+            signature = _INSIDE_TRACE
         if isinstance(signature, Fallback):
             outcome: TracedSplit | Fallback = signature
         else:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import builtins as _builtins
 import dis
+import enum
 import types
 from typing import Any
 
@@ -138,6 +139,12 @@ def _library(module_name: object) -> bool:
 
 def _describe(v: object) -> str:
     kind = type(v)
+    if kind.__module__.partition(".")[0] == "triton":
+        return (
+            f"a Triton kernel ({kind.__qualname__}) launched raw, which a trace cannot see; wrap "
+            f"the launch in an op with a fake kernel (torch.library.triton_op, or a customgrad "
+            f"op) to split it"
+        )
     if kind is types.ModuleType:
         return f"the module {v.__name__}"  # type: ignore[attr-defined]
     if isinstance(v, type):
@@ -178,9 +185,9 @@ class _Proof:
         name = f"{fn.__qualname__}"
         self.code(fn, fn.__code__, name)
         for d in fn.__defaults__ or ():
-            self.value(d, f"a default argument of {name}")
+            self.value(d, f"a default argument of {name}", fn.__code__.co_names)
         for k, d in (fn.__kwdefaults__ or {}).items():
-            self.value(d, f"the default of {k!r} of {name}")
+            self.value(d, f"the default of {k!r} of {name}", fn.__code__.co_names)
         if fn.__closure__:
             for var, cell in zip(fn.__code__.co_freevars, fn.__closure__):
                 try:
@@ -188,7 +195,7 @@ class _Proof:
                 except ValueError:
                     raise Impure(f"the closure variable {var!r} of {name}, unbound") from None
                 self.cells.append((cell, content))
-                self.value(content, f"the closure variable {var!r} of {name}")
+                self.value(content, f"the closure variable {var!r} of {name}", _all_names(fn))
 
     def code(self, fn: Any, code: types.CodeType, name: str) -> None:
         """The globals ``code`` (and the code nested in it) reads, and the writes it makes."""
@@ -213,7 +220,7 @@ class _Proof:
             if g in scope:
                 value = scope[g]
                 self.places.append((scope, g, value))
-                self.value(value, f"the global {g!r} of {name}")
+                self.value(value, f"the global {g!r} of {name}", _all_names(fn))
             else:
                 self.places.append((scope, g, _UNBOUND))
                 if g not in SAFE_BUILTINS or g not in table:
@@ -223,7 +230,8 @@ class _Proof:
             if isinstance(const, types.CodeType):
                 self.code(fn, const, name)
 
-    def value(self, v: Any, where: str, depth: int = 0) -> None:
+    def value(self, v: Any, where: str, names: tuple[str, ...] = (), depth: int = 0) -> None:
+        """Prove ``v`` (read by code that names the attributes ``names``) immutable, or code."""
         kind = type(v)
         if kind in _IMMUTABLE:
             self.key.append((kind, v.hex() if kind is float else v))
@@ -233,7 +241,7 @@ class _Proof:
                 raise Impure(f"{where} (a {kind.__name__} too large to prove immutable)")
             self.key.append((kind, len(v)))
             for item in sorted(v, key=repr) if kind is frozenset else v:
-                self.value(item, where, depth + 1)
+                self.value(item, where, names, depth + 1)
             return
         self.key.append(id(v))  # code: by identity
         if kind is types.ModuleType:
@@ -245,9 +253,11 @@ class _Proof:
             return
         module = getattr(v, "__module__", None)
         if isinstance(v, type):
-            if v is torch.Generator or not (_library(module) or v.__module__ == "builtins"):
+            if v is torch.Generator:
                 raise Impure(f"{where} ({_describe(v)})")
-            return
+            if _library(module) or v.__module__ == "builtins" or _plain_record(v, names):
+                return
+            raise Impure(f"{where} ({_describe(v)})")
         if isinstance(v, types.BuiltinFunctionType):
             owner = getattr(v, "__self__", None)
             if isinstance(owner, types.ModuleType):
@@ -260,6 +270,37 @@ class _Proof:
         ):
             return  # torch's ops and op namespaces, a customgrad op: code, not state
         raise Impure(f"{where} ({_describe(v)})")
+
+
+_NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_make", "_fields", "count", "index"})
+
+
+def _all_names(fn: Any) -> tuple[str, ...]:
+    """The attribute and global names ``fn``'s code (nested code included) uses."""
+    names: list[str] = []
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        names.extend(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return tuple(names)
+
+
+def _plain_record(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether a user class is a record whose use a trace may freeze: a namedtuple or an enum
+    class, of which the code names no attribute but its fields or members (``isinstance``,
+    construction, field reads). Any other class (class attributes, inherited ones, class
+    methods, properties, descriptors...) can change in place."""
+    if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+        allowed = frozenset(cls._fields) | _NAMEDTUPLE_API
+    elif issubclass(cls, enum.Enum):
+        allowed = frozenset(cls.__members__)
+    else:
+        return False
+    for n in set(names) - allowed:
+        if any(n in vars(c) for c in cls.__mro__ if c is not object and c is not tuple):
+            return False
+    return True
 
 
 class TraceGuard:

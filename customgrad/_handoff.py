@@ -21,7 +21,7 @@ import torch
 
 from customgrad._record import NO_HANDOFF, NodeRecord
 
-__all__ = ["HandOff", "HandOffKind", "handed_over", "nbytes"]
+__all__ = ["HandOff", "HandOffKind", "handed_over", "nbytes", "same_tensors"]
 
 HandOffKind = Literal["shared", "traced", "gradients"]
 
@@ -54,15 +54,15 @@ def handed_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind) -
     if handoff is NO_HANDOFF or handoff.kind != kind:
         return NO_HANDOFF
     made_with = handoff.grads
-    if made_with is grads or _same_tensors(
+    if made_with is grads or same_tensors(
         made_with, grads, record.op.signature.output_differentiability
     ):
         return handoff.value
     return NO_HANDOFF
 
 
-def _same_tensors(
-    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
+def same_tensors(
+    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None = None
 ) -> bool:
     """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
 

@@ -35,6 +35,7 @@ __all__ = [
     "captured_by_caller",
     "graph_kept",
     "graph_task_id",
+    "legacy_batched",
     "library_impls",
     "will_execute",
 ]
@@ -50,6 +51,22 @@ graph_kept: Callable[[], bool] = getattr(
     getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", lambda: True
 )
 """Whether the running backward retains the graph (``retain_graph=True``); True when unknown."""
+
+_is_legacy_batched: Any = getattr(
+    getattr(torch._C, "_functorch", None), "is_legacy_batchedtensor", None
+)
+
+
+def legacy_batched(t: torch.Tensor) -> bool:
+    """Whether ``t`` is batched by torch's legacy vmap (``autograd.grad(...,
+    is_grads_batched=True)``, ``jacobian(..., vectorize=True)``), which functorch's
+    "transforms active" query does not see (``torch._C._functorch.is_legacy_batchedtensor``).
+    True when unknown: the caller then calls the backward as written, never a trace that could
+    not run on it."""
+    if _is_legacy_batched is None:
+        return True
+    return bool(_is_legacy_batched(t))
+
 
 ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
 """The class of a leaf's gradient-accumulation node."""

@@ -292,7 +292,7 @@ def _plain_record(cls: type, names: tuple[str, ...]) -> bool:
     construction, field reads). Any other class (class attributes, inherited ones, class
     methods, properties, descriptors...) can change in place."""
     if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
-        allowed = frozenset(cls._fields) | _NAMEDTUPLE_API
+        allowed = frozenset(cls._fields) | _NAMEDTUPLE_API  # type: ignore[attr-defined]
     elif issubclass(cls, enum.Enum):
         allowed = frozenset(cls.__members__)
     else:
@@ -340,7 +340,11 @@ class TraceGuard:
         try:
             proof.function(self._fn, "the backward")
         except Impure as e:
-            self._last = (proof, e, ())  # its places up to the impure read: proved again on a change
+            self._last = (
+                proof,
+                e,
+                (),
+            )  # its places up to the impure read: proved again on a change
             raise
         key = tuple(proof.key)
         self._last = (proof, None, key)

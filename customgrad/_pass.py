@@ -14,13 +14,13 @@ alike, so these rules are written here once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._handoff import HandOff, same_tensors, handed_over
+from customgrad._handoff import HandOff, handed_over, same_tensors
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import AutogradRules, OpSpec
 from customgrad._torch_internals import graph_kept, graph_task_id
@@ -241,7 +241,9 @@ def auto_split(
         # gradients are differentiable exactly as the user wrote them.
         return None
     split = record.split
-    if split is None or not (grads is record.split_grads or same_tensors(record.split_grads, grads)):
+    if split is None or not (
+        grads is record.split_grads or same_tensors(record.split_grads, grads)
+    ):
         # A node's first backward, or a backward of a retained graph with other output
         # gradients (other strides select another trace).
         split = auto.plan(make_ctx, saved, grads, requires)

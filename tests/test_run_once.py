@@ -86,8 +86,10 @@ def run(how: str, f: Callable[[Tensor, Tensor], Tensor], x: Tensor, w: Tensor, g
     out = f(x, w)
     if how == "full":
         return torch.autograd.grad(out, [x, w], g)
-    split = {"customgrad": (stage_backward_input, stage_backward_weight),
-             "torch": (torch_backward.stage_backward_input, torch_backward.stage_backward_weight)}
+    split = {
+        "customgrad": (stage_backward_input, stage_backward_weight),
+        "torch": (torch_backward.stage_backward_input, torch_backward.stage_backward_weight),
+    }
     first, second = split[how]  # fmt: skip
     (gx,), groups = first([out], [g], [x], [w])
     w.grad = None
@@ -149,7 +151,7 @@ def test_what_runs_once_hands_its_weight_gradients_to_w_and_frees_them() -> None
     record = record_of(out.grad_fn)
     assert record is not None
     g = torch.ones(4, 3, dtype=DT)
-    (gx,), groups = torch_backward.stage_backward_input([out], [g], [x], [w])
+    _, groups = torch_backward.stage_backward_input([out], [g], [x], [w])
     assert record.handoff is not NO_HANDOFF and record.handoff.kind == "gradients"
     assert set(record.handoff.value) == {"w"}
     torch_backward.stage_backward_weight([w], groups)

@@ -50,6 +50,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from customgrad._errors import CustomGradError, where
 from customgrad._flops import formula_of
 from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
+from customgrad._handoff import nbytes
 from customgrad._rules import OpSpec
 from customgrad._torch_internals import legacy_batched
 
@@ -232,6 +233,9 @@ class AutoSplitter:
         self._cache: dict[Any, TracedSplit | Fallback] = {}
         self._logged = False
         self._guard = TraceGuard(fn)
+        self.held_bytes: int | None = None
+        """The bytes of gradients the latest run-once backward held from its first pass for
+        the later one (None before any)."""
 
     def plan(
         self,
@@ -324,12 +328,23 @@ class AutoSplitter:
             self._cache[signature] = outcome
             return outcome
 
+    def held(self, value: Any) -> None:
+        """Note what a run-once backward hands to its later pass (for reports)."""
+        self.held_bytes = nbytes(value)
+
     def describe(self) -> str:
         """How the latest backward of this op was split, in words (for reports)."""
         last = self.last
         if last is None:
             return "split automatically when its first backward runs (none ran yet)"
-        return last.describe()
+        return self.describe_fallback(last) if isinstance(last, Fallback) else last.describe()
+
+    def describe_fallback(self, fallback: Fallback) -> str:
+        """A fallback in words, with the bytes it held between the passes."""
+        text = fallback.describe()
+        if self.held_bytes is not None:
+            text += f" ({self.held_bytes} bytes held between the passes at the latest split)"
+        return text
 
     def fallback(self) -> Fallback | None:
         """The latest reason not to split, if the latest backward was not split."""
@@ -402,7 +417,9 @@ def describe_node(record: Any) -> str | None:
         return split.describe()
     if split is False:
         fallback = auto.fallback()
-        return fallback.describe() if fallback is not None else "not split automatically"
+        return (
+            auto.describe_fallback(fallback) if fallback is not None else "not split automatically"
+        )
     return "split automatically when its first backward runs (none ran yet)"
 
 
@@ -579,9 +596,34 @@ def _trace(
             f"it writes in place into a tensor it did not create ({mutated[0].target})",
             "compute out of place into new tensors",
         )
+    gm = _without_common_subexpressions(gm)
     flat = isinstance(structure, int)
     all_tensors = flat and len(tensor_idx) == len(leaves)
     return TracedSplit(op, gm, layouts[-1], tensor_idx, all_tensors, flat, requires, recompute)
+
+
+def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each repeated pure aten op computed once (torch's ``CSEPass``), so that work a
+    backward writes twice (unsloth's LoRA computes ``dY @ B.t()`` for dX and again for dA) is
+    shared, run once in the earlier pass and handed to the later one. Opaque ops, random ops and
+    writes are never merged."""
+    from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+
+    banned: set[Any] = set(get_CSE_banned_ops())
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        packet = getattr(target, "overloadpacket", target)
+        if (
+            not isinstance(target, torch._ops.OpOverload)
+            or target.namespace not in ("aten", "prims")
+            or target._schema.is_mutable
+            or torch.Tag.nondeterministic_seeded in target.tags
+        ):
+            banned.add(packet)
+    result = CSEPass(banned_ops=banned)(gm)
+    return result.graph_module if result is not None and result.modified else gm
 
 
 def _like(t: _Tensor) -> _Tensor:

@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -48,9 +47,9 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from customgrad._errors import CustomGradError, where
-from customgrad._flops import formula_of
 from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
 from customgrad._handoff import nbytes
+from customgrad._partition import ancestors, cut, extract, free
 from customgrad._rules import OpSpec
 from customgrad._torch_internals import legacy_batched
 
@@ -79,7 +78,6 @@ _functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_activ
 _dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
 _get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
 _INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
-_FREE_OPS = ("placeholder", "get_attr")
 
 _TRACE_LOCK = threading.RLock()
 """One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
@@ -497,7 +495,7 @@ def _ordered(node: fx.Node) -> bool:
     for a, value in zip(target._schema.arguments, node.args):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
-        if not isinstance(value, fx.Node) or _free(value):
+        if not isinstance(value, fx.Node) or free(value):
             return False  # an input of the backward (or not a tensor the trace made)
         made = value.target
         if isinstance(made, torch._ops.OpOverload) and made.is_view:
@@ -527,7 +525,7 @@ def _pure(node: fx.Node) -> bool:
     if target.namespace != "aten" or not node.args:
         return False
     mutated = node.args[0]
-    if not isinstance(mutated, fx.Node) or _free(mutated) or len(mutated.users) != 1:
+    if not isinstance(mutated, fx.Node) or free(mutated) or len(mutated.users) != 1:
         return False
     schema = target._schema
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -636,11 +634,6 @@ def _like(t: _Tensor) -> _Tensor:
 # The traced backward and its passes
 
 
-def _free(node: fx.Node) -> bool:
-    """Available in every pass without computing: an input of the trace, or a constant."""
-    return node.op in _FREE_OPS
-
-
 class _SeenOps(TorchDispatchMode):
     """Records the aten ops a call dispatches."""
 
@@ -692,31 +685,6 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     except Exception:
         return None
     return fn if seen.ops == [target] else None
-
-
-def _cheap(node: fx.Node) -> bool:
-    """Costs no FLOPs by torch's formulas and is safe to run again (views, elementwise)."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return False  # opaque kernels: cost unknown
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False  # random: a second run gives other values
-    return formula_of(target) is None
-
-
-def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] | frozenset[fx.Node]) -> set[fx.Node]:
-    """The nodes ``roots`` are computed from (themselves included), not past ``stop`` or inputs."""
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stop or _free(node):
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen
 
 
 class _Pass:
@@ -869,36 +837,16 @@ class TracedSplit:
     def _handoff(self, later: frozenset[str]) -> tuple[list[fx.Node], set[fx.Node]]:
         """What the earlier pass (the gradients not in ``later``) hands to the later pass.
 
-        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes.
+        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes
+        (:func:`customgrad._partition.cut`).
         """
         found = self._kept.get(later)
-        if found is not None:
-            return found
-        outs = self._outputs
-        late_outs = {outs[i] for i in self._slots(later)}
-        early = _ancestors((outs[i] for i in self._slots(self.requires - later)), frozenset())
-        late = _ancestors(late_outs, frozenset())
-        shared = early & late
-        # Shared nodes the later pass reads: outputs of it, or inputs of its own nodes.
-        todo = [
-            n
-            for n in shared
-            if n in late_outs or any(u in late and u not in early for u in n.users)
-        ]
-        keep: set[fx.Node] = set()
-        again: set[fx.Node] = set()
-        while todo:
-            node = todo.pop()
-            if node in keep or node in again:
-                continue
-            if self._recompute and _cheap(node):
-                again.add(node)
-                todo.extend(n for n in node.all_input_nodes if n in shared)
-            else:
-                keep.add(node)
-        order = {n: i for i, n in enumerate(self._nodes)}
-        found = (sorted(keep, key=order.__getitem__), again)
-        self._kept[later] = found
+        if found is None:
+            outs = self._outputs
+            early = (outs[i] for i in self._slots(self.requires - later))
+            c = cut(self.graph_module.graph, early, [outs[i] for i in self._slots(later)],
+                    self._recompute)  # fmt: skip
+            found = self._kept[later] = (list(c.kept), set(c.recomputed))
         return found
 
     def _build(self, kind: str, needed: frozenset[str], later: frozenset[str] | None) -> _Pass:
@@ -934,29 +882,16 @@ class TracedSplit:
                 entries.append((name, 2, [None if i is None else at(i) for i in slot]))
         n_out = len(results)
         results += kept_out
+        nodes = ancestors(results, kept_in)
 
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for p in self._placeholders:
-            env[p] = graph.placeholder(p.name)
-        for node in kept_in:
-            env[node] = graph.placeholder(f"kept_{node.name}")
-        todo = _ancestors(results, set(env))
-        returned = set(results)
-        n_ops = 0
-        for node in self._nodes:
-            if node in todo or (
-                node.op == "get_attr" and (node in returned or any(u in todo for u in node.users))
-            ):
-                copy = env[node] = graph.node_copy(node, env.__getitem__)
-                if node.op == "call_function":
-                    n_ops += 1
-                    fast = self._bindings.get(node, node.target)
-                    if fast is node.target:
-                        fast = self._bindings[node] = _binding(node) or node.target
-                    copy.target = fast
-        graph.output(tuple(env[n] for n in results))
-        module = fx.GraphModule(self.graph_module, graph)
+        def fast(node: fx.Node, copy: fx.Node) -> None:
+            target = self._bindings.get(node, node.target)
+            if target is node.target:
+                target = self._bindings[node] = _binding(node) or node.target
+            copy.target = target
+
+        module = extract(self.graph_module, nodes, results, kept_in, fast)
+        n_ops = sum(1 for n in nodes if n.op == "call_function")
         return _Pass(module.forward, tuple(entries), n_out, len(kept_out), n_ops)
 
     # -- reporting ---------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._handoff import HandOff, handed_over, same_tensors
+from customgrad._handoff import HandOff, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import AutogradRules, OpSpec
 from customgrad._torch_internals import graph_kept, graph_task_id
@@ -241,15 +241,31 @@ def auto_split(
         # gradients are differentiable exactly as the user wrote them.
         return None
     split = record.split
-    if split is None or not (
-        grads is record.split_grads or same_tensors(record.split_grads, grads)
-    ):
-        # A node's first backward, or a backward of a retained graph with other output
-        # gradients (other strides select another trace).
+    layout = _layout_of(grads)
+    if split is None or layout != record.split_grads:
+        # A node's first backward, or a backward of a retained graph with output gradients of
+        # another layout (other strides select another trace).
         split = auto.plan(make_ctx, saved, grads, requires)
         record.split = split if split is not None else False
-        record.split_grads = grads
+        record.split_grads = layout
     return split or None
+
+
+def _layout_of(grads: tuple[Any, ...]) -> Any:
+    """What of the output gradients selects a trace besides the saved values: their shapes,
+    strides and dtypes (a key that holds no tensor)."""
+    if len(grads) == 1:
+        (g,) = grads
+        if type(g) is torch.Tensor:
+            return (g.shape, g.stride(), g.dtype)
+    return tuple(
+        (g.shape, g.stride(), g.dtype)
+        if isinstance(g, torch.Tensor)
+        else tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in g)
+        if isinstance(g, list)
+        else g
+        for g in grads
+    )
 
 
 # --------------------------------------------------------------------------------------------

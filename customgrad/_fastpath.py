@@ -12,12 +12,18 @@ What it covers: ops without keyword-only arguments, mutated arguments, residuals
 backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
 autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one fast
 path per layout of list lengths, written on first use (at most ``MAX_LAYOUTS``). Calls must
-have plain tensors under grad mode, with no dispatch or function mode, functorch transform,
-profiler, forward-AD level, ``torch.compile`` trace, or kernel or autocast rule registered for
-the op through ``torch.library`` by someone else. Any other call declines (returns
-:data:`DECLINED`) and runs the general path (:class:`customgrad._autograd.AutogradImpl`).
-Backwards that a split plans (a route on the record), changed registrations and a switched-off
-split also go to the general path; ``CUSTOMGRAD_FASTPATH=0`` turns this module off.
+have plain tensors under grad mode, no forward-AD level or ``torch.compile`` trace, and be
+ones that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision, which the
+general call asks too) sends straight to a kernel: no dispatch or function mode, functorch
+transform or profiler, no kernel or autocast rule registered for the op through
+``torch.library`` by someone else. Any other call declines (returns :data:`DECLINED`) and runs
+the general path (:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a
+route on the record), changed registrations and a switched-off split also go to the general
+path. ``CUSTOMGRAD_FASTPATH=0`` turns this module off; ``CUSTOMGRAD_FASTPATH=show`` prints each
+piece of code it writes (to stderr); ``call.__customgrad_source__`` holds it too.
+
+It stays while it buys at least 10% of a small op's forward + backward on some path: compare
+``benchmarks/overhead.py`` runs with ``CUSTOMGRAD_FASTPATH=0`` and without, alternated.
 
 One set of rules: what is generated is argument handling only (unpacking, the per-argument
 checks of the call, the edge loop and the placement of gradients). Which edges a pass needs

@@ -141,6 +141,9 @@ def test_dispatcher_keys_guards_and_schemas() -> None:
     assert keys.has(torch._C.DispatchKey.CPU) and not keys.has(torch._C.DispatchKey.AutogradCPU)
     schema = dispatcher.parse_schema("probe(Tensor x, int[2] w=[-1, -1]) -> Tensor")
     assert [a.name for a in schema.arguments] == ["x", "w"]
+    mm = dispatcher.schema_of(torch.ops.aten.mm.default)
+    assert mm.name == "aten::mm" and mm.is_mutable is False
+    assert dispatcher.schema_of(torch.ops.aten.add_.Tensor).is_mutable is True
     with pytest.raises(RuntimeError):
         dispatcher.parse_schema("probe(Tensor x -> Tensor")
 
@@ -251,6 +254,17 @@ def test_functions_forward_cls_backward_apply_and_plain_apply() -> None:
     assert calls == [Double] and torch.equal(g, torch.full((2,), 3.0))
 
 
+def test_functions_custom_op_of_names_a_torch_library_custom_op() -> None:
+    @torch.library.custom_op("test_torch_internals::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    twice.register_autograd(lambda ctx, g: g * 2)
+    x = torch.ones(2, requires_grad=True)
+    assert functions.custom_op_of(twice(x).grad_fn) == "test_torch_internals::twice"
+    assert functions.custom_op_of((x * 2).grad_fn) is None
+
+
 # -- fake --------------------------------------------------------------------------------------
 
 
@@ -307,13 +321,23 @@ def test_aot_config_tracing_metadata_and_inductor_compilers() -> None:
     assert callable(compile_fx_inner)
     seen: list[Any] = []
 
+    _, boxed_nop = dynamo.eager_backends()
+
     def fw(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
         seen.append(aot.tracing_metadata())
-        return gm
+        return boxed_nop(gm, example_inputs)
 
     torch._dynamo.reset()
-    f = torch.compile(lambda x: (x * 2).sin(), backend=aot_autograd(fw_compiler=fw), fullgraph=True)
-    f(torch.ones(2, requires_grad=True))
+    f = torch.compile(
+        lambda x: (x * 2).sin(),
+        backend=aot_autograd(fw_compiler=fw, bw_compiler=boxed_nop),
+        fullgraph=True,
+    )
+    out = f(torch.ones(2, requires_grad=True))
+    assert aot.compiled_backward(out.grad_fn) is None  # compiled at its first backward
+    out.sum().backward()
+    assert callable(aot.compiled_backward(out.grad_fn))
+    assert aot.compiled_backward((torch.ones(1, requires_grad=True) * 2).grad_fn) is None
     (meta,) = seen
     # what the compile backend reads and writes there
     assert hasattr(meta, "bw_donated_idxs") and hasattr(meta, "input_info")

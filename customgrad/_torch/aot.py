@@ -8,7 +8,9 @@ Imported lazily.
 - :func:`tracing_metadata`: the ``fw_metadata`` of the running trace
   (``torch._guards.TracingContext.try_get().fw_metadata``), or None;
 - :func:`inductor_compilers`: ``(compile_fx, compile_fx_inner)`` of
-  ``torch._inductor.compile_fx``.
+  ``torch._inductor.compile_fx``;
+- :func:`compiled_backward`: the compiled backward a ``CompiledFunctionBackward`` node runs
+  (``node._forward_cls.compiled_bw``, set at its first backward), or None.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 from contextlib import AbstractContextManager
 from typing import Any
 
-__all__ = ["config_patch", "inductor_compilers", "tracing_metadata"]
+from customgrad._torch.functions import forward_cls
+
+__all__ = ["compiled_backward", "config_patch", "inductor_compilers", "tracing_metadata"]
 
 
 def config_patch(**changes: Any) -> AbstractContextManager[Any]:
@@ -40,3 +44,9 @@ def inductor_compilers() -> tuple[Any, Any]:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     return compile_fx, compile_fx_inner
+
+
+def compiled_backward(node: Any) -> Any:
+    """The backward AOTAutograd compiled for the region whose backward ``node`` runs (its
+    Function's ``compiled_bw``, possibly wrapped), or None (not compiled yet, another node)."""
+    return getattr(forward_cls(node), "compiled_bw", None)

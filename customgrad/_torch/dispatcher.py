@@ -52,6 +52,7 @@ __all__ = [
     "is_traceable_wrapper_subclass",
     "library_impls",
     "parse_schema",
+    "schema_of",
     "profiler_enabled",
 ]
 
@@ -72,6 +73,13 @@ def dispatch_key_for_device(device_type: str) -> str:
 
 parse_schema: Callable[[str], Any] = torch._C.parse_schema
 """Parse ``"name(args) -> outs"`` into a ``FunctionSchema`` (RuntimeError when it can't)."""
+
+
+def schema_of(op: OpOverload) -> torch._C.FunctionSchema:
+    """The ``FunctionSchema`` of an op overload (``OpOverload._schema``: its ``name``,
+    ``arguments``, ``is_mutable``, ...)."""
+    return op._schema
+
 
 # -- torch.library's registrations ----------------------------------------------------------
 _impls: Any = getattr(torch.library, "_impls", None)

@@ -8,6 +8,8 @@ Imported lazily: ``torch._subclasses.fake_tensor`` is not loaded by ``import tor
 - :func:`is_fake`: whether a value is a ``FakeTensor``;
 - :func:`detect_fake_mode`: the fake mode of some values or of the running trace
   (``torch._guards.detect_fake_mode``);
+- :func:`data_dependent_errors`: what fake tensors raise for an output that depends on data
+  (``DataDependentOutputException``) or of a shape that does (``DynamicOutputShapeException``);
 - :data:`FAKE_TENSOR_LOGGER`: the logger name of ``torch._subclasses.fake_tensor``.
 """
 
@@ -18,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "FAKE_TENSOR_LOGGER",
+    "data_dependent_errors",
     "detect_fake_mode",
     "fake_tensor_mode_type",
     "fake_tensor_type",
@@ -61,3 +64,14 @@ def detect_fake_mode(values: Iterable[Any] = ()) -> Any:
     import torch._guards
 
     return torch._guards.detect_fake_mode(list(values))
+
+
+def data_dependent_errors() -> tuple[type[Exception], type[Exception]]:
+    """``(DataDependentOutputException, DynamicOutputShapeException)``: what an op on fake
+    tensors raises when its output values, or its output's shape, depend on data."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+    )
+
+    return DataDependentOutputException, DynamicOutputShapeException

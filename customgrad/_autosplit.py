@@ -49,15 +49,9 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from customgrad._errors import CustomGradError, where
 from customgrad._flops import formula_of
-from customgrad._guards import (
-    CONSTANTS,
-    ReadGuard,
-    Unguarded,
-    ambient,
-    package_of,
-    reads_nothing,
-)
+from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
 from customgrad._rules import OpSpec
+from customgrad._torch_internals import legacy_batched
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
 
@@ -70,11 +64,13 @@ RETRIES = 2
 """Traces tried again for a signature whose trace failed for a reason of an unknown kind."""
 
 MSG_FALLBACK = (
-    "{op}: the single backward cannot be split automatically: {why}. Each pass of a split "
-    "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), so "
-    "compute only what ctx.needs_input_grad asks for. To split it automatically, {fix}. To "
-    "silence this, register it with register_backward(fn, split='phase'), or register the "
-    "register_backward_input/_weight pair. (backward defined at {loc})"
+    "{op}: the single backward cannot be split automatically: {why}. It runs once, whole, in "
+    "the first pass that needs any of its gradients, and hands the gradients a later pass "
+    "needs to that pass: nothing is computed twice, but under a split backward the weight "
+    "work is done in the input pass. To split it automatically, {fix}. To silence this, "
+    "register the register_backward_input/_weight pair, or register_backward(fn, "
+    "split='phase') (called once per pass with ctx.needs_input_grad set for it: repeated "
+    "work, unsafe for kernels that write into their inputs). (backward defined at {loc})"
 )
 
 _Tensor = torch.Tensor
@@ -103,7 +99,7 @@ def _trace_types() -> tuple[type, ...]:
 
 
 class Fallback:
-    """Why a backward is not split automatically: it is called whole in each pass instead.
+    """Why a backward is not split automatically: it runs once, whole (the run-once rule).
 
     Attributes:
         why: the reason, for reports.
@@ -124,8 +120,8 @@ class Fallback:
 
     def describe(self) -> str:
         return (
-            f"not split automatically ({self.why}): called whole in each pass that needs a "
-            f"gradient, with ctx.needs_input_grad set for the pass (split='phase')"
+            f"not split automatically ({self.why}): runs once, whole, in the first pass that "
+            f"needs a gradient, and hands the later pass its gradients"
         )
 
     def __repr__(self) -> str:
@@ -235,9 +231,7 @@ class AutoSplitter:
         self.last: TracedSplit | Fallback | None = None
         self._cache: dict[Any, TracedSplit | Fallback] = {}
         self._logged = False
-        self._mutates: Fallback | None = None
-        self._no_reads = reads_nothing(fn)
-        self._read_guard = ReadGuard(fn, package_of(fn))
+        self._guard = TraceGuard(fn)
 
     def plan(
         self,
@@ -263,20 +257,26 @@ class AutoSplitter:
         if signature is None:
             leaves, structure = _flatten(saved, grads)
             signature = _signature(leaves, (structure, requires), flat=False)
-        if self._mutates is not None:
-            signature = self._mutates
-        elif not isinstance(signature, Fallback):
-            # What else the result depends on: ambient state, and what the function reads from
-            # Python state (closures, globals, defaults: see customgrad._guards).
+        if not isinstance(signature, Fallback):
+            # A trace is reused only for a backward proven to read nothing but its arguments
+            # and immutable values (customgrad._guards); ambient state selects it too.
             try:
-                signature = (signature, ambient(), self._reads())
-            except Unguarded as e:
+                reads = self._guard.check()
+            except Impure as e:
                 signature = Fallback(
-                    f"it reads {e.what} ({e.where}), whose state a trace would freeze",
-                    "pass what it needs as arguments of the op or save it in "
-                    "save_for_backward (tensors and plain values are part of what selects a "
-                    "trace), or read it from a plain value, dict or list (compared by value)",
+                    f"it reads {e.what}, which a trace would freeze",
+                    "pass what it reads as arguments of the op or save it in "
+                    "save_for_backward (tensors and plain values select the trace), or read "
+                    "immutable values only (numbers, strings, tuples, plain functions)",
                 )
+            else:
+                signature = (signature, ambient(), reads)
+        if not isinstance(signature, Fallback) and any(
+            isinstance(t, _Tensor) and legacy_batched(t) for t in leaves
+        ):
+            # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the backward
+            # on batched gradients: called as written, it batches each op it runs.
+            signature = _INSIDE_TRACE
         if isinstance(signature, Fallback):
             outcome: TracedSplit | Fallback = signature
         else:
@@ -295,18 +295,6 @@ class AutoSplitter:
                 )
             )
         return None
-
-    def _reads(self) -> Any:
-        """What the function reads from Python state (see customgrad._guards), as a key."""
-        fn = self.fn
-        if (
-            self._no_reads is not None
-            and fn.__code__ is self._no_reads
-            and fn.__defaults__ is None
-            and fn.__kwdefaults__ is None
-        ):
-            return ()
-        return self._read_guard.key()
 
     def _trace(
         self,
@@ -333,24 +321,8 @@ class AutoSplitter:
             )
             if isinstance(outcome, Fallback) and outcome.retries:
                 outcome.retries = left
-            if isinstance(outcome, TracedSplit) and not self._reads_again(signature[2]):
-                # Its Python side effects would happen once (when traced), and each would
-                # select a new trace: it is called as written, every time.
-                outcome = self._mutates = Fallback(
-                    "it changes Python state it reads (closure variables, globals, defaults) "
-                    "when it runs",
-                    "keep Python side effects out of the backward: a traced backward's Python "
-                    "code runs once, when it is traced",
-                )
             self._cache[signature] = outcome
             return outcome
-
-    def _reads_again(self, before: Any) -> bool:
-        """Whether the function still reads what it read before it was traced."""
-        try:
-            return bool(self._reads() == before)
-        except Unguarded:
-            return False
 
     def describe(self) -> str:
         """How the latest backward of this op was split, in words (for reports)."""

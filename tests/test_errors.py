@@ -1101,12 +1101,15 @@ def test_untraceable_single_backward_log_line(caplog: pytest.LogCaptureFixture) 
     run_backward(op)
     assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
         f"{op.name}: the single backward cannot be split automatically: it branches on tensor "
-        "values in Python (if tensor:, bool(), .item() in a condition). Each pass of a split "
-        "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), "
-        "so compute only what ctx.needs_input_grad asks for. To split it automatically, compute "
-        "with tensor ops instead (torch.where, masks), so the same ops run for every value. To "
-        "silence this, register it with register_backward(fn, split='phase'), or register the "
-        f"register_backward_input/_weight pair. (backward defined at {where(backward)})"
+        "values in Python (if tensor:, bool(), .item() in a condition). It runs once, whole, "
+        "in the first pass that needs any of its gradients, and hands the gradients a later "
+        "pass needs to that pass: nothing is computed twice, but under a split backward the "
+        "weight work is done in the input pass. To split it automatically, compute with tensor "
+        "ops instead (torch.where, masks), so the same ops run for every value. To silence "
+        "this, register the register_backward_input/_weight pair, or register_backward(fn, "
+        "split='phase') (called once per pass with ctx.needs_input_grad set for it: repeated "
+        "work, unsafe for kernels that write into their inputs). (backward defined at "
+        f"{where(backward)})"
     ]
 
 
@@ -1843,18 +1846,21 @@ def test_the_fallback_reasons_of_a_backward_reading_python_state_are_pinned() ->
         fallback = auto.fallback()
         assert fallback is not None
         whys.append((fallback.why, fallback.fix))
+    fix = (
+        "pass what it reads as arguments of the op or save it in save_for_backward (tensors "
+        "and plain values select the trace), or read immutable values only (numbers, strings, "
+        "tuples, plain functions)"
+    )
     assert whys == [
         (
-            "it reads a Linear object (the closure variable module of "
-            f"{reads_a_module.__qualname__}), whose state a trace would freeze",
-            "pass what it needs as arguments of the op or save it in save_for_backward "
-            "(tensors and plain values are part of what selects a trace), or read it from a "
-            "plain value, dict or list (compared by value)",
+            f"it reads the closure variable 'module' of {reads_a_module.__qualname__} (a "
+            f"Linear), which a trace would freeze",
+            fix,
         ),
         (
-            "it changes Python state it reads (closure variables, globals, defaults) when it runs",
-            "keep Python side effects out of the backward: a traced backward's Python code runs "
-            "once, when it is traced",
+            f"it reads the closure variable 'seen' of {appends.__qualname__} (a list), which a "
+            f"trace would freeze",
+            fix,
         ),
     ]
 

@@ -221,6 +221,16 @@ def test_transforms_functorch_and_forward_ad_levels() -> None:
     assert transforms.forward_ad_level() == -1
 
 
+def test_transforms_legacy_batched_sees_is_grads_batched() -> None:
+    seen: list[bool] = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append(transforms.legacy_batched(g)))
+    torch.autograd.grad(y, x, torch.eye(3), is_grads_batched=True)
+    assert seen == [True]
+    assert transforms.legacy_batched(torch.ones(1)) is False
+
+
 # -- functions ---------------------------------------------------------------------------------
 
 

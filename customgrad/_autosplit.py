@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -48,8 +47,9 @@ import torch.fx as fx
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from customgrad._errors import CustomGradError, where
-from customgrad._flops import formula_of
 from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
+from customgrad._handoff import nbytes
+from customgrad._partition import ancestors, cut, extract, free
 from customgrad._rules import OpSpec
 from customgrad._torch_internals import legacy_batched
 
@@ -78,7 +78,6 @@ _functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_activ
 _dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
 _get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
 _INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
-_FREE_OPS = ("placeholder", "get_attr")
 
 _TRACE_LOCK = threading.RLock()
 """One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
@@ -232,6 +231,9 @@ class AutoSplitter:
         self._cache: dict[Any, TracedSplit | Fallback] = {}
         self._logged = False
         self._guard = TraceGuard(fn)
+        self.held_bytes: int | None = None
+        """The bytes of gradients the latest run-once backward held from its first pass for
+        the later one (None before any)."""
 
     def plan(
         self,
@@ -324,12 +326,23 @@ class AutoSplitter:
             self._cache[signature] = outcome
             return outcome
 
+    def held(self, value: Any) -> None:
+        """Note what a run-once backward hands to its later pass (for reports)."""
+        self.held_bytes = nbytes(value)
+
     def describe(self) -> str:
         """How the latest backward of this op was split, in words (for reports)."""
         last = self.last
         if last is None:
             return "split automatically when its first backward runs (none ran yet)"
-        return last.describe()
+        return self.describe_fallback(last) if isinstance(last, Fallback) else last.describe()
+
+    def describe_fallback(self, fallback: Fallback) -> str:
+        """A fallback in words, with the bytes it held between the passes."""
+        text = fallback.describe()
+        if self.held_bytes is not None:
+            text += f" ({self.held_bytes} bytes held between the passes at the latest split)"
+        return text
 
     def fallback(self) -> Fallback | None:
         """The latest reason not to split, if the latest backward was not split."""
@@ -402,7 +415,9 @@ def describe_node(record: Any) -> str | None:
         return split.describe()
     if split is False:
         fallback = auto.fallback()
-        return fallback.describe() if fallback is not None else "not split automatically"
+        return (
+            auto.describe_fallback(fallback) if fallback is not None else "not split automatically"
+        )
     return "split automatically when its first backward runs (none ran yet)"
 
 
@@ -480,7 +495,7 @@ def _ordered(node: fx.Node) -> bool:
     for a, value in zip(target._schema.arguments, node.args):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
-        if not isinstance(value, fx.Node) or _free(value):
+        if not isinstance(value, fx.Node) or free(value):
             return False  # an input of the backward (or not a tensor the trace made)
         made = value.target
         if isinstance(made, torch._ops.OpOverload) and made.is_view:
@@ -510,7 +525,7 @@ def _pure(node: fx.Node) -> bool:
     if target.namespace != "aten" or not node.args:
         return False
     mutated = node.args[0]
-    if not isinstance(mutated, fx.Node) or _free(mutated) or len(mutated.users) != 1:
+    if not isinstance(mutated, fx.Node) or free(mutated) or len(mutated.users) != 1:
         return False
     schema = target._schema
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -579,9 +594,34 @@ def _trace(
             f"it writes in place into a tensor it did not create ({mutated[0].target})",
             "compute out of place into new tensors",
         )
+    gm = _without_common_subexpressions(gm)
     flat = isinstance(structure, int)
     all_tensors = flat and len(tensor_idx) == len(leaves)
     return TracedSplit(op, gm, layouts[-1], tensor_idx, all_tensors, flat, requires, recompute)
+
+
+def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each repeated pure aten op computed once (torch's ``CSEPass``), so that work a
+    backward writes twice (unsloth's LoRA computes ``dY @ B.t()`` for dX and again for dA) is
+    shared, run once in the earlier pass and handed to the later one. Opaque ops, random ops and
+    writes are never merged."""
+    from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+
+    banned: set[Any] = set(get_CSE_banned_ops())
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        packet = getattr(target, "overloadpacket", target)
+        if (
+            not isinstance(target, torch._ops.OpOverload)
+            or target.namespace not in ("aten", "prims")
+            or target._schema.is_mutable
+            or torch.Tag.nondeterministic_seeded in target.tags
+        ):
+            banned.add(packet)
+    result = CSEPass(banned_ops=banned)(gm)
+    return result.graph_module if result is not None and result.modified else gm
 
 
 def _like(t: _Tensor) -> _Tensor:
@@ -592,11 +632,6 @@ def _like(t: _Tensor) -> _Tensor:
 
 # --------------------------------------------------------------------------------------------
 # The traced backward and its passes
-
-
-def _free(node: fx.Node) -> bool:
-    """Available in every pass without computing: an input of the trace, or a constant."""
-    return node.op in _FREE_OPS
 
 
 class _SeenOps(TorchDispatchMode):
@@ -650,31 +685,6 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     except Exception:
         return None
     return fn if seen.ops == [target] else None
-
-
-def _cheap(node: fx.Node) -> bool:
-    """Costs no FLOPs by torch's formulas and is safe to run again (views, elementwise)."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return False  # opaque kernels: cost unknown
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False  # random: a second run gives other values
-    return formula_of(target) is None
-
-
-def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] | frozenset[fx.Node]) -> set[fx.Node]:
-    """The nodes ``roots`` are computed from (themselves included), not past ``stop`` or inputs."""
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stop or _free(node):
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen
 
 
 class _Pass:
@@ -827,36 +837,16 @@ class TracedSplit:
     def _handoff(self, later: frozenset[str]) -> tuple[list[fx.Node], set[fx.Node]]:
         """What the earlier pass (the gradients not in ``later``) hands to the later pass.
 
-        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes.
+        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes
+        (:func:`customgrad._partition.cut`).
         """
         found = self._kept.get(later)
-        if found is not None:
-            return found
-        outs = self._outputs
-        late_outs = {outs[i] for i in self._slots(later)}
-        early = _ancestors((outs[i] for i in self._slots(self.requires - later)), frozenset())
-        late = _ancestors(late_outs, frozenset())
-        shared = early & late
-        # Shared nodes the later pass reads: outputs of it, or inputs of its own nodes.
-        todo = [
-            n
-            for n in shared
-            if n in late_outs or any(u in late and u not in early for u in n.users)
-        ]
-        keep: set[fx.Node] = set()
-        again: set[fx.Node] = set()
-        while todo:
-            node = todo.pop()
-            if node in keep or node in again:
-                continue
-            if self._recompute and _cheap(node):
-                again.add(node)
-                todo.extend(n for n in node.all_input_nodes if n in shared)
-            else:
-                keep.add(node)
-        order = {n: i for i, n in enumerate(self._nodes)}
-        found = (sorted(keep, key=order.__getitem__), again)
-        self._kept[later] = found
+        if found is None:
+            outs = self._outputs
+            early = (outs[i] for i in self._slots(self.requires - later))
+            c = cut(self.graph_module.graph, early, [outs[i] for i in self._slots(later)],
+                    self._recompute)  # fmt: skip
+            found = self._kept[later] = (list(c.kept), set(c.recomputed))
         return found
 
     def _build(self, kind: str, needed: frozenset[str], later: frozenset[str] | None) -> _Pass:
@@ -892,29 +882,16 @@ class TracedSplit:
                 entries.append((name, 2, [None if i is None else at(i) for i in slot]))
         n_out = len(results)
         results += kept_out
+        nodes = ancestors(results, kept_in)
 
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for p in self._placeholders:
-            env[p] = graph.placeholder(p.name)
-        for node in kept_in:
-            env[node] = graph.placeholder(f"kept_{node.name}")
-        todo = _ancestors(results, set(env))
-        returned = set(results)
-        n_ops = 0
-        for node in self._nodes:
-            if node in todo or (
-                node.op == "get_attr" and (node in returned or any(u in todo for u in node.users))
-            ):
-                copy = env[node] = graph.node_copy(node, env.__getitem__)
-                if node.op == "call_function":
-                    n_ops += 1
-                    fast = self._bindings.get(node, node.target)
-                    if fast is node.target:
-                        fast = self._bindings[node] = _binding(node) or node.target
-                    copy.target = fast
-        graph.output(tuple(env[n] for n in results))
-        module = fx.GraphModule(self.graph_module, graph)
+        def fast(node: fx.Node, copy: fx.Node) -> None:
+            target = self._bindings.get(node, node.target)
+            if target is node.target:
+                target = self._bindings[node] = _binding(node) or node.target
+            copy.target = target
+
+        module = extract(self.graph_module, nodes, results, kept_in, fast)
+        n_ops = sum(1 for n in nodes if n.op == "call_function")
         return _Pass(module.forward, tuple(entries), n_out, len(kept_out), n_ops)
 
     # -- reporting ---------------------------------------------------------------------------------

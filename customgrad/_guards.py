@@ -5,8 +5,9 @@ ops it dispatched: every Python value the function read is frozen into it. Earli
 guarded what a backward reads with a walker that compared the values it found, and each hostile
 round found Python features it missed (a tensor read as a number, an ``lru_cache``, an inherited
 class attribute, ``getattr`` by name, a classmethod...). torch.compile's dynamo gets all of them
-right, but costs about 25 us per call (``python -m benchmarks.trace_guard``), five times a small
-backward. So the rule here is the conservative one: a trace is reused only for a backward
+right, but its frame evaluation and guards cost several times a small backward per call
+(``python -m benchmarks.trace_guard`` measures both). So the rule here is the conservative one:
+a trace is reused only for a backward
 **proven** to read nothing but
 
 - its arguments (``ctx``, the saved values, the output gradients),

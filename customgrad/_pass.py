@@ -500,6 +500,7 @@ def _run_once_lines(
                 ),
                 "got = {n: every.pop(n) for n in _NEEDED if n in every}",
                 "record.handoff = _HandOff(grads, 'gradients', every)",
+                "_AUTO.held(every)",
                 "return got",
             ]
         ),

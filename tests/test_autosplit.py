@@ -1185,3 +1185,36 @@ def test_other_ways_to_read_python_state_give_the_gradient_of_a_call(
             gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
             assert_grads(split_grads(op, x, w, g), (gx * k, gw))
         assert isinstance(auto_of(op).last, TracedSplit) is traced
+
+
+class LoRA_W(torch.autograd.Function):
+    """unsloth's LoRA_W pattern: the backward computes ``dY @ B`` for dA and again for dX."""
+
+    @staticmethod
+    def forward(ctx: Any, X: Tensor, W: Tensor, A: Tensor, B: Tensor, s: float) -> Tensor:
+        ctx.save_for_backward(X, W, A, B)
+        ctx.s = s
+        return X @ W.t() + s * (X @ A.t()) @ B.t()
+
+    @staticmethod
+    def backward(ctx: Any, dY: Tensor) -> tuple[Tensor | None, ...]:
+        X, W, A, B = ctx.saved_tensors
+        s = ctx.s
+        dA = s * (dY @ B).t() @ X
+        dB = s * dY.t() @ (X @ A.t())
+        dX = dY @ W + s * (dY @ B) @ A
+        return dX, dY.t() @ X, dA, dB, None
+
+
+def test_work_a_backward_writes_twice_is_computed_once_and_handed_to_w() -> None:
+    op = cg.from_function(
+        LoRA_W,
+        unique("lora"),
+        weights=("W", "A", "B"),
+        schema="(Tensor X, Tensor W, Tensor A, Tensor B, float s) -> Tensor",
+    )
+    X, W, A, B = torch.randn(6, 4), torch.randn(5, 4), torch.randn(2, 4), torch.randn(5, 2)
+    report = check_op(op, X, W, A, B, 0.5)
+    assert report.ok
+    # dY @ B (6x5 by 5x2: 120 FLOPs) once, in I, handed to W
+    assert "1 tensor(s) handed from the input pass to the weight pass" in report.backward

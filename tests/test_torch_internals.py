@@ -371,6 +371,7 @@ NOT_YET_CONVERTED = {
     "_flops.py",
     "_from_function.py",
     "_guards.py",
+    "_partition.py",
     "_routing.py",
     "_split_plan.py",
     "_validate.py",

@@ -142,10 +142,12 @@ def test_annotations_the_schema_cannot_express() -> None:
 
     with pytest.raises(
         cg.DefinitionError,
-        match=re.escape(
+        match="(?s)"
+        + re.escape(
             f"cannot infer the op's schema from the annotations of the function defined at {where(f)}: "
         )
-        + ".*Parameter d has unsupported type",
+        + ".*"  # torch's own words for what it cannot express
+        + re.escape(". Annotate each argument with a type torch.library understands (Tensor, "),
     ):
         cg.op(unique("f"), f)
 
@@ -816,7 +818,8 @@ def test_in_place_change_of_a_saved_output_names_the_op() -> None:
     y = exp(torch.randn(3, requires_grad=True))
     y.mul_(2)
     with pytest.raises(
-        RuntimeError, match=re.escape(f"output 0 of CustomGrad[{exp.name}], is at version 1")
+        RuntimeError,
+        match=re.escape(f"CustomGrad[{exp.name}]"),  # the rest is autograd's text
     ):
         y.sum().backward()
 
@@ -1525,9 +1528,12 @@ def kernel_x(x: torch.Tensor, *, n: int = 1) -> torch.Tensor:
         ),
         (
             "(Tensor x, *, int[2 n=1) -> Tensor",
-            "torch cannot parse schema='(Tensor x, *, int[2 n=1) -> Tensor': expected ] but found "
-            "'ident'. Write it as torch schemas are written, e.g. \"(Tensor x, int[2] "
-            'window=[-1, -1], float? scale=None) -> (Tensor, Tensor?)", without the op name.',
+            (
+                "torch cannot parse schema='(Tensor x, *, int[2 n=1) -> Tensor': ",
+                # torch's parser error in between
+                '. Write it as torch schemas are written, e.g. "(Tensor x, int[2] '
+                'window=[-1, -1], float? scale=None) -> (Tensor, Tensor?)", without the op name.',
+            ),
         ),
         (
             "(Tensor y, *, int n=1) -> Tensor",
@@ -1543,9 +1549,13 @@ def kernel_x(x: torch.Tensor, *, n: int = 1) -> torch.Tensor:
     ],
     ids=["not_a_schema", "unparsable", "other_names", "keyword_only"],
 )
-def test_invalid_schema(schema: str, message: str) -> None:
+def test_invalid_schema(schema: str, message: str | tuple[str, str]) -> None:
     name = unique("f")
-    with pytest.raises(cg.DefinitionError, match=re.escape(f"{name}: {message}")):
+    if isinstance(message, tuple):  # customgrad's words around torch's
+        pattern = re.escape(f"{name}: {message[0]}") + ".+" + re.escape(message[1])
+    else:
+        pattern = re.escape(f"{name}: {message}")
+    with pytest.raises(cg.DefinitionError, match=pattern):
         cg.op(name, kernel_x, schema=schema)
 
 
@@ -1565,8 +1575,10 @@ def test_python_object_argument_without_an_opaque_type() -> None:
         match="(?s)"
         + re.escape(
             f"{name}: cannot infer the op's schema from the annotations of the function defined at "
-            f"{where(f)}: Parameter state has unsupported type "
+            f"{where(f)}: "
         )
+        + ".*"  # torch's own words for the annotation it cannot express
+        + re.escape(". Annotate each argument with a type torch.library understands")
         + ".*"
         + re.escape(
             "A Python object the kernel and the backward read (a quantization state, a config) "

@@ -44,14 +44,29 @@ from typing import Any
 import optree
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from customgrad._errors import CustomGradError, where
 from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
 from customgrad._handoff import nbytes
 from customgrad._partition import ancestors, cut, extract, free
 from customgrad._rules import OpSpec
-from customgrad._torch_internals import legacy_batched
+from customgrad._torch.dispatcher import (
+    INFRA_MODES,
+    OpOverload,
+    TorchDispatchMode,
+    aten_callables,
+    dispatch_stack_len,
+    get_dispatch_mode,
+)
+from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
+from customgrad._torch.fake import (
+    FAKE_TENSOR_LOGGER,
+    data_dependent_errors,
+    detect_fake_mode,
+    fake_tensor_type,
+    functional_tensor_type,
+)
+from customgrad._torch.transforms import functorch_active, legacy_batched
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
 
@@ -74,10 +89,10 @@ MSG_FALLBACK = (
 )
 
 _Tensor = torch.Tensor
-_functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
-_dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
-_get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
-_INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
+_functorch_active = functorch_active
+_dispatch_stack_len = dispatch_stack_len
+_get_mode = get_dispatch_mode
+_INFRA_MODES = INFRA_MODES  # fake, proxy, functional
 
 _TRACE_LOCK = threading.RLock()
 """One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
@@ -91,10 +106,7 @@ def _tracing_now() -> bool:
 
 
 def _trace_types() -> tuple[type, ...]:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return (FakeTensor, FunctionalTensor)
+    return (fake_tensor_type(), functional_tensor_type())
 
 
 class Fallback:
@@ -140,11 +152,9 @@ class _Invalid(Exception):
 
 def _why(e: BaseException) -> tuple[str, str]:
     """The reason and fix for a backward that ``make_fx`` could not trace."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    DataDependentOutputException, DynamicOutputShapeException = data_dependent_errors()
 
     first = (str(e).strip().splitlines() or [""])[0]
     if len(first) > 160:
@@ -191,7 +201,7 @@ def _quiet_tracing() -> Iterator[None]:
     """Fake tensors log an error with a traceback for every op that fails while tracing; the
     fallback's log line says it once. Only this thread's records, only while it traces: the
     logger's level and other threads' records are left alone. (Held under ``_TRACE_LOCK``.)"""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _ThisThread()
     logger.addFilter(quiet)
     try:
@@ -466,7 +476,7 @@ def _mutating(gm: fx.GraphModule) -> list[fx.Node]:
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
-        and isinstance(n.target, torch._ops.OpOverload)
+        and isinstance(n.target, OpOverload)
         and n.target._schema.is_mutable
     ]
     if found:
@@ -487,7 +497,7 @@ def _ordered(node: fx.Node) -> bool:
     out-variant custom op filling an ``empty_like``) an input of every node that reads them
     after it, so that the partition keeps it, runs it once and before them. Whether it could."""
     target = node.target
-    assert isinstance(target, torch._ops.OpOverload)
+    assert isinstance(target, OpOverload)
     if target.namespace in ("aten", "prims"):
         return False  # functionalized
     order = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -498,7 +508,7 @@ def _ordered(node: fx.Node) -> bool:
         if not isinstance(value, fx.Node) or free(value):
             return False  # an input of the backward (or not a tensor the trace made)
         made = value.target
-        if isinstance(made, torch._ops.OpOverload) and made.is_view:
+        if isinstance(made, OpOverload) and made.is_view:
             return False  # a view: it may write into an input
         if any(order[u] < order[node] for u in value.users if u is not node):
             return False  # read before the write: which value a reader sees depends on order
@@ -521,7 +531,7 @@ def _pure(node: fx.Node) -> bool:
     ``torch.matmul`` of a vector, which functionalization keeps) on a tensor the trace created
     and reads nowhere else into its out-of-place view. Whether it could."""
     target = node.target
-    assert isinstance(target, torch._ops.OpOverload)
+    assert isinstance(target, OpOverload)
     if target.namespace != "aten" or not node.args:
         return False
     mutated = node.args[0]
@@ -534,7 +544,7 @@ def _pure(node: fx.Node) -> bool:
     name = target.overloadpacket.__name__
     packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
     twin = getattr(packet, target._overloadname, None)
-    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable or not twin.is_view:
+    if not isinstance(twin, OpOverload) or twin._schema.is_mutable or not twin.is_view:
         return False  # only metadata writes (data writes are functionalized)
     node.target = twin
     return True
@@ -614,7 +624,7 @@ def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
         target = node.target
         packet = getattr(target, "overloadpacket", target)
         if (
-            not isinstance(target, torch._ops.OpOverload)
+            not isinstance(target, OpOverload)
             or target.namespace not in ("aten", "prims")
             or target._schema.is_mutable
             or torch.Tag.nondeterministic_seeded in target.tags
@@ -662,12 +672,11 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     dispatches the node's op and nothing else.
     """
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
         return None
     name = target.overloadpacket.__name__
     # torch.split and Tensor.split (& co.) are Python wrappers: only the builtins themselves.
-    function: Any = getattr(torch._C._VariableFunctions, name, None)
-    method: Any = getattr(torch._C.TensorBase, name, None)
+    function, method = aten_callables(name)
     if function is not None and getattr(torch, name, None) is function:
         fn: Any = function
     elif method is not None and getattr(torch.Tensor, name, None) is method:
@@ -675,7 +684,7 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     else:
         return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    fake = torch._guards.detect_fake_mode([*args, *kwargs.values()])
+    fake = detect_fake_mode([*args, *kwargs.values()])
     if fake is None:
         return None
     seen = _SeenOps()

@@ -40,6 +40,13 @@ from typing import Any
 
 import torch
 
+from customgrad._torch.dispatcher import (
+    any_autocast_enabled,
+    deterministic,
+    deterministic_warn_only,
+    function_stack_len,
+)
+
 __all__ = ["CONSTANTS", "Impure", "TraceGuard", "ambient"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone", "mtia", "maia")
@@ -92,10 +99,10 @@ STATEFUL_NAMES = frozenset(
 _WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"})
 _UNBOUND: Any = object()
 
-_any_autocast: Any = torch._C._is_any_autocast_enabled
-_function_modes: Any = torch._C._len_torch_function_stack
-_deterministic: Any = torch._C._get_deterministic_algorithms
-_warn_only: Any = torch._C._get_deterministic_algorithms_warn_only
+_any_autocast = any_autocast_enabled
+_function_modes = function_stack_len
+_deterministic = deterministic
+_warn_only = deterministic_warn_only
 _default_dtype: Any = torch.get_default_dtype
 
 

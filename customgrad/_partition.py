@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from customgrad._flops import formula_of
+from customgrad._torch.dispatcher import OpOverload
 
 __all__ = ["Cut", "ancestors", "cheap", "cut", "extract", "free"]
 
@@ -46,7 +47,7 @@ def cheap(node: fx.Node) -> bool:
     target = node.target
     if target is operator.getitem:
         return True
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
+    if not isinstance(target, OpOverload) or target.namespace not in ("aten", "prims"):
         return False
     if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False

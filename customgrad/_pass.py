@@ -23,7 +23,7 @@ from customgrad._errors import GradientValueError, MissingRegistrationError
 from customgrad._handoff import HandOff, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import AutogradRules, OpSpec
-from customgrad._torch_internals import graph_kept, graph_task_id
+from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import (
     _NO_VERSION,
     _VERSION,

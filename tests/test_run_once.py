@@ -270,3 +270,19 @@ def test_an_aborted_step_frees_its_nodes_without_the_cyclic_gc(kind: str) -> Non
             assert saved() is None
     finally:
         gc.enable()
+
+
+def test_summary_and_explain_split_say_it_runs_once_and_what_it_held() -> None:
+    name = unique("norm")
+    op = cg.from_function(InPlaceNorm, name, weights=("w",))
+    x, w = inputs()
+    run("customgrad", op, x, w, torch.ones(4, 3, dtype=DT))
+    (row,) = [r for r in cg.summary(name.split("::")[0]).ops if r.op == name]
+    assert row.split == "run once"
+    assert "runs once, whole, in the first pass that needs a gradient, 24 bytes held" in row.detail
+    out = op(x, w)
+    from customgrad.graph import explain_split
+
+    info = explain_split([out], [x], [w])
+    (node,) = [n for n in info.nodes if n.auto_split is not None]
+    assert node.auto_split.endswith("(24 bytes held between the passes at the latest split)")

@@ -49,8 +49,10 @@ def linear_op(
     weight gradient sums over all leading dims of ``x``; saved is ``(x, weight)``, with a
     bias ``(x, weight, bias is not None)``.
 
-    A ``spy`` in a single backward with ``split="auto"`` runs when the backward is traced (once
-    per input signature), not in each pass: use ``split="phase"`` to count calls per pass.
+    A ``spy`` that records its calls changes Python state, so a single backward with
+    ``split="auto"`` that calls it is not traced: it runs once per backward, in the first pass
+    that needs a gradient, with every gradient asked for (the run-once rule). Use
+    ``split="phase"`` to count calls per pass.
     """
     name = name or f"conftest{next(_ids)}::linear"
     if bias:

@@ -14,15 +14,16 @@ alike, so these rules are written here once.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
+from customgrad._handoff import HandOff, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import AutogradRules, OpSpec
-from customgrad._torch_internals import graph_kept, graph_task_id
+from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import (
     _NO_VERSION,
     _VERSION,
@@ -39,7 +40,6 @@ __all__ = [
     "Phase",
     "Runner",
     "Runners",
-    "handed_over",
     "keeps_for_later",
     "pass_plan",
     "write_runner",
@@ -77,7 +77,7 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        self.value: Any = handed_over(record, grads)
+        self.value: Any = handed_over(record, grads, "shared")
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> Any:
@@ -96,7 +96,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                self.record.handoff = (self.grads, self.value)
+                self.record.handoff = HandOff(self.grads, "shared", self.value)
         return self.value
 
 
@@ -171,51 +171,13 @@ class BackwardContext:
 
 
 def keeps_for_later(plan: PassPlan, target: Any) -> bool:
-    """Whether a pass keeps what a node's halves share for the node's later pass: when it
-    computes input gradients while weights that require grad are left for later, and that later
-    pass can come (the graph is retained, or a route defers the weight half to ``target``).
-    A non-retaining partial pass frees everything at once."""
-    return plan.splits and (target is not None or graph_kept())
-
-
-def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
-    """What the node's earlier pass kept for this one (:data:`NO_HANDOFF` when nothing).
-
-    A hand-off belongs to the pass that made it: it is read only by a pass with the same output
-    gradients (the same tensors), never by a pass of another loss through the same node.
-    """
-    handoff = record.handoff
-    if handoff is NO_HANDOFF:
-        return NO_HANDOFF
-    made_with, value = handoff
-    if made_with is grads or _same_tensors(
-        made_with, grads, record.op.signature.output_differentiability
-    ):
-        return value
-    return NO_HANDOFF
-
-
-def _same_tensors(
-    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
-) -> bool:
-    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
-
-    The gradients of non-differentiable outputs are not compared: autograd materializes a new
-    tensor of zeros for them in each pass.
-    """
-    if len(a) != len(b):
-        return False
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x is y or (differentiable is not None and not differentiable[i]):
-            continue
-        if not (
-            isinstance(x, list)
-            and isinstance(y, list)
-            and len(x) == len(y)
-            and all(p is q for p, q in zip(x, y))
-        ):
-            return False
-    return True
+    """Whether a pass keeps what it computed for the node's later pass: when gradients that
+    require grad are left for a later pass and that pass can come (the graph is retained, or a
+    route defers the weight half to ``target``). A non-retaining partial pass frees everything
+    at once."""
+    if target is not None:
+        return bool(plan.later_w) and bool(plan.needed)
+    return bool(plan.later_w or plan.later_in) and bool(plan.needed) and graph_kept()
 
 
 class PassPlan(NamedTuple):
@@ -279,10 +241,31 @@ def auto_split(
         # gradients are differentiable exactly as the user wrote them.
         return None
     split = record.split
-    if split is None:
+    layout = _layout_of(grads)
+    if split is None or layout != record.split_grads:
+        # A node's first backward, or a backward of a retained graph with output gradients of
+        # another layout (other strides select another trace).
         split = auto.plan(make_ctx, saved, grads, requires)
         record.split = split if split is not None else False
+        record.split_grads = layout
     return split or None
+
+
+def _layout_of(grads: tuple[Any, ...]) -> Any:
+    """What of the output gradients selects a trace besides the saved values: their shapes,
+    strides and dtypes (a key that holds no tensor)."""
+    if len(grads) == 1:
+        (g,) = grads
+        if type(g) is torch.Tensor:
+            return (g.shape, g.stride(), g.dtype)
+    return tuple(
+        (g.shape, g.stride(), g.dtype)
+        if isinstance(g, torch.Tensor)
+        else tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in g)
+        if isinstance(g, list)
+        else g
+        for g in grads
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -342,6 +325,7 @@ def write_runner(
         "_REQUIRES": plan.requires,
         "_make_ctx": functools.partial(BackwardContext, spec, "full"),
         "_handed_over": handed_over,
+        "_HandOff": HandOff,
         "_Shared": _Shared,
         "_BackwardContext": BackwardContext,
         "_missing": spec._missing_autograd_message,
@@ -386,10 +370,11 @@ def write_runner(
                     [
                         "handoff = record.handoff",
                         "if handoff is not _NO_HANDOFF:",
-                        "    handoff = _handed_over(record, grads)",
+                        "    handoff = _handed_over(record, grads, 'traced')",
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "record.handoff = _NO_HANDOFF if kept is None else (grads, kept)",
+                        "record.handoff = _NO_HANDOFF if kept is None else "
+                        "_HandOff(grads, 'traced', kept)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
                         *check_source(
@@ -399,6 +384,8 @@ def write_runner(
                     ]
                 ),
             ]
+            if plan.needed != plan.requires:
+                lines += _run_once_lines(spec, sig, plan, ns, watch, slots, "full" in nondiff)
         lines += ["ctx = _CTX", *watch]
         lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
         lines.append("return got")
@@ -491,6 +478,49 @@ class Runners:
         """Write every runner again on next use (the tables the fast path holds included)."""
         for table in self._tables.values():
             table.clear()
+
+
+def _run_once_lines(
+    spec: OpSpec,
+    sig: Any,
+    plan: PassPlan,
+    ns: dict[str, Any],
+    watch: list[str],
+    slots: Any,
+    nondifferentiable: bool,
+) -> list[str]:
+    """Lines of a partial pass of a single backward that is not split (the run-once rule): the
+    first pass that needs any gradient calls it once for every argument that requires grad and
+    hands the gradients it does not need to the node's later pass, which takes them instead of
+    calling it again. (Only ``split="phase"`` calls a backward once per pass.)"""
+    ns["_WHOLE_CTX"] = BackwardContext(spec, "full", plan.requires)
+    ns["_ALLOWED_every"] = sig.tensor_set
+    ns["_NEEDED_every"] = plan.requires
+    return [
+        "if record.handoff is not _NO_HANDOFF:",
+        "    early = _handed_over(record, grads, 'gradients')",
+        "    if early is not _NO_HANDOFF:",
+        "        got = {n: early.pop(n) for n in _NEEDED if n in early}",
+        "        if not early:",
+        "            record.handoff = _NO_HANDOFF",
+        "        return got",
+        "if keep:",
+        *_indent(
+            [
+                "ctx = _WHOLE_CTX",
+                *watch,
+                *call_lines("full", "_FN_full", nondifferentiable),
+                *_observe(HALF_NAMES["full"], "r"),
+                *check_source(
+                    sig, "full", "_FN_full", sig.tensor_set, plan.requires, "every", slots
+                ),
+                "got = {n: every.pop(n) for n in _NEEDED if n in every}",
+                "record.handoff = _HandOff(grads, 'gradients', every)",
+                "_AUTO.held(every)",
+                "return got",
+            ]
+        ),
+    ]
 
 
 def watch_lines() -> list[str]:

@@ -279,6 +279,10 @@ def _stage_backward_input(
     # would keep their saved tensors alive until W.
     plan.executed = set()
     plan.input_routes = {}
+    # W reads only which nodes were deferred: their targets (this state) would make a cycle
+    # (state -> plan -> state) that keeps the nodes and their saved tensors alive past an
+    # aborted step until the cyclic GC runs.
+    plan.deferred = dict.fromkeys(plan.deferred)  # type: ignore[assignment]
     plan.targets = []
     plan.intermediates = []
     for out in stage_outputs_or_loss:

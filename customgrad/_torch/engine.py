@@ -1,47 +1,48 @@
-"""Every private torch internal the op core reads, in one place, detected per torch version.
+"""The autograd engine while it runs a backward: what it will execute, which node and which
+graph task run now, and what ``torch.autograd.grad`` captures.
 
-customgrad needs a few things torch has no public API for:
-
-- :func:`will_execute`: whether the running backward uses a node's gradient
+- :data:`will_execute`: whether the running backward uses a node's gradient
   (``torch._C._will_engine_execute_node``), how a customgrad node learns which pass it is in;
-- :func:`graph_task_id`: which backward (graph task) runs now
+- :data:`current_node`: the node whose backward runs now (``torch._C._current_autograd_node``);
+- :data:`graph_task_id`: which backward (graph task) runs now
   (``torch._C._current_graph_task_id``), what a hand-off between passes is keyed by;
+- :data:`graph_kept`: whether it retains the graph
+  (``torch._C._autograd._get_current_graph_task_keep_graph``);
+- :data:`ACCUMULATE_GRAD`: the class of a leaf's accumulation node
+  (``torch._C._functions.AccumulateGrad``);
 - :func:`captured_by_caller`: which leaves the running ``torch.autograd.grad`` captures, read
   from the locals of torch's ``_engine_run_backward`` frame (the engine query raises for those
-  leaves, and each raise costs about a small op's backward);
-- :func:`library_impls`: the kernels registered through ``torch.library`` (``Library.impl``
-  records each ``"ns/op/DispatchKey"`` it registers), which tells whether the dispatcher would
-  run a kernel other than customgrad's own for an op.
+  leaves, and each raise costs about a small op's backward).
 
-Each is looked up once at import; when torch lacks it, the caller falls back to the slower
-general answer (ask the engine, go through the dispatcher), never to a wrong one.
-``tests/test_torch_internals.py`` fails loudly when the installed torch no longer matches what
-is read here, so a torch upgrade cannot make customgrad silently slower.
+Each is looked up once at import; when torch lacks one, its fallback gives the slower general
+answer (ask the engine, treat every edge as needed), never a wrong one.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Set
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.library
 from torch.autograd.graph import GradientEdge
 
 __all__ = [
     "ACCUMULATE_GRAD",
     "FRAME_READABLE",
     "captured_by_caller",
+    "current_node",
     "graph_kept",
     "graph_task_id",
-    "library_impls",
     "will_execute",
 ]
 
 will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
-"""``torch._C._will_engine_execute_node`` (raises for a leaf ``autograd.grad`` captures), or
-None on a torch without it."""
+"""``torch._C._will_engine_execute_node`` (raises outside a backward and for a leaf
+``autograd.grad`` captures: treat an error as "needed"), or None on a torch without it."""
+
+current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
+"""The autograd node whose backward the calling thread runs (None outside a backward)."""
 
 graph_task_id: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: 0)
 """The id of the graph task the calling thread runs (-1 outside a backward)."""
@@ -65,15 +66,6 @@ FRAME_READABLE = (
 """Whether this torch's ``_engine_run_backward(t_outputs, *args, **kwargs)`` frame can be read."""
 
 _NOTHING: frozenset[int] = frozenset()
-
-_impls: Any = getattr(torch.library, "_impls", None)
-_IMPLS: Set[str] | None = _impls if isinstance(_impls, set) else None
-
-
-def library_impls() -> Set[str] | None:
-    """The ``"ns/op/DispatchKey"`` of every kernel registered through ``torch.library`` (a live
-    set: read it at each call), or None when this torch does not keep one."""
-    return _IMPLS
 
 
 def captured_by_caller(depth: int) -> frozenset[int]:

@@ -24,7 +24,8 @@ from typing import Any
 
 import optree
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from customgrad._torch.dispatcher import TorchDispatchMode
 
 __all__ = ["TORCH_NAMESPACES", "LaunchCounter"]
 

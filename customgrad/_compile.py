@@ -27,6 +27,7 @@ grad, gradients that do not line up with the node's edges.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -37,13 +38,15 @@ from typing import Any, TypeVar
 
 import torch
 from torch import fx, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from customgrad._autograd import engine_needs
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._origin import ValueOrigin, origin_of
 from customgrad._origin import summary as origin_summary
 from customgrad._switches import split_enabled
+from customgrad._torch.dynamo import compiling_locals
+from customgrad._torch.engine import graph_kept
+from customgrad._torch.functions import is_aot_node
 
 __all__ = ["CompiledRegion", "GraphInfo", "compile", "region_of", "regions"]
 
@@ -132,10 +135,18 @@ class CompiledRegion:
     """Bytes the last I pass kept for W."""
     runs: dict[str, int] = field(default_factory=lambda: {"full": 0, "input": 0, "weight": 0})
     """How many times each graph ran."""
+    repeated: str | None = None
+    """Why some pass computed again what an earlier pass through the same node computed (the
+    split ran, but not as one I and one W), or None."""
     _pending: weakref.WeakKeyDictionary[Any, _HandOff] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
+    _passes: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
+    """Per node: the output gradients the engine passed it for the backward about to run."""
     _logged: bool = field(default=False, repr=False)
+    _logged_repeat: bool = field(default=False, repr=False)
 
     def pending(self) -> int:
         """Number of microbatches whose I ran and whose W has not yet (hand-offs held)."""
@@ -153,6 +164,20 @@ class CompiledRegion:
             log.warning(
                 "customgrad.compile: compiled region %s runs its full backward in each pass "
                 "(no input/weight split): %s",
+                self.name,
+                reason,
+            )
+
+    def note_repeat(self, reason: str) -> None:
+        """Record (and log once) that a pass recomputes work of an earlier pass, and why."""
+        with _LOCK:
+            self.repeated = reason
+            first = not self._logged_repeat
+            self._logged_repeat = True
+        if first:
+            log.warning(
+                "customgrad.compile: compiled region %s runs its full backward in a pass where "
+                "it would split: %s",
                 self.name,
                 reason,
             )
@@ -176,6 +201,8 @@ class CompiledRegion:
             text += f": {origin_summary(self.kept)}"
         if self.recomputed_origins:
             text += f"; W recomputes {origin_summary(self.recomputed_origins)} (no FLOPs)"
+        if self.repeated:
+            text += f"; some pass ran the full backward: {self.repeated}"
         return text
 
 
@@ -359,48 +386,152 @@ def _example(node: fx.Node) -> Any:
 
 @dataclass
 class _Cut:
-    """One way to cut the backward: its compiled I and W graphs, and which edges are weights."""
+    """One way to cut the backward: its compiled I and W graphs, and which edges W computes."""
 
     input_fn: Callable[[list[Any]], Any]
     weight_fn: Callable[[list[Any]], Any]
     plan: _Plan
-    edge_weight: list[bool | None]
-    """One entry per edge of the node (the region's tensor inputs): weight, input, or None."""
+    later: tuple[bool, ...]
+    """One entry per edge of the node (the region's tensor inputs): whether W computes its
+    gradient (I computes the others)."""
 
-    def kinds_needed(self, needed: Sequence[bool]) -> tuple[bool, bool]:
-        """(an input's gradient needed, a weight's gradient needed) for the engine's needs."""
-        need_input = need_weight = False
-        for need, weight in zip(needed, self.edge_weight):
-            if need and weight is not None:
-                need_weight |= weight
-                need_input |= not weight
-        return need_input, need_weight
+    def serves_later(self, needed: Sequence[bool]) -> bool:
+        """Whether this cut's W computes every gradient a pass needing ``needed`` uses."""
+        return any(needed) and all(w or not n for n, w in zip(needed, self.later))
+
+
+def _same_pass(made: Sequence[Any] | None, now: Sequence[Any] | None) -> bool:
+    """Whether two records of output gradients (weak references, None for "no gradient") hold
+    the same tensors."""
+    if made is None or now is None or len(made) != len(now):
+        return False
+    for ref, g in zip(made, now):
+        if ref is None:
+            if g is not None:
+                return False
+        elif ref() is not g:
+            return False
+    return True
+
+
+def _weak(grads: Sequence[Any]) -> list[Any]:
+    return [weakref.ref(g) if isinstance(g, torch.Tensor) else None for g in grads]
+
+
+def _engine_grads(region: CompiledRegion, node: Any, tangents: Sequence[Any]) -> list[Any] | None:
+    """The output gradients the autograd engine passed to ``node`` for the running pass (None
+    for "no gradient"), as its pre-hook (:class:`_PassRecorder`) saw them; None when unknown.
+
+    They are the same tensors in an input pass and in the weight pass it hands off to, where
+    AOTAutograd's copies for the compiled graph (``tangents``: a contiguous copy of an expanded
+    or transposed gradient, zeros for an output that got none) are new in each pass. A pre-hook
+    registered after the recorder could replace them: each tangent must be one of the recorded
+    gradients, or a copy AOTAutograd would make of one (of a non-contiguous gradient, or
+    zeros for a missing one); otherwise the pass is unknown.
+    """
+    with _LOCK:
+        seen = region._passes.pop(node, None)
+    if seen is None:
+        return None
+    grads = [g if isinstance(g, torch.Tensor) else None for g in seen]
+    ids = {id(g) for g in grads if g is not None}
+    copied = [g for g in grads if g is None or not g.is_contiguous()]
+    for t in tangents:
+        if not isinstance(t, torch.Tensor) or id(t) in ids:
+            continue
+        k = next((k for k, g in enumerate(copied) if g is None or g.shape == t.shape), None)
+        if k is None:
+            return None  # a tangent that is no recorded gradient nor a copy of one
+        del copied[k]
+    return grads
 
 
 class _HandOff:
-    """What an input pass kept for the weight pass of the same node, and the output
-    gradients) it was made with: a pass with other output gradients (another loss through the
-    same graph) never reads it."""
+    """What an input pass kept for the weight pass of the same node, and the output gradients
+    the pass was given: a pass with other output gradients (another loss through the same
+    graph, a retained graph backwarded again) never reads it.
 
-    __slots__ = ("cut", "kept", "tangents")
+    The gradients compared are the ones the autograd engine passed to the node
+    (:func:`_engine_grads`); where they are unknown, the ones the compiled backward got
+    (AOTAutograd's copies: then a pass whose gradients AOTAutograd copies does not match and
+    recomputes, logged).
+    """
+
+    __slots__ = ("cut", "engine", "kept", "tangents")
 
     def __init__(
-        self, cut: _Cut, tangents: list[tuple[int, weakref.ref[Any]]], kept: list[Any]
+        self, cut: _Cut, engine: list[Any] | None, tangents: list[Any], kept: list[Any]
     ) -> None:
         self.cut = cut  # the I/W pair whose input graph made it
+        self.engine = engine
         self.tangents = tangents
         self.kept = kept
 
-    def made_with(self, args: Sequence[Any]) -> bool:
-        return all(i < len(args) and ref() is args[i] for i, ref in self.tangents)
+    def made_with(self, engine: Sequence[Any] | None, tangents: Sequence[Any]) -> bool:
+        if self.engine is not None and engine is not None:
+            return _same_pass(self.engine, engine)
+        return _same_pass(self.tangents, tangents)
+
+
+class _PassRecorder:
+    """A pre-hook on a region's autograd node: records the output gradients the engine passes
+    to the node, just before its backward runs (the pass the backward belongs to)."""
+
+    __slots__ = ("node", "region")
+
+    def __init__(self, region: CompiledRegion, node: Any) -> None:
+        self.region = weakref.ref(region)
+        self.node = weakref.ref(node)
+
+    def __call__(self, grads: tuple[Any, ...]) -> None:
+        region, node = self.region(), self.node()
+        if region is not None and node is not None:
+            with _LOCK:
+                region._passes[node] = grads
+
+
+_WALK = 4
+
+
+def _watch(region: CompiledRegion, outputs: Any) -> None:
+    """Put a :class:`_PassRecorder` on the autograd node a compiled forward just made (reached
+    from its outputs within a few view nodes)."""
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    seen: set[int] = set()
+    for o in outs:
+        fn = o.grad_fn if isinstance(o, torch.Tensor) else None
+        for _ in range(_WALK):
+            if fn is None:
+                break
+            if is_aot_node(fn):
+                if id(fn) not in seen:
+                    seen.add(id(fn))
+                    fn.register_prehook(_PassRecorder(region, fn))
+                break
+            nexts = fn.next_functions
+            fn = nexts[0][0] if nexts else None
+
+
+def _watching(region: CompiledRegion, compiled: Any) -> Any:
+    """``compiled`` (the callable dynamo runs for a graph) with its node watched per call."""
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        out = compiled(*args)
+        if torch.is_grad_enabled():
+            _watch(region, out)
+        return out
+
+    return run
 
 
 class _Backward:
     """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call.
 
-    ``cuts`` holds one cut, or two when a region input was told a weight by its history
-    (:func:`_weights_by_history`): the same compiled graph may serve a call where that input
-    is an activation, which the second cut (parameters only are weights) splits.
+    A pass that needs every gradient that requires grad runs the full graph. A pass that
+    needs some runs the I graph of the cut "these now, the rest later" (compiled once per such
+    pattern, when first met) and keeps the hand-off; the next pass through the node with the
+    same output gradients that needs only what that cut left for later runs its W graph.
     """
 
     def __init__(
@@ -408,22 +539,25 @@ class _Backward:
         region: CompiledRegion,
         full: Callable[[list[Any]], Any],
         n_outputs: int,
+        n_edges: int,
         cuts: Sequence[_Cut],
-        late_cut: Callable[[], _Cut | None] | None = None,
+        make_cut: Callable[[tuple[bool, ...]], _Cut | None] | None = None,
     ) -> None:
         self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) keep it
         self.region = region
         self.full = full
         self.n_outputs = n_outputs
-        self.cuts = list(cuts)
-        # compiled outside a backward (dynamic shapes): the cut by the first node's history,
-        # made at its first backward
-        self.late_cut = late_cut
+        self.n_edges = n_edges
+        self.cuts: dict[tuple[bool, ...], _Cut | None] = {c.later: c for c in cuts}
+        self.make_cut = make_cut
+        self.tangents: list[int] = cuts[0].plan.tangents if cuts else []
 
     def __call__(self, args: list[Any]) -> Any:
         region = self.region
-        mode, cut = self._mode(args)
         node = torch._C._current_autograd_node()
+        tangents = [args[i] for i in self.tangents if i < len(args)]
+        engine = _engine_grads(region, node, tangents) if node is not None else None
+        mode, cut = self._mode(node, args, engine)
         if cut is None:
             with _LOCK:
                 region.runs["full"] += 1
@@ -433,71 +567,76 @@ class _Backward:
         plan = cut.plan
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
-            made_with = [(i, weakref.ref(args[i])) for i in plan.tangents]  # before args clear
+            tangents = _weak([args[i] for i in plan.tangents if i < len(args)])
             out = list(cut.input_fn(args))
             n = len(plan.input_positions)
             for j, g in zip(plan.input_positions, out[:n]):
                 grads[j] = g
             kept = out[n:]
             size = sum(t.untyped_storage().nbytes() for t in kept if isinstance(t, torch.Tensor))
+            handoff = _HandOff(cut, None if engine is None else _weak(engine), tangents, kept)
             with _LOCK:
-                region._pending[node] = _HandOff(cut, made_with, kept)
-                region.handoff_bytes = size
+                if graph_kept():  # a later pass can come through this node
+                    region._pending[node] = handoff
+                    region.handoff_bytes = size
                 region.runs["input"] += 1
             return grads
         with _LOCK:
-            handoff = region._pending.pop(node, None)
+            found = region._pending.pop(node, None)
             region.runs["weight"] += 1
-        if handoff is not None:
-            args.extend(handoff.kept)
-            del handoff
+        if found is not None:
+            args.extend(found.kept)
+            del found
         for j, g in zip(plan.weight_positions, cut.weight_fn(args)):
             grads[j] = g
         return grads
 
-    def _mode(self, args: Sequence[Any]) -> tuple[str, _Cut | None]:
+    def _mode(
+        self, node: Any, args: Sequence[Any], engine: Sequence[Any] | None
+    ) -> tuple[str, _Cut | None]:
         """``("input", cut)``, ``("weight", cut)`` or ``("full", None)`` for the running pass."""
-        if not self.cuts or not split_enabled():
+        if (self.make_cut is None and not self.cuts) or not split_enabled():
             return "full", None
         region = self.region
-        node = torch._C._current_autograd_node()
         if node is None:
             region.fall_back(
                 "no autograd node is running its backward (compiled autograd traces it whole)"
             )
             return "full", None
         edges = node.next_functions
-        if len(edges) != len(self.cuts[0].edge_weight):
-            region.fall_back(
-                f"its node has {len(edges)} edges for {len(self.cuts[0].edge_weight)} tensor inputs"
-            )
+        if len(edges) != self.n_edges:
+            region.fall_back(f"its node has {len(edges)} edges for {self.n_edges} tensor inputs")
             return "full", None
+        requires = [fn is not None for fn, _ in edges]
         needed = [fn is not None and engine_needs(fn) for fn, _ in edges]
         with _LOCK:
             handoff = region._pending.get(node)
-        if handoff is not None and handoff.made_with(args):
-            # this microbatch's I ran: W with the same cut, if the pass needs weights only
-            need_input, need_weight = handoff.cut.kinds_needed(needed)
-            if need_weight and not need_input:
+        if handoff is not None:
+            tangents = [args[i] for i in self.tangents if i < len(args)]
+            if handoff.made_with(engine, tangents) and handoff.cut.serves_later(needed):
                 return "weight", handoff.cut
-        elif handoff is not None:  # another pass's (another loss's output gradients)
             with _LOCK:
                 region._pending.pop(node, None)
+            if any(needed) and handoff.cut.serves_later(needed):
+                region.note_repeat(
+                    "a pass needing only the gradients its input pass left for later came with "
+                    "other output gradients than that input pass (another loss, or gradients "
+                    "replaced by a hook), so it computes them from its own"
+                )
+        if needed == requires or not any(needed):
+            return "full", None
+        later = tuple(r and not n for r, n in zip(requires, needed))
+        cut = self._cut_for(later)
+        return ("input", cut) if cut is not None else ("full", None)
+
+    def _cut_for(self, later: tuple[bool, ...]) -> _Cut | None:
         with _LOCK:
-            late, self.late_cut = self.late_cut, None
-        if late is not None:
-            cut = late()
-            if cut is not None:
-                self.cuts.insert(0, cut)
-        for cut in self.cuts:
-            need_input, need_weight = cut.kinds_needed(needed)
-            if need_input and not need_weight:
-                return "input", cut
-            # without I's hand-off, W runs alone only if it needs none (the first stage's
-            # input needs no gradient, a Linear alone); else the full graph
-            if need_weight and not need_input and not cut.plan.handoff:
-                return "weight", cut
-        return "full", None
+            if later in self.cuts:
+                return self.cuts[later]
+        cut = self.make_cut(later) if self.make_cut is not None else None
+        with _LOCK:
+            self.cuts[later] = cut
+        return cut
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,56 +719,67 @@ class _SplitCompiler:
                 reason = 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
             elif _mutated_grad_input():
                 reason = "it mutates an input that requires grad, or threads effect/RNG state"
-        by_history = _weights_by_history(self.kinds)
-        variants = [by_history] + ([self.kinds] if by_history != self.kinds else [])
-        plans: list[_Plan | str] = [
-            reason if reason is not None else _plan(gm, kinds) for kinds in variants
-        ]
+        outs = list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+        positions = [j for j, k in enumerate(self.kinds) if k is not None]
+        if reason is None and len(outs) != len(self.kinds):
+            reason = (
+                f"its backward has {len(outs)} outputs for {len(self.kinds)} inputs (AOTAutograd "
+                "deduplicated or regrouped them)"
+            )
+
+        def later_of(kinds: Sequence[bool | None]) -> tuple[bool, ...]:
+            return tuple(bool(kinds[j]) and isinstance(outs[j], fx.Node) for j in positions)
+
         full = self.compile_one(gm, example_inputs, **kwargs)
-        if isinstance(plans[0], str):
-            region.fall_back(plans[0])
-            return _Backward(region, _boxed(full), len(self.kinds), [])
-        cuts = [
-            self._cut(plan, kinds, example_inputs, kwargs)
-            for plan, kinds in zip(plans, variants)
-            if not isinstance(plan, str)
-        ]
-        self._describe(gm, cuts[0].plan)
-        late = None
-        if torch._C._current_autograd_node() is None:  # compiled ahead of its first backward
+        by_history = later_of(_weights_by_history(self.kinds)) if reason is None else ()
+        first = _plan(gm, self._is_weight(by_history)) if reason is None else reason
+        if isinstance(first, str):
+            region.fall_back(first)
+            return _Backward(region, _boxed(full), len(self.kinds), len(positions), [])
+        cuts = [self._cut(first, by_history, example_inputs, kwargs)]
+        self._describe(gm, first)
+        params_only = later_of(self.kinds)
+        if params_only != by_history:
+            plan = _plan(gm, self._is_weight(params_only))
+            if not isinstance(plan, str):
+                cuts.append(self._cut(plan, params_only, example_inputs, kwargs))
 
-            def late() -> _Cut | None:
-                return self._late_cut(gm, example_inputs, kwargs, [c.edge_weight for c in cuts])
+        def make_cut(later: tuple[bool, ...]) -> _Cut | None:
+            return self._later_cut(gm, example_inputs, kwargs, later)
 
-        return _Backward(region, _boxed(full), len(self.kinds), cuts, late)
+        return _Backward(region, _boxed(full), len(self.kinds), len(positions), cuts, make_cut)
 
-    def _late_cut(
+    def _is_weight(self, later: Sequence[bool]) -> list[bool | None]:
+        """Per region input: True where W computes the gradient, False where I does, None for
+        an input that is not a tensor."""
+        flags = iter(later)
+        return [None if k is None else next(flags) for k in self.kinds]
+
+    def _later_cut(
         self,
         gm: fx.GraphModule,
         example_inputs: Sequence[Any],
         kwargs: dict[str, Any],
-        known: list[list[bool | None]],
+        later: tuple[bool, ...],
     ) -> _Cut | None:
-        """The cut by the running node's history, if it differs from the known ones."""
-        kinds = _weights_by_history(self.kinds)
-        if [k for k in kinds if k is not None] in known:
-            return None
-        plan = _plan(gm, kinds)
+        """The cut whose W computes the gradients of ``later``, compiled when a pass first
+        needs it (blocks of one class share a graph whose inputs hold activations in one block
+        and weights made from parameters in another)."""
+        plan = _plan(gm, self._is_weight(later))
         if isinstance(plan, str):
+            self.region.note_repeat(plan)
             return None
         try:
-            cut = self._cut(plan, kinds, example_inputs, kwargs)
-            self._describe(gm, plan)
-            return cut
-        except Exception as e:  # the backend could not compile it here: the other cuts serve
-            log.warning(
-                "customgrad.compile: compiled region %s: could not compile the cut for weights "
-                "made outside it (%s: %s); calls with them run the full backward in W",
-                self.region.name,
-                type(e).__name__,
-                e,
+            cut = self._cut(plan, later, example_inputs, kwargs)
+        except Exception as e:  # the backend could not compile it here: run the full graph
+            self.region.note_repeat(
+                f"the backend could not compile its cut for this pattern of gradients "
+                f"({type(e).__name__}: {e})"
             )
             return None
+        if self.region.input_pass is None:
+            self._describe(gm, plan)
+        return cut
 
     def _describe(self, gm: fx.GraphModule, plan: _Plan) -> None:
         """What explain_split and the summary say of the region: the cut it runs first."""
@@ -649,15 +799,14 @@ class _SplitCompiler:
     def _cut(
         self,
         plan: _Plan,
-        kinds: list[bool | None],
+        later: tuple[bool, ...],
         example_inputs: Sequence[Any],
         kwargs: dict[str, Any],
     ) -> _Cut:
         input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
         weight_examples = [*example_inputs, *(_example(h) for h in plan.handoff)]
         weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
-        edge_weight: list[bool | None] = [k for k in kinds if k is not None]
-        return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, edge_weight)
+        return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, later)
 
 
 _HISTORY_NODES = 64
@@ -745,15 +894,16 @@ def _dynamo_input_names(gm: fx.GraphModule) -> list[str]:
     return names
 
 
-_OWNERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # weight -> its compiled module's class
-
-
-def _region_label(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """The class of the compiled module the graph's weights belong to, e.g. ``Block``."""
-    with _LOCK:
-        for x in example_inputs:
-            if isinstance(x, nn.Parameter) and x in _OWNERS:
-                return str(_OWNERS[x])
+def _region_label(gm: fx.GraphModule) -> str:
+    """The class of the module whose frame dynamo compiled (``Block``), else of the first
+    module the graph calls, else "compiled function"."""
+    frame = compiling_locals()  # forward(self, ...), or _call_for's call(*args) of call_impl
+    module = frame.get("self", getattr(frame.get("call_impl"), "__self__", None))
+    if isinstance(module, nn.Module):
+        for cls in type(module).__mro__:  # past FSDP2's generated FSDP<Block> class
+            if not cls.__module__.startswith("torch.distributed"):
+                return cls.__qualname__
+        return type(module).__qualname__
     for n in gm.graph.nodes:
         stack = n.meta.get("nn_module_stack")
         if stack:
@@ -787,9 +937,7 @@ class _Backend:
             self.inductor_config = _TorchCompileInductorWrapper(mode, options, dynamic).config
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
-        region = CompiledRegion(
-            name=f"{_region_label(gm, example_inputs)} (graph {next(self.counter)})"
-        )
+        region = CompiledRegion(name=f"{_region_label(gm)} (graph {next(self.counter)})")
         _register(region)
         kinds = [_kind(x) for x in example_inputs]
         reason = None
@@ -802,7 +950,7 @@ class _Backend:
             else:
                 compiled = self._aot(gm, example_inputs, region, kinds, reason, names)
         _no_donated_buffers()
-        return compiled
+        return _watching(region, compiled)
 
     def _inductor(
         self,
@@ -853,6 +1001,12 @@ class _Backend:
         return AotAutograd(**{**backend.kwargs, "bw_compiler": bw_compiler})(gm, example_inputs)
 
 
+def _user_forward(module: nn.Module) -> bool:
+    """Whether the module's ``forward`` is the user's code (a frame dynamo compiles)."""
+    forward = getattr(type(module), "forward", None)
+    return not str(getattr(forward, "__module__", "torch.")).startswith("torch.")
+
+
 def _calls(call_impl: Callable[..., Any]) -> Callable[..., Any]:
     def call(*args: Any, **kw: Any) -> Any:
         return call_impl(*args, **kw)
@@ -864,11 +1018,12 @@ _CODES: weakref.WeakKeyDictionary[type, Any] = weakref.WeakKeyDictionary()
 
 
 def _call_for(module: nn.Module) -> Callable[..., Any]:
-    """``module._call_impl`` in a function whose code object is its class's own.
-
-    Dynamo keeps compiled graphs per code object (at most ``recompile_limit`` each): blocks of
-    one class share theirs, as ``torch.compile(block)`` does, and other classes never evict
-    them. (``nn.Module.compile`` compiles ``Module._call_impl`` itself, a frame dynamo skips.)
+    """``module._call_impl`` in a function whose code object is its class's own, for modules
+    whose ``forward`` is torch's own (``nn.Linear``, ``nn.Sequential``): dynamo skips torch's
+    frames, so compiling ``_call_impl`` as ``nn.Module.compile`` does would compile nothing.
+    Dynamo traces this function's frame, inlining ``_call_impl`` (hooks included) and
+    ``forward``; it keeps compiled graphs per code object: modules of one class share theirs,
+    and other classes never evict them.
     """
     call = _calls(module._call_impl)
     cls = type(module)
@@ -975,10 +1130,12 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
             raise ArgumentTypeError(
                 MSG_TWICE.format(got=label, how="its _compiled_call_impl is set")
             )
-        with _LOCK:
-            for p in module.parameters():
-                _OWNERS[p] = label
-        call = _call_for(module)
-        module._compiled_call_impl = torch.compile(call, backend=compiled_backend, **kwargs)
+        # as nn.Module.compile does: dynamo skips _call_impl's own frame, so the module's hooks
+        # (FSDP2's, any torch._dynamo.disable'd one) run outside the graph, and compiles
+        # forward's frame, whose code object blocks of one class share
+        call = module._call_impl if _user_forward(module) else _call_for(module)
+        compiled = torch.compile(call, backend=compiled_backend, **kwargs)
+        compiled._customgrad_compiled = True
+        module._compiled_call_impl = compiled
         return module
     return torch.compile(module, backend=compiled_backend, **kwargs)  # type: ignore[return-value]

@@ -8,7 +8,10 @@ Imported lazily (dynamo is large).
   ``aot_autograd(...)`` makes;
 - :func:`lookup_backend`: a registered backend by name;
 - :func:`eager_backends`: ``aot_eager`` and ``boxed_nop`` (dynamo's debugging backends);
-- :func:`optimized_module_type`: ``torch._dynamo.eval_frame.OptimizedModule``.
+- :func:`optimized_module_type`: ``torch._dynamo.eval_frame.OptimizedModule``;
+- :func:`compile_options`: the ``torch.compile`` options a compiled function or module was made
+  with (read from dynamo's context);
+- :func:`compiling_locals`: the locals of the frame dynamo compiles now.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 __all__ = [
     "aot_autograd_type",
+    "compile_options",
+    "compiling_locals",
     "eager_backends",
     "load",
     "lookup_backend",
@@ -55,3 +60,50 @@ def optimized_module_type() -> type[Any]:
     from torch._dynamo.eval_frame import OptimizedModule
 
     return OptimizedModule
+
+
+def compile_options(compiled: Any) -> dict[str, Any] | None:
+    """The ``torch.compile`` keyword arguments (``backend``, ``options``, ``dynamic``,
+    ``fullgraph``) that made ``compiled``: a function compiled by ``torch.compile`` (what
+    ``nn.Module.compile`` stores in ``_compiled_call_impl``) or an ``OptimizedModule``. Read
+    from dynamo's context (``OptimizeContext``) and its backend wrapper; inductor's ``mode`` comes
+    back resolved into ``options``. None when they cannot be read."""
+    ctx = getattr(compiled, "dynamo_ctx", None)  # an OptimizedModule
+    if ctx is None:
+        code, cells = getattr(compiled, "__code__", None), getattr(compiled, "__closure__", None)
+        if code is None or not cells:
+            return None
+        try:
+            ctx = dict(zip(code.co_freevars, (c.cell_contents for c in cells))).get("self")
+        except ValueError:  # an empty cell
+            return None
+    backend: Any = getattr(ctx, "callback", None)
+    for _ in range(3):  # CatchErrorsWrapper -> ConvertFrame(Assert) -> WrapBackendDebug -> it
+        backend = getattr(backend, "_torchdynamo_orig_backend", backend)
+    if backend is None or not hasattr(ctx, "fullgraph"):
+        return None
+    found: dict[str, Any] = {
+        "fullgraph": bool(getattr(ctx, "fullgraph", False)),
+        "dynamic": getattr(ctx, "_dynamic", None),
+    }
+    if type(backend).__name__ == "_TorchCompileInductorWrapper":
+        found["backend"] = "inductor"
+        found["options"] = dict(getattr(backend, "config", {})) or None
+    elif type(backend).__name__ == "_TorchCompileWrapper":
+        found["backend"] = backend.compiler_name
+        found.update(getattr(backend, "kwargs", None) or {})
+    else:
+        found["backend"] = backend
+    return found
+
+
+def compiling_locals() -> dict[str, Any]:
+    """The locals of the frame dynamo is compiling now (read from the running
+    ``InstructionTranslator``, while a backend is called); empty when none."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        found = InstructionTranslator.current_tx().output.root_tx.f_locals
+    except Exception:  # no frame being compiled, or a torch that keeps it elsewhere
+        return {}
+    return found if isinstance(found, dict) else {}

@@ -52,6 +52,7 @@ graph_kept: Callable[[], bool] = getattr(
 )
 """Whether the running backward retains the graph (``retain_graph=True``); True when unknown."""
 
+
 ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))
 """The class of a leaf's gradient-accumulation node."""
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["custom_op_of", "forward_cls", "plain_apply", "set_backward_apply"]
+__all__ = ["custom_op_of", "forward_cls", "is_aot_node", "plain_apply", "set_backward_apply"]
 
 _CUSTOM_OP_MODULE = "torch._library.autograd"
 r"""The module whose generated Functions give ``torch.library.custom_op``\ s their autograd."""
@@ -59,3 +59,9 @@ def custom_op_of(node: Any) -> str | None:
         if isinstance(value, OpOverload):
             return str(value._schema.name)
     return cls.__name__
+
+
+def is_aot_node(node: Any) -> bool:
+    """Whether ``node`` is the autograd node of an AOTAutograd-compiled graph (its
+    ``autograd.Function`` class carries the compiled forward, ``compiled_fw``)."""
+    return getattr(getattr(node, "_forward_cls", None), "compiled_fw", None) is not None

@@ -15,7 +15,8 @@ import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
-from customgrad._errors import ArgumentValueError
+from customgrad._compiled_modules import split_compiled as _split_compiled
+from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad.pipelining._backward import (
     run_stage_backward,
     stage_backward,
@@ -50,6 +51,31 @@ Build DDP with find_unused_parameters=False (the default), or use FSDP2:
     fully_shard(module, mesh=dp_mesh)
 """
 
+MSG_NOT_A_MODULE = """\
+customgrad.pipelining.PipelineStage: expected the stage's module (an nn.Module) as its first \
+argument, got {got}. With torch's tracing frontend (pipeline() / pipe_split()), pass the module \
+the pipe made for this stage, not a stage built by pipe.build_stage(...) nor the pipe itself:
+
+    pipe = pipeline(model, mb_args=(example_microbatch,))
+    stage = customgrad.pipelining.PipelineStage(
+        pipe.get_stage_module(stage_index), stage_index, pipe.num_stages, device
+    )
+"""
+
+MSG_DONATED = """\
+customgrad.pipelining.PipelineStage(stage_index={stage}): a module of this stage was compiled \
+with torch.compile / nn.Module.compile, whose compiled backward runs once per backward \
+(AOTAutograd's donated buffers), but the schedule splits it into an input and a weight pass. \
+Compile it with customgrad.compile, whose backward splits, or let the stage do it (the default, \
+split_compiled=True):
+
+    customgrad.compile(block)                 # instead of block.compile() / torch.compile(block)
+    PipelineStage(module, stage_index, n_stages, device)   # split_compiled=True
+
+(torch._functorch.config.donated_buffer=False is not a fix: the whole compiled backward then \
+runs in I and again in W, and gradients were observed wrong.)
+"""
+
 try:
     from torch.distributed.fsdp import FSDPModule
 except ImportError:  # pragma: no cover - older torch
@@ -77,6 +103,13 @@ class PipelineStage(_TorchPipelineStage):
     reduces, and the step ends with a :class:`~customgrad.pipelining.PipeliningError`: use the
     plain split (no ``queue=``) or FSDP2 there.
 
+        split_compiled: modules of the stage compiled by torch (``nn.Module.compile``, as
+            torchtitan does, or ``torch.compile`` wrappers, which torch's zero-bubble schedules
+            refuse) are recompiled with :func:`customgrad.compile` and the same options, so their
+            backward splits into I and W (one log line names them). False leaves them: a split
+            schedule then fails at the first input pass with an error that names
+            ``customgrad.compile``.
+
     Example:
         Build stages as with torch and hand them to a torch schedule::
 
@@ -84,7 +117,28 @@ class PipelineStage(_TorchPipelineStage):
             schedule = ScheduleZBVZeroBubble([stage0, stage1], n_microbatches, loss_fn=...)
     """
 
-    def __init__(self, *args: Any, queue: WeightGradQueue | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        queue: WeightGradQueue | None = None,
+        split_compiled: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        positional = bool(args)
+        submodule = args[0] if positional else kwargs.get("submodule")
+        if not isinstance(submodule, torch.nn.Module) or isinstance(
+            submodule, torch.distributed.pipelining.Pipe
+        ):
+            raise ArgumentTypeError(MSG_NOT_A_MODULE.format(got=_describe_stage_arg(submodule)))
+        if split_compiled:
+            index = args[1] if len(args) > 1 else kwargs.get("stage_index")
+            submodule, _ = _split_compiled(
+                submodule, f"customgrad.pipelining.PipelineStage(stage_index={index})"
+            )
+            if positional:
+                args = (submodule, *args[1:])
+            else:
+                kwargs["submodule"] = submodule
         if queue is not None:
             if kwargs.get("dw_builder") is not None:
                 raise ArgumentValueError(
@@ -229,4 +283,29 @@ class PipelineStage(_TorchPipelineStage):
             submod.set_is_last_backward(False)
             submod.set_reshard_after_backward(False)
             submod.set_requires_gradient_sync(False)
-        return perform()
+        try:
+            return perform()
+        except RuntimeError as e:
+            if backward_type != "full" and _mentions(e, "donated buffers"):
+                raise PipeliningError(MSG_DONATED.format(stage=self.stage_index)) from e
+            raise
+
+
+def _describe_stage_arg(value: object) -> str:
+    if isinstance(value, torch.nn.Module):  # the Pipe
+        return f"the whole pipe ({type(value).__name__}), not one stage's module"
+    if hasattr(value, "submod") and hasattr(value, "stage_index"):
+        return f"a stage already built ({type(value).__name__}, e.g. by pipe.build_stage)"
+    return f"{type(value).__name__} {value!r}"
+
+
+def _mentions(error: BaseException, text: str) -> bool:
+    """Whether ``error`` or an error it was raised from says ``text``."""
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if text in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

@@ -147,6 +147,12 @@ def _library(module_name: object) -> bool:
 
 def _describe(v: object) -> str:
     kind = type(v)
+    if kind is types.ModuleType and v.__name__.partition(".")[0] == "triton":  # type: ignore[attr-defined]
+        return (
+            f"the module {v.__name__}: a Triton kernel launched raw, which a trace cannot see; "  # type: ignore[attr-defined]
+            f"wrap the launch in an op with a fake kernel (torch.library.triton_op, or a "
+            f"customgrad op) to split it"
+        )
     if kind.__module__.partition(".")[0] == "triton":
         return (
             f"a Triton kernel ({kind.__qualname__}) launched raw, which a trace cannot see; wrap "

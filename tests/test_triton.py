@@ -342,12 +342,6 @@ def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> 
     assert fallback is not None and "triton" in fallback.describe()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="customgrad/_guards.py (the lead's) describes a read of the module triton as 'the "
-    "module triton'; issue 26 item 5 wants the raw launch named, as _guards._describe already "
-    "does for a kernel object (and _autosplit._why for a trace that hits the launch)",
-)
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
 def test_automatic_split_fallback_names_the_raw_launch() -> None:
     op = _raw_launch_op("test_triton::raw_auto")

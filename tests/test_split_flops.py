@@ -162,3 +162,136 @@ def test_customgrad_split_needs_no_engine_query(
     flops, full_halves, split_halves = _measure("pair", shared, _customgrad_split)
     assert flops["I"] + flops["W"] == flops["full"]
     assert sum(split_halves.values()) == sum(full_halves.values())
+
+
+# ---------------------------------------------------------------- native weights used twice
+
+pair_linear64 = linear_op("split_flops::pair_linear64")
+
+
+class NativeTwice(nn.Module):
+    """A native weight used twice in one stage (issue 24, item 4), in several forms.
+
+    "linear": one ``nn.Linear`` (with bias) applied twice; "linear-nobias": without bias;
+    "functional": ``F.linear`` with the same weight and bias twice; "between": ``F.linear``
+    with a weight used below and above another native layer; "over-op": a native layer above a
+    customgrad op with the same weight.
+    """
+
+    def __init__(self, form: str, width: int = 8) -> None:
+        super().__init__()
+        self.form = form
+        self.lin = nn.Linear(width, width, bias=form != "linear-nobias", dtype=torch.float64)
+        if form == "between":
+            self.v = nn.Parameter(torch.randn(width, width, dtype=torch.float64) / width**0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w, b = self.lin.weight, self.lin.bias
+        if self.form in ("linear", "linear-nobias"):
+            return self.lin(torch.relu(self.lin(x)))
+        if self.form == "functional":
+            return nn.functional.linear(torch.relu(nn.functional.linear(x, w, b)), w, b)
+        if self.form == "between":
+            h = torch.relu(nn.functional.linear(x, w, b))
+            h = torch.tanh(nn.functional.linear(h, self.v))
+            return nn.functional.linear(h, w, b)
+        assert self.form == "over-op"
+        return nn.functional.linear(torch.relu(pair_linear64(x, w)), w, b)
+
+
+NATIVE_FORMS = ["linear", "linear-nobias", "functional", "between", "over-op"]
+
+
+def _flops_of(fn: Callable[[], Any]) -> int:
+    with FlopCounter() as counter:
+        fn()
+    return counter.total
+
+
+def _torch_split_flops(model: nn.Module, g: Tensor) -> tuple[int, int] | None:
+    """FLOPs of torch's I and W for ``model``, or None where torch's split fails."""
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    out = model(x)
+    groups: list[Any] = []
+    try:
+        flops_i = _flops_of(
+            lambda: groups.append(
+                torch_backward.stage_backward_input([out], [g], [x], model.parameters())
+            )
+        )
+        flops_w = _flops_of(
+            lambda: torch_backward.stage_backward_weight(model.parameters(), groups[0][1])
+        )
+    except RuntimeError:
+        return None
+    return flops_i, flops_w
+
+
+@pytest.mark.parametrize("first", [False, True], ids=["stage", "first-stage"])
+@pytest.mark.parametrize("form", NATIVE_FORMS)
+def test_native_weight_used_twice_splits_with_no_repeated_flops(form: str, first: bool) -> None:
+    # Before: W ran the outer layer's input gradient again (I 1024 + W 1536 against 2048 for
+    # "linear-nobias"), as torch's W does; W now asks the outer layer for its weight side only.
+    torch.manual_seed(0)
+    model = NativeTwice(form)
+    ref = copy.deepcopy(model)
+    theirs = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=not first)
+    g = torch.randn(4, 8, dtype=torch.float64)
+    rx = x.detach().clone().requires_grad_(not first)
+    out = ref(rx)
+    full = _flops_of(lambda: out.backward(g))
+
+    out = model(x)
+    groups: list[Any] = []
+    flops_i = _flops_of(
+        lambda: groups.append(stage_backward_input([out], [g], [x], model.parameters()))
+    )
+    flops_w = _flops_of(lambda: stage_backward_weight(model.parameters(), groups[0][1]))
+    assert flops_i + flops_w == full
+    if not first:
+        torch.testing.assert_close(groups[0][0][0], rx.grad)
+        # Never more than torch's split, which repeats the outer layer's input gradient.
+        torch_figures = _torch_split_flops(theirs, g)
+        if torch_figures is None:  # torch's W frees a node it runs again
+            assert form == "between"
+        else:
+            assert flops_i == torch_figures[0]
+            assert flops_w < torch_figures[1]
+    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+@pytest.mark.parametrize("form", ["linear", "functional", "over-op"])
+def test_native_weight_used_twice_accumulates_and_fires_hooks_once(form: str) -> None:
+    # Into an existing .grad (a later microbatch), with hooks that scale: each weight
+    # accumulates once in W and each of its hooks fires once, as in a full backward; a hook on
+    # the outer layer's output (the node W asks for its weight side) scales once too.
+    torch.manual_seed(0)
+    model = NativeTwice(form)
+    ref = copy.deepcopy(model)
+    fired: Counter[tuple[str, str]] = Counter()
+    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
+        p.grad = torch.ones_like(p)
+        r.grad = torch.ones_like(r)
+        p.register_hook(lambda g, n=name: fired.update([("tensor", n)]) or g * 2)  # type: ignore[misc]
+        r.register_hook(lambda g: g * 2)
+        p.register_post_accumulate_grad_hook(lambda _, n=name: fired.update([("post", n)]))
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 8, dtype=torch.float64)
+
+    def scaled(m: nn.Module, x: Tensor) -> Tensor:
+        out = m(x)
+        out.register_hook(lambda grad: grad * 3)
+        return out
+
+    scaled(ref, x.detach().requires_grad_()).backward(g)
+    out = scaled(model, x)
+    _, groups = stage_backward_input([out], [g], [x], model.parameters())
+    assert not fired
+    flops_w = _flops_of(lambda: stage_backward_weight(model.parameters(), groups))
+    names = [n for n, _ in model.named_parameters()]
+    assert fired == Counter({(h, n): 1 for h in ("tensor", "post") for n in names})
+    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, rp.grad)
+    assert flops_w == 2 * 2 * 4 * 8 * 8  # the two uses' weight gradients, nothing else

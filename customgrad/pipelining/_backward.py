@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -368,6 +368,10 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
+    if call.asked:
+        asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
+        _ask_weight_sides(asked, roots, values)
+        del asked
     for node in call.intermediates:
         grads = state.captured.pop(node, ())
         for i, g in enumerate(grads):
@@ -411,6 +415,72 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     finally:
         for h in handles:
             h.remove()
+
+
+class _Asking(torch.autograd.Function):
+    """A node whose backward runs ``ask()``: an engine call made only to run it, whose
+    ``inputs=`` name the edges ``ask`` wants gradients on (see :func:`_ask_weight_sides`)."""
+
+    @staticmethod
+    def forward(ctx: Any, ask: Callable[[], None], anchor: torch.Tensor) -> torch.Tensor:
+        ctx.ask = ask
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.ask()
+        return None, None
+
+
+def _ask_weight_sides(
+    asked: list[tuple[Node, tuple[bool, ...], tuple[torch.Tensor | None, ...]]],
+    roots: list[GradientEdge],
+    values: list[torch.Tensor],
+) -> None:
+    """Call each native node of ``asked`` (node, which of its edges lead to the weight side,
+    the gradients that reached it in I) for its weight-side outputs only; append each to
+    ``roots``/``values`` with its edge.
+
+    A native node computes an output only where the running engine call wants its edge's node
+    (``task_should_compute_output``). Run inside an engine call whose ``inputs=`` are exactly
+    those edges, and that reaches none of them (its only path leads to a fresh anchor), the
+    node computes its weight-side outputs and nothing along its input edges, even where those
+    lead to the same weights (a weight it shares with a layer before it, where an engine call
+    from the node itself would compute its input gradient again, as torch's weight pass does).
+    The engine reaches no node of the stage's graph: no hook fires (the nodes the outputs go
+    to run later, once, in the call these gradients join), and the node's own hooks already
+    fired in I. Any other output it computes anyway is dropped (I sent it already).
+    """
+    wanted: dict[tuple[Node, int], None] = {}
+    for node, side, _ in asked:
+        for (fn, nr), weight in zip(node.next_functions, side):
+            if weight and fn is not None:
+                wanted[fn, nr] = None
+    if not wanted:
+        return
+
+    def ask() -> None:
+        for node, side, grads in asked:
+            if not any(g is not None for g in grads):
+                continue
+            outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+            for (fn, nr), weight in zip(node.next_functions, side):
+                g = outputs.pop(0)
+                if weight and fn is not None and g is not None:
+                    roots.append(GradientEdge(fn, nr))
+                    values.append(g)
+                del g  # send_gradients must hold the only references (see there)
+
+    anchor = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        out = _Asking.apply(ask, anchor)  # type: ignore[no-untyped-call]
+    edges = [GradientEdge(fn, nr) for fn, nr in wanted]
+    torch.autograd.grad(
+        [out],
+        [anchor, *edges],  # type: ignore[arg-type]
+        [torch.zeros(())],
+        allow_unused=True,
+    )
 
 
 class _HandOver(torch.autograd.Function):

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import _backward as torch_backward
 
 from customgrad import _autograd
 from customgrad._flops import FlopCounter
+from customgrad.pipelining import _backward as split_backward
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from tests.conftest import function_linear, linear_op
 
@@ -295,3 +296,81 @@ def test_native_weight_used_twice_accumulates_and_fires_hooks_once(form: str) ->
     for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, rp.grad)
     assert flops_w == 2 * 2 * 4 * 8 * 8  # the two uses' weight gradients, nothing else
+
+
+def _shared_through(form: str) -> tuple[Callable[[Tensor], Tensor], list[Tensor], Tensor]:
+    """A weight used twice, reaching the layers through other nodes: (stage, weights, input)."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(8, generator=gen, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    linear = nn.functional.linear
+
+    def matmul(x: Tensor) -> Tensor:  # the weight's accumulator is the layers' own edge
+        return torch.relu(x @ w) @ w
+
+    def derived(x: Tensor) -> Tensor:  # one node made from the weight feeds both; a hook on it
+        wd = w * 0.5
+        wd.register_hook(lambda g: g * 2)
+        return torch.relu(x @ wd) @ wd
+
+    def batched(x: Tensor) -> Tensor:  # a 3-d input: the layers' input edges go through views
+        return linear(torch.relu(linear(x, w, b)), w, b)
+
+    def layer_norm(x: Tensor) -> Tensor:  # a native node other than a matmul, a layer between
+        h = linear(nn.functional.layer_norm(x, (8,), bias=b), w)
+        return nn.functional.layer_norm(torch.relu(h), (8,), bias=b)
+
+    w32, b32 = w.detach().float().requires_grad_(), b.detach().float().requires_grad_()
+
+    def autocast(x: Tensor) -> Tensor:  # bfloat16 casts of the weight and bias, made once each
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return linear(torch.relu(linear(x, w32, b32)), w32, b32).float()
+
+    if form == "batched":
+        return batched, [w, b], torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    if form == "layer-norm":
+        return layer_norm, [w, b], x
+    if form == "autocast":
+        return autocast, [w32, b32], x.detach().float().requires_grad_()
+    return {"matmul": matmul, "derived": derived}[form], [w], x
+
+
+@pytest.mark.parametrize("form", ["matmul", "derived", "batched", "layer-norm", "autocast"])
+def test_weight_used_twice_through_other_nodes_splits_with_no_repeated_flops(form: str) -> None:
+    # W asks the top layer for its weight-side outputs only; they join W's one engine call as
+    # its edges would have carried them (a bias summed to its shape, cast as the engine casts).
+    stage, weights, x = _shared_through(form)
+    out = stage(x)
+    g = torch.randn_like(out)
+    full = _flops_of(lambda: out.backward(g))
+    ref = [x.grad, *(w.grad for w in weights)]
+    x.grad = None
+    for w in weights:
+        w.grad = None
+    out = stage(x)
+    groups: list[Any] = []
+    flops_i = _flops_of(lambda: groups.append(stage_backward_input([out], [g], [x], weights)))
+    flops_w = _flops_of(lambda: stage_backward_weight(weights, groups[0][1]))
+    assert flops_i + flops_w == full
+    for got, want in zip([groups[0][0][0], *(w.grad for w in weights)], ref, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_weight_pass_runs_an_unaskable_node_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where a node cannot be asked (torch does not say its edges' shapes), the engine runs it
+    # again with its input-side outputs dropped: right gradients, its input gradient computed
+    # again (as before, and as torch's W does).
+    monkeypatch.setattr(split_backward, "_ask_weight_sides", lambda *args: False)
+    torch.manual_seed(0)
+    model = NativeTwice("linear")
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(4, 8, dtype=torch.float64)
+    ref(x.detach().requires_grad_()).backward(g)
+    out = model(x)
+    _, groups = stage_backward_input([out], [g], [x], model.parameters())
+    flops_w = _flops_of(lambda: stage_backward_weight(model.parameters(), groups))
+    assert flops_w == 3 * 2 * 4 * 8 * 8  # both weight gradients, and the top input gradient
+    for p, rp in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, rp.grad)

@@ -13,8 +13,10 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   opaque node) get the gradients that reached them in I recorded; W runs them again from those,
   in engine calls grouped so that the engine asks them for their weight-side outputs only
   (:class:`customgrad._split_plan.WeightCall`): a native layer's input gradient is not computed
-  again, as under torch's split (a plain Function's backward computes all it computes, under
-  both).
+  again, as under torch's split, and also not where the layer shares its weight with a layer
+  before it (one ``nn.Linear`` applied twice), where torch's W computes it again: W calls such a
+  layer itself, inside an engine call that wants only its weight-side edges. (A plain
+  Function's backward computes all it computes, under both.)
 - Work whose weight sides meet (a shared weight) goes through the engine in one call, so
   ``.grad`` accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as
   in a full backward: one accumulation per weight, each hook once. (torch's own weight pass
@@ -28,6 +30,7 @@ functions in one), besides their customgrad class.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -368,9 +371,14 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
+    clamp = call.clamp
     if call.asked:
         asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
-        _ask_weight_sides(asked, roots, values)
+        if not _ask_weight_sides(asked, roots, values):  # the engine runs them, clamped
+            for node, _, grads in asked:
+                state.captured[node] = grads
+            call = dataclasses.replace(call, intermediates=[*call.asked, *call.intermediates])
+            clamp = [*call.asked, *clamp]
         del asked
     for node in call.intermediates:
         grads = state.captured.pop(node, ())
@@ -399,15 +407,16 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     if not roots:
         return
 
-    # An intermediate whose input edges lead to this call's leaves (a weight it shares with a
-    # layer before it) sends its input gradients again: drop them (I sent them already).
+    # A plain Function or customgrad intermediate whose input edges lead to this call's leaves
+    # (a weight it shares with a layer before it) sends its input gradients again: drop them
+    # (I sent them already). Native ones were asked for their weight side only, above.
     def keep_weight_side(side: tuple[bool, ...]) -> Callable[..., Any]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
             return tuple(g if w else None for g, w in zip(grad_inputs, side))
 
         return hook
 
-    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in call.clamp]
+    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in clamp]
     leaves = [v for n in call.leaves if isinstance(v := getattr(n, "variable", None),
                                                      torch.Tensor)]  # fmt: skip
     try:
@@ -436,10 +445,12 @@ def _ask_weight_sides(
     asked: list[tuple[Node, tuple[bool, ...], tuple[torch.Tensor | None, ...]]],
     roots: list[GradientEdge],
     values: list[torch.Tensor],
-) -> None:
+) -> bool:
     """Call each native node of ``asked`` (node, which of its edges lead to the weight side,
     the gradients that reached it in I) for its weight-side outputs only; append each to
-    ``roots``/``values`` with its edge.
+    ``roots``/``values`` with its edge. False (nothing done) where torch does not say what
+    shape a node on those edges takes (``_input_metadata``, read as torch's own
+    ``autograd.backward`` reads it for a ``GradientEdge``).
 
     A native node computes an output only where the running engine call wants its edge's node
     (``task_should_compute_output``). Run inside an engine call whose ``inputs=`` are exactly
@@ -449,15 +460,23 @@ def _ask_weight_sides(
     from the node itself would compute its input gradient again, as torch's weight pass does).
     The engine reaches no node of the stage's graph: no hook fires (the nodes the outputs go
     to run later, once, in the call these gradients join), and the node's own hooks already
-    fired in I. Any other output it computes anyway is dropped (I sent it already).
+    fired in I. Any other output it computes anyway is dropped (I sent it already). An output
+    that broadcast in the forward (a bias) is summed to its edge's shape, as the engine does
+    with what a node returns (a leaf's accumulator takes it as it is: the hand-over does).
     """
-    wanted: dict[tuple[Node, int], None] = {}
+    wanted: dict[tuple[Node, int], torch.Size | None] = {}
     for node, side, _ in asked:
         for (fn, nr), weight in zip(node.next_functions, side):
             if weight and fn is not None:
-                wanted[fn, nr] = None
+                if is_leaf_accumulator(fn):
+                    wanted[fn, nr] = None
+                else:
+                    metadata = getattr(fn, "_input_metadata", None)
+                    if metadata is None:
+                        return False
+                    wanted[fn, nr] = torch.Size(metadata[nr].shape)
     if not wanted:
-        return
+        return True
 
     def ask() -> None:
         for node, side, grads in asked:
@@ -467,6 +486,9 @@ def _ask_weight_sides(
             for (fn, nr), weight in zip(node.next_functions, side):
                 g = outputs.pop(0)
                 if weight and fn is not None and g is not None:
+                    shape = wanted[fn, nr]
+                    if shape is not None and g.shape != shape:
+                        g = g.sum_to_size(shape)
                     roots.append(GradientEdge(fn, nr))
                     values.append(g)
                 del g  # send_gradients must hold the only references (see there)
@@ -481,6 +503,7 @@ def _ask_weight_sides(
         [torch.zeros(())],
         allow_unused=True,
     )
+    return True
 
 
 class _HandOver(torch.autograd.Function):

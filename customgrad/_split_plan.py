@@ -36,8 +36,9 @@ from torch.autograd.graph import Node
 
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import DeferTarget, Route
+from customgrad._torch.engine import ACCUMULATE_GRAD
 
-_ACCUMULATE: type = getattr(torch._C._functions, "AccumulateGrad", type(None))
+_ACCUMULATE: type = ACCUMULATE_GRAD
 _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 """The node class that accumulates a leaf's gradient into ``.grad``."""
 

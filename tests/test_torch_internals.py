@@ -59,6 +59,19 @@ def test_engine_accumulate_grad_is_a_leafs_node_class() -> None:
     assert type((x * 2).grad_fn.next_functions[0][0]) is engine.ACCUMULATE_GRAD  # type: ignore[union-attr]
 
 
+def test_engine_input_shape_reads_what_a_node_takes_at_each_input() -> None:
+    # customgrad's weight pass sums a gradient that broadcast in the forward (a bias) to the
+    # shape its node takes there, as the engine does.
+    b = torch.randn(3, requires_grad=True)
+    y = torch.randn(2, 3) + b.exp()
+    add = y.grad_fn
+    assert add is not None
+    exp_node = add.next_functions[1][0]
+    assert engine.input_shape(exp_node, 0) == torch.Size([3])
+    assert engine.input_shape(add, 0) == torch.Size([2, 3])
+    assert engine.input_shape(object(), 0) is None
+
+
 def test_engine_will_execute_and_current_node_inside_a_backward() -> None:
     assert engine.will_execute is not None
     assert engine.current_node() is None  # outside a backward
@@ -368,7 +381,6 @@ NOT_YET_CONVERTED = {
     "_compile.py",
     "_flops.py",
     "_from_function.py",
-    "_split_plan.py",
     "_validate.py",
     "graph.py",
     "testing.py",

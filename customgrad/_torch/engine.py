@@ -33,6 +33,7 @@ __all__ = [
     "captured_by_caller",
     "current_node",
     "graph_kept",
+    "input_shape",
     "graph_task_id",
     "will_execute",
 ]
@@ -51,6 +52,19 @@ graph_kept: Callable[[], bool] = getattr(
     getattr(torch._C, "_autograd", None), "_get_current_graph_task_keep_graph", lambda: True
 )
 """Whether the running backward retains the graph (``retain_graph=True``); True when unknown."""
+
+
+def input_shape(node: Any, nr: int) -> torch.Size | None:
+    """The shape of the gradient ``node`` takes at its input ``nr`` (``node._input_metadata``,
+    what torch's own ``autograd.backward`` reads for a ``GradientEdge``), or None when torch does
+    not say (the caller then takes a slower general way)."""
+    metadata = getattr(node, "_input_metadata", None)
+    if metadata is None:
+        return None
+    try:
+        return torch.Size(metadata[nr].shape)
+    except (IndexError, AttributeError, TypeError):
+        return None
 
 
 ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "AccumulateGrad", type(None))

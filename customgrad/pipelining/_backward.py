@@ -48,6 +48,7 @@ from customgrad._split_plan import (
     is_leaf_accumulator,
     plan_input_pass,
 )
+from customgrad._torch.engine import input_shape
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -471,10 +472,10 @@ def _ask_weight_sides(
                 if is_leaf_accumulator(fn):
                     wanted[fn, nr] = None
                 else:
-                    metadata = getattr(fn, "_input_metadata", None)
-                    if metadata is None:
+                    shape = input_shape(fn, nr)
+                    if shape is None:
                         return False
-                    wanted[fn, nr] = torch.Size(metadata[nr].shape)
+                    wanted[fn, nr] = shape
     if not wanted:
         return True
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from customgrad._codegen import Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError
 from customgrad._forward_ad import forward_ad_active, jvp
 from customgrad._layout import (
@@ -33,7 +34,6 @@ from customgrad._pass import (
     BackwardContext,
     PassPlan,
     Phase,
-    Runners,
     keeps_for_later,
     pass_plan,
 )
@@ -178,7 +178,7 @@ class AutogradImpl:
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
         self.runners = Runners(spec, self, self.slots)
-        """The runners of this op's plans (:class:`customgrad._pass.Runners`)."""
+        """The runners of this op's plans (:class:`customgrad._codegen.Runners`)."""
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -356,7 +356,7 @@ class AutogradImpl:
         keep: bool,
     ) -> dict[str, Any]:
         """Run ``plan``'s runner: the registered backward for the gradients ``plan.needed``,
-        validated (:func:`customgrad._pass.write_runner`).
+        validated (:func:`customgrad._codegen.write_runner`).
 
         ``keep``: a later pass of this node will compute the rest, so keep what the halves
         share (``record.handoff``) for it; else the hand-off is freed.

@@ -28,7 +28,7 @@ It stays while it buys at least 10% of a small op's forward + backward on some p
 One set of rules: what is generated is argument handling only (unpacking, the per-argument
 checks of the call, the edge loop and the placement of gradients). Which edges a pass needs
 (``needed_edge``), the pass plan (``AutogradImpl.plan``) and the plan's runner, which computes,
-validates and hands to the later pass (:mod:`customgrad._pass`), the saved-value layout
+validates and hands to the later pass (:mod:`customgrad._codegen`), the saved-value layout
 (``_save`` / ``_restore``) and observers are the general path's own, called from here.
 ``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
 """
@@ -36,7 +36,6 @@ validates and hands to the later pass (:mod:`customgrad._pass`), the saved-value
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +43,9 @@ import torch
 
 from customgrad import _kernels
 from customgrad._autograd import _CustomGradNode, needed_edge
-from customgrad._pass import MAX_LAYOUTS, keeps_for_later
+from customgrad._codegen import MAX_LAYOUTS
+from customgrad._codegen import run_source as _exec
+from customgrad._pass import keeps_for_later
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
@@ -210,13 +211,6 @@ def _decline(args: tuple[Any, ...]) -> Any:
     return DECLINED
 
 
-def _exec(source: str, filename: str, ns: dict[str, Any]) -> None:
-    """Run generated ``source`` in ``ns``; with ``CUSTOMGRAD_FASTPATH=show``, print it first."""
-    if SWITCHES.show_fastpath:
-        print(f"# {filename}\n{source}", file=sys.stderr)
-    exec(compile(source, filename, "exec"), ns)
-
-
 class _Writer:
     """Writes the fast path of one op for one layout of its list arguments' lengths.
 
@@ -372,7 +366,7 @@ class _Writer:
     def _backward_source(self) -> str:
         """The node's backward: the edge loop and the gradient placement unrolled for this
         signature; what a pass computes, calls, validates and hands off is the general path's
-        (``needed_edge``, ``AutogradImpl.plan``, the plan's runner from :mod:`customgrad._pass`)."""
+        (``needed_edge``, ``AutogradImpl.plan``, the plan's runner from :mod:`customgrad._codegen`)."""
         sig = self.sig
         flat = self._flat()
         edges: list[str] = []

@@ -24,7 +24,7 @@ change process state (seeding, generators, ``torch.save``...). :class:`TraceGuar
 once and then checks, per call, that every place it read (a global, a closure cell, a function's
 code and defaults) still holds the same object; when one was rebound it proves again. Every
 other backward is called as written (once per backward: the run-once rule of
-:mod:`customgrad._pass`), so what it reads is read when it runs, exactly as without customgrad.
+:mod:`customgrad._codegen`), so what it reads is read when it runs, exactly as without customgrad.
 
 Ambient state a trace depends on (autocast, deterministic algorithms, the default dtype and
 device) is part of what selects a trace (:func:`ambient`).

@@ -68,7 +68,7 @@ _Watch: TypeAlias = "tuple[tuple[Any, ...], list[Any], int]"
 """What a backward function must not write to in place (the output gradients and the saved
 values), their version counters before the node's backward ran, and the number of output
 gradients: what a pass's runner reads before the registered functions run
-(``customgrad._pass.watch_lines``), which :func:`_call_user` checks."""
+(``customgrad._codegen.watch_lines``), which :func:`_call_user` checks."""
 
 
 def _call_user(

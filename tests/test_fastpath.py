@@ -373,7 +373,7 @@ def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
     """Each layout of list lengths gets its own fast path and runners (items checked one by
     one) up to MAX_LAYOUTS; past it, calls share runners that read the layout from the node.
     Both give the reference gradients and refuse a wrong item."""
-    from customgrad._pass import MAX_LAYOUTS
+    from customgrad._codegen import MAX_LAYOUTS
 
     @cg.op("cg_fast::layouts", weights=("s",))
     def wsum(xs: list[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
@@ -424,3 +424,5 @@ def test_show_switch_prints_the_generated_code_which_asks_the_one_dispatch_decis
     # which kernel runs is Kernels.route's decision, not a copy of it
     assert "kernel = _route(a0, True)" in source
     assert "_IMPLS" not in source and "_dispatch_len" not in source
+    # the pass's runner goes through the same door
+    assert f"# <customgrad pass of {op.name}: full ['weight', 'x']>\ndef run(" in printed

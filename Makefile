@@ -52,10 +52,11 @@ docs: $(STAMP)
 
 test: lint typecheck pytest examples docs
 
-# On a GPU machine: the CUDA tests (pipelines on 1 or 2 GPUs with NCCL), then the pipeline
-# benchmark on the GPUs as one table, with a model big enough for a GPU.
+# On a GPU machine: the CUDA tests (pipelines on 1 or 2 GPUs with NCCL; the Triton kernels
+# compiled, TRITON_INTERPRET=0, where make test runs them in Triton's interpreter on CPU), then
+# the pipeline benchmark on the GPUs as one table, with a model big enough for a GPU.
 gpu-check: $(STAMP)
-	$(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
+	TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
 	$(PY) benchmarks/pipeline.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
 	$(PY) benchmarks/compiled.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
 

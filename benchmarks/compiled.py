@@ -8,16 +8,18 @@ One run, three measurements, each against an anchor measured in the same run:
    needs ``donated_buffer=False`` to run split at all, set here for it alone, and then runs its
    whole backward in both passes).
 2. Compile time of the block (first forward and backward) against plain ``torch.compile``.
-3. Pipeline step time on 2 processes (gloo on CPU; NCCL with ``--device cuda``): ZBV over 1F1B
-   for blocks compiled with customgrad.compile (customgrad's ``PipelineStage``), for eager
-   customgrad ops (customgrad's stage), and for blocks compiled with ``nn.Module.compile``
-   (torch's stage), the medians of step-by-step ratios.
+3. Pipeline step time on 2 processes (gloo on CPU; NCCL with ``--device cuda``, one process per
+   GPU, at most 2): ZBV over 1F1B for blocks compiled with customgrad.compile (customgrad's
+   ``PipelineStage``), for eager customgrad ops (customgrad's stage), and for blocks compiled
+   with ``nn.Module.compile`` (torch's stage), the medians of step-by-step ratios. With one GPU
+   one process holds both stages of the V (NCCL refuses two ranks on one device): there is no
+   bubble to remove, and the ratio shows what the split costs on one device.
 
 The last line: ``compiled zero-bubble/1F1B step time: customgrad=<r> eager=<r> torch=<r or
 error>``.
 
     python benchmarks/compiled.py                    # a few minutes on 2 CPU cores
-    python benchmarks/compiled.py --device cuda      # make gpu-check
+    python benchmarks/compiled.py --device cuda      # make gpu-check; 1 or 2 GPUs
 """
 
 from __future__ import annotations
@@ -231,8 +233,9 @@ def bench(args: argparse.Namespace, device: torch.device) -> None:
     ratios = pipeline_figures(args, device)
     if rank == 0:
         print(block)
+        one = " (1 rank holds both stages of the V)" if dist.get_world_size() == 1 else ""
         print(
-            f"pipeline, {dist.get_world_size()} ranks on {device.type}, {args.microbatches} "
+            f"pipeline, {dist.get_world_size()} ranks on {device.type}{one}, {args.microbatches} "
             f"microbatches x {args.batch // args.microbatches} rows, {args.rounds} steps each: "
             "ZBV/1F1B (median of step-by-step ratios); customgrad: blocks compiled by "
             "customgrad.compile on customgrad's stage; eager: customgrad ops, not compiled; "
@@ -255,9 +258,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=2048, help="rows per step")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument(
+        "--nproc",
+        type=int,
+        help="processes (default 2; with --device cuda, one per GPU, at most 2)",
+    )
+    p.add_argument(
         "--only", nargs="+", default=[c[0] for c in CONFIGS], help="pipeline configurations"
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.nproc is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        args.nproc = max(1, min(2, gpus)) if args.device == "cuda" else 2
+    return args
 
 
 def _spawned(rank: int, args: argparse.Namespace, port: int, main: Callable[..., None]) -> None:
@@ -269,7 +281,7 @@ def _spawned(rank: int, args: argparse.Namespace, port: int, main: Callable[...,
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
-        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.nproc,
         device_id=device if device.type == "cuda" else None,
     )  # fmt: skip
     try:
@@ -283,7 +295,9 @@ def main(argv: list[str] | None = None) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args, port, bench), nprocs=2)  # stops the others if one fails
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("benchmarks/compiled.py --device cuda: no CUDA GPU is visible")
+    mp.spawn(_spawned, args=(args, port, bench), nprocs=args.nproc)  # stops the others if one fails
 
 
 if __name__ == "__main__":

@@ -4,13 +4,13 @@ Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the backward that
 ``customgrad/_fastpath.py`` generates for its signature, which calls the general path's engine
-query (``needed_edge``), plan and the plan's runner (``customgrad/_pass.py``). This script swaps
+query (``needed_edge``), plan and the plan's runner (``customgrad/_codegen.py``). This script swaps
 one function the core calls (or that writes a runner's lines) for a variant without the check,
 one check at a time, rewrites the runners, and times forward + ``out.backward(g)`` of each
 variant against a plain ``torch.autograd.Function``, all in the same rounds (CPU time, 1 thread,
 minimum over rounds):
 
-- ``no in-place watch``: ``customgrad._pass.watch_lines`` and ``call_lines`` write runners
+- ``no in-place watch``: ``customgrad._codegen.watch_lines`` and ``call_lines`` write runners
   that call the registered functions without reading the version counters of the output
   gradients and saved values before and after each (in-place writes to them go unnoticed);
 - ``no gradient validation``: the runner's ``check_source`` lines take the needed gradients
@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 import customgrad as cg
-import customgrad._pass as runners
+import customgrad._codegen as runners
 from benchmarks import overhead  # the op and the anchor, defined once
+from customgrad._codegen import call_lines
 from customgrad._op import registered_ops
-from customgrad._pass import call_lines
 
 
 def _fail(msg: str) -> SystemExit:
@@ -100,7 +100,7 @@ def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]
     def no_frame(above: int = 1) -> frozenset[int]:
         return frozenset()
 
-    where = "customgrad._pass"
+    where = "customgrad._codegen"
     return {
         "all checks": contextlib.nullcontext,
         "no in-place watch": lambda: _swapped(

@@ -14,7 +14,13 @@ Microbatches: m = 2p, the fewest DualPipeV accepts (ZBV wants 2p - 1, 1F1B p). S
 1F1B's step time over the schedule's, with the same ops; communication is free unless
 ``--send`` says otherwise.
 
-Run from the repository's root: ``python -m benchmarks.scale [--rows 2] [--send 0] [--out docs/img/scale.png]``;
+With ``--compile`` the block is compiled first with ``customgrad.compile`` (inductor; one region
+per block, its backward cut into an I graph and a W graph): the prediction for compiled stages.
+Its comparison is the same block compiled by ``torch.compile`` (``nn.Module.compile``), which
+under torch's split runs its whole compiled backward in I and again in W (with
+``donated_buffer=False``; it fails otherwise): again :meth:`StageCosts.repeating_backward`.
+
+Run from the repository's root: ``python -m benchmarks.scale [--compile] [--rows 2] [--send 0] [--out PNG]``;
 ``--costs FILE`` replays per-block costs from a JSON file instead of measuring
 (``{"forward": s, "backward_input": s, "backward_weight": s, "backward": s}``, seconds per
 block and microbatch with customgrad ops).
@@ -37,6 +43,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+import customgrad
 from customgrad import pipelining as cg_split
 from customgrad.pipelining import Simulation, StageCosts, simulate
 from examples import zero_bubble as demo
@@ -47,16 +54,22 @@ RANKS = (2, 4, 8, 16, 32, 64)
 BLOCKS_PER_RANK = 2
 SCHEDULES = {"ZBV": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
 IMPLS = {"customgrad": "customgrad ops", "function": "plain Functions"}
+COMPILED_IMPLS = {"customgrad": "customgrad.compile", "function": "torch.compile (I = W = B)"}
 # Not measured: customgrad's halves rescaled so that I + W cost what its B does (what the
 # split would give with no per-pass overhead), to show what that overhead costs.
 EVEN = "customgrad, I + W = B"
 
 
-def measure_block(cfg: Any, rows: int, reps: int) -> tuple[StageCosts, dict[str, float]]:
+def measure_block(
+    cfg: Any, rows: int, reps: int, compile: bool = False
+) -> tuple[StageCosts, dict[str, float]]:
     """Best seconds of F, I, W and B of one demo block over ``reps`` rounds (other processes
-    only ever add time), and the median's excess over the best."""
+    only ever add time), and the median's excess over the best. ``compile``: the block
+    compiled by ``customgrad.compile`` (inductor), compiled during the warm-up rounds."""
     torch.manual_seed(0)
     block = demo.Block(cfg)
+    if compile:
+        customgrad.compile(block)
     params = list(block.parameters())
     x0 = torch.randn(rows, cfg.seq, cfg.dim)
     g = torch.randn(rows, cfg.seq, cfg.dim)
@@ -116,11 +129,11 @@ def predict(blocks: dict[str, StageCosts], send: float) -> dict[tuple[int, str, 
     return out
 
 
-def table(sims: dict[tuple[int, str, str], Simulation]) -> str:
+def table(sims: dict[tuple[int, str, str], Simulation], impls: dict[str, str] = IMPLS) -> str:
     head = ["p", "m", "1F1B bubble"]
     for name in SCHEDULES:
         for impl in IMPLS:
-            head += [f"{name}, {IMPLS[impl]}: bubble", "speed-up"]
+            head += [f"{name}, {impls[impl]}: bubble", "speed-up"]
     rows = [head]
     for p in RANKS:
         row = [str(p), str(2 * p), f"{sims[p, '1F1B', 'customgrad'].bubble:.1%}"]
@@ -135,7 +148,10 @@ def table(sims: dict[tuple[int, str, str], Simulation]) -> str:
 
 
 def draw(
-    sims: dict[tuple[int, str, str], Simulation], blocks: dict[str, StageCosts], path: Path
+    sims: dict[tuple[int, str, str], Simulation],
+    blocks: dict[str, StageCosts],
+    path: Path,
+    compiled: bool = False,
 ) -> None:
     from matplotlib.figure import Figure
 
@@ -143,12 +159,14 @@ def draw(
     bubble_ax, speed_ax = fig.subplots(1, 2)
     styles = {"customgrad": "-", "function": "--", EVEN: ":"}
     colors = {"1F1B": "#777777", "ZBV": "#4C72B0", "DualPipeV": "#C44E52"}
-    for impl, label in {**IMPLS, EVEN: EVEN}.items():
+    impls = COMPILED_IMPLS if compiled else IMPLS
+    even = f"{impls['customgrad']}, I + W = B"
+    for impl, label in {**impls, EVEN: even}.items():
         for name in ("1F1B", *SCHEDULES):
             if name == "1F1B" and impl != "customgrad":
                 continue  # 1F1B runs full backwards: the same for every kind of op
             bubbles = [sims[p, name, impl].bubble * 100 for p in RANKS]
-            who = name if name == "1F1B" else f"{name}, {label}"
+            who = name if name == "1F1B" else f"{name}, {label.removeprefix('customgrad, ')}"
             bubble_ax.plot(RANKS, bubbles, styles[impl], marker="o", markersize=4, color=colors[name],
                            label=who)  # fmt: skip
             if name != "1F1B":
@@ -171,10 +189,12 @@ def draw(
     handles, labels = bubble_ax.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=7.5, frameon=False)
     cg = blocks["customgrad"]
+    what = "compiled by customgrad.compile (inductor)" if compiled else "with customgrad ops"
+    other = "torch.compile" if compiled else "plain Functions"
     fig.suptitle(
         f"One demo block per stage (2 per rank), measured on this CPU: F {cg.forward * 1e3:.2f}, "
         f"I {cg.backward_input * 1e3:.2f}, W {cg.backward_weight * 1e3:.2f},\n"
-        f"B {cg.full_backward * 1e3:.2f} ms with customgrad ops; plain Functions: I = W = B",
+        f"B {cg.full_backward * 1e3:.2f} ms {what}; {other}: I = W = B",
         fontsize=8.5,
     )
     fig.tight_layout(rect=(0, 0.13, 1, 1))
@@ -188,8 +208,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--send", type=float, default=0.0, help="seconds per hand-over")
     parser.add_argument("--costs", type=Path, help="JSON of per-block costs (skip measuring)")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "scale.png")
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the block with customgrad.compile"
+    )
+    parser.add_argument("--out", type=Path, help="the picture (docs/img/scale[_compiled].png)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = ROOT / "docs" / "img" / ("scale_compiled.png" if args.compile else "scale.png")
+    impls = COMPILED_IMPLS if args.compile else IMPLS
 
     torch.set_num_threads(1)  # one core per pipeline rank, as in the 2-process demo
     cfg = demo.Config()
@@ -197,28 +223,35 @@ def main() -> None:
         block = StageCosts(**json.loads(args.costs.read_text()))
         print(f"per-block costs from {args.costs}")
     else:
+        how = ", compiled by customgrad.compile (inductor)" if args.compile else ""
         print(
-            f"measuring one block of the demo's model (dim {cfg.dim}, {cfg.heads} heads, SwiGLU "
-            f"{cfg.hidden}, {args.rows} x {cfg.seq} tokens per microbatch, 1 thread, best of "
-            f"{args.reps}):"
+            f"measuring one block of the demo's model{how} (dim {cfg.dim}, {cfg.heads} heads, "
+            f"SwiGLU {cfg.hidden}, {args.rows} x {cfg.seq} tokens per microbatch, 1 thread, "
+            f"best of {args.reps}):"
         )
-        block, spread = measure_block(cfg, args.rows, args.reps)
+        block, spread = measure_block(cfg, args.rows, args.reps, args.compile)
         print("  median over best: " + ", ".join(f"{k} +{v:.0%}" for k, v in spread.items()))
     blocks = {
         "customgrad": block,
         "function": StageCosts.repeating_backward(block.forward, block.full_backward),
     }
-    for impl, label in IMPLS.items():
+    for impl, label in impls.items():
         c = blocks[impl]
         print(
-            f"  {label:>15}: F {c.forward * 1e3:.3f}  I {c.backward_input * 1e3:.3f}  "
+            f"  {label:>18}: F {c.forward * 1e3:.3f}  I {c.backward_input * 1e3:.3f}  "
             f"W {c.backward_weight * 1e3:.3f}  B {c.full_backward * 1e3:.3f} ms"
             + ("  (I = W = B: repeating_backward)" if impl == "function" else "")
         )
+    c = blocks["customgrad"]
+    print(
+        f"  (I + W) / B = {(c.backward_input + c.backward_weight) / c.full_backward:.3f}, "
+        f"W / B = {c.backward_weight / c.full_backward:.3f}, B / F = "
+        f"{c.full_backward / c.forward:.3f}"
+    )
     t = time.perf_counter()
     sims = predict(blocks, args.send)
     print(f"\npredicted ({len(sims)} simulations, {time.perf_counter() - t:.1f} s):\n")
-    print(table(sims))
+    print(table(sims, impls))
     p = RANKS[-1]
     print(
         f"\nif customgrad's I + W cost what its B does (no per-pass overhead), at p = {p}: "
@@ -228,7 +261,7 @@ def main() -> None:
             for name in SCHEDULES
         )
     )
-    draw(sims, blocks, args.out)
+    draw(sims, blocks, args.out, args.compile)
     print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
 
 

@@ -28,6 +28,7 @@ from customgrad._op import SharedFn as SharedFn
 from customgrad._op import op as op
 from customgrad._summary import summary as summary
 from customgrad._switches import no_split as no_split
+from customgrad.graph import explain_split as explain_split
 
 __version__ = "0.1.0"
 
@@ -50,6 +51,7 @@ __all__ = [
     "SharedFn",
     "UnsupportedError",
     "compile",
+    "explain_split",
     "from_function",
     "no_split",
     "op",

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from customgrad._codegen import Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError
 from customgrad._forward_ad import forward_ad_active, jvp
 from customgrad._layout import (
@@ -33,7 +34,6 @@ from customgrad._pass import (
     BackwardContext,
     PassPlan,
     Phase,
-    Runners,
     keeps_for_later,
     pass_plan,
 )
@@ -43,12 +43,14 @@ from customgrad._rules import AutogradRules, OpSpec
 from customgrad._saving import _SAVED_TENSORS, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
-from customgrad._torch_internals import (
+from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
     captured_by_caller,
     graph_task_id,
     will_execute,
 )
+from customgrad._torch.functions import plain_apply, set_backward_apply
+from customgrad._torch.transforms import functorch_active, unwrap_if_dead
 from customgrad._user_calls import _guard_residuals, _residual_slots
 from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
 from customgrad._user_calls import _requiring_grad as _requiring_grad
@@ -70,12 +72,8 @@ _will_execute = will_execute
 _warned_no_engine_query = False
 
 _Tensor = torch.Tensor
-_functorch_active: Callable[[], bool] | None = getattr(
-    torch._C, "_are_functorch_transforms_active", None
-)
-_unwrap_if_dead: Callable[[Any], Any] | None = getattr(
-    getattr(torch._C, "_functorch", None), "unwrap_if_dead", None
-)
+_functorch_active = functorch_active
+_unwrap_if_dead = unwrap_if_dead
 _graph_task_id = graph_task_id
 
 BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
@@ -180,7 +178,7 @@ class AutogradImpl:
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
         self.runners = Runners(spec, self, self.slots)
-        """The runners of this op's plans (:class:`customgrad._pass.Runners`)."""
+        """The runners of this op's plans (:class:`customgrad._codegen.Runners`)."""
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -194,10 +192,10 @@ class AutogradImpl:
                 "setup_context": staticmethod(self.setup_context),
             },
         )
-        function._backward_cls.apply = _node_apply  # type: ignore[attr-defined]
+        set_backward_apply(function, _node_apply)
         self._function_apply: Callable[..., Any] = function.apply
         # What Function.apply ends in when no functorch transform is active.
-        self._c_apply: Callable[..., Any] = super(torch.autograd.Function, function).apply  # type: ignore[misc]
+        self._c_apply: Callable[..., Any] = plain_apply(function)
 
     @contextlib.contextmanager
     def observing(self, observer: BackwardObserver) -> Iterator[None]:
@@ -235,7 +233,7 @@ class AutogradImpl:
         flat: Sequence[Any] = args
         if sig.has_lists:
             call.lens, flat = _flatten_args(sig, args)
-        if _functorch_active is None or _unwrap_if_dead is None or _functorch_active():
+        if _unwrap_if_dead is None or _functorch_active():
             out = self._function_apply(self, call, *flat)
         else:
             # What Function.apply does without a functorch transform (unwrap dead wrappers,
@@ -358,7 +356,7 @@ class AutogradImpl:
         keep: bool,
     ) -> dict[str, Any]:
         """Run ``plan``'s runner: the registered backward for the gradients ``plan.needed``,
-        validated (:func:`customgrad._pass.write_runner`).
+        validated (:func:`customgrad._codegen.write_runner`).
 
         ``keep``: a later pass of this node will compute the rest, so keep what the halves
         share (``record.handoff``) for it; else the hand-off is freed.

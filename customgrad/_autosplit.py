@@ -37,27 +37,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import optree
 import torch
 import torch.fx as fx
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from customgrad._errors import CustomGradError, where
-from customgrad._flops import formula_of
-from customgrad._guards import (
-    CONSTANTS,
-    ReadGuard,
-    Unguarded,
-    ambient,
-    package_of,
-    reads_nothing,
-)
+from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
+from customgrad._handoff import nbytes
+from customgrad._partition import ancestors, cut, extract, free
 from customgrad._rules import OpSpec
+from customgrad._torch.dispatcher import (
+    INFRA_MODES,
+    OpOverload,
+    TorchDispatchMode,
+    aten_callables,
+    dispatch_stack_len,
+    get_dispatch_mode,
+)
+from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
+from customgrad._torch.fake import (
+    FAKE_TENSOR_LOGGER,
+    data_dependent_errors,
+    detect_fake_mode,
+    fake_tensor_type,
+    functional_tensor_type,
+)
+from customgrad._torch.transforms import functorch_active, legacy_batched
 
 __all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
 
@@ -70,19 +79,20 @@ RETRIES = 2
 """Traces tried again for a signature whose trace failed for a reason of an unknown kind."""
 
 MSG_FALLBACK = (
-    "{op}: the single backward cannot be split automatically: {why}. Each pass of a split "
-    "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), so "
-    "compute only what ctx.needs_input_grad asks for. To split it automatically, {fix}. To "
-    "silence this, register it with register_backward(fn, split='phase'), or register the "
-    "register_backward_input/_weight pair. (backward defined at {loc})"
+    "{op}: the single backward cannot be split automatically: {why}. It runs once, whole, in "
+    "the first pass that needs any of its gradients, and hands the gradients a later pass "
+    "needs to that pass: nothing is computed twice, but under a split backward the weight "
+    "work is done in the input pass. To split it automatically, {fix}. To silence this, "
+    "register the register_backward_input/_weight pair, or register_backward(fn, "
+    "split='phase') (called once per pass with ctx.needs_input_grad set for it: repeated "
+    "work, unsafe for kernels that write into their inputs). (backward defined at {loc})"
 )
 
 _Tensor = torch.Tensor
-_functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
-_dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
-_get_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
-_INFRA_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, functional
-_FREE_OPS = ("placeholder", "get_attr")
+_functorch_active = functorch_active
+_dispatch_stack_len = dispatch_stack_len
+_get_mode = get_dispatch_mode
+_INFRA_MODES = INFRA_MODES  # fake, proxy, functional
 
 _TRACE_LOCK = threading.RLock()
 """One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
@@ -96,14 +106,11 @@ def _tracing_now() -> bool:
 
 
 def _trace_types() -> tuple[type, ...]:
-    from torch._subclasses.fake_tensor import FakeTensor
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    return (FakeTensor, FunctionalTensor)
+    return (fake_tensor_type(), functional_tensor_type())
 
 
 class Fallback:
-    """Why a backward is not split automatically: it is called whole in each pass instead.
+    """Why a backward is not split automatically: it runs once, whole (the run-once rule).
 
     Attributes:
         why: the reason, for reports.
@@ -124,8 +131,8 @@ class Fallback:
 
     def describe(self) -> str:
         return (
-            f"not split automatically ({self.why}): called whole in each pass that needs a "
-            f"gradient, with ctx.needs_input_grad set for the pass (split='phase')"
+            f"not split automatically ({self.why}): runs once, whole, in the first pass that "
+            f"needs a gradient, and hands the later pass its gradients"
         )
 
     def __repr__(self) -> str:
@@ -145,11 +152,11 @@ class _Invalid(Exception):
 
 def _why(e: BaseException) -> tuple[str, str]:
     """The reason and fix for a backward that ``make_fx`` could not trace."""
-    from torch._subclasses.fake_tensor import (
-        DataDependentOutputException,
-        DynamicOutputShapeException,
-    )
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from customgrad._triton import raw_launch
+
+    DataDependentOutputException, DynamicOutputShapeException = data_dependent_errors()
 
     first = (str(e).strip().splitlines() or [""])[0]
     if len(first) > 160:
@@ -165,6 +172,15 @@ def _why(e: BaseException) -> tuple[str, str]:
             "it calls an op whose output shape depends on tensor values (nonzero, "
             "masked_select, unique)",
             "keep shapes fixed (masks instead of selection)",
+        )
+    launch = raw_launch(e)
+    if launch is not None:
+        return (
+            f"it launches the Triton kernel {launch.kernel} directly ({launch.at}), which fake "
+            f"tensors cannot run",
+            "make the kernel an op with a fake kernel (a customgrad op, or "
+            "torch.library.triton_op) and call the op from the backward: the trace keeps it as "
+            "one opaque call",
         )
     if "data pointer" in first or "data_ptr" in first:
         return (
@@ -196,7 +212,7 @@ def _quiet_tracing() -> Iterator[None]:
     """Fake tensors log an error with a traceback for every op that fails while tracing; the
     fallback's log line says it once. Only this thread's records, only while it traces: the
     logger's level and other threads' records are left alone. (Held under ``_TRACE_LOCK``.)"""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _ThisThread()
     logger.addFilter(quiet)
     try:
@@ -235,9 +251,10 @@ class AutoSplitter:
         self.last: TracedSplit | Fallback | None = None
         self._cache: dict[Any, TracedSplit | Fallback] = {}
         self._logged = False
-        self._mutates: Fallback | None = None
-        self._no_reads = reads_nothing(fn)
-        self._read_guard = ReadGuard(fn, package_of(fn))
+        self._guard = TraceGuard(fn)
+        self.held_bytes: int | None = None
+        """The bytes of gradients the latest run-once backward held from its first pass for
+        the later one (None before any)."""
 
     def plan(
         self,
@@ -263,20 +280,26 @@ class AutoSplitter:
         if signature is None:
             leaves, structure = _flatten(saved, grads)
             signature = _signature(leaves, (structure, requires), flat=False)
-        if self._mutates is not None:
-            signature = self._mutates
-        elif not isinstance(signature, Fallback):
-            # What else the result depends on: ambient state, and what the function reads from
-            # Python state (closures, globals, defaults: see customgrad._guards).
+        if not isinstance(signature, Fallback):
+            # A trace is reused only for a backward proven to read nothing but its arguments
+            # and immutable values (customgrad._guards); ambient state selects it too.
             try:
-                signature = (signature, ambient(), self._reads())
-            except Unguarded as e:
+                reads = self._guard.check()
+            except Impure as e:
                 signature = Fallback(
-                    f"it reads {e.what} ({e.where}), whose state a trace would freeze",
-                    "pass what it needs as arguments of the op or save it in "
-                    "save_for_backward (tensors and plain values are part of what selects a "
-                    "trace), or read it from a plain value, dict or list (compared by value)",
+                    f"it reads {e.what}, which a trace would freeze",
+                    "pass what it reads as arguments of the op or save it in "
+                    "save_for_backward (tensors and plain values select the trace), or read "
+                    "immutable values only (numbers, strings, tuples, plain functions)",
                 )
+            else:
+                signature = (signature, ambient(), reads)
+        if not isinstance(signature, Fallback) and any(
+            isinstance(t, _Tensor) and legacy_batched(t) for t in leaves
+        ):
+            # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the backward
+            # on batched gradients: called as written, it batches each op it runs.
+            signature = _INSIDE_TRACE
         if isinstance(signature, Fallback):
             outcome: TracedSplit | Fallback = signature
         else:
@@ -295,18 +318,6 @@ class AutoSplitter:
                 )
             )
         return None
-
-    def _reads(self) -> Any:
-        """What the function reads from Python state (see customgrad._guards), as a key."""
-        fn = self.fn
-        if (
-            self._no_reads is not None
-            and fn.__code__ is self._no_reads
-            and fn.__defaults__ is None
-            and fn.__kwdefaults__ is None
-        ):
-            return ()
-        return self._read_guard.key()
 
     def _trace(
         self,
@@ -333,31 +344,26 @@ class AutoSplitter:
             )
             if isinstance(outcome, Fallback) and outcome.retries:
                 outcome.retries = left
-            if isinstance(outcome, TracedSplit) and not self._reads_again(signature[2]):
-                # Its Python side effects would happen once (when traced), and each would
-                # select a new trace: it is called as written, every time.
-                outcome = self._mutates = Fallback(
-                    "it changes Python state it reads (closure variables, globals, defaults) "
-                    "when it runs",
-                    "keep Python side effects out of the backward: a traced backward's Python "
-                    "code runs once, when it is traced",
-                )
             self._cache[signature] = outcome
             return outcome
 
-    def _reads_again(self, before: Any) -> bool:
-        """Whether the function still reads what it read before it was traced."""
-        try:
-            return bool(self._reads() == before)
-        except Unguarded:
-            return False
+    def held(self, value: Any) -> None:
+        """Note what a run-once backward hands to its later pass (for reports)."""
+        self.held_bytes = nbytes(value)
 
     def describe(self) -> str:
         """How the latest backward of this op was split, in words (for reports)."""
         last = self.last
         if last is None:
             return "split automatically when its first backward runs (none ran yet)"
-        return last.describe()
+        return self.describe_fallback(last) if isinstance(last, Fallback) else last.describe()
+
+    def describe_fallback(self, fallback: Fallback) -> str:
+        """A fallback in words, with the bytes it held between the passes."""
+        text = fallback.describe()
+        if self.held_bytes is not None:
+            text += f" ({self.held_bytes} bytes held between the passes at the latest split)"
+        return text
 
     def fallback(self) -> Fallback | None:
         """The latest reason not to split, if the latest backward was not split."""
@@ -430,7 +436,9 @@ def describe_node(record: Any) -> str | None:
         return split.describe()
     if split is False:
         fallback = auto.fallback()
-        return fallback.describe() if fallback is not None else "not split automatically"
+        return (
+            auto.describe_fallback(fallback) if fallback is not None else "not split automatically"
+        )
     return "split automatically when its first backward runs (none ran yet)"
 
 
@@ -479,7 +487,7 @@ def _mutating(gm: fx.GraphModule) -> list[fx.Node]:
         n
         for n in gm.graph.nodes
         if n.op == "call_function"
-        and isinstance(n.target, torch._ops.OpOverload)
+        and isinstance(n.target, OpOverload)
         and n.target._schema.is_mutable
     ]
     if found:
@@ -500,7 +508,7 @@ def _ordered(node: fx.Node) -> bool:
     out-variant custom op filling an ``empty_like``) an input of every node that reads them
     after it, so that the partition keeps it, runs it once and before them. Whether it could."""
     target = node.target
-    assert isinstance(target, torch._ops.OpOverload)
+    assert isinstance(target, OpOverload)
     if target.namespace in ("aten", "prims"):
         return False  # functionalized
     order = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -508,10 +516,10 @@ def _ordered(node: fx.Node) -> bool:
     for a, value in zip(target._schema.arguments, node.args):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
-        if not isinstance(value, fx.Node) or _free(value):
+        if not isinstance(value, fx.Node) or free(value):
             return False  # an input of the backward (or not a tensor the trace made)
         made = value.target
-        if isinstance(made, torch._ops.OpOverload) and made.is_view:
+        if isinstance(made, OpOverload) and made.is_view:
             return False  # a view: it may write into an input
         if any(order[u] < order[node] for u in value.users if u is not node):
             return False  # read before the write: which value a reader sees depends on order
@@ -534,11 +542,11 @@ def _pure(node: fx.Node) -> bool:
     ``torch.matmul`` of a vector, which functionalization keeps) on a tensor the trace created
     and reads nowhere else into its out-of-place view. Whether it could."""
     target = node.target
-    assert isinstance(target, torch._ops.OpOverload)
+    assert isinstance(target, OpOverload)
     if target.namespace != "aten" or not node.args:
         return False
     mutated = node.args[0]
-    if not isinstance(mutated, fx.Node) or _free(mutated) or len(mutated.users) != 1:
+    if not isinstance(mutated, fx.Node) or free(mutated) or len(mutated.users) != 1:
         return False
     schema = target._schema
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
@@ -547,7 +555,7 @@ def _pure(node: fx.Node) -> bool:
     name = target.overloadpacket.__name__
     packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
     twin = getattr(packet, target._overloadname, None)
-    if not isinstance(twin, torch._ops.OpOverload) or twin._schema.is_mutable or not twin.is_view:
+    if not isinstance(twin, OpOverload) or twin._schema.is_mutable or not twin.is_view:
         return False  # only metadata writes (data writes are functionalized)
     node.target = twin
     return True
@@ -607,9 +615,34 @@ def _trace(
             f"it writes in place into a tensor it did not create ({mutated[0].target})",
             "compute out of place into new tensors",
         )
+    gm = _without_common_subexpressions(gm)
     flat = isinstance(structure, int)
     all_tensors = flat and len(tensor_idx) == len(leaves)
     return TracedSplit(op, gm, layouts[-1], tensor_idx, all_tensors, flat, requires, recompute)
+
+
+def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with each repeated pure aten op computed once (torch's ``CSEPass``), so that work a
+    backward writes twice (unsloth's LoRA computes ``dY @ B.t()`` for dX and again for dA) is
+    shared, run once in the earlier pass and handed to the later one. Opaque ops, random ops and
+    writes are never merged."""
+    from torch.fx.passes.dialect.common.cse_pass import CSEPass, get_CSE_banned_ops
+
+    banned: set[Any] = set(get_CSE_banned_ops())
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        packet = getattr(target, "overloadpacket", target)
+        if (
+            not isinstance(target, OpOverload)
+            or target.namespace not in ("aten", "prims")
+            or target._schema.is_mutable
+            or torch.Tag.nondeterministic_seeded in target.tags
+        ):
+            banned.add(packet)
+    result = CSEPass(banned_ops=banned)(gm)
+    return result.graph_module if result is not None and result.modified else gm
 
 
 def _like(t: _Tensor) -> _Tensor:
@@ -620,11 +653,6 @@ def _like(t: _Tensor) -> _Tensor:
 
 # --------------------------------------------------------------------------------------------
 # The traced backward and its passes
-
-
-def _free(node: fx.Node) -> bool:
-    """Available in every pass without computing: an input of the trace, or a constant."""
-    return node.op in _FREE_OPS
 
 
 class _SeenOps(TorchDispatchMode):
@@ -655,12 +683,11 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     dispatches the node's op and nothing else.
     """
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
+    if not isinstance(target, OpOverload) or target.namespace != "aten":
         return None
     name = target.overloadpacket.__name__
     # torch.split and Tensor.split (& co.) are Python wrappers: only the builtins themselves.
-    function: Any = getattr(torch._C._VariableFunctions, name, None)
-    method: Any = getattr(torch._C.TensorBase, name, None)
+    function, method = aten_callables(name)
     if function is not None and getattr(torch, name, None) is function:
         fn: Any = function
     elif method is not None and getattr(torch.Tensor, name, None) is method:
@@ -668,7 +695,7 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     else:
         return None
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
-    fake = torch._guards.detect_fake_mode([*args, *kwargs.values()])
+    fake = detect_fake_mode([*args, *kwargs.values()])
     if fake is None:
         return None
     seen = _SeenOps()
@@ -678,31 +705,6 @@ def _binding(node: fx.Node) -> Callable[..., Any] | None:
     except Exception:
         return None
     return fn if seen.ops == [target] else None
-
-
-def _cheap(node: fx.Node) -> bool:
-    """Costs no FLOPs by torch's formulas and is safe to run again (views, elementwise)."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or target.namespace not in ("aten", "prims"):
-        return False  # opaque kernels: cost unknown
-    if torch.Tag.nondeterministic_seeded in target.tags:
-        return False  # random: a second run gives other values
-    return formula_of(target) is None
-
-
-def _ancestors(roots: Iterable[fx.Node], stop: set[fx.Node] | frozenset[fx.Node]) -> set[fx.Node]:
-    """The nodes ``roots`` are computed from (themselves included), not past ``stop`` or inputs."""
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node in seen or node in stop or _free(node):
-            continue
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return seen
 
 
 class _Pass:
@@ -855,36 +857,16 @@ class TracedSplit:
     def _handoff(self, later: frozenset[str]) -> tuple[list[fx.Node], set[fx.Node]]:
         """What the earlier pass (the gradients not in ``later``) hands to the later pass.
 
-        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes.
+        Returns the nodes to keep, in graph order, and the nodes the later pass recomputes
+        (:func:`customgrad._partition.cut`).
         """
         found = self._kept.get(later)
-        if found is not None:
-            return found
-        outs = self._outputs
-        late_outs = {outs[i] for i in self._slots(later)}
-        early = _ancestors((outs[i] for i in self._slots(self.requires - later)), frozenset())
-        late = _ancestors(late_outs, frozenset())
-        shared = early & late
-        # Shared nodes the later pass reads: outputs of it, or inputs of its own nodes.
-        todo = [
-            n
-            for n in shared
-            if n in late_outs or any(u in late and u not in early for u in n.users)
-        ]
-        keep: set[fx.Node] = set()
-        again: set[fx.Node] = set()
-        while todo:
-            node = todo.pop()
-            if node in keep or node in again:
-                continue
-            if self._recompute and _cheap(node):
-                again.add(node)
-                todo.extend(n for n in node.all_input_nodes if n in shared)
-            else:
-                keep.add(node)
-        order = {n: i for i, n in enumerate(self._nodes)}
-        found = (sorted(keep, key=order.__getitem__), again)
-        self._kept[later] = found
+        if found is None:
+            outs = self._outputs
+            early = (outs[i] for i in self._slots(self.requires - later))
+            c = cut(self.graph_module.graph, early, [outs[i] for i in self._slots(later)],
+                    self._recompute)  # fmt: skip
+            found = self._kept[later] = (list(c.kept), set(c.recomputed))
         return found
 
     def _build(self, kind: str, needed: frozenset[str], later: frozenset[str] | None) -> _Pass:
@@ -920,29 +902,16 @@ class TracedSplit:
                 entries.append((name, 2, [None if i is None else at(i) for i in slot]))
         n_out = len(results)
         results += kept_out
+        nodes = ancestors(results, kept_in)
 
-        graph = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for p in self._placeholders:
-            env[p] = graph.placeholder(p.name)
-        for node in kept_in:
-            env[node] = graph.placeholder(f"kept_{node.name}")
-        todo = _ancestors(results, set(env))
-        returned = set(results)
-        n_ops = 0
-        for node in self._nodes:
-            if node in todo or (
-                node.op == "get_attr" and (node in returned or any(u in todo for u in node.users))
-            ):
-                copy = env[node] = graph.node_copy(node, env.__getitem__)
-                if node.op == "call_function":
-                    n_ops += 1
-                    fast = self._bindings.get(node, node.target)
-                    if fast is node.target:
-                        fast = self._bindings[node] = _binding(node) or node.target
-                    copy.target = fast
-        graph.output(tuple(env[n] for n in results))
-        module = fx.GraphModule(self.graph_module, graph)
+        def fast(node: fx.Node, copy: fx.Node) -> None:
+            target = self._bindings.get(node, node.target)
+            if target is node.target:
+                target = self._bindings[node] = _binding(node) or node.target
+            copy.target = target
+
+        module = extract(self.graph_module, nodes, results, kept_in, fast)
+        n_ops = sum(1 for n in nodes if n.op == "call_function")
         return _Pass(module.forward, tuple(entries), n_out, len(kept_out), n_ops)
 
     # -- reporting ---------------------------------------------------------------------------------

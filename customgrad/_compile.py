@@ -47,13 +47,12 @@ from torch import fx, nn
 from customgrad._autograd import engine_needs
 from customgrad._compiled_cut import Plan, cut_graph, example_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._origin import ValueOrigin, origin_of
+from customgrad._origin import summary as origin_summary
 from customgrad._switches import split_enabled
-from customgrad._torch_internals import (
-    compiled_autograd_on,
-    compiling_locals,
-    graph_kept,
-    is_aot_node,
-)
+from customgrad._torch.dynamo import compiled_autograd_on, compiling_locals
+from customgrad._torch.engine import graph_kept
+from customgrad._torch.functions import is_aot_node
 
 __all__ = ["CompiledRegion", "GraphInfo", "compile", "region_of", "regions"]
 
@@ -123,9 +122,13 @@ class CompiledRegion:
     weight_pass: GraphInfo | None = None
     """The graph run in W (weight gradients)."""
     handoff: tuple[str, ...] = ()
-    """The values I keeps for W (one set per microbatch between its I and its W)."""
+    """The values I keeps for W (one set per microbatch between its I and its W), by FX name."""
     recomputed: tuple[str, ...] = ()
-    """The values W recomputes (no FLOPs) rather than keeping them from I."""
+    """The values W recomputes (no FLOPs) rather than keeping them from I, by FX name."""
+    kept: tuple[ValueOrigin, ...] = ()
+    """:attr:`handoff` with where the user's code made each value (module, source line)."""
+    recomputed_origins: tuple[ValueOrigin, ...] = ()
+    """:attr:`recomputed` with where the user's code made each value."""
     handoff_bytes: int = 0
     """Bytes the last I pass kept for W."""
     runs: dict[str, int] = field(default_factory=lambda: {"full": 0, "input": 0, "weight": 0})
@@ -183,15 +186,19 @@ class CompiledRegion:
             return f"fell back to its full backward in each pass: {self.reason}"
         if self.input_pass is None or self.weight_pass is None:
             return "split, not compiled yet (its backward has not run)"
-        kept = ", ".join(self.handoff) or "nothing"
+        kept = "nothing"
+        if self.kept:
+            kept = f"{len(self.kept)} value{'s' if len(self.kept) > 1 else ''}"
         text = (
             f"split: I runs a graph of {self.input_pass.nodes} ops for "
             f"{', '.join(self.input_pass.computes) or 'no input'}; W runs a graph of "
             f"{self.weight_pass.nodes} ops for {', '.join(self.weight_pass.computes) or 'no weight'}; "
             f"I keeps {kept} for W ({self.handoff_bytes} bytes per microbatch)"
         )
-        if self.recomputed:
-            text += f"; W recomputes {', '.join(self.recomputed)} (no FLOPs)"
+        if self.kept:
+            text += f": {origin_summary(self.kept)}"
+        if self.recomputed_origins:
+            text += f"; W recomputes {origin_summary(self.recomputed_origins)} (no FLOPs)"
         if self.repeated:
             text += f"; some pass ran the full backward: {self.repeated}"
         return text
@@ -658,6 +665,8 @@ class _SplitCompiler:
         )
         region.handoff = tuple(h.name for h in plan.handoff)
         region.recomputed = tuple(n.name for n in plan.recomputed)
+        region.kept = tuple(origin_of(h) for h in plan.handoff)
+        region.recomputed_origins = tuple(origin_of(n) for n in plan.recomputed)
 
     def _cut(
         self,

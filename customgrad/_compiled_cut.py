@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from customgrad._torch.dispatcher import OpOverload, schema_of
+
 __all__ = ["Plan", "cut_graph", "example_of"]
 
 # aten ops W may recompute rather than keep: no FLOPs, nothing random, no mutation.
@@ -53,8 +55,8 @@ def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
 
 def _op_name(node: fx.Node) -> str | None:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name.split("::")[-1]
+    if isinstance(target, OpOverload):
+        return schema_of(target).name.split("::")[-1]
     return None
 
 
@@ -65,7 +67,7 @@ def _free(node: fx.Node) -> bool:
     if node.op != "call_function":
         return False
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+    if not isinstance(target, OpOverload) or schema_of(target).is_mutable:
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False
@@ -110,7 +112,7 @@ def _subgraph(
 
 def _is_mutating(node: fx.Node) -> bool:
     target = node.target
-    return isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable
+    return isinstance(target, OpOverload) and schema_of(target).is_mutable
 
 
 def cut_graph(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> Plan | str:

@@ -19,7 +19,7 @@ from torch import nn
 
 from customgrad._compile import compile as cg_compile
 from customgrad._errors import ArgumentValueError
-from customgrad._torch_internals import compile_options
+from customgrad._torch.dynamo import compile_options, optimized_module_type
 
 __all__ = ["split_compiled"]
 
@@ -72,8 +72,7 @@ def split_compiled(module: nn.Module, owner: str) -> tuple[nn.Module, list[str]]
         module recompiled (its path, class and how torch had compiled it), also logged in one
         line.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    OptimizedModule = optimized_module_type()
     done: list[str] = []
     kept: list[str] = []
     if isinstance(module, OptimizedModule):

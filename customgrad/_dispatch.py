@@ -23,6 +23,8 @@ import torch.autograd.forward_ad as _fwad
 
 from customgrad._errors import DefinitionError, MissingRegistrationError, where
 from customgrad._kernels import Kernels
+from customgrad._torch import dispatcher
+from customgrad._torch.transforms import forward_ad_level
 
 if TYPE_CHECKING:
     from customgrad._autograd import AutogradImpl
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DispatchedOp", "OpLibrary", "any_requires_grad", "has_tangent"]
 
-_below_autograd = torch._C._AutoDispatchBelowAutograd
+_below_autograd = dispatcher.below_autograd
 _Tensor = torch.Tensor
 
 
@@ -77,9 +79,9 @@ class OpLibrary:
             if residuals:
                 self._lib.define(f"{opname}.with_residuals{kernel_schema}")
             packet = getattr(getattr(torch.ops, ns), opname)
-            self.opoverload: torch._ops.OpOverload = packet.default
+            self.opoverload: dispatcher.OpOverload = packet.default
             """``torch.ops.ns.name.default``."""
-            self.kernel_overload: torch._ops.OpOverload = (
+            self.kernel_overload: dispatcher.OpOverload = (
                 packet.with_residuals if residuals else packet.default
             )
             """The overload whose kernel returns the residuals too (``default`` without any)."""
@@ -97,7 +99,7 @@ class OpLibrary:
             if self._mutated_idx:
                 self._lib.impl(opname, self.inplace_view, "ADInplaceOrView", with_keyset=True)
         except RuntimeError as e:
-            self._lib._destroy()
+            dispatcher.destroy_library(self._lib)
             first = str(e).strip().splitlines()[0]
             raise DefinitionError(
                 f"{name}: torch.library refused the definition (schema {schema}): {first}"
@@ -105,7 +107,7 @@ class OpLibrary:
 
     def destroy(self) -> None:
         """Remove the definition and every registration (the name is free again)."""
-        self._lib._destroy()
+        dispatcher.destroy_library(self._lib)
 
     # -- the kernels the dispatcher calls --------------------------------------------------
     def autograd(self, *args: Any, **kwargs: Any) -> Any:
@@ -116,7 +118,7 @@ class OpLibrary:
             self._op._check_mutated_no_grad(args)
         if sig.output_kinds and torch.is_grad_enabled() and any_requires_grad(args):
             return self._impl.apply(args, None)
-        if _fwad._current_level >= 0 and has_tangent(args):
+        if forward_ad_level() >= 0 and has_tangent(args):
             return self._op._forward_ad(args, None)
         with _below_autograd():
             return sig.call(self.opoverload, args)
@@ -163,9 +165,9 @@ class OpLibrary:
 
     def inplace_view(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
         """``ADInplaceOrView``: run the op below, then bump the mutated tensors' versions."""
-        with torch._C._AutoDispatchBelowADInplaceOrView():
+        with dispatcher.below_ad_inplace_or_view():
             out = self.opoverload.redispatch(
-                keyset & torch._C._after_ADInplaceOrView_keyset, *args, **kwargs
+                keyset & dispatcher.AFTER_AD_INPLACE_OR_VIEW, *args, **kwargs
             )
         full = self._sig.normalize(args, kwargs)
         mutated: list[torch.Tensor] = []

@@ -12,17 +12,23 @@ What it covers: ops without keyword-only arguments, mutated arguments, residuals
 backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
 autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one fast
 path per layout of list lengths, written on first use (at most ``MAX_LAYOUTS``). Calls must
-have plain tensors under grad mode, with no dispatch or function mode, functorch transform,
-profiler, forward-AD level, ``torch.compile`` trace, or kernel or autocast rule registered for
-the op through ``torch.library`` by someone else. Any other call declines (returns
-:data:`DECLINED`) and runs the general path (:class:`customgrad._autograd.AutogradImpl`).
-Backwards that a split plans (a route on the record), changed registrations and a switched-off
-split also go to the general path; ``CUSTOMGRAD_FASTPATH=0`` turns this module off.
+have plain tensors under grad mode, no forward-AD level or ``torch.compile`` trace, and be
+ones that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision, which the
+general call asks too) sends straight to a kernel: no dispatch or function mode, functorch
+transform or profiler, no kernel or autocast rule registered for the op through
+``torch.library`` by someone else. Any other call declines (returns :data:`DECLINED`) and runs
+the general path (:class:`customgrad._autograd.AutogradImpl`). Backwards that a split plans (a
+route on the record), changed registrations and a switched-off split also go to the general
+path. ``CUSTOMGRAD_FASTPATH=0`` turns this module off; ``CUSTOMGRAD_FASTPATH=show`` prints each
+piece of code it writes (to stderr); ``call.__customgrad_source__`` holds it too.
+
+It stays while it buys at least 10% of a small op's forward + backward on some path: compare
+``benchmarks/overhead.py`` runs with ``CUSTOMGRAD_FASTPATH=0`` and without, alternated.
 
 One set of rules: what is generated is argument handling only (unpacking, the per-argument
 checks of the call, the edge loop and the placement of gradients). Which edges a pass needs
 (``needed_edge``), the pass plan (``AutogradImpl.plan``) and the plan's runner, which computes,
-validates and hands to the later pass (:mod:`customgrad._pass`), the saved-value layout
+validates and hands to the later pass (:mod:`customgrad._codegen`), the saved-value layout
 (``_save`` / ``_restore``) and observers are the general path's own, called from here.
 ``tests/test_fastpath.py`` checks that both paths give the same gradients and errors.
 """
@@ -30,23 +36,28 @@ validates and hands to the later pass (:mod:`customgrad._pass`), the saved-value
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping, Set
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.autograd.forward_ad as _fwad
 
+from customgrad import _kernels
 from customgrad._autograd import _CustomGradNode, needed_edge
-from customgrad._pass import MAX_LAYOUTS, keeps_for_later
+from customgrad._codegen import MAX_LAYOUTS
+from customgrad._codegen import run_source as _exec
+from customgrad._pass import keeps_for_later
 from customgrad._record import NodeRecord
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
 from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, _restore, _save
 from customgrad._signature import ArgKind
 from customgrad._switches import STATE as SWITCHES
+from customgrad._torch import dispatcher, functions
+from customgrad._torch.transforms import forward_ad_level
 
 if TYPE_CHECKING:
     from customgrad._autograd import AutogradImpl
+    from customgrad._kernels import Kernels
 
 __all__ = ["DECLINED", "build"]
 
@@ -54,9 +65,7 @@ DECLINED: Any = object()
 """What a fast call returns when the general path must run the call."""
 
 _EMPTY: dict[str, Any] = {}
-_alias_check: Callable[..., bool] | None = getattr(
-    torch._C, "_any_output_is_alias_to_input_or_output", None
-)
+_alias_check = dispatcher.alias_check
 
 
 def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
@@ -105,33 +114,22 @@ def eligible(impl: AutogradImpl, rules: AutogradRules, mutates: bool) -> bool:
     return impl.ready()
 
 
-def build(
-    impl: AutogradImpl,
-    kernels: Mapping[str | None, Callable[..., Any]],
-    checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
-    mutates: bool,
-    impls: Set[str] | None,
-    foreign_keys: Mapping[str, tuple[str, ...]],
-) -> Callable[[tuple[Any, ...]], Any] | None:
+def build(impl: AutogradImpl, kernels: Kernels) -> Callable[[tuple[Any, ...]], Any] | None:
     """The fast call of ``impl``'s op for its current registrations and kernels, or None.
 
     Args:
         impl: the op's autograd implementation (``impl.spec`` is the op).
-        kernels: the op's kernels by device type (None: every device); read on each call.
-        checked_output: the op's output check, ``(args, out) -> (output, residuals)``, which
-            raises the op's error for a kernel output it refuses.
-        mutates: whether the op mutates an argument (no fast path then).
-        impls: the kernels registered through ``torch.library`` (a live set of
-            ``"ns/op/DispatchKey"``), or None when unknown (no fast path then).
-        foreign_keys: per device type, the keys in ``impls`` of kernels or autocast rules that
-            would run instead of customgrad's (a call on that device declines then).
+        kernels: the op's kernels: which one runs is :meth:`Kernels.route`'s decision, made on
+            each call (a call it does not send straight to a kernel declines); what a kernel
+            returns is checked by :meth:`Kernels.checked_output`.
 
     Returns:
-        ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``.
+        ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``; None when
+        this op has no fast path (not :func:`eligible`, or a torch that keeps no
+        ``torch.library`` registrations, where every call goes through the dispatcher).
     """
-    if impls is None or not eligible(impl, impl.spec.rules, mutates):
+    if _kernels.IMPLS is None or not eligible(impl, impl.spec.rules, kernels.mutates):
         return None
-    foreign = (impls, foreign_keys)
     sig = impl.spec.signature
     lists = [i for i, k in enumerate(sig.kinds) if k is ArgKind.TENSOR_LIST]
     defaults = _trailing_defaults(sig.pysig, sig.nargs)
@@ -151,7 +149,7 @@ def build(
             f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
         )
     if not lists:
-        return _Writer(impl, kernels, checked_output, foreign, (), count).write()
+        return _Writer(impl, kernels, (), count).write()
 
     # List arguments: one fast path per list-length layout, written on first use.
     layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
@@ -159,7 +157,7 @@ def build(
     def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
         if len(layouts) >= MAX_LAYOUTS:
             return _decline
-        call = _Writer(impl, kernels, checked_output, foreign, lens, "").write()
+        call = _Writer(impl, kernels, lens, "").write()
         layouts[lens] = call
         return call
 
@@ -180,7 +178,7 @@ def build(
         "_LAYOUTS": layouts,
         "_layout": layout,
     }
-    exec(compile(source, f"<customgrad fast path of {impl.spec.name}>", "exec"), ns)
+    _exec(source, f"<customgrad fast path of {impl.spec.name}>", ns)
     dispatch: Callable[[tuple[Any, ...]], Any] = ns["call"]
     dispatch.__customgrad_source__ = source  # type: ignore[attr-defined]
     return dispatch
@@ -190,13 +188,10 @@ _RUNTIME: dict[str, Any] = {
     "_T": torch.Tensor,
     "_P": torch.nn.Parameter,
     "_DECLINED": DECLINED,
+    "_DISPATCH": _kernels.DISPATCH,
     "_EMPTY": _EMPTY,
     "_grad_enabled": torch.is_grad_enabled,
-    "_fwad": _fwad,
-    "_prof": torch.autograd.profiler,
-    "_dispatch_len": torch._C._len_torch_dispatch_stack,
-    "_tf_mode": torch._C._is_torch_function_mode_enabled,
-    "_functorch": torch._C._are_functorch_transforms_active,
+    "_fwd_level": forward_ad_level,
     "_compiling": torch.compiler.is_compiling,
     "_alias": _alias_check,
     "_Record": NodeRecord,
@@ -227,16 +222,12 @@ class _Writer:
     def __init__(
         self,
         impl: AutogradImpl,
-        kernels: Mapping[str | None, Callable[..., Any]],
-        checked_output: Callable[[tuple[Any, ...], Any], tuple[Any, Any]],
-        foreign: tuple[Set[str], Mapping[str, tuple[str, ...]]],
+        kernels: Kernels,
         lens: tuple[int, ...],
         count: str,
     ) -> None:
-        self.foreign = foreign
         self.impl = impl
         self.kernels = kernels
-        self.checked_output = checked_output
         self.lens = lens
         self.count = count
         sig = impl.spec.signature
@@ -300,14 +291,6 @@ class _Writer:
         first = next((n for i, n, _ in self.slots if i == picker), None)
         if first is None:  # an empty list picks the kernel: the general path decides
             return _decline
-        if set(self.kernels) == {None}:
-            pick = "    kernel = _KERNEL\n"
-        else:
-            pick = (
-                f"    kernel = _KERNELS.get({first}.device.type) or _KERNELS.get(None)\n"
-                f"    if kernel is None:\n"
-                f"        return _DECLINED\n"
-            )
         call_src = (
             f"def call(args):\n"
             f"{self.count}"
@@ -315,13 +298,11 @@ class _Writer:
             f"        return _DECLINED\n"
             f"    if not ({' or '.join(requires) or 'False'}):\n"
             f"        return _DECLINED\n"
-            f"    if (_compiling() or _fwad._current_level >= 0 or _prof._is_profiler_enabled\n"
-            f"            or _dispatch_len() or _tf_mode() or _functorch() or {first}.is_meta\n"
-            f"            or _SPEC.rules is not _RULES\n"
-            f"            or not _IMPLS.isdisjoint(_FOREIGN.cpu if {first}.is_cpu else\n"
-            f"                _FOREIGN.cuda if {first}.is_cuda else _FOREIGN[{first}.device.type])):\n"
+            f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
             f"        return _DECLINED\n"
-            f"{pick}"
+            f"    kernel = _route({first}, True)\n"
+            f"    if kernel is None or kernel is _DISPATCH:\n"
+            f"        return _DECLINED\n"
             f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
         )
 
@@ -385,7 +366,7 @@ class _Writer:
     def _backward_source(self) -> str:
         """The node's backward: the edge loop and the gradient placement unrolled for this
         signature; what a pass computes, calls, validates and hands off is the general path's
-        (``needed_edge``, ``AutogradImpl.plan``, the plan's runner from :mod:`customgrad._pass`)."""
+        (``needed_edge``, ``AutogradImpl.plan``, the plan's runner from :mod:`customgrad._codegen`)."""
         sig = self.sig
         flat = self._flat()
         edges: list[str] = []
@@ -464,11 +445,8 @@ class _Writer:
         n_inputs = len(self._flat())
         ns: dict[str, Any] = {
             **_RUNTIME,
-            "_checked_output": self.checked_output,
-            "_IMPLS": self.foreign[0],
-            "_FOREIGN": self.foreign[1],
-            "_KERNEL": self.kernels.get(None),
-            "_KERNELS": self.kernels,
+            "_checked_output": self.kernels.checked_output,
+            "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,
             "_RULES": rules,
@@ -487,7 +465,7 @@ class _Writer:
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
         }
         where = f"{spec.name}" + (f", list lengths {self.lens}" if self.lens else "")
-        exec(compile(source, f"<customgrad fast path of {where}>", "exec"), ns)
+        _exec(source, f"<customgrad fast path of {where}>", ns)
         function: Any = type(
             f"CustomGrad[{spec.name}]",
             (_CustomGradNode,),
@@ -496,8 +474,8 @@ class _Writer:
                 "setup_context": staticmethod(ns["setup_context"]),
             },
         )
-        function._backward_cls.apply = ns["apply"]
-        ns["_c_apply"] = super(torch.autograd.Function, function).apply  # type: ignore[misc]
+        functions.set_backward_apply(function, ns["apply"])
+        ns["_c_apply"] = functions.plain_apply(function)
         call: Callable[[tuple[Any, ...]], Any] = ns["call"]
         call.__customgrad_source__ = source  # type: ignore[attr-defined]
         return call

@@ -3,8 +3,11 @@
 :class:`torch.utils.flop_counter.FlopCounterMode` tracks modules and, entered before a
 forward, can get in the way of ``torch.autograd.grad`` on leaves. customgrad only needs the
 numbers, so this is a small dispatch mode over the same formula table
-(``torch.utils.flop_counter.flop_registry``). Ops without a formula (opaque kernels: Triton,
-other custom ops) count zero, which is why callers also count backward calls.
+(``torch.utils.flop_counter.flop_registry``), completed with the formulas it lacks for ops a
+transformer runs (:data:`EXTRA_FORMULAS`: CPU flash attention and its backward, the
+backend-overridable fused attention, grouped matmuls). Ops without a formula (opaque kernels:
+Triton, other custom ops) count zero, which is why callers also count backward calls; the counter
+names the ones that may hide FLOPs (:attr:`FlopCounter.uncounted`).
 """
 
 from __future__ import annotations
@@ -15,22 +18,74 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["FlopCounter", "formula_of"]
+__all__ = ["EXTRA_FORMULAS", "FlopCounter", "count_flops", "formula_of", "may_hide_flops"]
+
+aten = torch.ops.aten
+
+
+def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    """Attention forward (``q @ k^T``, then ``p @ v``), as torch counts its fused kernels."""
+    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+
+
+def _sdpa_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
+) -> int:
+    """Attention backward as torch counts its fused kernels: ``q @ k^T`` recomputed, then four
+    matmuls for the gradients of ``q``, ``k``, ``v`` (2.5x the forward)."""
+    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+
+
+def _grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+    """``torch._grouped_mm``: one matmul per group. With 2-D ``a`` and ``b`` the groups split
+    the reduced dimension (``a`` is ``(m, k)``, ``b`` ``(k, n)``: ``2mkn`` in all); otherwise each
+    output element is a dot product over ``a``'s last dimension."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * int(a.shape[0]) * int(a.shape[1]) * int(b.shape[1])
+    return 2 * int(out_val.numel()) * int(a.shape[-1])
+
+
+EXTRA_FORMULAS: dict[Any, Any] = {
+    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
+    aten._scaled_dot_product_fused_attention_overrideable: _sdpa_forward,
+    aten._scaled_dot_product_fused_attention_overrideable_backward: _sdpa_backward,
+    aten._grouped_mm: _grouped_mm,
+}
+"""FLOP formulas for ops torch 2.13's table lacks, keyed by overload packet; each takes the op's
+arguments (tensors, not shapes) and ``out_val``. The attention ones use torch's own counts for
+its other fused attention kernels, so every attention backend counts alike."""
+
+_HIDING = ("attention", "mm", "conv", "matmul", "linear", "einsum", "gemm")
 
 
 def formula_of(func: Any) -> Any:
-    """torch's FLOP formula for an aten op, or None. In-place variants (``addmm_``,
-    ``baddbmm_``, ``addmv_``, ``addbmm_``, ``addr_``), which torch's table lacks, count as their
-    out-of-place twins: the same work."""
+    """The FLOP formula for an aten op (torch's, else :data:`EXTRA_FORMULAS`), or None.
+    In-place variants (``addmm_``, ``baddbmm_``, ``addmv_``, ``addbmm_``, ``addr_``), which
+    torch's table lacks, count as their out-of-place twins: the same work."""
     packet = getattr(func, "_overloadpacket", None)
     formula = flop_registry.get(packet)
     if formula is None and packet is not None:
+        formula = EXTRA_FORMULAS.get(packet)
         name = packet.__name__
-        if name.endswith("_") and not name.startswith("_"):
-            formula = flop_registry.get(getattr(torch.ops.aten, name[:-1], None))
+        if formula is None and name.endswith("_") and not name.startswith("_"):
+            formula = flop_registry.get(getattr(aten, name[:-1], None))
     return formula
+
+
+def may_hide_flops(func: Any) -> bool:
+    """An op without a formula that may do FLOPs the counter cannot see: an opaque kernel (an
+    op outside ``aten``, such as a Triton kernel or another custom op) or an aten op named like
+    a matmul, a convolution or attention. Communication ops are not."""
+    namespace = getattr(func, "namespace", None)
+    if namespace is None or formula_of(func) is not None:
+        return False
+    if namespace != "aten":
+        return namespace not in ("_c10d_functional", "c10d", "_dtensor", "profiler", "prims")
+    name = func._overloadpacket.__name__
+    return any(word in name for word in _HIDING)
 
 
 class FlopCounter(TorchDispatchMode):
@@ -44,6 +99,8 @@ class FlopCounter(TorchDispatchMode):
         by_key: FLOPs per key; set :attr:`key` to attribute what follows to something else.
         key: what the next FLOPs are attributed to (``None`` by default).
         calls: the counted calls, when ``record``.
+        uncounted: calls per op (``"ns::name"``) of ops that may do FLOPs the counter cannot
+            see (:func:`may_hide_flops`).
     """
 
     @classmethod
@@ -59,6 +116,7 @@ class FlopCounter(TorchDispatchMode):
         self.by_key: Counter[Hashable] = Counter()
         self.key: Hashable = None
         self.calls: list[tuple[Any, int, Any]] | None = [] if record else None
+        self.uncounted: Counter[str] = Counter()
 
     def __torch_dispatch__(
         self,
@@ -77,6 +135,8 @@ class FlopCounter(TorchDispatchMode):
             if self.calls is not None and flops:
                 kept = out.detach().clone() if isinstance(out, torch.Tensor) else None
                 self.calls.append((func, flops, kept))
+        elif may_hide_flops(func):
+            self.uncounted[str(func._schema.name)] += 1
         return out
 
 

@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as _fwad
 
 from customgrad._errors import (
     GradientTypeError,
@@ -19,23 +18,11 @@ from customgrad._errors import (
 from customgrad._layout import _unflatten_args
 from customgrad._record import NodeRecord
 from customgrad._rules import OpSpec
+from customgrad._torch.transforms import forward_ad_level, jvp_transform_active
 from customgrad._validate import describe
 
 _Tensor = torch.Tensor
 
-
-try:
-    from torch._C._functorch import TransformType as _TransformType
-    from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
-
-    _JVP: Any = _TransformType.Jvp
-    _functorch_interpreters: Callable[[], Any] = retrieve_all_functorch_interpreters
-except ImportError:  # pragma: no cover - torch without functorch
-    _JVP = None
-    _functorch_interpreters = list
-_functorch_active: Callable[[], bool] | None = getattr(
-    torch._C, "_are_functorch_transforms_active", None
-)
 
 __all__ = ["forward_ad_active", "jvp"]
 
@@ -104,8 +91,4 @@ def _check_tangents(
 
 def forward_ad_active() -> bool:
     """Whether a jvp may follow this forward: a dual level, or a functorch jvp transform."""
-    if _fwad._current_level >= 0:
-        return True
-    if _functorch_active is None or not _functorch_active():
-        return False
-    return any(i.key() == _JVP for i in _functorch_interpreters())
+    return forward_ad_level() >= 0 or jvp_transform_active()

@@ -11,6 +11,12 @@ are rebuilt with ``as_strided``, and the other tensors it saves (intermediates) 
 the kernel as one ``Tensor[]`` residual, which only ``save_for_backward`` sees. Everything else it
 records (non-tensor attributes, where each tensor comes from) is handed from the kernel to
 ``save_for_backward`` on the same thread, right after the kernel ran.
+
+The fake kernel is the Function's forward run on fake tensors, unless the forward cannot run on
+them (a raw Triton launch): then the user gives one with ``op.register_fake``, for the outputs
+the user sees. What forward saves (the hidden residuals, the attributes) is then learned by
+running the Function's forward once per input signature on zero-filled tensors like the fake
+ones (:class:`_SavedProbe`), and the user's outputs are checked against that run.
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ from customgrad._errors import (
     DefinitionError,
     GradientTypeError,
     GradientValueError,
+    KernelOutputError,
     MissingRegistrationError,
     UnsupportedError,
     where,
 )
 from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
+from customgrad._triton import raw_launch
 
 __all__ = ["from_function"]
 
@@ -231,6 +239,136 @@ class _Layouts:
 
     def layout(self, number: int) -> Any:
         return self._layouts[number]
+
+
+# --------------------------------------------------------------------------------------------
+# A fake kernel for the outputs the user sees
+
+MSG_NO_FAKE = """\
+{op}: the Function's forward cannot run on fake tensors (torch.compile, opcheck and \
+FakeTensorMode run an op's fake kernel, which for an op made with from_function is the \
+Function's forward): {why}. Give the op a fake kernel for the outputs the user sees; customgrad \
+handles what the forward saves on ctx:
+
+    op = cg.from_function({function}, "{op}", ...)
+    @op.register_fake
+    def _({args}):
+        return torch.empty_like(x)              # each output's shape, dtype and device
+
+(forward defined at {loc})"""
+
+MSG_FAKE_MISMATCH = """\
+{op}: the fake kernel registered with register_fake returned {got}, but the Function's forward \
+returns {expected} for these arguments. Return tensors exactly like the forward's outputs (same \
+count, shape, dtype and device); return only the outputs the user sees, not what forward saves. \
+(fake kernel defined at {loc})"""
+
+MSG_SYMBOLIC = """\
+{op}: the fake kernel was called with symbolic shapes (torch.compile with dynamic shapes), but \
+what the Function's forward saves on ctx is learned by running it once on concrete tensors. \
+Compile with dynamic=False (torch.compile(..., dynamic=False)), or define the op with cg.op and \
+a fake kernel that returns the residuals too. (forward defined at {loc})"""
+
+
+def _describe(metas: Sequence[Any]) -> str:
+    """``metas``: tensors, or ``(shape, stride, dtype, device)`` tuples."""
+    items = []
+    for m in metas:
+        if isinstance(m, _Tensor):
+            m = (tuple(m.shape), None, m.dtype, m.device)
+        if isinstance(m, tuple) and len(m) == 4:
+            shape, _, dtype, device = m
+            items.append(
+                f"({', '.join(map(str, shape))}) {str(dtype).removeprefix('torch.')} on {device}"
+            )
+        else:
+            items.append(type(m).__name__)
+    return f"{len(items)} output(s): {'; '.join(items)}"
+
+
+class _SavedProbe:
+    """What the Function's forward saves, per input signature, learned by running it on
+    zero-filled real tensors shaped like the fake arguments (for a user's fake kernel)."""
+
+    def __init__(self, qualname: str, kernel: Any, forward: Any) -> None:
+        self.qualname = qualname
+        self.kernel = kernel
+        self.forward = forward
+        self._seen: dict[Any, tuple[Any, list[Any], list[Any]]] = {}
+        self._lock = threading.Lock()
+
+    def _concrete(self, t: _Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if not all(isinstance(n, int) for n in (*t.shape, *t.stride())):
+            raise UnsupportedError(MSG_SYMBOLIC.format(op=self.qualname, loc=where(self.forward)))
+        return tuple(t.shape), tuple(t.stride())
+
+    def run(self, args: Sequence[Any], needs: tuple[bool, ...]) -> tuple[Any, list[Any], list[Any]]:
+        """``(recipe, outputs, residuals)`` of the forward on tensors like ``args`` (outputs
+        and residuals as ``(shape, stride, dtype, device)``), its inputs requiring grad as
+        ``needs`` says."""
+        key_parts: list[Any] = [needs]
+        for a in args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                if isinstance(t, _Tensor):
+                    key_parts.append((*self._concrete(t), t.dtype, t.device))
+                else:
+                    key_parts.append(repr(t))
+        key = tuple(key_parts)
+        found = self._seen.get(key)
+        if found is not None:
+            return found
+
+        def real(t: Any, need: bool) -> Any:
+            if not isinstance(t, _Tensor):
+                return t
+            shape, stride = self._concrete(t)
+            r = torch.empty_strided(shape, stride, dtype=t.dtype, device=t.device).zero_()
+            return r.requires_grad_() if need and r.is_floating_point() else r
+
+        def meta(t: Any) -> Any:
+            if not isinstance(t, _Tensor):
+                return t
+            return (tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+        with _disable_current_modes(), torch.no_grad():
+            rargs = [
+                [real(t, n) for t in a] if isinstance(a, (list, tuple)) else real(a, n)
+                for a, n in zip(args, needs)
+            ]
+            before, _stash.recipe = _stash.recipe, None
+            try:
+                *outs, residuals = self.kernel(*rargs)
+                recipe = _stash.recipe
+            finally:
+                _stash.recipe = before
+        found = (recipe, [meta(o) for o in outs], [meta(r) for r in residuals])
+        with self._lock:
+            self._seen[key] = found
+        return found
+
+
+def _fake_like(meta: Any, device: Any) -> Any:
+    shape, stride, dtype, _ = meta
+    return torch.empty_strided(shape, stride, dtype=dtype, device=device)
+
+
+class _FunctionOp(CustomOp[..., Any]):
+    """The op :func:`from_function` makes: ``register_fake`` takes a fake kernel for the
+    outputs the user sees (what the Function's forward saves is customgrad's business)."""
+
+    _user_fake: Any = None
+
+    def register_fake(self, fn: Any) -> Any:
+        """Register a fake kernel for the op's outputs (not what the Function's forward saves).
+
+        A Function whose forward launches a raw Triton kernel cannot run on fake tensors, so
+        ``torch.compile`` needs this. customgrad learns what the forward saves by running it
+        once per input signature on zero-filled tensors, and checks these outputs against it.
+        """
+        if not callable(fn):
+            raise DefinitionError(f"{self.name}: register_fake needs a function, got {fn!r}.")
+        self._user_fake = fn
+        return fn
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,6 +577,8 @@ def from_function(
         fake = torch._guards.detect_fake_mode([t for t in tensors if isinstance(t, _Tensor)])
         if fake is None:
             return attrs
+        if op._user_fake is not None:  # the forward can't run on fakes: ask the probe
+            return probe.run(args, needs)[0][1]
 
         def like(t: Any, need: bool) -> Any:
             if not isinstance(t, _Tensor):
@@ -475,7 +615,7 @@ def from_function(
     kernel.__doc__ = function.__doc__
     kernel.__name__ = kernel.__qualname__ = function.__name__
 
-    op: CustomOp[..., Any] = CustomOp(
+    op = _FunctionOp(
         name,
         kernel,
         weights=weights,
@@ -483,7 +623,45 @@ def from_function(
         residuals=(_RESIDUAL,),
         output_differentiability=diff,
     )
-    op.register_fake(kernel)
+    probe = _SavedProbe(qualname, kernel, forward)
+
+    def fake(*args: Any) -> Any:
+        user = op._user_fake
+        if user is None:  # the Function's forward itself, on fake tensors
+            try:
+                return kernel(*args)
+            except Exception as e:  # RuntimeError, or FakeTensor's warning made an error
+                launch = raw_launch(e)
+                if launch is None:
+                    raise
+                why = f"it launches the Triton kernel {launch.kernel} directly ({launch.at})"
+                raise UnsupportedError(
+                    MSG_NO_FAKE.format(
+                        op=qualname, why=why, function=function.__name__,
+                        args=", ".join(names), loc=where(forward),
+                    )
+                ) from e  # fmt: skip
+        recipe, out_metas, res_metas = probe.run(args, _needs(args))
+        got = user(*args)
+        outs = got if isinstance(got, tuple) else (got,)
+        if len(outs) != len(out_metas) or any(
+            not isinstance(o, _Tensor)
+            or (tuple(o.shape), o.dtype, o.device.type) != (m[0], m[2], m[3].type)
+            for o, m in zip(outs, out_metas)
+        ):
+            raise KernelOutputError(
+                MSG_FAKE_MISMATCH.format(
+                    op=qualname, got=_describe(outs), expected=_describe(out_metas),
+                    loc=where(user),
+                )
+            )  # fmt: skip
+        device = outs[0].device
+        _stash.recipe = recipe
+        return (*outs, [_fake_like(m, device) for m in res_metas])
+
+    fake.__signature__ = kernel.__signature__  # type: ignore[attr-defined]
+    fake.__wrapped__ = forward  # type: ignore[attr-defined]
+    CustomOp.register_fake(op, fake)
     tensor_args = {a.name for a in op.signature.args if a.is_tensor}
 
     layouts = _Layouts()

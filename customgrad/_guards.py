@@ -1,63 +1,54 @@
-"""What a traced backward depends on besides its arguments: ambient state and what it reads.
+"""When a traced backward may be reused: only for backwards proven to read nothing else.
 
 A trace of a backward (:mod:`customgrad._autosplit`) runs the function once and keeps the aten
-ops it dispatched: every Python value the function read is frozen into it. A trace may only be
-reused where reading those values again would give the same. So what selects a trace is, besides
-the tensors' metadata and the plain values it is called with:
+ops it dispatched: every Python value the function read is frozen into it. Earlier rounds
+guarded what a backward reads with a walker that compared the values it found, and each hostile
+round found Python features it missed (a tensor read as a number, an ``lru_cache``, an inherited
+class attribute, ``getattr`` by name, a classmethod...). torch.compile's dynamo gets all of them
+right, but its frame evaluation and guards cost several times a small backward per call
+(``python -m benchmarks.trace_guard`` measures both). So the rule here is the conservative one:
+a trace is reused only for a backward
+**proven** to read nothing but
 
-- ambient state (:func:`ambient`): autocast (enabled and dtype, per device type), deterministic
-  algorithms, the default dtype and device;
-- the values the function reads from its closure, its defaults and its module's globals, and
-  the same for each function of the user's it calls (:func:`reads`). Plain values and containers
-  of them (dict, list, tuple, set) are compared by value, so changing an entry of a config dict
-  traces again; tensors by identity and metadata; functions, classes and modules by identity,
-  with the attributes the code names read from user modules and classes. Anything else (an
-  object whose state a trace would freeze: an ``nn.Module``, a user object) makes the backward
-  unsplittable: it is called per pass instead.
+- its arguments (``ctx``, the saved values, the output gradients),
+- immutable values (``None``, bools, numbers, strings, dtypes, devices, tuples of these) bound
+  to globals, closure cells or defaults,
+- library code: the modules ``torch``, ``math``, ``operator``, ``functools``, ``itertools``,
+  ``typing``, ``einops``, ``customgrad`` (and their functions, ops and classes), a few builtins
+  without state (``len``, ``range``, ``zip``, ``isinstance``, ``min``...),
+- plain functions of the user's (no decorator, no closure over anything else) proven the same
+  way, recursively,
 
-Modules of torch, customgrad and Python's standard library count as code: their attributes are
-not guarded (``torch.backends`` flags, ``os.environ``, ``random``), so a backward must not branch
-on them in Python.
+and that writes no global or closure variable and calls none of torch's functions that read or
+change process state (seeding, generators, ``torch.save``...). :class:`TraceGuard` proves it
+once and then checks, per call, that every place it read (a global, a closure cell, a function's
+code and defaults) still holds the same object; when one was rebound it proves again. Every
+other backward is called as written (once per backward: the run-once rule of
+:mod:`customgrad._codegen`), so what it reads is read when it runs, exactly as without customgrad.
+
+Ambient state a trace depends on (autocast, deterministic algorithms, the default dtype and
+device) is part of what selects a trace (:func:`ambient`).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import builtins as _builtins
 import dis
 import enum
-import functools
-import inspect
-import os
-import sys
-import sysconfig
 import types
 from typing import Any
 
 import torch
 
-__all__ = [
-    "MAX_ITEMS",
-    "ReadGuard",
-    "Unguarded",
-    "ambient",
-    "package_of",
-    "reads",
-    "reads_nothing",
-]
+from customgrad._torch.dispatcher import (
+    any_autocast_enabled,
+    deterministic,
+    deterministic_warn_only,
+    function_stack_len,
+)
 
-MAX_ITEMS = 64
-"""The most items a container read by a backward may hold to be compared by value."""
+__all__ = ["CONSTANTS", "Impure", "TraceGuard", "ambient"]
 
-_TRUSTED_ROOTS = frozenset(sys.stdlib_module_names) | {
-    "torch",
-    "customgrad",
-    "functorch",
-    "numpy",
-    "optree",
-    "triton",
-    "einops",
-    "typing_extensions",
-}
 _AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone", "mtia", "maia")
 # Plain values compared by value (floats apart: by their exact bits). A saved value of one of
 # these kinds may be kept as a constant in a trace (customgrad._autosplit's signature).
@@ -74,23 +65,44 @@ CONSTANTS = (
     torch.memory_format,
     torch.Size,
 )
-_VALUES = (*CONSTANTS, range, slice)
-_CODE = (
-    types.BuiltinFunctionType,
-    types.MethodDescriptorType,
-    types.WrapperDescriptorType,
-    types.MethodWrapperType,
-    types.ClassMethodDescriptorType,
-    types.GetSetDescriptorType,
-    torch._ops.OpOverload,
-    torch._ops.OpOverloadPacket,
-    torch._ops._OpNamespace,
-    torch._ops.HigherOrderOperator,
+_IMMUTABLE = (*CONSTANTS, float, range, slice, type(Ellipsis), type(NotImplemented))
+
+LIBRARIES = frozenset(
+    {"torch", "math", "operator", "functools", "itertools", "typing", "einops", "customgrad"}
 )
-_any_autocast: Any = torch._C._is_any_autocast_enabled
-_function_modes: Any = torch._C._len_torch_function_stack
-_deterministic: Any = torch._C._get_deterministic_algorithms
-_warn_only: Any = torch._C._get_deterministic_algorithms_warn_only
+"""Top-level modules whose code a traced backward may call: their functions are code, not state."""
+
+SAFE_BUILTINS = frozenset(
+    {
+        "abs", "all", "any", "bool", "complex", "dict", "divmod", "enumerate", "filter",
+        "float", "frozenset", "getattr", "hasattr", "int", "isinstance", "issubclass", "iter",
+        "len", "list", "map", "max", "min", "next", "pow", "range", "reversed", "round", "set",
+        "slice", "sorted", "str", "sum", "tuple", "type", "zip", "None", "True", "False",
+        "ArithmeticError", "AssertionError", "Exception", "IndexError", "KeyError",
+        "NotImplementedError", "RuntimeError", "TypeError", "ValueError", "NotImplemented",
+        "Ellipsis",
+    }
+)  # fmt: skip
+"""Builtins without state (``print``, ``id``, ``open``, ``setattr``... are not among them)."""
+
+STATEFUL_NAMES = frozenset(
+    {
+        "Generator", "manual_seed", "seed", "initial_seed", "get_rng_state", "set_rng_state",
+        "fork_rng", "save", "load", "set_default_dtype", "set_default_device",
+        "set_printoptions", "use_deterministic_algorithms", "set_grad_enabled", "compile",
+        "random", "environ",
+    }
+)  # fmt: skip
+"""Names whose use (as any attribute or global) means a backward reads or changes process state
+(seeds, generators, files, defaults): a trace would freeze it."""
+
+_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_NAME", "DELETE_NAME"})
+_UNBOUND: Any = object()
+
+_any_autocast = any_autocast_enabled
+_function_modes = function_stack_len
+_deterministic = deterministic
+_warn_only = deterministic_warn_only
 _default_dtype: Any = torch.get_default_dtype
 
 
@@ -117,330 +129,258 @@ def ambient() -> Any:
     return (plain, autocast, device)
 
 
-class Unguarded(Exception):
-    """The backward reads a value whose state a trace would freeze.
+class Impure(Exception):
+    """A backward reads (or writes) something a trace would freeze: it is called as written.
 
     Attributes:
-        what: the value, in words ("a Linear object").
-        where: where it is read ("the closure variable 'model' of make.<locals>.backward").
+        what: what it reads, in words ("the global 'LOSS_SCALE' (a Tensor)").
     """
 
-    def __init__(self, what: str, where: tuple[str, ...]) -> None:
+    def __init__(self, what: str) -> None:
         self.what = what
-        self.where = _where(where)
-        super().__init__(what, self.where)
+        super().__init__(what)
 
 
-def _where(parts: tuple[str, ...]) -> str:
-    kind, name, owner, *attrs = parts
-    named = f" {'.'.join((name, *attrs))}" if name else ""
-    return f"{kind}{named}" + (f" of {owner}" if owner else "")
+def _library(module_name: object) -> bool:
+    return isinstance(module_name, str) and module_name.partition(".")[0] in LIBRARIES
 
 
-_NAMES: dict[int, tuple[types.CodeType, tuple[str, ...], frozenset[str]]] = {}
+def _describe(v: object) -> str:
+    kind = type(v)
+    if kind is types.ModuleType and v.__name__.partition(".")[0] == "triton":  # type: ignore[attr-defined]
+        return (
+            f"the module {v.__name__}: a Triton kernel launched raw, which a trace cannot see; "  # type: ignore[attr-defined]
+            f"wrap the launch in an op with a fake kernel (torch.library.triton_op, or a "
+            f"customgrad op) to split it"
+        )
+    if kind.__module__.partition(".")[0] == "triton":
+        return (
+            f"a Triton kernel ({kind.__qualname__}) launched raw, which a trace cannot see; wrap "
+            f"the launch in an op with a fake kernel (torch.library.triton_op, or a customgrad "
+            f"op) to split it"
+        )
+    if kind is types.ModuleType:
+        return f"the module {v.__name__}"  # type: ignore[attr-defined]
+    if isinstance(v, type):
+        return f"the class {v.__qualname__}"
+    return f"a {kind.__qualname__}"
 
 
-def _names(code: types.CodeType) -> tuple[tuple[str, ...], frozenset[str]]:
-    """The global names ``code`` loads and the attribute names it uses (nested code included),
-    cached by identity (hashing a code object hashes its constants)."""
-    found = _NAMES.get(id(code))
-    if found is not None and found[0] is code:
-        return found[1], found[2]
-    names = _read_names(code)
-    _NAMES[id(code)] = (code, *names)
-    return names
+class _Proof:
+    """One proof that a function reads nothing but its arguments and immutable values, and the
+    places it read (checked again per call by :class:`TraceGuard`)."""
 
-
-def _read_names(code: types.CodeType) -> tuple[tuple[str, ...], frozenset[str]]:
-    globals_: set[str] = set()
-    attrs: set[str] = set(code.co_names)
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and isinstance(ins.argval, str):
-            globals_.add(ins.argval)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            inner_globals, inner_attrs = _names(const)
-            globals_.update(inner_globals)
-            attrs |= inner_attrs
-    return tuple(sorted(globals_)), frozenset(attrs)
-
-
-_LIBRARY_DIRS = tuple(
-    {
-        os.path.join(os.path.realpath(p), "")
-        for k in ("stdlib", "platstdlib", "purelib", "platlib")
-        if (p := sysconfig.get_paths().get(k))
-    }
-)
-
-
-@functools.lru_cache(maxsize=1024)
-def _trusted(module_name: Any) -> bool:
-    """Whether a module is library code (torch, customgrad, the standard library, installed
-    packages), whose functions and attributes are not guarded: only the user's are."""
-    if not isinstance(module_name, str):
-        return False
-    if module_name.partition(".")[0] in _TRUSTED_ROOTS:
-        return True
-    module = sys.modules.get(module_name)
-    file = getattr(module, "__file__", None)
-    return isinstance(file, str) and os.path.realpath(file).startswith(_LIBRARY_DIRS)
-
-
-_FUNCTIONS = (types.FunctionType, types.MethodType, functools.partial, staticmethod, classmethod)
-
-
-class _Walk:
-    """One walk over what a function reads: builds the key, or raises :class:`Unguarded`."""
-
-    def __init__(self, own: str) -> None:
-        self.key: list[Any] = []
-        self.seen: set[int] = set()
-        self.own = own  # the backward's own package: walked even where it is installed
-        # Where each value was read and what was there (see ReadGuard); ``stable``: every value
-        # in the key is fixed by the identity of the objects read (nothing mutable by value).
-        self.found: list[tuple[Any, str, Any]] = []
-        self.functions: list[tuple[Any, Any, Any, Any, Any]] = []
+    def __init__(self) -> None:
+        self.places: list[tuple[dict[str, Any], str, Any]] = []
+        self.functions: list[tuple[Any, Any, Any, Any]] = []
         self.cells: list[tuple[Any, Any]] = []
-        self.stable = True
+        self.seen: set[int] = set()
+        # The values read, as a key: immutable values by value (floats by their exact bits),
+        # functions by identity. A trace is selected by it (a global rebound to another number
+        # traces again; rebound back, the first trace serves again).
+        self.key: list[Any] = []
 
-    def trusted(self, module_name: Any) -> bool:
-        if not _trusted(module_name):
-            return False
-        root = module_name.partition(".")[0]
-        return root != self.own or root in _TRUSTED_ROOTS
-
-    def function(self, fn: Any, where: tuple[str, ...]) -> None:
-        """Guard what ``fn`` (a function, a method, a partial) reads."""
+    def function(self, fn: Any, where: str) -> None:
         if id(fn) in self.seen:
             return
         self.seen.add(id(fn))
-        self.key.append(id(fn))
-        kind = type(fn)
-        if kind is types.MethodType:
-            self.function(fn.__func__, where)
-            self.value(fn.__self__, where, frozenset())
+        self.key.append((id(fn), id(getattr(fn, "__code__", None))))
+        if type(fn) is not types.FunctionType:
+            raise Impure(f"{where} ({_describe(fn)}, not a plain function)")
+        self.functions.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__))
+        if _library(fn.__module__):
+            wrapped = fn.__dict__.get("__wrapped__")
+            self.places.append((fn.__dict__, "__wrapped__", wrapped))
+            if wrapped is not None:  # customgrad's (or torch's) wrapper of a user function
+                self.function(wrapped, where)
             return
-        if kind is functools.partial:
-            self.stable = False  # its arguments can be replaced (__setstate__)
-            self.function(fn.func, where)
-            for a in (*fn.args, *fn.keywords.values()):
-                self.value(a, where, frozenset())
-            return
-        if kind is staticmethod or kind is classmethod:
-            self.function(fn.__func__, where)
-            return
-        if kind is not types.FunctionType:
-            if isinstance(fn, (_CODE, type)) or (
-                self.trusted(getattr(kind, "__module__", None))
-                and not isinstance(fn, torch.nn.Module)
-            ):
-                return  # a builtin, a class, an op: code
-            raise Unguarded(f"a {kind.__qualname__} object", where)  # a callable object
-        self.functions.append((fn, fn.__code__, fn.__defaults__, fn.__kwdefaults__, fn.__module__))
-        self.found.append((fn.__dict__, "__wrapped__", fn.__dict__.get("__wrapped__", _UNBOUND)))
-        wrapped = getattr(fn, "__wrapped__", None)
-        if wrapped is not None:
-            self.function(wrapped, where)
-        if self.trusted(fn.__module__):
-            return  # library code (a wrapper of torch's or customgrad's: its target is walked)
-        code = fn.__code__
-        globals_, attrs = _names(code)
-        scope = fn.__globals__
-        builtins: Any = scope.get("__builtins__", {})
-        if isinstance(builtins, types.ModuleType):
-            builtins = builtins.__dict__
-        name = fn.__qualname__
-        key = self.key
-        found = self.found
-        for g in globals_:
-            if g in scope:
-                found.append((scope, g, scope[g]))
-                self.value(scope[g], ("the global", g, name), attrs)
-            else:
-                found.append((scope, g, _UNBOUND))
-                if g not in builtins:
-                    key.append(g)  # unbound now: defining it later must trace again
+        if "__wrapped__" in fn.__dict__:
+            raise Impure(f"{where} (a decorated function: what its wrapper reads is unknown)")
+        name = f"{fn.__qualname__}"
+        self.code(fn, fn.__code__, name)
+        for d in fn.__defaults__ or ():
+            self.value(d, f"a default argument of {name}", fn.__code__.co_names)
+        for k, d in (fn.__kwdefaults__ or {}).items():
+            self.value(d, f"the default of {k!r} of {name}", fn.__code__.co_names)
         if fn.__closure__:
-            for var, cell in zip(code.co_freevars, fn.__closure__):
+            for var, cell in zip(fn.__code__.co_freevars, fn.__closure__):
                 try:
                     content = cell.cell_contents
                 except ValueError:
-                    self.cells.append((cell, _UNBOUND))
-                    key.append(var)
-                    continue
+                    raise Impure(f"the closure variable {var!r} of {name}, unbound") from None
                 self.cells.append((cell, content))
-                self.value(content, ("the closure variable", var, name), attrs)
-        for d in fn.__defaults__ or ():
-            self.value(d, ("a default argument", "", name), attrs)
-        for k, d in (fn.__kwdefaults__ or {}).items():
-            self.value(d, ("the default of", k, name), attrs)
+                self.value(content, f"the closure variable {var!r} of {name}", _all_names(fn))
 
-    def value(self, v: Any, where: tuple[str, ...], attrs: frozenset[str], depth: int = 0) -> None:
-        """Guard the value ``v`` read by code that names the attributes ``attrs``."""
-        kind = type(v)
-        key = self.key
-        if kind in _VALUES:
-            key.append((kind, v))
-        elif kind is float:
-            key.append((float, v.hex()))  # exact, and nan equals nan
-        elif kind in _FUNCTIONS:
-            self.function(v, where)
-        elif kind is types.ModuleType:
-            key.append(id(v))
-            if not self.trusted(v.__name__):
-                self._namespace(v, where, attrs, depth)
-        elif isinstance(v, type):
-            key.append(id(v))
-            if not self.trusted(v.__module__):
-                self._namespace(v, where, attrs, depth)
-        elif kind in (tuple, list, dict, set, frozenset) or (
-            isinstance(v, tuple) and hasattr(kind, "_fields")  # a namedtuple
-        ):
-            if depth > 8 or len(v) > MAX_ITEMS:
-                raise Unguarded(f"a {kind.__name__} of {len(v)} items (or nested deeper)", where)
-            if kind in (list, dict, set):
-                self.stable = False  # compared by value: read again at every call
-            key.append((kind, len(v)))
-            if kind is dict:
-                for k, item in v.items():
-                    self.value(k, where, attrs, depth + 1)
-                    self.value(item, where, attrs, depth + 1)
+    def code(self, fn: Any, code: types.CodeType, name: str) -> None:
+        """The globals ``code`` (and the code nested in it) reads, and the writes it makes."""
+        scope = fn.__globals__
+        table: Any = scope.get("__builtins__", _builtins.__dict__)
+        if isinstance(table, types.ModuleType):
+            table = table.__dict__
+        stateful = STATEFUL_NAMES.intersection(code.co_names)
+        if stateful:
+            raise Impure(f"{', '.join(sorted(stateful))} in {name} (process state)")
+        for ins in dis.get_instructions(code):
+            op = ins.opname
+            if op in _WRITES:
+                raise Impure(f"a write to the global {ins.argval!r} in {name}")
+            if op == "STORE_DEREF" and ins.argval in code.co_freevars:
+                raise Impure(f"a write to the closure variable {ins.argval!r} in {name}")
+            if op == "IMPORT_NAME" and not _library(ins.argval):
+                raise Impure(f"an import of {ins.argval} in {name}")
+            if op not in ("LOAD_GLOBAL", "LOAD_NAME"):
+                continue
+            g = ins.argval
+            if g in scope:
+                value = scope[g]
+                self.places.append((scope, g, value))
+                self.value(value, f"the global {g!r} of {name}", _all_names(fn))
             else:
-                for item in sorted(v, key=repr) if kind in (set, frozenset) else v:
-                    self.value(item, where, attrs, depth + 1)
-        elif isinstance(v, torch.Tensor):
-            if kind is not torch.Tensor and kind is not torch.nn.Parameter:
-                raise Unguarded(f"a {kind.__qualname__} (a tensor subclass)", where)
-            # A trace keeps the tensor itself (and so its identity for as long as it lives) and
-            # sees its values as they are when it runs.
-            self.stable = False  # its metadata can change in place
-            key.append((id(v), v.shape, v.stride(), v.dtype, v.device, v.requires_grad))
-        elif isinstance(v, enum.Enum):
-            key.append((kind, v.name))
-        elif dataclasses.is_dataclass(v):  # a config object: its fields, by value
-            self.stable = False
-            key.append(kind)
-            for field in dataclasses.fields(v):
-                self.value(getattr(v, field.name), (*where, field.name), attrs, depth + 1)
-        elif isinstance(v, _CODE):
-            key.append(id(v))
-        elif isinstance(v, property):
-            self.function(v.fget, where)
-        elif _trusted(kind.__module__) and callable(v) and not isinstance(v, torch.nn.Module):
-            key.append(id(v))  # library callables (torch's ops, customgrad's): code, not state
-        elif hasattr(kind, "__get__"):
-            key.append(id(v))  # a descriptor of a class (a field's getter): code
-        else:
-            raise Unguarded(f"a {kind.__qualname__} object", where)
+                self.places.append((scope, g, _UNBOUND))
+                if g not in SAFE_BUILTINS or g not in table:
+                    raise Impure(f"the builtin {g!r} in {name}")
+                self.places.append((table, g, table[g]))
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                self.code(fn, const, name)
 
-    def _namespace(self, v: Any, where: tuple[str, ...], attrs: frozenset[str], depth: int) -> None:
-        """Guard what the code may read from a user module or class: the attributes it names."""
-        if depth > 8:
-            raise Unguarded(f"{v!r} (nested too deep)", where)
-        namespace = v.__dict__
-        for a in sorted(attrs):
-            self.found.append((namespace, a, namespace.get(a, _UNBOUND)))
-            if a in namespace:
-                self.value(namespace[a], (*where, a), attrs, depth + 1)
-
-
-def package_of(fn: Any) -> str:
-    """The top-level package of the user's function ``fn`` (behind customgrad's wrappers)."""
-    own = getattr(inspect.unwrap(fn), "__module__", None)
-    return own.partition(".")[0] if isinstance(own, str) else ""
-
-
-def reads_nothing(fn: Any) -> types.CodeType | None:
-    """The code of ``fn`` if, as long as it runs that code without defaults, it reads nothing
-    from Python state (no closure, no global but builtins): the common lambda."""
-    if type(fn) is not types.FunctionType or fn.__closure__ or hasattr(fn, "__wrapped__"):
-        return None
-    if fn.__defaults__ is not None or fn.__kwdefaults__ is not None:
-        return None
-    code = fn.__code__
-    scope = fn.__globals__
-    builtins: Any = scope.get("__builtins__", {})
-    if isinstance(builtins, types.ModuleType):
-        builtins = builtins.__dict__
-    if any(g in scope or g not in builtins for g in _names(code)[0]):
-        return None
-    return code
+    def value(self, v: Any, where: str, names: tuple[str, ...] = (), depth: int = 0) -> None:
+        """Prove ``v`` (read by code that names the attributes ``names``) immutable, or code."""
+        kind = type(v)
+        if kind in _IMMUTABLE:
+            self.key.append((kind, v.hex() if kind is float else v))
+            return
+        if kind is tuple or kind is frozenset:
+            if depth > 8 or len(v) > 64:
+                raise Impure(f"{where} (a {kind.__name__} too large to prove immutable)")
+            self.key.append((kind, len(v)))
+            for item in sorted(v, key=repr) if kind is frozenset else v:
+                self.value(item, where, names, depth + 1)
+            return
+        self.key.append(id(v))  # code: by identity
+        if kind is types.ModuleType:
+            if not _library(v.__name__):
+                raise Impure(f"{where} ({_describe(v)})")
+            return
+        if kind is types.FunctionType:
+            self.function(v, where)
+            return
+        module = getattr(v, "__module__", None)
+        if isinstance(v, type):
+            if v is torch.Generator:
+                raise Impure(f"{where} ({_describe(v)})")
+            if _library(module) or v.__module__ == "builtins" or _plain_record(v, names):
+                return
+            raise Impure(f"{where} ({_describe(v)})")
+        if isinstance(v, types.BuiltinFunctionType):
+            owner = getattr(v, "__self__", None)
+            if isinstance(owner, types.ModuleType):
+                if owner.__name__ != "builtins" and _library(owner.__name__):
+                    return
+            elif _library(module) or _library(getattr(owner, "__module__", None)):
+                return
+        elif type(v).__module__.partition(".")[0] in ("torch", "customgrad") and not isinstance(
+            v, (torch.Tensor, torch.nn.Module, torch.Generator)
+        ):
+            return  # torch's ops and op namespaces, a customgrad op: code, not state
+        raise Impure(f"{where} ({_describe(v)})")
 
 
-_UNBOUND: Any = object()
+_NAMEDTUPLE_API = frozenset({"_replace", "_asdict", "_make", "_fields", "count", "index"})
 
 
-class ReadGuard:
-    """:func:`reads` of one function, walked again only when something it read was rebound.
+def _all_names(fn: Any) -> tuple[str, ...]:
+    """The attribute and global names ``fn``'s code (nested code included) uses."""
+    names: list[str] = []
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        names.extend(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return tuple(names)
 
-    A walk records where it read each value (a global, a closure cell, a function's code,
-    defaults and module, a user module's or class's attribute) and the object it found there.
-    When the key holds nothing compared by value that can change in place (no list, dict, set,
-    dataclass or tensor), it is fixed by those objects' identity: a later call checks that each
-    place still holds the same object and walks again only if one does not. Otherwise every call
-    walks.
+
+def _plain_record(cls: type, names: tuple[str, ...]) -> bool:
+    """Whether a user class is a record whose use a trace may freeze: a namedtuple or an enum
+    class, of which the code names no attribute but its fields or members (``isinstance``,
+    construction, field reads). Any other class (class attributes, inherited ones, class
+    methods, properties, descriptors...) can change in place."""
+    if issubclass(cls, tuple) and isinstance(getattr(cls, "_fields", None), tuple):
+        allowed = frozenset(cls._fields) | _NAMEDTUPLE_API  # type: ignore[attr-defined]
+    elif issubclass(cls, enum.Enum):
+        allowed = frozenset(cls.__members__)
+    else:
+        return False
+    for n in set(names) - allowed:
+        if any(n in vars(c) for c in cls.__mro__ if c is not object and c is not tuple):
+            return False
+    return True
+
+
+class TraceGuard:
+    """Whether a backward may be traced and its trace reused, checked per call.
+
+    :meth:`check` proves the function reads nothing but its arguments and immutable values (see
+    the module's docstring), then, at later calls, only that every place it read still holds
+    the same object (about 0.1 us per place).
+
+    Args:
+        fn: the backward (customgrad's wrappers of a user's function are seen through).
     """
 
-    __slots__ = ("_fn", "_last", "_own")
+    __slots__ = ("_fn", "_last", "_proofs")
 
-    def __init__(self, fn: Any, own: str = "") -> None:
+    def __init__(self, fn: Any) -> None:
         self._fn = fn
-        self._own = own
-        self._last: Any = None  # (found, functions, cells, key) of the last stable walk
+        # Every proof whose key may select a trace, kept alive: the ids in a key are never
+        # reused by other objects while a trace selected by them exists.
+        self._proofs: list[_Proof] = []
+        # The last proof, why it failed (None: it held) and its key.
+        self._last: tuple[_Proof, Impure | None, tuple[Any, ...]] | None = None
 
-    def key(self) -> Any:
-        """``reads(fn, own)``.
+    def check(self) -> tuple[Any, ...]:
+        """The values the function reads (a key that selects its trace), once it is proven to
+        read nothing but its arguments, immutable values and code.
 
         Raises:
-            Unguarded: it reads an object whose state a trace would freeze.
+            Impure: it reads something else (or writes a global).
         """
         last = self._last
-        if last is not None:
-            found, functions, cells, key = last
-            for namespace, name, obj in found:
-                if namespace.get(name, _UNBOUND) is not obj:
-                    break
-            else:
-                for f, code, defaults, kwdefaults, module in functions:
-                    if (
-                        f.__code__ is not code
-                        or f.__defaults__ is not defaults
-                        or f.__kwdefaults__ is not kwdefaults
-                        or f.__module__ is not module
-                    ):
-                        break
-                else:
-                    for cell, obj in cells:
-                        try:
-                            if cell.cell_contents is not obj:
-                                break
-                        except ValueError:
-                            if obj is not _UNBOUND:
-                                break
-                    else:
-                        return key
-        walk = _walk(self._fn, self._own)
-        key = tuple(walk.key)
-        self._last = (walk.found, walk.functions, walk.cells, key) if walk.stable else None
+        if last is not None and _unchanged(last[0]):
+            if last[1] is not None:
+                raise last[1]
+            return last[2]
+        proof = _Proof()
+        try:
+            proof.function(self._fn, "the backward")
+        except Impure as e:
+            self._last = (
+                proof,
+                e,
+                (),
+            )  # its places up to the impure read: proved again on a change
+            raise
+        key = tuple(proof.key)
+        self._last = (proof, None, key)
+        if len(self._proofs) >= 256:
+            raise Impure("what it reads, rebound more than 256 times")
+        self._proofs.append(proof)
         return key
 
 
-def _walk(fn: Any, own: str) -> _Walk:
-    walk = _Walk(own)
-    try:
-        walk.function(fn, ("the backward", "", ""))
-    except RuntimeError as e:  # a dict or list changed size while it was read (another thread)
-        raise Unguarded(f"state that changed while it was read ({e})", ("", "", "")) from None
-    return walk
-
-
-def reads(fn: Any, own: str = "") -> Any:
-    """A hashable key of everything ``fn`` reads from Python state (closures, defaults, globals,
-    recursively through the user's functions it calls). ``own``: its package
-    (:func:`package_of`), whose functions are walked even where it is installed.
-
-    Raises:
-        Unguarded: it reads an object whose state a trace would freeze.
-    """
-    return tuple(_walk(fn, own).key)
+def _unchanged(proof: _Proof) -> bool:
+    for namespace, name, obj in proof.places:
+        if namespace.get(name, _UNBOUND) is not obj:
+            return False
+    for f, code, defaults, kwdefaults in proof.functions:
+        if f.__code__ is not code or f.__defaults__ is not defaults:
+            return False
+        if f.__kwdefaults__ is not kwdefaults:
+            return False
+    for cell, obj in proof.cells:
+        try:
+            if cell.cell_contents is not obj:
+                return False
+        except ValueError:
+            return False
+    return True

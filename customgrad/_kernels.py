@@ -1,13 +1,14 @@
-"""An op's kernels: the table by device type and the fake kernel, which kernel a direct call
-runs, and the check of what a kernel returns.
+"""An op's kernels: the table by device type and the fake kernel, how a direct call runs
+(the one dispatch decision), and the check of what a kernel returns.
 
 customgrad registers one backend kernel per op (``CompositeExplicitAutograd``), which picks
 the op's kernel from :class:`Kernels` by device. A kernel or autocast rule registered for the op
 through ``torch.library`` by anyone else shows in ``torch.library``'s registrations under the
 device's keys (:class:`ForeignKeys`): the direct call then lets the dispatcher run it. Otherwise
-the direct call runs the kernel itself (:meth:`Kernels.shortcut`) when nothing but the backend
-kernel would see a dispatcher call; every kernel's return is checked the same way
-(:meth:`Kernels.checked_output`), whichever path ran it.
+the direct call runs the kernel itself when nothing but the backend kernel would see a
+dispatcher call. :meth:`Kernels.route` makes that decision, for the general call
+(``CustomOp.__call__``) and the generated fast path alike; every kernel's return is checked the
+same way (:meth:`Kernels.checked_output`), whichever path ran it.
 """
 
 from __future__ import annotations
@@ -24,18 +25,16 @@ from customgrad._errors import (
     where,
 )
 from customgrad._signature import Signature
-from customgrad._torch_internals import library_impls
+from customgrad._torch import dispatcher
 
-__all__ = ["IMPLS", "ForeignKeys", "Kernels", "device_types", "dispatch_key"]
+__all__ = ["DISPATCH", "IMPLS", "ForeignKeys", "Kernels", "device_types", "dispatch_key"]
 
 _Tensor = torch.Tensor
-_tf_mode_enabled: Callable[[], bool] = torch._C._is_torch_function_mode_enabled
-_dispatch_stack_len: Callable[[], int] = torch._C._len_torch_dispatch_stack
-_functorch_active: Callable[[], bool] = torch._C._are_functorch_transforms_active
-_profiler = torch.autograd.profiler
-_alias_check: Callable[..., bool] | None = getattr(
-    torch._C, "_any_output_is_alias_to_input_or_output", None
-)
+_intercepted = dispatcher.intercepted
+_alias_check = dispatcher.alias_check
+
+DISPATCH: Any = object()
+"""What :meth:`Kernels.route` returns when the whole call must go through the dispatcher."""
 
 
 def device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -55,13 +54,12 @@ def dispatch_key(qualname: str, device_type: object) -> str:
     if not isinstance(device_type, str) or ":" in device_type:
         raise DefinitionError(f"{qualname}: invalid device type {device_type!r}. {fix}")
     try:
-        key = torch._C._dispatch_key_for_device(device_type)
+        return dispatcher.dispatch_key_for_device(device_type)
     except (RuntimeError, ValueError):
         raise DefinitionError(f"{qualname}: unknown device type {device_type!r}. {fix}") from None
-    return str(key)
 
 
-IMPLS = library_impls()
+IMPLS = dispatcher.library_impls()
 """torch.library's registrations (a live set), or None when this torch keeps none."""
 
 
@@ -77,7 +75,7 @@ class ForeignKeys(dict[str, tuple[str, str]]):
         self.cuda = self["cuda"]
 
     def __missing__(self, device_type: str) -> tuple[str, str]:
-        key = str(torch._C._dispatch_key_for_device(device_type))
+        key = dispatcher.dispatch_key_for_device(device_type)
         keys = self[device_type] = (self.prefix + key, f"{self.prefix}Autocast{key}")
         return keys
 
@@ -132,36 +130,38 @@ class Kernels:
             )
         return k
 
-    def dispatcher_decides(self, device_type: str) -> bool:
-        """Whether a kernel that customgrad did not register would run for a call on
-        ``device_type``: a kernel for the device or an autocast rule registered through
-        ``torch.library`` (``register_kernel``, ``register_autocast``, ``Library.impl``).
+    def route(self, first: torch.Tensor | None, plain: bool) -> Any:
+        """How a direct call of the op runs: the one dispatch decision, made for every call
+        that does not start in the dispatcher (``CustomOp.__call__`` and the fast path).
 
-        customgrad registers one backend kernel (``CompositeExplicitAutograd``, which picks the
-        op's kernel by device) and its Autograd kernel, so any device or autocast key of the op
-        in torch.library's registrations is someone else's. When this torch does not keep those
-        registrations, every call goes through the dispatcher.
+        Args:
+            first: the first tensor argument (its device picks the kernel), or None.
+            plain: whether every tensor argument is a plain ``Tensor`` or ``Parameter``.
+
+        Returns:
+            :data:`DISPATCH` when a kernel or autocast rule that customgrad did not register
+            would run for the call's device (``register_kernel``, ``register_autocast``,
+            ``Library.impl`` through ``torch.library``; customgrad registers only its backend
+            kernel, ``CompositeExplicitAutograd``, and its Autograd kernel), or when this torch
+            does not keep those registrations: the dispatcher then runs the whole call, as for
+            ``torch.ops``. Else the kernel to call directly when nothing but it would see a
+            dispatcher call made now: plain tensors, not meta ones (they go to the fake kernel),
+            an op that mutates nothing (the dispatcher's ``ADInplaceOrView`` kernel records
+            writes), no mode, transform or profiler. Else None: the kernel runs through the
+            dispatcher, below autograd.
         """
-        return IMPLS is None or not IMPLS.isdisjoint(self.foreign_keys[device_type])
-
-    def shortcut(self, first: torch.Tensor | None) -> Callable[..., Any] | None:
-        """The kernel to call directly, skipping the dispatcher, or None to dispatch.
-
-        ``first`` is the first tensor argument. The dispatcher runs for ops that mutate, while a
-        mode, transform or profiler is active, and for meta tensors (they go to the fake kernel).
-        """
-        if (
-            first is None
-            or self.mutates
-            or first.is_meta
-            # Nothing but the backend kernel may see a dispatcher call made now: no dispatch
-            # or function mode, no functorch transform, no profiler. Calling the kernel directly
-            # then gives exactly what the dispatcher would, minus its overhead.
-            or _profiler._is_profiler_enabled
-            or _dispatch_stack_len()
-            or _tf_mode_enabled()
-            or _functorch_active()
+        if first is None:
+            return None
+        impls = IMPLS
+        if impls is None:
+            return DISPATCH
+        keys = self.foreign_keys
+        if not impls.isdisjoint(
+            # read without a dict lookup for the usual devices (``device.type`` costs more)
+            keys.cpu if first.is_cpu else keys.cuda if first.is_cuda else keys[first.device.type]
         ):
+            return DISPATCH
+        if not plain or self.mutates or first.is_meta or _intercepted():
             return None
         by_device = self.by_device
         if len(by_device) == 1 and None in by_device:

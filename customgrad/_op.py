@@ -1,10 +1,11 @@
 """``customgrad.op``: declare a custom op, call it, and the registry of ops by name.
 
 :class:`CustomOp` is the object ``cg.op`` returns. Its call (:meth:`CustomOp.__call__`) checks
-the arguments once and decides exactly what the dispatcher would: through the dispatcher when
-something else would run (a kernel or autocast rule registered through ``torch.library``, a
-mode, a transform, ``torch.compile``), else the op's kernel directly, through its autograd node
-when gradients are needed. The op's other parts live beside it: its ``torch.library`` definition
+the arguments once and asks :meth:`~customgrad._kernels.Kernels.route` (the one dispatch
+decision, which the generated fast path asks too) how to run: through the dispatcher when
+something else would run (a kernel or autocast rule registered through ``torch.library``), else
+the op's kernel directly (or below autograd under a mode, transform or profiler), through its
+autograd node when gradients are needed; under ``torch.compile`` the dispatcher runs it. The op's other parts live beside it: its ``torch.library`` definition
 and dispatcher kernels (:mod:`customgrad._dispatch`), its kernel table (:mod:`customgrad._kernels`),
 its ``register_*`` methods (:mod:`customgrad._registration`, inherited) and its autograd
 (:mod:`customgrad._autograd`). A name defined again replaces the op (``_ReplacedOp``), as
@@ -18,14 +19,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar, overload
 
 import torch
-import torch.autograd.forward_ad as _fwad
 from typing_extensions import ParamSpec
 
 from customgrad import _fastpath
 from customgrad._autograd import AutogradImpl
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
-from customgrad._kernels import IMPLS as _IMPLS
+from customgrad._kernels import DISPATCH as _DISPATCH
 from customgrad._kernels import Kernels, dispatch_key
 from customgrad._kernels import device_types as _device_types
 from customgrad._messages import missing_autograd_message
@@ -39,6 +39,8 @@ from customgrad._rules import (
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
 from customgrad._switches import STATE as _SWITCHES
+from customgrad._torch import dispatcher
+from customgrad._torch.transforms import forward_ad_level as _forward_ad_level
 
 __all__ = [
     "BackwardFn",
@@ -58,7 +60,7 @@ _OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDi
 """The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
 its kernels) do, that is until it is replaced by a new definition of its name."""
 _DECLINED = _fastpath.DECLINED
-_below_autograd = torch._C._AutoDispatchBelowAutograd
+_below_autograd = dispatcher.below_autograd
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -79,7 +81,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     Attributes:
         name: ``"ns::name"``.
-        opoverload: the ``torch._ops.OpOverload`` (``torch.ops.ns.name.default``).
+        opoverload: the ``OpOverload`` (``torch.ops.ns.name.default``).
         schema: the schema string, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``.
         weights: names of the weight arguments.
         residuals: names of the values the kernel returns for ``save_for_backward`` only.
@@ -129,7 +131,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
             # custom_op does. Its nodes in existing graphs keep their backward.
             old._retire(self)
         self._library = OpLibrary(self, self.schema, kernel_schema)
-        self.opoverload: torch._ops.OpOverload = self._library.opoverload
+        self.opoverload: dispatcher.OpOverload = self._library.opoverload
         self._register_kernel(types, fn)
         _OPS[name] = self
         self.__name__ = opname
@@ -209,23 +211,14 @@ class CustomOp(OpRegistration, Generic[P, R]):
         if self._mutated_idx:
             self._check_mutated_no_grad(args)
         kernels = self._kernels
-        if first is not None and (
-            _IMPLS is None
-            or not _IMPLS.isdisjoint(
-                kernels.foreign_keys.cpu
-                if first.is_cpu
-                else kernels.foreign_keys.cuda
-                if first.is_cuda
-                else kernels.foreign_keys[first.device.type]
-            )
-        ):  # kernels.dispatcher_decides(first.device.type), inline
+        kernel = kernels.route(first, plain)
+        if kernel is _DISPATCH:
             # A kernel or autocast rule registered through torch.library would run: let the
             # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
-        kernel = kernels.shortcut(first) if plain else None
         if requires and sig.output_kinds:
             return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
-        if _fwad._current_level >= 0 and has_tangent(args):
+        if _forward_ad_level() >= 0 and has_tangent(args):
             return self._forward_ad(args, kernel)  # type: ignore[no-any-return]
         if kernel is not None:
             out = sig.call(kernel, args) if sig.kwonly_names else kernel(*args)
@@ -262,14 +255,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     def _refresh_fast(self) -> None:
         """Rebuild the fast path for the current registrations and kernels."""
-        self._fast_call = _fastpath.build(
-            self._impl,
-            self._kernels.by_device,
-            self._kernels.checked_output,
-            bool(self._mutates),
-            _IMPLS,
-            self._kernels.foreign_keys,
-        )
+        self._fast_call = _fastpath.build(self._impl, self._kernels)
 
     # -- identity --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> CustomOp[P, R]:

@@ -1,60 +1,38 @@
-"""What one backward call of a customgrad node computes: its pass plan, and the plan's runner.
+"""What one backward call of a customgrad node computes: its pass plan and what it sees.
 
 A :class:`PassPlan` is decided once per (op, arguments that require grad, arguments the pass
 needs): the phase, which registered functions run, what is left for a later pass and whether
-this pass keeps what the halves share for it. Its runner (:func:`write_runner`) is that plan
-executed: a Python function written once per (registrations, plan) with every decision taken,
-which calls the registered functions, refuses in-place writes to the gradients and saved values,
-validates what they return (:func:`customgrad._validate.check_source`) and keeps or frees the
-hand-off. Every backward of a customgrad node runs a runner: the general path
-(``AutogradImpl.backward``, deferred weight work) and the fast path (:mod:`customgrad._fastpath`)
-alike, so these rules are written here once.
+this pass keeps what it computed for it (:func:`keeps_for_later`). Its runner, the plan
+executed (which calls the registered functions, refuses in-place writes, validates, applies the
+run-once rule and keeps or frees the hand-off), is written by :mod:`customgrad._codegen`. The
+functions a backward calls see a :class:`BackwardContext`.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
+from customgrad._handoff import HandOff, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
-from customgrad._rules import AutogradRules, OpSpec
-from customgrad._torch_internals import graph_kept, graph_task_id
-from customgrad._user_calls import (
-    _NO_VERSION,
-    _VERSION,
-    _call_user,
-    _raise_mutation,
-    _Watch,
-    _watched_values,
-)
-from customgrad._validate import _MISSING, HALF_NAMES, check_source, collect_grads
+from customgrad._rules import OpSpec
+from customgrad._torch.engine import graph_kept, graph_task_id
+from customgrad._user_calls import _call_user, _Watch
 
 __all__ = [
     "BackwardContext",
     "PassPlan",
     "Phase",
-    "Runner",
-    "Runners",
-    "handed_over",
+    "auto_split",
     "keeps_for_later",
     "pass_plan",
-    "write_runner",
 ]
 
 Phase = Literal["full", "input", "weight"]
 
-Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
-"""``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
-
-``keep``: a later pass of this node will compute the rest, so keep what the halves share
-(``record.handoff``) for it; else the hand-off is freed."""
-
-MAX_LAYOUTS = 64
-"""Layouts of list lengths an op gets runners written for; calls with others share one set."""
 
 _grad_enabled = torch.is_grad_enabled
 _graph_task_id = graph_task_id
@@ -77,7 +55,7 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        self.value: Any = handed_over(record, grads)
+        self.value: Any = handed_over(record, grads, "shared")
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> Any:
@@ -96,7 +74,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                self.record.handoff = (self.grads, self.value)
+                self.record.handoff = HandOff(self.grads, "shared", self.value)
         return self.value
 
 
@@ -171,51 +149,13 @@ class BackwardContext:
 
 
 def keeps_for_later(plan: PassPlan, target: Any) -> bool:
-    """Whether a pass keeps what a node's halves share for the node's later pass: when it
-    computes input gradients while weights that require grad are left for later, and that later
-    pass can come (the graph is retained, or a route defers the weight half to ``target``).
-    A non-retaining partial pass frees everything at once."""
-    return plan.splits and (target is not None or graph_kept())
-
-
-def handed_over(record: NodeRecord, grads: tuple[Any, ...]) -> Any:
-    """What the node's earlier pass kept for this one (:data:`NO_HANDOFF` when nothing).
-
-    A hand-off belongs to the pass that made it: it is read only by a pass with the same output
-    gradients (the same tensors), never by a pass of another loss through the same node.
-    """
-    handoff = record.handoff
-    if handoff is NO_HANDOFF:
-        return NO_HANDOFF
-    made_with, value = handoff
-    if made_with is grads or _same_tensors(
-        made_with, grads, record.op.signature.output_differentiability
-    ):
-        return value
-    return NO_HANDOFF
-
-
-def _same_tensors(
-    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None
-) -> bool:
-    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
-
-    The gradients of non-differentiable outputs are not compared: autograd materializes a new
-    tensor of zeros for them in each pass.
-    """
-    if len(a) != len(b):
-        return False
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x is y or (differentiable is not None and not differentiable[i]):
-            continue
-        if not (
-            isinstance(x, list)
-            and isinstance(y, list)
-            and len(x) == len(y)
-            and all(p is q for p, q in zip(x, y))
-        ):
-            return False
-    return True
+    """Whether a pass keeps what it computed for the node's later pass: when gradients that
+    require grad are left for a later pass and that pass can come (the graph is retained, or a
+    route defers the weight half to ``target``). A non-retaining partial pass frees everything
+    at once."""
+    if target is not None:
+        return bool(plan.later_w) and bool(plan.needed)
+    return bool(plan.later_w or plan.later_in) and bool(plan.needed) and graph_kept()
 
 
 class PassPlan(NamedTuple):
@@ -279,249 +219,32 @@ def auto_split(
         # gradients are differentiable exactly as the user wrote them.
         return None
     split = record.split
-    if split is None:
+    layout = _layout_of(grads)
+    if split is None or layout != record.split_grads:
+        # A node's first backward, or a backward of a retained graph with output gradients of
+        # another layout (other strides select another trace).
         split = auto.plan(make_ctx, saved, grads, requires)
         record.split = split if split is not None else False
+        record.split_grads = layout
     return split or None
+
+
+def _layout_of(grads: tuple[Any, ...]) -> Any:
+    """What of the output gradients selects a trace besides the saved values: their shapes,
+    strides and dtypes (a key that holds no tensor)."""
+    if len(grads) == 1:
+        (g,) = grads
+        if type(g) is torch.Tensor:
+            return (g.shape, g.stride(), g.dtype)
+    return tuple(
+        (g.shape, g.stride(), g.dtype)
+        if isinstance(g, torch.Tensor)
+        else tuple((t.shape, t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t for t in g)
+        if isinstance(g, list)
+        else g
+        for g in grads
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The runner of a plan
-
-
-def write_runner(
-    spec: OpSpec,
-    rules: AutogradRules,
-    plan: PassPlan,
-    observed: Any,
-    slots_of: Callable[[Any], Any],
-    lens: tuple[int, ...] | None = None,
-) -> Runner:
-    """The runner of ``plan`` under ``rules`` (see :data:`Runner`).
-
-    Args:
-        spec: the op.
-        rules: its registrations (a runner is written for one set; new ones get new runners).
-        plan: the pass plan.
-        observed: what holds the observers to call after each registered function runs, as
-            its ``observers`` attribute (the op's ``AutogradImpl``; read on every call).
-        slots_of: list lengths -> the op's slots (``AutogradImpl.slots``; for list arguments).
-        lens: for an op with list arguments, the one layout of list lengths the runner is for
-            (its items are checked one by one); None: any layout, read from the record.
-    """
-    sig = spec.signature
-    nondiff = rules.nondifferentiable
-    phase = plan.phase
-    lines: list[str] = ["metas = record.metas"]
-    slots = None if lens is None else slots_of(lens)
-    if sig.has_lists and slots is None:
-        lines.append("slots = _slots_of(record.lens)")
-    ns: dict[str, Any] = {
-        "_SPEC": spec,
-        "_SIG": sig,
-        "_CTX": plan.ctx,
-        "_PHASE": phase,
-        "_NEEDED": plan.needed,
-        "_NONDIFF": nondiff,
-        "_T": torch.Tensor,
-        "_MISSING": _MISSING,
-        "_NO_HANDOFF": NO_HANDOFF,
-        "_map": map,
-        "_getattr": getattr,
-        "_VERSION": _VERSION,
-        "_NO_VERSION": _NO_VERSION,
-        "_watched_values": _watched_values,
-        "_raise_mutation": _raise_mutation,
-        "_call_user": _call_user,
-        "_collect": collect_grads,
-        "_OBSERVED": observed,
-        "_slots_of": slots_of,
-        "_SLOTS": slots,
-        "_auto_split": auto_split,
-        "_AUTO": rules.auto,
-        "_REQUIRES": plan.requires,
-        "_make_ctx": functools.partial(BackwardContext, spec, "full"),
-        "_handed_over": handed_over,
-        "_Shared": _Shared,
-        "_BackwardContext": BackwardContext,
-        "_missing": spec._missing_autograd_message,
-        "_Missing": MissingRegistrationError,
-    }
-    watch = watch_lines()
-
-    def half_lines(
-        half: str,
-        fn: Callable[..., Any] | None,
-        allowed: frozenset[str],
-        need: frozenset[str],
-        out: str,
-        into: str | None = None,
-    ) -> list[str]:
-        """Call one registered function (refusing in-place writes), its observers, then check
-        what it returned."""
-        if fn is None:  # registrations without it: the op's own message
-            return ["raise _Missing(_missing())"]
-        var = f"_FN_{half}"
-        ns[var] = fn
-        ns[f"_ALLOWED_{out}"] = allowed
-        ns[f"_NEEDED_{out}"] = need
-        return [
-            *call_lines(half, var, half in nondiff),
-            *_observe(HALF_NAMES[half], "r"),
-            *check_source(sig, half, var, allowed, need, out, slots, into),
-        ]
-
-    if rules.backward is not None:
-        bwd = rules.backward
-        if rules.auto is not None:
-            ns["_FN_full"] = bwd
-            ns["_ALLOWED_got"] = sig.tensor_set
-            ns["_NEEDED_got"] = plan.needed
-            # The automatic split: the traced part for this pass, with the hand-off it reads
-            # and keeps; the backward as written when the split declines.
-            lines += [
-                "split = _auto_split(record, _AUTO, _make_ctx, saved, grads, _REQUIRES)",
-                "if split is not None:",
-                *_indent(
-                    [
-                        "handoff = record.handoff",
-                        "if handoff is not _NO_HANDOFF:",
-                        "    handoff = _handed_over(record, grads)",
-                        "r, kept = split.run(saved, grads, _NEEDED, "
-                        "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "record.handoff = _NO_HANDOFF if kept is None else (grads, kept)",
-                        "ctx = _CTX",
-                        *_observe(f"backward (traced {phase} part)", "r"),
-                        *check_source(
-                            sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", slots
-                        ),
-                        "return got",
-                    ]
-                ),
-            ]
-        lines += ["ctx = _CTX", *watch]
-        lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
-        lines.append("return got")
-    else:
-        lines += watch
-        shared = rules.backward_shared is not None
-        if shared:
-            keep_now = bool(plan.need_in) and not plan.need_w
-            lines += [
-                f"shared = _Shared(record, saved, grads, (values, before, len(grads)), "
-                f"keep and {keep_now})",
-                "ctx = _BackwardContext(_SPEC, _PHASE, _NEEDED, shared)",
-            ]
-        else:
-            lines.append("ctx = _CTX")
-        lines.append("got = {}")
-        if plan.need_in:
-            lines += half_lines(
-                "input", rules.backward_input, sig.input_set, plan.need_in, "got_in", "got"
-            )
-        if plan.need_w:
-            lines += half_lines(
-                "weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w", "got"
-            )
-            # the later pass ran: free what was kept for it
-            lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
-        if shared:
-            lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
-        lines.append("return got")
-    source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
-    where = f"{spec.name}: {phase} {sorted(plan.needed)}" + (
-        f", list lengths {lens}" if lens else ""
-    )
-    exec(compile(source, f"<customgrad pass of {where}>", "exec"), ns)
-    run: Runner = ns["run"]
-    run.__customgrad_source__ = source  # type: ignore[attr-defined]
-    return run
-
-
-class Runners:
-    """The runners of one op's plans: per set of registrations, per layout of list lengths
-    (up to :data:`MAX_LAYOUTS`, then one shared set that reads the layout from the node), per
-    plan key; each written on first use.
-
-    Args:
-        spec: the op.
-        observed: what holds the observers (see :func:`write_runner`).
-        slots_of: list lengths -> the op's slots.
-    """
-
-    def __init__(self, spec: OpSpec, observed: Any, slots_of: Callable[[Any], Any]) -> None:
-        self._spec = spec
-        self._observed = observed
-        self._slots_of = slots_of
-        self._tables: dict[tuple[int, ...] | None, dict[tuple[int, int], Runner]] = {}
-        self._rules: AutogradRules | None = None
-
-    def table(
-        self, rules: AutogradRules, lens: tuple[int, ...] | None
-    ) -> dict[tuple[int, int], Runner]:
-        """The runners written for ``rules`` and the layout ``lens``, by plan key (a new set of
-        registrations starts new tables)."""
-        if rules is not self._rules:
-            self._tables = {}
-            self._rules = rules
-        table = self._tables.get(lens)
-        if table is None:
-            if len(self._tables) >= MAX_LAYOUTS:
-                lens = None
-            table = self._tables.setdefault(lens, {})
-        return table
-
-    def runner(self, plan: PassPlan, lens: tuple[int, ...] | None) -> Runner:
-        """``plan``'s runner under the op's current registrations for the layout ``lens``."""
-        rules = self._spec.rules
-        table = self.table(rules, lens)
-        run = table.get(plan.key)
-        if run is None:
-            layout = lens if self._tables.get(lens) is table else None
-            run = table[plan.key] = write_runner(
-                self._spec, rules, plan, self._observed, self._slots_of, layout
-            )
-        return run
-
-    def layouts(self) -> list[tuple[int, ...] | None]:
-        """The layouts that have their own runners (None: the shared set)."""
-        return list(self._tables)
-
-    def forget(self) -> None:
-        """Write every runner again on next use (the tables the fast path holds included)."""
-        for table in self._tables.values():
-            table.clear()
-
-
-def watch_lines() -> list[str]:
-    """Lines that read the version counters of the output gradients and the saved values before
-    the registered functions run (``values``, ``before``)."""
-    return [
-        "values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)",
-        "before = [*_map(_getattr, values, _VERSION, _NO_VERSION)]",
-    ]
-
-
-def call_lines(half: str, fn: str, nondifferentiable: bool) -> list[str]:
-    """Lines that call the registered function named ``fn`` (into ``r``) and refuse an in-place
-    write to what :func:`watch_lines` watched; a ``differentiable=False`` one runs without grad
-    (:func:`customgrad._user_calls._call_user`)."""
-    if nondifferentiable:
-        return [
-            f"r = _call_user(ctx, {half!r}, {fn}, saved, grads, (values, before, len(grads)), "
-            f"_NONDIFF)"
-        ]
-    return [
-        f"r = {fn}(ctx, saved, *grads)",
-        "if [*_map(_getattr, values, _VERSION, _NO_VERSION)] != before:",
-        f"    _raise_mutation(_SPEC, {half!r}, {fn}, values, before, len(grads))",
-    ]
-
-
-def _observe(label: str, value: str) -> list[str]:
-    """Lines that call the observers (read on each call) after a registered function ran."""
-    return ["for o in _OBSERVED.observers:", f"    o({label!r}, _PHASE, ctx, {value})"]
-
-
-def _indent(lines: list[str]) -> list[str]:
-    return ["    " + x for x in lines]

@@ -40,6 +40,8 @@ class NodeRecord:
         handoff: values the earlier pass of a split computed for the later one
             (:data:`NO_HANDOFF` when none).
         split: the node's automatic-split plan, once its first backward chose one.
+        split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
+            strides, dtypes: a backward with others chooses again).
         forward_ad: ``(args, outputs)`` kept for a jvp while forward AD is active.
         residual_slots: ``(position among the saved tensors, name)`` of each residual saved as
             the kernel returned it (guarded in double backward), or None.
@@ -52,6 +54,7 @@ class NodeRecord:
     route: Route | None = None
     handoff: Any = NO_HANDOFF
     split: Any = None
+    split_grads: Any = None
     forward_ad: Any = None
     residual_slots: tuple[tuple[int, str], ...] | None = None
     weight_edges: tuple[bool, ...] | None = None

@@ -17,6 +17,7 @@ from customgrad._errors import DefinitionError, where
 from customgrad._kernels import Kernels, dispatch_key
 from customgrad._kernels import device_types as device_types_of
 from customgrad._rules import AutogradRules, Half, OpSpec, SplitMode
+from customgrad._torch import dynamo
 
 if TYPE_CHECKING:
     from customgrad._signature import Signature
@@ -353,9 +354,9 @@ def _auto_split(op: OpSpec, fn: Callable[..., Any], split: str, recompute: str) 
     """The automatic splitter for a single backward, or None (``split="phase"``)."""
     if split != "auto":
         return None
-    # Tracing imports torch._dynamo; imported inside the first backward, that import keeps the
+    # Tracing imports dynamo; imported inside the first backward, that import keeps the
     # backward's frames (and so the node and its saved tensors) alive for good. Import it now.
-    import torch._dynamo  # noqa: F401
+    dynamo.load()
 
     from customgrad._autosplit import AutoSplitter  # imports torch.fx: only when needed
 

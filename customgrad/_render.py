@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from customgrad._errors import ArgumentValueError
+from customgrad._origin import ValueOrigin, by_module
 
 if TYPE_CHECKING:
     from customgrad.graph import SplitExplanation
@@ -27,12 +28,12 @@ def _shorten(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
-def table(self: SplitExplanation) -> str:
-    """The explanation as a table, one row per node, then the FLOP totals and advice."""
-    header = ("node", "kind", "runs in", "full", "I", "W", "repeated")
+def _node_rows(self: SplitExplanation) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    header: tuple[str, ...] = ("node", "module", "kind", "runs in", "full", "I", "W", "repeated")
     rows: list[tuple[str, ...]] = [
         (
             n.label,
+            n.module,
             n.kind,
             n.runs_in,
             str(n.flops["full"]),
@@ -42,41 +43,115 @@ def table(self: SplitExplanation) -> str:
         )
         for n in self.nodes
     ]
+    if not any(n.module for n in self.nodes if n.kind != "input"):  # no module names
+        header = header[:1] + header[2:]
+        rows = [r[:1] + r[2:] for r in rows]
+    if any(self.outside_flops.values()):
+        o = self.outside_flops
+        blank = ("",) * (len(header) - 7)
+        rows.append(
+            ("(outside nodes)", *blank, "deferred", "W", str(o["full"]), str(o["input"]),
+             str(o["weight"]), "")
+        )  # fmt: skip
+    return header, rows
+
+
+def _module_rows(self: SplitExplanation) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    header = ("module", "nodes", "runs in", "full", "I", "W", "repeated")
+    rows: list[tuple[str, ...]] = [
+        (
+            m.module or "(stage)",
+            str(len(m.nodes)),
+            m.runs_in,
+            str(m.flops["full"]),
+            str(m.flops["input"]),
+            str(m.flops["weight"]),
+            (f"{m.repeated_flops} TWICE" if m.computes_twice else str(m.repeated_flops)),
+        )
+        for m in self.modules
+    ]
     if any(self.outside_flops.values()):
         o = self.outside_flops
         rows.append(
-            ("(outside nodes)", "deferred", "W", str(o["full"]), str(o["input"]),
-             str(o["weight"]), "")
-        )  # fmt: skip
+            ("(outside nodes)", "", "W", str(o["full"]), str(o["input"]), str(o["weight"]), "")
+        )
+    return header, rows
+
+
+def _kept_lines(origins: Sequence[ValueOrigin], by: str) -> list[str]:
+    """What a compiled region's input pass keeps for W, by module and source line (or one
+    line per value, ``by="node"``)."""
+    lines = ["    I keeps for W (where the forward made each value):"]
+    if by == "node":
+        for o in origins:
+            size = "" if o.nbytes is None else f", {o.nbytes} bytes"
+            shape = "?" if o.shape is None else tuple(o.shape)
+            lines.append(
+                f"      {o.name}: {shape} {o.dtype}{size} from {o.where}"
+                + (f" at {o.source}: {o.code}" if o.source else "")
+            )
+        return lines
+    for where, group in by_module(origins).items():
+        sizes = [o.nbytes for o in group]
+        size = "" if None in sizes else f", {sum(s for s in sizes if s is not None)} bytes"
+        n = len(group)
+        lines.append(f"      {where}: {n} value{'s' if n > 1 else ''}{size}")
+        sources = dict.fromkeys((o.source, o.code) for o in group if o.source)
+        lines += [f"        {src}: {_shorten(code, 72)}" for src, code in sources]
+    return lines
+
+
+def table(self: SplitExplanation, by: str = "module") -> str:
+    """The explanation as a table, one row per module (or per node), then the FLOP totals
+    and advice."""
+    grouped = by == "module" and len({m.module for m in self.modules}) > 1
+    header, rows = _module_rows(self) if grouped else _node_rows(self)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    text_columns = len(header) - 4
 
     def fmt(r: Sequence[str]) -> str:
-        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1]), r[2].ljust(widths[2])]
-        cells += [c.rjust(w) for c, w in zip(r[3:], widths[3:])]
+        cells = [c.ljust(w) for c, w in zip(r[:text_columns], widths)]
+        cells += [c.rjust(w) for c, w in zip(r[text_columns:], widths[text_columns:])]
         return "  " + "  ".join(cells).rstrip()
 
     f = self.flops
+    grouping = (
+        f"{len(self.modules)} modules; rows by module, table('node') for each node"
+        if grouped
+        else "one row per node"
+    )
     lines = [
-        f"Split backward of a stage ({len(self.nodes)} autograd nodes; split by "
+        f"Split backward of a stage ({len(self.nodes)} autograd nodes, {grouping}; split by "
         f"{self.splitter}; FLOPs by torch's formulas)",
         fmt(header),
         *(fmt(r) for r in rows),
         f"FLOPs: full backward {f['full']}, input pass {f['input']}, weight pass "
         f"{f['weight']}, repeated {self.repeated_flops}.",
     ]
+    uncounted: dict[str, int] = {}
+    for calls in self.uncounted.values():
+        for op, k in calls.items():
+            uncounted[op] = uncounted.get(op, 0) + k
+    if uncounted:
+        ops = ", ".join(f"{op} ({k} calls)" for op, k in sorted(uncounted.items()))
+        lines.append(f"Not counted (no FLOP formula; their FLOPs are missing above): {ops}.")
     twice = self.computes_twice
     if twice:
         lines.append("Computes twice (does backward work in both I and W):")
         for n in twice:
+            where = f" in {n.module}" if n.module else ""
             lines.append(
-                f"  - {n.label} ({n.kind}): {n.repeated_flops} FLOPs repeated; {n.advice()}."
+                f"  - {n.label}{where} ({n.kind}): {n.repeated_flops} FLOPs repeated; {n.advice()}."
             )
     else:
         lines.append("Nothing computes twice.")
     compiled = [n for n in self.nodes if n.compiled is not None]
     if compiled:
         lines.append("Compiled regions (customgrad.compile):")
-        lines += [f"  - {n.label}: {n.compiled}." for n in compiled]
+        for n in compiled:
+            lines.append(f"  - {n.label}: {n.compiled}.")
+            if n.kept:
+                lines += _kept_lines(n.kept, by)
     auto = [n for n in self.nodes if n.auto_split is not None]
     if auto:
         lines.append("Single backwards (split='auto'):")

@@ -21,9 +21,8 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
 from customgrad._errors import UnsupportedError
+from customgrad._torch.engine import graph_task_id
 
 if TYPE_CHECKING:
     from customgrad._record import NodeRecord
@@ -38,7 +37,7 @@ __all__ = [
     "tagging",
 ]
 
-_graph_task_id = torch._C._current_graph_task_id
+_graph_task_id = graph_task_id
 
 
 class DeferTarget(Protocol):

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from customgrad._errors import ArgumentTypeError, DefinitionError, KernelOutputError, where
+from customgrad._torch.dispatcher import parse_schema
 
 __all__ = [
     "RESERVED_NAMESPACES",
@@ -203,7 +204,7 @@ def make_schema(
             f'int[2] window=[-1, -1]) -> Tensor", without the op name.'
         )
     try:
-        parsed = torch._C.parse_schema("_cg_probe" + schema)
+        parsed = parse_schema("_cg_probe" + schema)
     except RuntimeError as e:
         first = str(e).strip().splitlines()[0].removesuffix(" here:")
         raise DefinitionError(
@@ -296,7 +297,7 @@ class Signature:
         residuals: tuple[str, ...] = (),
         output_differentiability: tuple[bool, ...] | None = None,
     ) -> None:
-        parsed = torch._C.parse_schema("_cg_probe" + kernel_schema)
+        parsed = parse_schema("_cg_probe" + kernel_schema)
         self.qualname = qualname
         self.fn = fn
         self.args: tuple[ArgSpec, ...] = tuple(

@@ -13,7 +13,10 @@ gradient inside the stage) and later a weight pass (W: the weights' gradients).
 - other nodes of I with edges into the weight side (native ops, plain ``autograd.Function``\\ s)
   are *intermediates*: I records the gradients that reach them, and W runs them again from
   those (torch's split does the same), in engine calls where nothing below their input edges
-  is wanted, so that they compute their weight-side outputs only (:class:`WeightCall`).
+  is wanted, so that they compute their weight-side outputs only (:class:`WeightCall`). A
+  native intermediate whose input edges do lead to its call's weights (a weight it shares with
+  a layer before it) is *asked* instead: W calls it itself, where only its weight-side edges
+  are wanted.
 
 ``customgrad.pipelining.stage_backward_input``/``_weight`` and the weight-gradient queue both
 plan with it (the queue keeps native weight work in I and defers only customgrad weight halves
@@ -28,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import DeferTarget, Route
+from customgrad._torch.engine import ACCUMULATE_GRAD
 
-_ACCUMULATE: type = getattr(torch._C._functions, "AccumulateGrad", type(None))
+_ACCUMULATE: type = ACCUMULATE_GRAD
 _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 """The node class that accumulates a leaf's gradient into ``.grad``."""
 
@@ -43,6 +48,7 @@ __all__ = [
     "children",
     "grad_node",
     "is_leaf_accumulator",
+    "is_native",
     "plan_input_pass",
     "postorder",
     "reach",
@@ -56,6 +62,12 @@ def grad_node(t: torch.Tensor) -> Node | None:
     if t.grad_fn is not None:
         return t.grad_fn
     return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def is_native(node: Node) -> bool:
+    """Whether ``node`` is one of torch's own (C++) nodes, not a Python ``autograd.Function``'s:
+    its backward computes an output only where the running engine call wants one."""
+    return not isinstance(node, BackwardCFunction)
 
 
 def is_leaf_accumulator(node: Node) -> bool:
@@ -100,7 +112,8 @@ def reach(
 @dataclass
 class WeightCall:
     """One autograd engine call of W: work whose weight sides share no node with another
-    call's, and where no intermediate's input edges lead to this call's leaves.
+    call's, and where no intermediate the engine runs has input edges leading to this call's
+    leaves (except plain Functions, see ``clamp``).
 
     The engine computes a node's output along an edge when the edge's node leads to what the
     call accumulates (``inputs=``). An intermediate run again in W must therefore not share a
@@ -108,22 +121,28 @@ class WeightCall:
     would be computed again. Calls keep them apart (torch's weight pass runs one call per
     parameter group for the same reason); work whose weight sides meet (a shared weight) stays
     in one call, so that each leaf accumulates once and its hooks fire once; when such work
-    lies below an intermediate of the call, the work in between joins the call too (it runs in
-    it anyway).
+    lies below an intermediate of the call, the work in between joins the call too.
 
     Attributes:
-        intermediates: nodes run again from the gradients that reached them in I.
+        intermediates: nodes the engine runs again from the gradients that reached them in I.
+        asked: native intermediates whose input edges lead to this call's leaves (a weight
+            shared with a layer before them, where torch's weight pass computes their input
+            gradient again): W calls each itself, from the gradients that reached it in I,
+            where only its weight-side edges are wanted (so it computes nothing else), and
+            sends what it returns on those edges into the call; the engine never runs them.
         deferred: records of the customgrad nodes whose handed-over weight halves go here.
         direct: positions of the roots that lead only to weights.
         leaves: the leaf accumulators the call fills.
-        clamp: intermediates whose input edges do lead to this call's leaves (a weight shared
-            with a layer before them, as torch's weight pass also computes again); W drops
-            what they send along those edges, which I already sent. Other nodes in between run
-            with no gradient (computing nothing) and may run again in their own call, so every
-            call but the last keeps the graph.
+        clamp: intermediates the engine runs whose input edges do lead to this call's leaves
+            (plain ``autograd.Function``\\ s and customgrad nodes, which compute what they
+            compute whatever the engine wants); W drops what they send along those edges,
+            which I already sent. Other nodes in between run with no gradient (computing
+            nothing) and may run again in their own call, so every call but the last keeps the
+            graph.
     """
 
     intermediates: list[Node] = field(default_factory=list)
+    asked: list[Node] = field(default_factory=list)
     deferred: list[NodeRecord] = field(default_factory=list)
     direct: list[int] = field(default_factory=list)
     leaves: list[Node] = field(default_factory=list)
@@ -359,7 +378,7 @@ def _weight_calls(
     """Group W's work into as few engine calls as possible (see :class:`WeightCall`)."""
     if not plan.intermediates:  # nothing computes input gradients in W: one call
         deferred = [records[n] for n in plan.deferred]
-        return [WeightCall([], deferred, plan.direct, plan.weight_leaves)]
+        return [WeightCall(deferred=deferred, direct=plan.direct, leaves=plan.weight_leaves)]
     side, executed = plan.weight_side, plan.executed
     # Units of work, each with the weight-side nodes it sends gradients to.
     starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]
@@ -458,10 +477,14 @@ def _weight_calls(
         for h in _bits(mine):
             call_of[h] = c
     for u, node in enumerate(plan.intermediates):
-        c = call_of[group[u]]
-        calls[c].intermediates.append(node)
-        if reaches[u] & masks[c][0]:
-            calls[c].clamp.append(node)
+        call = calls[call_of[group[u]]]
+        if not reaches[u] & masks[call_of[group[u]]][0]:
+            call.intermediates.append(node)
+        elif is_native(node):
+            call.asked.append(node)
+        else:
+            call.intermediates.append(node)
+            call.clamp.append(node)
     for u, node in enumerate(plan.deferred, n_int):
         calls[call_of[group[u]]].deferred.append(records[node])
     for u, i in enumerate(plan.direct, n_int + len(plan.deferred)):

@@ -1,7 +1,8 @@
 """``customgrad.summary()``: what customgrad knows about the ops of this process, as a table.
 
 One row per registered op: how its backward splits (a registered pair, a traced single
-backward, one that fell back to being called whole in each pass and why, or ``split="phase"``)
+backward, one that is not traced and runs once (the run-once rule) and why, or
+``split="phase"``)
 and what is registered for it (kernels per device, a fake kernel, a jvp, shared work). The
 object returned prints as a table and keeps the rows as records for programs.
 
@@ -28,12 +29,14 @@ class OpRow:
     Attributes:
         op: ``"ns::name"``.
         split: how its backward splits: ``"pair"`` (``register_backward_input``/``_weight``),
-            ``"traced"`` (a single backward split automatically), ``"fell back"`` (a single
-            backward that could not be traced: called whole in each pass), ``"phase"``
+            ``"traced"`` (a single backward split automatically), ``"run once"`` (a single
+            backward that is not traced: it runs once, whole, in the first pass that needs a
+            gradient, and hands the later pass its gradients), ``"phase"``
             (``split="phase"``: called once per pass), ``"not run yet"`` (a single backward
             whose first backward has not run, so it was not traced yet) or ``"none"`` (no
             backward registered).
-        detail: in words: what the trace runs in each pass, or why it fell back.
+        detail: in words: what the trace runs in each pass, or why it is not traced (and the
+            bytes it held for the later pass).
         kernels: the device types with a kernel (``"all"``: the kernel registered for every
             device).
         registered: the other registrations, among ``"fake"``, ``"jvp"``, ``"shared"``.
@@ -220,7 +223,14 @@ def _op_row(op: CustomOp[..., Any]) -> OpRow:
         if last is None:
             split, detail = "not run yet", "traced and split at its first backward"
         elif isinstance(last, Fallback):
-            split, detail = "fell back", f"{last.why}; fix: {last.fix}" if last.fix else last.why
+            # The run-once rule: called once per backward, the later pass's gradients handed.
+            split = "run once"
+            held = rules.auto.held_bytes
+            detail = f"{last.why}; runs once, whole, in the first pass that needs a gradient"
+            if held is not None:
+                detail += f", {held} bytes held for the later pass"
+            if last.fix:
+                detail += f"; fix: {last.fix}"
         else:
             split, detail = "traced", last.describe().removeprefix("split automatically (")
             detail = detail.removesuffix(")")

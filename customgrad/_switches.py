@@ -7,7 +7,8 @@ Both are read by the core on every call, so they take effect at once:
   whole backward runs in each pass that reaches it (same gradients, work repeated), which is
   what to compare against when a split is suspected of a wrong gradient.
 - ``CUSTOMGRAD_FASTPATH=0`` makes every call take the general path (the generated per-signature
-  code is not used), for debugging the fast path against it.
+  code is not used), for debugging the fast path against it; ``CUSTOMGRAD_FASTPATH=show`` keeps
+  it on and prints each piece of generated code to stderr as it is written.
 
 The context manager is process-wide (the autograd engine runs CUDA backwards on its own
 threads, which a thread-local switch would not reach) and nests.
@@ -35,12 +36,13 @@ def _env_on(name: str) -> bool:
 class _State:
     """The switches' values: ``split`` and ``fastpath`` are read on hot paths (plain bools)."""
 
-    __slots__ = ("depth", "fastpath", "lock", "split", "split_env")
+    __slots__ = ("depth", "fastpath", "lock", "show_fastpath", "split", "split_env")
 
     def __init__(self) -> None:
         self.split_env = _env_on(SPLIT_ENV)
         self.split = self.split_env
         self.fastpath = _env_on(FASTPATH_ENV)
+        self.show_fastpath = os.environ.get(FASTPATH_ENV, "").strip().lower() == "show"
         self.depth = 0
         self.lock = threading.Lock()
 

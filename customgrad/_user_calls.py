@@ -16,6 +16,7 @@ from customgrad._errors import (
     where,
 )
 from customgrad._rules import Half, OpSpec
+from customgrad._triton import raise_if_raw_launch
 from customgrad._validate import HALF_NAMES
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ _Watch: TypeAlias = "tuple[tuple[Any, ...], list[Any], int]"
 """What a backward function must not write to in place (the output gradients and the saved
 values), their version counters before the node's backward ran, and the number of output
 gradients: what a pass's runner reads before the registered functions run
-(``customgrad._pass.watch_lines``), which :func:`_call_user` checks."""
+(``customgrad._codegen.watch_lines``), which :func:`_call_user` checks."""
 
 
 def _call_user(
@@ -88,7 +89,11 @@ def _call_user(
         if anchors:
             result = _delay_error(ctx.op, half, fn, result, anchors)
     else:
-        result = fn(ctx, saved, *grads)
+        try:
+            result = fn(ctx, saved, *grads)
+        except Exception as e:  # a raw Triton launch on fake tensors (torch.compile)?
+            raise_if_raw_launch(e, ctx.op.name, HALF_NAMES[half], fn)
+            raise
     # Did ``fn`` move a version counter? (checked here, not in a method: one frame less)
     values = watch[0]
     if [*map(getattr, values, _VERSION, _NO_VERSION)] != watch[1]:

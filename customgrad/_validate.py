@@ -14,11 +14,9 @@ __all__ = [
     "HALF_NAMES",
     "Meta",
     "TensorMeta",
-    "check_source",
     "collect_grads",
     "describe",
     "metas_by_name",
-    "write_check",
 ]
 
 TensorMeta: TypeAlias = "tuple[torch.Size, torch.dtype, torch.device] | None"
@@ -26,7 +24,7 @@ Meta: TypeAlias = "TensorMeta | list[TensorMeta]"
 
 _Tensor = torch.Tensor
 _MISSING: Any = object()
-"""A key the registered function did not return (in :func:`check_source`'s lines)."""
+"""A key the registered function did not return (in :func:`customgrad._codegen.check_source`'s lines)."""
 
 HALF_NAMES = {
     "full": "backward",
@@ -135,7 +133,7 @@ def collect_grads(
 ) -> dict[str, Any]:
     """Validate ``result`` and return the gradients of the ``needed`` arguments: the complete
     check, with the errors (a pass's runner checks a plain dict of valid gradients inline with
-    :func:`check_source`'s lines and hands anything else here).
+    :func:`customgrad._codegen.check_source`'s lines and hands anything else here).
 
     Args:
         sig: the op's signature.
@@ -169,118 +167,6 @@ def metas_by_name(
         name: flat_metas[start] if n is None else list(flat_metas[start : start + n])
         for name, (start, n) in slots.items()
     }
-
-
-def check_source(
-    sig: Signature,
-    half: str,
-    fn: str,
-    allowed: frozenset[str],
-    needed: frozenset[str],
-    out: str,
-    slots: Mapping[str, tuple[int, int | None]] | None = None,
-    into: str | None = None,
-) -> list[str]:
-    """Python lines that validate ``r``, what the registered function named ``fn`` returned, and
-    set ``out`` to the needed gradients by name (or, with ``into``, add them to the dict named
-    ``into``): the validation of one pass written out for one (signature, half, needed
-    arguments, layout of list lengths).
-
-    The lines read ``r`` and ``metas`` (the node record's flat metas), and the names ``_T``
-    (``torch.Tensor``), ``_MISSING``, ``_SIG`` (``sig``), ``_collect`` (:func:`collect_grads`),
-    ``_ALLOWED_<out>`` and ``_NEEDED_<out>`` (``allowed`` and ``needed``). For an op with list
-    arguments, ``slots`` (:func:`customgrad._layout._slots` of one layout, bound as ``_SLOTS``)
-    places every item, one check each; without it the lines read the call's layout from a
-    variable ``slots`` and loop over the items. A plain dict of valid gradients is accepted
-    inline; anything else goes to :func:`collect_grads`, which accepts exactly the same results
-    (and casts an autocast gradient) and raises the errors.
-    """
-    lists = sig.has_lists
-
-    def tensor_ok(g: str, m: str, indent: str) -> list[str]:
-        return [
-            f"{indent}m = metas[{m}]",
-            f"{indent}ok = (type({g}) is _T and m is not None and {g}.shape == m[0]",
-            f"{indent}      and {g}.dtype is m[1] and {g}.device == m[2])",
-        ]
-
-    lines = [f"ok = type(r) is dict and r.keys() <= _ALLOWED_{out}"]
-    for name in sig.names:
-        if name not in allowed:
-            continue
-        i = sig.index[name]
-        g = f"g_{i}"
-        lines += ["if ok:", f"    {g} = r.get({name!r}, _MISSING)", f"    if {g} is _MISSING:"]
-        lines.append("        ok = False" if name in needed else f"        {g} = None")
-        lines.append(f"    elif {g} is not None:")
-        if sig.kinds[i] is ArgKind.TENSOR_LIST and slots is not None:
-            start, n = slots[name]
-            lines.append(
-                f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == {n}"
-            )
-            for k in range(n or 0):
-                lines += [
-                    "        if ok:",
-                    f"            gi = {g}[{k}]",
-                    "            if gi is not None:",
-                    *tensor_ok("gi", str(start + k), "                "),
-                ]
-        elif sig.kinds[i] is ArgKind.TENSOR_LIST:
-            lines += [
-                f"        start, n = slots[{name!r}]",
-                f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == n",
-                "        if ok:",
-                f"            for gi, m in zip({g}, metas[start : start + n]):",
-                "                if gi is not None and not (type(gi) is _T and m is not None",
-                "                        and gi.shape == m[0] and gi.dtype is m[1] and gi.device == m[2]):",
-                "                    ok = False",
-                "                    break",
-            ]
-        elif not lists:
-            lines += tensor_ok(g, str(i), "        ")
-        elif slots is not None:
-            lines += tensor_ok(g, str(slots[name][0]), "        ")
-        else:
-            lines += tensor_ok(g, f"slots[{name!r}][0]", "        ")
-    kept = [n for n in sig.names if n in needed and n in allowed]
-    layout = "None" if not lists else "slots" if slots is None else "_SLOTS"
-    full = f"_collect(_SIG, {half!r}, {fn}, r, _ALLOWED_{out}, _NEEDED_{out}, metas, {layout})"
-    if into is None:
-        items = ", ".join(f"{n!r}: g_{sig.index[n]}" for n in kept)
-        return [*lines, "if ok:", f"    {out} = {{{items}}}", "else:", f"    {out} = {full}"]
-    stores = [f"    {into}[{n!r}] = g_{sig.index[n]}" for n in kept] or ["    pass"]
-    return [*lines, "if ok:", *stores, "else:", f"    {into}.update({full})"]
-
-
-def write_check(
-    sig: Signature,
-    half: str,
-    allowed: frozenset[str],
-    needed: frozenset[str],
-    slots: Mapping[str, tuple[int, int | None]] | None = None,
-    into: bool = False,
-) -> Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]:
-    """:func:`check_source` as a function ``check(fn, r, metas, slots) -> gradients`` (what a
-    pass's runner runs inline; for tests). ``slots``: write it for that one layout; ``into``:
-    the lines that add the gradients to a dict."""
-    lines = check_source(sig, half, "fn", allowed, needed, "got", slots, "got" if into else None)
-    if into:
-        lines = ["got = {}", *lines]
-    source = "def check(fn, r, metas, slots):\n" + "".join(f"    {line}\n" for line in lines)
-    source += "    return got\n"
-    ns: dict[str, Any] = {
-        "_T": _Tensor,
-        "_MISSING": _MISSING,
-        "_SIG": sig,
-        "_SLOTS": slots,
-        "_collect": collect_grads,
-        "_ALLOWED_got": allowed,
-        "_NEEDED_got": needed,
-    }
-    exec(compile(source, f"<customgrad check of {sig.qualname}>", "exec"), ns)
-    check: Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]
-    check = ns["check"]
-    return check
 
 
 def _collect(

@@ -14,6 +14,12 @@ Reading the report:
 - ``I+W``: it ran in both; fine for native nodes and customgrad ops, which compute only what the
   pass needs, and flagged ``TWICE`` for nodes that cannot (or measurably did not);
 - FLOPs done outside any node (customgrad's deferred weight work) are listed on their own line.
+
+``str(report)`` groups the nodes by the module that made them (named from the weights' names:
+pass ``module.named_parameters()``), one row per module; ``report.table("node")`` lists every
+node. A compiled region's row says what its input pass keeps for W, named by module and source
+line. Ops whose FLOPs the formulas cannot see (opaque kernels, attention variants without a
+formula) are named under the totals.
 """
 
 from __future__ import annotations
@@ -33,10 +39,11 @@ from customgrad._autosplit import describe_node
 from customgrad._compile import region_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
+from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node
 
-__all__ = ["NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
+__all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
 NodeKind = Literal[
     "customgrad", "native", "function", "custom_op", "compiled", "input", "weight", "leaf"
@@ -72,6 +79,13 @@ class NodeInfo:
         compiled: for a region compiled by :func:`customgrad.compile`: which graph runs in
             I and which in W and what I keeps for W, or why it fell back to its full
             backward. None for other nodes.
+        module: the path of the module whose forward made the node (``"layers.0.attn"``;
+            ``""`` for the stage's own code or when unknown). Told from the weights' names and
+            the order the forward made the nodes in: a module owns the nodes made between
+            the first and the last use of its parameters, so the ops a module runs before its
+            first parameter (an RMSNorm's statistics) count to the module around it.
+        kept: for a compiled region: the values its input pass keeps for W, with where the
+            forward code made each (module path, source line).
     """
 
     label: str
@@ -83,6 +97,8 @@ class NodeInfo:
     deferred: bool = False
     auto_split: str | None = None
     compiled: str | None = None
+    module: str = ""
+    kept: tuple[ValueOrigin, ...] = ()
 
     @property
     def repeated_flops(self) -> int:
@@ -133,6 +149,35 @@ class NodeInfo:
         return "it does more work split than in a full backward"
 
 
+@dataclass(frozen=True)
+class ModuleInfo:
+    """The nodes of one module, added up (a row of ``str(report)``).
+
+    Attributes:
+        module: the module's path (``""`` for the stage's own code).
+        nodes: the module's nodes (not leaves), outputs first.
+        flops: FLOPs of its nodes in the ``"full"`` backward and in the ``"input"`` and
+            ``"weight"`` passes.
+        repeated_flops: FLOPs its nodes repeat in I + W beyond the full backward.
+    """
+
+    module: str
+    nodes: tuple[NodeInfo, ...]
+    flops: dict[str, int]
+    repeated_flops: int
+
+    @property
+    def runs_in(self) -> str:
+        """How many of its nodes run in each pass: ``"3 I, 2 W, 4 I+W"``."""
+        counts = collections.Counter(n.runs_in.split(" ")[0] for n in self.nodes)
+        return ", ".join(f"{counts[k]} {k}" for k in ("I", "W", "I+W", "-") if counts[k])
+
+    @property
+    def computes_twice(self) -> bool:
+        """Some of its nodes compute twice."""
+        return any(n.computes_twice for n in self.nodes)
+
+
 @dataclass
 class SplitExplanation:
     """What :func:`explain_split` found. ``str()`` gives a table; see also :meth:`to_dot` and
@@ -146,6 +191,9 @@ class SplitExplanation:
         outside_flops: per pass, FLOPs done outside any node of the graph (customgrad's
             deferred weight work runs there).
         splitter: the module whose ``stage_backward_input``/``stage_backward_weight`` ran.
+        uncounted: per pass, calls of ops that may do FLOPs the formulas cannot see (an
+            opaque kernel, an op without a formula), by op name: the totals leave them out.
+        weight_names: the weights' names in the order given (they order :attr:`modules`).
     """
 
     nodes: list[NodeInfo]
@@ -153,6 +201,57 @@ class SplitExplanation:
     flops: dict[str, int]
     outside_flops: dict[str, int] = field(default_factory=dict)
     splitter: str = ""
+    uncounted: dict[str, dict[str, int]] = field(default_factory=dict)
+    weight_names: tuple[str, ...] = ()
+
+    @property
+    def modules(self) -> list[ModuleInfo]:
+        """The nodes grouped by :attr:`NodeInfo.module` (leaves left out), in the order the
+        modules' weights were given (``named_parameters()``: definition order), each module
+        before its submodules."""
+        groups: dict[str, list[NodeInfo]] = {}
+        for n in self.nodes:
+            if n.kind not in ("input", "weight", "leaf"):
+                groups.setdefault(n.module, []).append(n)
+
+        def rank(module: str) -> tuple[int, int]:
+            first = next(
+                (
+                    i
+                    for i, w in enumerate(self.weight_names)
+                    if not module or w.startswith(module + ".")
+                ),
+                len(self.weight_names),
+            )
+            return first, module.count(".") + bool(module)
+
+        return [
+            ModuleInfo(
+                name,
+                tuple(ns),
+                {p: sum(n.flops[p] for n in ns) for p in _PHASES},
+                sum(n.repeated_flops for n in ns),
+            )
+            for name, ns in sorted(groups.items(), key=lambda item: rank(item[0]))
+        ]
+
+    def table(self, by: Literal["module", "node"] = "module") -> str:
+        """The explanation as text: one row per module (``by="module"``, what ``str()`` gives)
+        or per autograd node (``by="node"``), then the FLOP totals, what computes twice and
+        what each compiled region keeps for W.
+
+        Args:
+            by: ``"module"`` or ``"node"``. Without module names (weights given without
+                names, or all in one module) the table lists nodes either way.
+
+        Raises:
+            ValueError: ``by`` is neither.
+        """
+        if by not in ("module", "node"):
+            raise ArgumentValueError(
+                f"SplitExplanation.table: by must be 'module' or 'node', got {by!r}."
+            )
+        return _render.table(self, by)
 
     @property
     def input_only(self) -> list[NodeInfo]:
@@ -180,7 +279,7 @@ class SplitExplanation:
         return max(0, self.flops["input"] + self.flops["weight"] - self.flops["full"])
 
     def __str__(self) -> str:
-        return _render.table(self)
+        return _render.table(self, "module")
 
     def to_dot(self) -> str:
         """The graph in Graphviz DOT: nodes colored by pass, edges in the gradient's direction.
@@ -359,6 +458,7 @@ def explain_split(
         handles.append(node.register_prehook(pre))
         handles.append(node.register_hook(post))
 
+    modules = _modules(order, names)
     leaves = [t for t in [*inputs, *weights] if isinstance(t, torch.Tensor)]
     grads_before = [t.grad for t in leaves]
     try:
@@ -417,12 +517,28 @@ def explain_split(
         auto = None if record is None else describe_node(record)
         region = region_of(node) if kind == "compiled" else None
         compiled = None if region is None else region.describe()  # set for compiled kinds
+        kept = () if region is None else region.kept
         nodes.append(
-            NodeInfo(label, kind, phases, flops, depth[i], twice, deferred, auto, compiled)
+            NodeInfo(
+                label,
+                kind,
+                phases,
+                flops,
+                depth[i],
+                twice,
+                deferred,
+                auto,
+                compiled,
+                "(inputs)" if kind == "input" else modules[i],
+                kept,
+            )
         )
     totals = {p: counters[p].total for p in _PHASES}
     outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
-    return SplitExplanation(nodes, edges, totals, outside, splitter_name)
+    uncounted = {p: dict(counters[p].uncounted) for p in _PHASES if counters[p].uncounted}
+    return SplitExplanation(
+        nodes, edges, totals, outside, splitter_name, uncounted, tuple(names.values())
+    )
 
 
 def _named(
@@ -441,6 +557,73 @@ def _named(
             t = item
         tensors.append(t)
     return tensors, names
+
+
+def _sequence_nr(node: Node) -> int | None:
+    """The order the forward made ``node`` in (autograd's sequence number; None for leaves,
+    or where this torch has none)."""
+    if getattr(node, "variable", None) is not None:
+        return None
+    get = getattr(node, "_sequence_nr", None)
+    try:
+        return int(get()) if get is not None else None
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _common(paths: Iterable[str]) -> str:
+    """The innermost module holding all ``paths`` (``"a.b"``, ``"a.c"`` -> ``"a"``)."""
+    parts = [p.split(".") if p else [] for p in paths]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _modules(order: list[Node], names: dict[int, str]) -> list[str]:
+    """The module path of each node (see :attr:`NodeInfo.module`).
+
+    A parameter ``"a.b.weight"`` belongs to module ``"a.b"``; a node that reaches it through a
+    chain of one-edge nodes (``TBackward0``, views) uses it. A module spans the sequence
+    numbers from its first to its last such node, its submodules' included; each node goes
+    to the innermost module whose span holds it.
+    """
+    owner: dict[Node, str] = {}  # node -> module of the parameter its one-edge chain reaches
+    for node in reversed(order):  # leaves and deep nodes first
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            name = names.get(id(variable))
+            if name is not None:
+                owner[node] = name.rpartition(".")[0]
+            continue
+        edges = [f for f in children(node)]
+        if len(edges) == 1 and edges[0] in owner:
+            owner[node] = owner[edges[0]]
+    spans: dict[str, list[int]] = {}
+    module_of: list[str | None] = [None] * len(order)
+    for i, node in enumerate(order):
+        if getattr(node, "variable", None) is not None:
+            module_of[i] = owner.get(node, "")
+            continue
+        used = [owner[f] for f in children(node) if f in owner]
+        if node in owner:
+            used.append(owner[node])
+        seq = _sequence_nr(node)
+        if not used or seq is None:
+            continue
+        module = module_of[i] = _common(used)
+        parts = module.split(".") if module else []
+        for k in range(len(parts) + 1):  # the module and every module around it
+            span = spans.setdefault(".".join(parts[:k]), [seq, seq])
+            span[0], span[1] = min(span[0], seq), max(span[1], seq)
+    for i, node in enumerate(order):
+        if module_of[i] is None:
+            seq = _sequence_nr(node)
+            inside = [m for m, (lo, hi) in spans.items() if seq is not None and lo <= seq <= hi]
+            module_of[i] = max(inside, key=lambda m: len(m.split(".")) if m else 0, default="")
+    return [m or "" for m in module_of]
 
 
 def _depths(n: int, roots: list[int], edges: list[tuple[int, int]]) -> list[int]:

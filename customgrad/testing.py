@@ -6,15 +6,22 @@
   AOT dispatch);
 - ``fake``: the fake kernel against the real one, output by output (shape, dtype, device,
   strides), under :class:`~torch._subclasses.fake_tensor.FakeTensorMode`;
-- ``gradcheck``: :func:`torch.autograd.gradcheck` on float64 copies of the arguments;
+- ``gradcheck``: :func:`torch.autograd.gradcheck` on float64 copies of the arguments (or in the
+  dtype given with ``dtype=``, with tolerances that fit it);
 - ``gradgradcheck``: :func:`torch.autograd.gradgradcheck`, when the backward is differentiable;
 - ``split``: the input pass then the weight pass (``torch.autograd.grad`` restricted to the
   non-weight arguments, then to the weights) gives the gradients of the full backward;
 - ``flops``: the split does no work twice: FLOPs(input pass) + FLOPs(weight pass) equal
   FLOPs(full backward), counted with torch's formulas; and, since opaque kernels (Triton, other
-  custom ops) count zero FLOPs, every call of the op's backward functions is watched: a half
+  custom ops) count zero FLOPs, every call of the op's backward functions is watched (a half
   may only run in its own pass, and a backward may not return a gradient that
-  ``ctx.needs_input_grad`` said is not needed.
+  ``ctx.needs_input_grad`` said is not needed) and kernel launches are counted per pass
+  (kernels called as ops, and compiled Triton launches): a kernel that computes the same
+  thing in the input pass and again in the weight pass is reported.
+
+Every check says which dtype it ran in (:attr:`CheckResult.dtype`): float64 by default for the
+gradient checks, since finite differences need it; ``check_op(..., dtype=torch.float32)`` or
+``dtype="own"`` checks kernels that have no float64 path (most Triton kernels).
 
 It returns a :class:`CheckReport` and raises :class:`CheckFailed` listing every failure.
 """
@@ -38,6 +45,7 @@ from torch.autograd.gradcheck import GradcheckError
 from customgrad._autosplit import AutoSplitter
 from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGradError
 from customgrad._flops import FlopCounter
+from customgrad._launches import LaunchCounter
 from customgrad._op import CustomOp, autograd_impl
 
 __all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
@@ -46,6 +54,7 @@ CHECKS: tuple[str, ...] = ("opcheck", "fake", "gradcheck", "gradgradcheck", "spl
 """The names of the checks :func:`check_op` runs, in order."""
 
 Status = Literal["passed", "failed", "skipped"]
+DType = torch.dtype | Literal["own"] | None
 Pass = Literal["full", "input", "weight"]
 
 FIX_FLOPS = """\
@@ -78,6 +87,34 @@ Compute it once: hand it from the input pass to the weight pass with register_ba
 
 or register one backward that computes every gradient (register_backward, split="auto", the
 default): customgrad traces it and runs shared work once, handing it to the weight pass."""
+
+FIX_LAUNCHED_TWICE = """\
+Launch the kernel once: call it from register_backward_shared (it runs once per op call, in the
+earlier pass that needs a gradient) and hand each half its part:
+
+    @op.register_backward_shared
+    def _(ctx, saved, grad):
+        return fused_backward(grad, *saved)          # one launch: (dx, dweight)
+    @op.register_backward_input
+    def _(ctx, saved, grad):
+        return {"x": ctx.shared[0]}
+    @op.register_backward_weight
+    def _(ctx, saved, grad):
+        return {"weight": ctx.shared[1]}
+
+or register one backward (register_backward) that calls it once and returns every gradient."""
+
+MSG_NO_FLOAT64 = (
+    "{op} raised {exc} when called on float64 copies of its arguments (check_op checks "
+    "gradients in float64 by default): its kernel has no float64 path. Check it in a dtype it "
+    "takes, with tolerances that fit that dtype: check_op(op, ..., dtype=torch.float32), or "
+    'dtype="own" for the arguments\' own dtypes.'
+)
+
+MSG_COARSE_DTYPE = (
+    "finite differences in {dtype} are too coarse to check a gradient; run check_op(op, ..., "
+    "dtype=torch.float32) (or float64) for this check"
+)
 
 MSG_NO_FLOPS = (
     "could not measure FLOPs: torch's FLOP formulas count none of the ops the backward runs "
@@ -113,11 +150,14 @@ class CheckResult:
         name: one of :data:`CHECKS`.
         status: ``"passed"``, ``"failed"`` or ``"skipped"``.
         detail: why it failed or was skipped (empty when it passed).
+        dtype: the dtype the check ran the op in (``"float64"``, ``"float32"``, ...), or
+            ``"own"`` when it used the arguments as given; empty when it did not run.
     """
 
     name: str
     status: Status
     detail: str = ""
+    dtype: str = ""
 
 
 @dataclass
@@ -131,6 +171,9 @@ class CheckReport:
             (empty when the split was not run).
         calls: how often each backward function ran in each pass, e.g.
             ``calls["input"]["backward_input"] == 1``.
+        launches: kernel launches in each pass (``"full"``, ``"input"``, ``"weight"``), by
+            kernel: ops outside torch's namespaces by name (``"ns::kernel"``) and compiled
+            Triton kernels (``"triton:<name>"``; Triton's interpreter has no launch hook).
         backward: for an op with one backward (``register_backward``), how it splits, in
             words: split automatically, with what each pass runs, or why it was not (the reason
             of the fallback), or called per pass (``split="phase"``). Empty for the pair.
@@ -140,6 +183,7 @@ class CheckReport:
     results: list[CheckResult] = field(default_factory=list)
     flops: dict[str, int] = field(default_factory=dict)
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
+    launches: dict[str, dict[str, int]] = field(default_factory=dict)
     backward: str = ""
 
     @property
@@ -178,7 +222,9 @@ class CheckReport:
         for r in self.results:
             mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}[r.status]
             first = r.detail.splitlines()[0] if r.detail else ""
-            lines.append(f"  [{mark}] {r.name}" + (f": {first}" if first else ""))
+            shown = r.dtype and r.name not in ("opcheck", "fake")  # those use the arguments
+            dtype = f" ({r.dtype})" if shown else ""
+            lines.append(f"  [{mark}] {r.name}{dtype}" + (f": {first}" if first else ""))
         if self.flops:
             f = self.flops
             lines.append(
@@ -190,6 +236,10 @@ class CheckReport:
             for p in ("input", "weight"):
                 ran = ", ".join(f"{k} x{v}" for k, v in sorted(self.calls.get(p, {}).items()))
                 lines.append(f"  {p} pass ran: {ran or 'nothing'}")
+        if any(self.launches.values()):
+            for p in ("full", "input", "weight"):
+                ran = ", ".join(f"{k} x{v}" for k, v in sorted(self.launches.get(p, {}).items()))
+                lines.append(f"  kernel launches, {p}: {ran or 'none'}")
         return "\n".join(lines)
 
 
@@ -198,6 +248,7 @@ def check_op(
     /,
     *args: Any,
     checks: Sequence[str] = CHECKS,
+    dtype: DType = None,
     atol: float | None = None,
     rtol: float | None = None,
     raise_on_failure: bool = True,
@@ -207,7 +258,8 @@ def check_op(
 
     The arguments that are differentiated are the tensors (and items of tensor lists) that
     require grad; when none does, every floating-point tensor argument is. Gradient checks
-    run on float64 copies; the op's own arguments are never modified. Keyword arguments
+    run on float64 copies by default (``dtype=`` chooses another); ``opcheck`` and ``fake``
+    use the arguments as given. The op's own arguments are never modified. Keyword arguments
     other than the options below go to the op (pass an op argument positionally if its name
     clashes with an option).
 
@@ -219,8 +271,15 @@ def check_op(
         *args: positional arguments for the op.
         checks: the checks to run, a subset of :data:`CHECKS`; the others are reported as
             skipped.
-        atol: absolute tolerance for the split comparison (float64; default 1e-7).
-        rtol: relative tolerance for the split comparison (float64; default 1e-7).
+        dtype: the dtype of the floating-point arguments in ``gradcheck``,
+            ``gradgradcheck``, ``split`` and ``flops``: ``torch.float64`` when None (the
+            default), another floating dtype (kernels without float64: Triton's), or
+            ``"own"`` for the arguments as given. float32 gradchecks use a larger step and
+            tolerances (``eps=1e-3``, ``atol=rtol=1e-2``); float16 and bfloat16 are too coarse
+            for finite differences, and those gradchecks are skipped, saying so.
+        atol: absolute tolerance for the split comparison (default 1e-7 in float64, torch's
+            default for the dtype otherwise, as ``torch.testing.assert_close``).
+        rtol: relative tolerance for the split comparison (same defaults as ``atol``).
         raise_on_failure: raise :class:`CheckFailed` if anything failed (default). When False,
             return the report and let the caller look at ``report.ok``.
         **kwargs: keyword arguments for the op.
@@ -255,6 +314,10 @@ def check_op(
         True
         >>> report.calls["input"]
         {'backward_input': 1}
+        >>> report["gradcheck"].dtype
+        'float64'
+        >>> check_op(scale, torch.randn(3), torch.randn(3), dtype=torch.float32)["split"].dtype
+        'float32'
     """
     if not isinstance(op, CustomOp):
         raise ArgumentTypeError(
@@ -267,8 +330,18 @@ def check_op(
         raise ArgumentValueError(
             f"check_op: unknown check {unknown[0]!r}. Checks: {', '.join(CHECKS)}."
         ) from None
-    case = _Case(op, args, kwargs, atol=1e-7 if atol is None else atol,
-                 rtol=1e-7 if rtol is None else rtol)  # fmt: skip
+    if not (
+        dtype is None
+        or dtype == "own"
+        or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
+    ):
+        raise ArgumentValueError(
+            f'check_op({op.name}): dtype must be a floating-point torch.dtype, "own" (the '
+            f"arguments' own dtypes) or None (float64), got {dtype!r}. Pass e.g. "
+            f"dtype=torch.float32."
+        )
+    case = _Case(op, args, kwargs, dtype=torch.float64 if dtype is None else dtype,
+                 atol=atol, rtol=rtol)  # fmt: skip
     report = CheckReport(op.name)
     for name in CHECKS:
         if name not in checks:
@@ -278,9 +351,11 @@ def check_op(
             status, detail = case.run(name)
         except Exception as e:  # a check that crashes is a failure of the op, reported
             status, detail = "failed", f"raised {_short_exc(e)}"
-        report.results.append(CheckResult(name, status, detail))
+        used = "own" if name in ("opcheck", "fake") else case.dtype_label
+        report.results.append(CheckResult(name, status, detail, used))
     report.flops = dict(case.split.flops)
     report.calls = {p: dict(c) for p, c in case.split.calls.items()}
+    report.launches = {p: dict(c) for p, c in case.split.launches.items()}
     report.backward = _backward_split(op)
     if raise_on_failure:
         report.raise_if_failed()
@@ -357,14 +432,15 @@ class _Arguments:
         assert isinstance(t, torch.Tensor)
         return t
 
-    def copy(self, *, float64: bool = False, grad: bool = True) -> dict[str, Any]:
-        """Fresh argument values: detached clones; differentiable ones are new leaves."""
+    def copy(self, *, dtype: torch.dtype | None = None, grad: bool = True) -> dict[str, Any]:
+        """Fresh argument values: detached clones (floating-point ones in ``dtype`` unless
+        None); differentiable ones are new leaves."""
         diff = {(s.name, s.index) for s in self.diff}
 
         def fresh(t: torch.Tensor, key: tuple[str, int | None]) -> torch.Tensor:
             c = t.detach().clone()
-            if float64 and c.is_floating_point():
-                c = c.to(torch.float64)
+            if dtype is not None and c.is_floating_point():
+                c = c.to(dtype)
             if grad and key in diff:
                 c.requires_grad_(True)
             return c
@@ -423,16 +499,50 @@ class _Case:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         *,
-        atol: float,
-        rtol: float,
+        dtype: torch.dtype | Literal["own"],
+        atol: float | None,
+        rtol: float | None,
     ):
         self.op = op
         self.args = _Arguments(op, args, kwargs)
-        self.split = _SplitCheck(self.args, atol=atol, rtol=rtol)
+        self.dtype: torch.dtype | None = None if dtype == "own" else dtype
+        own = sorted({str(self.args.get(s).dtype).removeprefix("torch.") for s in self.args.diff})
+        self.dtype_label = (
+            str(dtype).removeprefix("torch.") if self.dtype is not None else ", ".join(own) or "own"
+        )
+        if self.dtype == torch.float64:
+            atol, rtol = (1e-7 if atol is None else atol), (1e-7 if rtol is None else rtol)
+        self.split = _SplitCheck(self.args, dtype=self.dtype, atol=atol, rtol=rtol)
         self._split_outcome: dict[str, tuple[Status, str]] | None = None
+        self._unsupported: str | None = None
+        self._probed = False
+
+    def unsupported_dtype(self) -> str | None:
+        """Why the op cannot run in the default float64: when it raises there but runs on the
+        arguments as given (else None)."""
+        if self._probed:
+            return self._unsupported
+        self._probed = True
+        if self.dtype != torch.float64 or not self.args.diff:
+            return None
+        try:
+            with torch.no_grad():
+                self.args.call(self.args.copy(dtype=torch.float64, grad=False))
+        except Exception as e:
+            try:  # in the arguments' own dtypes it runs: float64 is what it lacks
+                with torch.no_grad():
+                    self.args.call(self.args.copy(grad=False))
+            except Exception:
+                return None  # it fails either way: each check reports the error itself
+            self._unsupported = MSG_NO_FLOAT64.format(op=self.op.name, exc=_short_exc(e, 1))
+        return self._unsupported
 
     def run(self, name: str) -> tuple[Status, str]:
         """Run the check ``name`` (one of :data:`CHECKS`)."""
+        if name in ("gradcheck", "gradgradcheck", "split", "flops"):
+            unsupported = self.unsupported_dtype()
+            if unsupported is not None:
+                return "failed", unsupported
         if name in ("split", "flops"):  # one run of the split answers both
             if self._split_outcome is None:
                 try:
@@ -499,8 +609,8 @@ class _Case:
         return "passed", ""
 
     # -- gradcheck ----------------------------------------------------------------------------
-    def _float64_fn(self) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
-        values = self.args.copy(float64=True)
+    def _fn(self) -> tuple[Callable[..., tuple[torch.Tensor, ...]], list[torch.Tensor]]:
+        values = self.args.copy(dtype=self.dtype)
         leaves = [self.args.get(s, values) for s in self.args.diff]
 
         def fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -509,12 +619,32 @@ class _Case:
 
         return fn, leaves
 
+    def _tolerances(self, leaves: list[torch.Tensor]) -> dict[str, float] | str:
+        """gradcheck's step and tolerances for the dtype of ``leaves``, or why it can't run."""
+        dtypes = {t.dtype for t in leaves}
+        if dtypes <= {torch.float64, torch.complex128}:
+            return {}
+        coarse = sorted(str(d).removeprefix("torch.") for d in dtypes if d.itemsize < 4)
+        if coarse:
+            return MSG_COARSE_DTYPE.format(dtype=coarse[0])
+        return {"eps": 1e-3, "atol": 1e-2, "rtol": 1e-2}
+
+    def _gradcheck(self, check: Callable[..., bool], fn: Any, leaves: list[torch.Tensor],
+                   tolerances: dict[str, float]) -> None:  # fmt: skip
+        with warnings.catch_warnings():
+            # gradcheck warns about inputs that are not float64: the tolerances say so instead.
+            warnings.filterwarnings("ignore", message=".*not a double precision floating point")
+            check(fn, tuple(leaves), **tolerances)
+
     def run_gradcheck(self) -> tuple[Status, str]:
         if not self.args.diff:
             return "skipped", "no floating-point tensor argument to differentiate"
-        fn, leaves = self._float64_fn()
+        fn, leaves = self._fn()
+        tolerances = self._tolerances(leaves)
+        if isinstance(tolerances, str):
+            return "skipped", tolerances
         try:
-            torch.autograd.gradcheck(fn, tuple(leaves))
+            self._gradcheck(torch.autograd.gradcheck, fn, leaves, tolerances)
         except GradcheckError as e:
             return "failed", f"the backward disagrees with finite differences: {self._explain(e)}"
         return "passed", ""
@@ -528,7 +658,10 @@ class _Case:
                 f"the backward is registered with differentiable=False ({', '.join(declared)}): "
                 f"double backward raises by design"
             )
-        fn, leaves = self._float64_fn()
+        fn, leaves = self._fn()
+        tolerances = self._tolerances(leaves)
+        if isinstance(tolerances, str):
+            return "skipped", tolerances
         outs = [o for o in fn(*leaves) if o.requires_grad]
         grads = torch.autograd.grad(
             outs, leaves, [torch.ones_like(o) for o in outs], create_graph=True, allow_unused=True
@@ -539,7 +672,7 @@ class _Case:
                 "double backward is not supported"
             )
         try:
-            torch.autograd.gradgradcheck(fn, tuple(leaves))
+            self._gradcheck(torch.autograd.gradgradcheck, fn, leaves, tolerances)
         except GradcheckError as e:
             return (
                 "failed",
@@ -568,14 +701,20 @@ class _SplitCheck:
         calls: per pass, how often each backward function ran.
     """
 
-    def __init__(self, args: _Arguments, *, atol: float, rtol: float) -> None:
+    def __init__(
+        self, args: _Arguments, *, dtype: torch.dtype | None, atol: float | None,
+        rtol: float | None,
+    ) -> None:  # fmt: skip
         self.args = args
         self.op = args.op
+        self.dtype = dtype
         self.atol = atol
         self.rtol = rtol
         self.flops: dict[str, int] = {}
         self._counted: dict[Pass, list[tuple[Any, int, Any]]] = {}
         self.calls: dict[Pass, dict[str, int]] = {}
+        self.launches: dict[Pass, dict[str, int]] = {}
+        self._launched: dict[Pass, list[tuple[str, list[torch.Tensor]]]] = {}
 
     def run(self) -> dict[str, tuple[Status, str]]:
         """Both checks' outcomes, from one run of the split."""
@@ -590,7 +729,7 @@ class _SplitCheck:
         watch = _BackwardWatch(self.op)
 
         def forward() -> tuple[dict[str, Any], list[torch.Tensor]]:
-            values = self.args.copy(float64=True)
+            values = self.args.copy(dtype=self.dtype)
             return values, self.args.outputs(self.args.call(values))
 
         values, outs = forward()
@@ -608,6 +747,10 @@ class _SplitCheck:
 
         # split == full
         mismatches: list[str] = []
+        atol: float | None = None  # both None: torch's defaults for the dtype
+        rtol: float | None = None
+        if self.atol is not None or self.rtol is not None:
+            atol, rtol = self.atol or 0.0, self.rtol or 0.0
         split_grads = dict(zip(inputs, passes["input"])) | dict(zip(weights, passes["weight"]))
         for slot, g_full in zip(self.args.diff, full):
             g_split = split_grads[slot]
@@ -615,7 +758,7 @@ class _SplitCheck:
             a = torch.zeros_like(ref) if g_full is None else g_full
             b = torch.zeros_like(ref) if g_split is None else g_split
             try:
-                torch.testing.assert_close(b, a, atol=self.atol, rtol=self.rtol)
+                torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
             except AssertionError as e:
                 pass_name = "weight" if slot.is_weight else "input"
                 mismatches.append(
@@ -636,7 +779,10 @@ class _SplitCheck:
                 f"{f['input']} + weight pass {f['weight']} > full backward {f['full']}",
             )
         twice = _done_twice(self._counted.get("input", []), self._counted.get("weight", []))
-        if twice and not problems:
+        relaunched = _launched_twice(self.launches, self._launched)
+        if relaunched and not problems:
+            problems = [*relaunched, *twice, FIX_LAUNCHED_TWICE]
+        elif twice and not problems:
             problems = [*twice, FIX_TWICE]
         elif problems:
             problems = [*problems, FIX_FLOPS]
@@ -647,6 +793,8 @@ class _SplitCheck:
         flops: tuple[Status, str] = ("passed", "")
         if problems:
             flops = ("failed", "\n".join(problems))
+        elif f["full"] == 0 and any(self.launches.values()):
+            flops = ("passed", MSG_LAUNCHES_COUNTED.format(launches=_launch_summary(self.launches)))
         elif f["full"] == 0:
             ran = "; ".join(
                 f"{p} pass: "
@@ -667,10 +815,12 @@ class _SplitCheck:
         retain: bool,
     ) -> list[torch.Tensor | None]:
         watch.phase = phase
-        with FlopCounter(record=phase != "full") as counter:
+        with FlopCounter(record=phase != "full") as counter, LaunchCounter() as launches:
             grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain, allow_unused=True)
         self.flops[phase] = counter.total
         self._counted[phase] = counter.calls or []
+        self.launches[phase] = dict(launches.counts)
+        self._launched[phase] = launches.calls
         return list(grads)
 
 
@@ -758,6 +908,56 @@ def _done_twice(first: list[tuple[Any, int, Any]], second: list[tuple[Any, int, 
                 found.append(
                     f"the input pass and the weight pass both compute {func} giving the same "
                     f"{tuple(out.shape)} tensor ({flops} FLOPs each time): work done twice"
+                )
+                break
+    return found
+
+
+MSG_LAUNCHES_COUNTED = (
+    "no FLOPs to count (torch's formulas see none of the backward's kernels); kernel launches "
+    "counted instead, each computed once: {launches}"
+)
+
+
+def _launch_summary(launches: dict[Pass, dict[str, int]]) -> str:
+    return "; ".join(
+        f"{p} pass: " + (", ".join(f"{k} x{v}" for k, v in sorted(launches[p].items())) or "none")
+        for p in ("full", "input", "weight")
+        if p in launches
+    )
+
+
+def _launched_twice(
+    counts: dict[Pass, dict[str, int]], calls: dict[Pass, list[tuple[str, list[torch.Tensor]]]]
+) -> list[str]:
+    """Kernels that the split launches more often than the full backward, or that compute the
+    same result (bit for bit) in the input pass and again in the weight pass."""
+    found: list[str] = []
+    full, first, second = (counts.get(p, {}) for p in ("full", "input", "weight"))
+    for name in sorted(set(first) & set(second)):
+        if first[name] + second[name] > full.get(name, 0):
+            found.append(
+                f"the backward kernel {name} ran in both passes: input pass x{first[name]}, "
+                f"weight pass x{second[name]}, full backward x{full.get(name, 0)}: launched "
+                f"more often than in the full backward"
+            )
+    left = list(calls.get("input", []))
+    for name, outs in calls.get("weight", []):
+        if any(name in f for f in found):
+            continue
+        for i, (n0, o0) in enumerate(left):
+            if (
+                n0 == name
+                and len(o0) == len(outs)
+                and all(
+                    a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+                    for a, b in zip(o0, outs)
+                )
+            ):
+                del left[i]
+                found.append(
+                    f"the backward kernel {name} ran in both passes, computing the same "
+                    f"result in the input pass and again in the weight pass: work done twice"
                 )
                 break
     return found

@@ -43,37 +43,14 @@ from torch.multiprocessing.spawn import ProcessException
 
 import customgrad as cg
 from customgrad.pipelining import PipelineStage, PipeliningError, WeightGradQueue
+from tests.conftest import linear_op
 
 # --------------------------------------------------------------------------------------
 # The model: customgrad ops only, float64
 # --------------------------------------------------------------------------------------
 
 
-@cg.op("pp_dp::linear", weights=("weight", "bias"))
-def linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    return x @ weight.mT + bias
-
-
-@linear.register_fake
-def _(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-@linear.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.weight
-
-
-@linear.register_backward_input
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
-    return {"x": grad @ saved[1]}
-
-
-@linear.register_backward_weight
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
-    x = saved[0]
-    g2 = grad.reshape(-1, grad.shape[-1])
-    return {"weight": g2.mT @ x.reshape(-1, x.shape[-1]), "bias": g2.sum(0)}
+linear = linear_op("pp_dp::linear", bias=True)  # x @ weight.mT + bias, the pair backward
 
 
 @cg.op("pp_dp::tanh")

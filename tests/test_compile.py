@@ -471,7 +471,7 @@ def test_explain_split_reports_a_split_compiled_region(block: tuple[nn.Module, n
     assert node.compiled is not None and node.compiled.startswith("split: I runs a graph of")
     assert "for x; W runs a graph of" in node.compiled  # named after forward's argument
     assert "fc1.weight, fc1.bias, fc2.weight, fc2.bias" in node.compiled
-    assert "I keeps threshold_backward for W (512 bytes per microbatch)" in node.compiled
+    assert "I keeps 1 value for W (512 bytes per microbatch): 1 from " in node.compiled
     text = str(report)
     assert "Nothing computes twice." in text
     assert "make it a customgrad op" not in text

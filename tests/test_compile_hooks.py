@@ -16,12 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad._compile import region_of, regions
-from customgrad._torch_internals import (
-    compile_options,
-    compiled_autograd_on,
-    compiling_locals,
-    is_aot_node,
-)
+from customgrad._torch.dynamo import compile_options, compiled_autograd_on, compiling_locals
+from customgrad._torch.functions import is_aot_node
 
 
 class Block(nn.Module):

@@ -13,38 +13,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import customgrad as cg
+from tests.conftest import linear_op
 
 _ids = itertools.count()
 
 
 def scaled_linear(*, backward: str = "auto") -> cg.CustomOp[..., torch.Tensor]:
-    """``x @ weight.mT`` with the pair or a single backward (split automatically or by phase)."""
-
-    @cg.op(f"test_dispatch{next(_ids)}::linear", weights=("weight",))
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x @ weight.mT
-
-    @linear.register_fake
-    def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @linear.register_save_for_backward
-    def _(inputs: Any, output: torch.Tensor) -> Any:
-        return inputs.x, inputs.weight
-
-    # The output gradient is cast to the inputs' dtype (bfloat16 under autocast, when the
-    # kernel's matmul autocasts), as a backward written for autocast does.
-    if backward == "pair":
-        linear.register_backward_input(lambda ctx, s, g: {"x": g.to(s[1].dtype) @ s[1]})
-        linear.register_backward_weight(lambda ctx, s, g: {"weight": g.to(s[0].dtype).mT @ s[0]})
-    else:
-
-        def bwd(ctx: cg.BackwardContext, s: Any, g: torch.Tensor) -> dict[str, Any]:
-            g = g.to(s[0].dtype)
-            return {"x": g @ s[1], "weight": g.mT @ s[0]}
-
-        linear.register_backward(bwd, split="auto" if backward == "auto" else "phase")
-    return linear
+    """``x @ weight.mT`` with the pair or one backward that returns every gradient (split
+    automatically or by phase). The output gradient is cast to the inputs' dtype (bfloat16
+    under autocast, when the kernel's matmul autocasts), as a backward written for autocast
+    does."""
+    return linear_op(
+        f"test_dispatch{next(_ids)}::linear",
+        backward="pair" if backward == "pair" else "every",
+        split="auto" if backward == "auto" else "phase",
+        cast_grad=True,
+    )
 
 
 BACKWARDS = ["pair", "auto", "phase"]

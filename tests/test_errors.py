@@ -142,10 +142,12 @@ def test_annotations_the_schema_cannot_express() -> None:
 
     with pytest.raises(
         cg.DefinitionError,
-        match=re.escape(
+        match="(?s)"
+        + re.escape(
             f"cannot infer the op's schema from the annotations of the function defined at {where(f)}: "
         )
-        + ".*Parameter d has unsupported type",
+        + ".*"  # torch's own words for what it cannot express
+        + re.escape(". Annotate each argument with a type torch.library understands (Tensor, "),
     ):
         cg.op(unique("f"), f)
 
@@ -816,7 +818,8 @@ def test_in_place_change_of_a_saved_output_names_the_op() -> None:
     y = exp(torch.randn(3, requires_grad=True))
     y.mul_(2)
     with pytest.raises(
-        RuntimeError, match=re.escape(f"output 0 of CustomGrad[{exp.name}], is at version 1")
+        RuntimeError,
+        match=re.escape(f"CustomGrad[{exp.name}]"),  # the rest is autograd's text
     ):
         y.sum().backward()
 
@@ -1098,12 +1101,15 @@ def test_untraceable_single_backward_log_line(caplog: pytest.LogCaptureFixture) 
     run_backward(op)
     assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
         f"{op.name}: the single backward cannot be split automatically: it branches on tensor "
-        "values in Python (if tensor:, bool(), .item() in a condition). Each pass of a split "
-        "backward calls it whole, with ctx.needs_input_grad set for the pass (split='phase'), "
-        "so compute only what ctx.needs_input_grad asks for. To split it automatically, compute "
-        "with tensor ops instead (torch.where, masks), so the same ops run for every value. To "
-        "silence this, register it with register_backward(fn, split='phase'), or register the "
-        f"register_backward_input/_weight pair. (backward defined at {where(backward)})"
+        "values in Python (if tensor:, bool(), .item() in a condition). It runs once, whole, "
+        "in the first pass that needs any of its gradients, and hands the gradients a later "
+        "pass needs to that pass: nothing is computed twice, but under a split backward the "
+        "weight work is done in the input pass. To split it automatically, compute with tensor "
+        "ops instead (torch.where, masks), so the same ops run for every value. To silence "
+        "this, register the register_backward_input/_weight pair, or register_backward(fn, "
+        "split='phase') (called once per pass with ctx.needs_input_grad set for it: repeated "
+        "work, unsafe for kernels that write into their inputs). (backward defined at "
+        f"{where(backward)})"
     ]
 
 
@@ -1522,9 +1528,12 @@ def kernel_x(x: torch.Tensor, *, n: int = 1) -> torch.Tensor:
         ),
         (
             "(Tensor x, *, int[2 n=1) -> Tensor",
-            "torch cannot parse schema='(Tensor x, *, int[2 n=1) -> Tensor': expected ] but found "
-            "'ident'. Write it as torch schemas are written, e.g. \"(Tensor x, int[2] "
-            'window=[-1, -1], float? scale=None) -> (Tensor, Tensor?)", without the op name.',
+            (
+                "torch cannot parse schema='(Tensor x, *, int[2 n=1) -> Tensor': ",
+                # torch's parser error in between
+                '. Write it as torch schemas are written, e.g. "(Tensor x, int[2] '
+                'window=[-1, -1], float? scale=None) -> (Tensor, Tensor?)", without the op name.',
+            ),
         ),
         (
             "(Tensor y, *, int n=1) -> Tensor",
@@ -1540,9 +1549,13 @@ def kernel_x(x: torch.Tensor, *, n: int = 1) -> torch.Tensor:
     ],
     ids=["not_a_schema", "unparsable", "other_names", "keyword_only"],
 )
-def test_invalid_schema(schema: str, message: str) -> None:
+def test_invalid_schema(schema: str, message: str | tuple[str, str]) -> None:
     name = unique("f")
-    with pytest.raises(cg.DefinitionError, match=re.escape(f"{name}: {message}")):
+    if isinstance(message, tuple):  # customgrad's words around torch's
+        pattern = re.escape(f"{name}: {message[0]}") + ".+" + re.escape(message[1])
+    else:
+        pattern = re.escape(f"{name}: {message}")
+    with pytest.raises(cg.DefinitionError, match=pattern):
         cg.op(name, kernel_x, schema=schema)
 
 
@@ -1562,8 +1575,10 @@ def test_python_object_argument_without_an_opaque_type() -> None:
         match="(?s)"
         + re.escape(
             f"{name}: cannot infer the op's schema from the annotations of the function defined at "
-            f"{where(f)}: Parameter state has unsupported type "
+            f"{where(f)}: "
         )
+        + ".*"  # torch's own words for the annotation it cannot express
+        + re.escape(". Annotate each argument with a type torch.library understands")
         + ".*"
         + re.escape(
             "A Python object the kernel and the backward read (a quantization state, a config) "
@@ -1831,18 +1846,21 @@ def test_the_fallback_reasons_of_a_backward_reading_python_state_are_pinned() ->
         fallback = auto.fallback()
         assert fallback is not None
         whys.append((fallback.why, fallback.fix))
+    fix = (
+        "pass what it reads as arguments of the op or save it in save_for_backward (tensors "
+        "and plain values select the trace), or read immutable values only (numbers, strings, "
+        "tuples, plain functions)"
+    )
     assert whys == [
         (
-            "it reads a Linear object (the closure variable module of "
-            f"{reads_a_module.__qualname__}), whose state a trace would freeze",
-            "pass what it needs as arguments of the op or save it in save_for_backward "
-            "(tensors and plain values are part of what selects a trace), or read it from a "
-            "plain value, dict or list (compared by value)",
+            f"it reads the closure variable 'module' of {reads_a_module.__qualname__} (a "
+            f"Linear), which a trace would freeze",
+            fix,
         ),
         (
-            "it changes Python state it reads (closure variables, globals, defaults) when it runs",
-            "keep Python side effects out of the backward: a traced backward's Python code runs "
-            "once, when it is traced",
+            f"it reads the closure variable 'seen' of {appends.__qualname__} (a list), which a "
+            f"trace would freeze",
+            fix,
         ),
     ]
 

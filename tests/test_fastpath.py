@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import customgrad as cg
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests.conftest import linear_op
 
 _names = itertools.count()
 KINDS = {"T": "torch.Tensor", "O": "torch.Tensor | None", "F": "float", "L": "list[torch.Tensor]"}
@@ -300,7 +301,6 @@ def test_check_op_runs_the_path_a_user_call_runs() -> None:
     from customgrad._autograd import _node_apply
     from customgrad._op import autograd_impl
     from customgrad.testing import check_op
-    from tests.conftest import linear_op
 
     op = linear_op("test_fastpath_check::linear")
     g = torch.Generator().manual_seed(0)
@@ -373,7 +373,7 @@ def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
     """Each layout of list lengths gets its own fast path and runners (items checked one by
     one) up to MAX_LAYOUTS; past it, calls share runners that read the layout from the node.
     Both give the reference gradients and refuse a wrong item."""
-    from customgrad._pass import MAX_LAYOUTS
+    from customgrad._codegen import MAX_LAYOUTS
 
     @cg.op("cg_fast::layouts", weights=("s",))
     def wsum(xs: list[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
@@ -406,3 +406,23 @@ def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
         with pytest.raises(cg.GradientValueError, match=rf"'xs'\[{n - 1}\] of shape \(1,\)"):
             wsum(xs, s).sum().backward()
         bad["on"] = False
+
+
+def test_show_switch_prints_the_generated_code_which_asks_the_one_dispatch_decision(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from customgrad._switches import STATE
+
+    monkeypatch.setattr(STATE, "show_fastpath", True)
+    op = linear_op(f"test_fastpath::shown{next(_names)}")
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    op(x, w).sum().backward()
+    printed = capsys.readouterr().err
+    assert f"# <customgrad fast path of {op.name}>\ndef call(args):" in printed
+    source = op._fast_call.__customgrad_source__  # type: ignore[union-attr]
+    assert source in printed
+    # which kernel runs is Kernels.route's decision, not a copy of it
+    assert "kernel = _route(a0, True)" in source
+    assert "_IMPLS" not in source and "_dispatch_len" not in source
+    # the pass's runner goes through the same door
+    assert f"# <customgrad pass of {op.name}: full ['weight', 'x']>\ndef run(" in printed

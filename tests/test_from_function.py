@@ -9,6 +9,7 @@ under a split), and carries what ``forward`` left on ``ctx`` on every call path.
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,7 @@ import customgrad as cg
 from customgrad._autosplit import TracedSplit
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
+from tests._triton_support import INTERPRETED
 
 _ids = itertools.count()
 DT = torch.float64
@@ -493,3 +495,104 @@ def test_requires_grad_read_in_forward_under_aot_autograd() -> None:
     )
     got = torch.autograd.grad(aot(x, w).sum(), [x, w])
     assert_grads(list(got), torch.autograd.grad((x * w).sum(), [x, w]))
+
+
+# --------------------------------------------------------------------------------------------
+# A Function whose forward launches Triton: a fake kernel for the outputs the user sees
+
+
+def _triton_function() -> type[torch.autograd.Function]:
+    """RMSNorm as a Function: its forward launches the Triton kernel itself (raw), its backward
+    calls the fused backward kernel through its op (which has a fake kernel)."""
+    from examples.ops import triton_fused_rms_norm as rms
+
+    class TritonRMSNorm(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+            y, rstd = rms._forward(x, weight, eps)  # a raw launch
+            ctx.save_for_backward(x, weight, rstd)
+            ctx.cols = x.shape[-1]  # a plain value the backward reads
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+            x, weight, rstd = ctx.saved_tensors
+            assert ctx.cols == x.shape[-1]
+            dx, dw = rms.triton_rms_norm_backward(grad, x, weight, rstd)
+            return dx, dw, None
+
+    return TritonRMSNorm
+
+
+_needs_interpreter = pytest.mark.skipif(
+    not INTERPRETED, reason="runs Triton on CPU through its interpreter"
+)
+
+
+@_needs_interpreter
+def test_triton_function_compiles_with_a_fake_kernel_for_its_outputs() -> None:
+    op = cg.from_function(_triton_function(), unique("triton_rms"), weights=("weight",))
+
+    @op.register_fake
+    def _(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return torch.empty_like(x)
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=gen).requires_grad_()
+    w = torch.randn(8, generator=gen).requires_grad_()
+    op(x, w, 1e-6).sum().backward()
+    xc, wc = (t.detach().clone().requires_grad_() for t in (x, w))
+    fn = torch.compile(lambda a, b: op(a, b, 1e-6).sum(), backend="aot_eager", fullgraph=True)
+    fn(xc, wc).backward()
+    torch.testing.assert_close(xc.grad, x.grad)
+    torch.testing.assert_close(wc.grad, w.grad)
+
+
+def _fake_call(op: cg.CustomOp[..., Any], *shapes: tuple[int, ...]) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        return op(*(mode.from_tensor(torch.randn(s)) for s in shapes), 1e-6)
+
+
+@_needs_interpreter
+def test_triton_function_without_a_fake_kernel_names_the_op_and_how_to_give_one() -> None:
+    function = _triton_function()
+    name = unique("triton_rms")
+    op = cg.from_function(function, name, weights=("weight",))
+    with pytest.raises(cg.UnsupportedError) as info:
+        _fake_call(op, (4, 8), (8,))
+    message = str(info.value)
+    assert message.startswith(
+        f"{name}: the Function's forward cannot run on fake tensors (torch.compile, opcheck and "
+        f"FakeTensorMode run an op's fake kernel, which for an op made with from_function is the "
+        f"Function's forward): it launches the Triton kernel _forward_kernel directly ("
+    )
+    assert message.endswith(
+        "Give the op a fake kernel for the outputs the user sees; customgrad handles what the "
+        "forward saves on ctx:\n\n"
+        f'    op = cg.from_function(TritonRMSNorm, "{name}", ...)\n'
+        "    @op.register_fake\n"
+        "    def _(x, weight, eps):\n"
+        "        return torch.empty_like(x)              # each output's shape, dtype and device\n\n"
+        f"(forward defined at {__file__}:{function.forward.__code__.co_firstlineno})"
+    )
+
+
+@_needs_interpreter
+def test_a_fake_kernel_whose_outputs_do_not_match_the_forward_names_both() -> None:
+    name = unique("triton_rms")
+    op = cg.from_function(_triton_function(), name, weights=("weight",))
+    wrong = op.register_fake(lambda x, weight, eps: torch.empty_like(weight))
+    with pytest.raises(
+        cg.CustomGradError,
+        match=re.escape(
+            f"{name}: the fake kernel registered with register_fake returned 1 output(s): (8) "
+            f"float32 on cpu, but the Function's forward returns 1 output(s): (4, 8) float32 on "
+            f"cpu for these arguments. Return tensors exactly like the forward's outputs (same "
+            f"count, shape, dtype and device); return only the outputs the user sees, not what "
+            f"forward saves. (fake kernel defined at {wrong.__code__.co_filename}:"
+            f"{wrong.__code__.co_firstlineno})"
+        ),
+    ):
+        _fake_call(op, (4, 8), (8,))

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import customgrad as cg
+from tests.conftest import linear_op
 
 _ids = itertools.count()
 
@@ -22,50 +23,8 @@ def unique(name: str) -> str:
     return f"test_op{next(_ids)}::{name}"
 
 
-def make_linear(name: str | None = None, *, pair: bool = True) -> cg.CustomOp[..., torch.Tensor]:
-    @cg.op(name or unique("linear"), weights=("weight", "bias"))
-    def linear(
-        x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        out = x @ weight.mT
-        return out if bias is None else out + bias
-
-    @linear.register_fake
-    def _(x, weight, bias=None):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @linear.register_save_for_backward
-    def _(inputs, output):
-        return inputs.x, inputs.weight, inputs.bias is not None
-
-    def bwd_input(ctx, saved, grad):
-        _x, weight, _ = saved
-        return {"x": grad @ weight}
-
-    def bwd_weight(ctx, saved, grad):
-        x, _, has_bias = saved
-        g, xs = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
-        return {"weight": g.mT @ xs, "bias": g.sum(0) if has_bias else None}
-
-    if pair:
-        linear.register_backward_input(bwd_input)
-        linear.register_backward_weight(bwd_weight)
-    else:
-
-        @linear.register_backward
-        def _(ctx, saved, grad):
-            out = {}
-            if ctx.needs_input_grad("x"):
-                out.update(bwd_input(ctx, saved, grad))
-            if ctx.needs_input_grad("weight") or ctx.needs_input_grad("bias"):
-                out.update(bwd_weight(ctx, saved, grad))
-            return out
-
-    return linear
-
-
-LINEAR_PAIR = make_linear("test_op::linear_pair")
-LINEAR_SINGLE = make_linear("test_op::linear_single", pair=False)
+LINEAR_PAIR = linear_op("test_op::linear_pair", bias=True)
+LINEAR_SINGLE = linear_op("test_op::linear_single", bias=True, backward="single")
 
 
 def leaf(*shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -354,7 +313,7 @@ def test_mutates_args_bumps_version_and_refuses_grad() -> None:
 
 def test_ctx_phase_and_needs_input_grad_follow_the_running_pass() -> None:
     seen: list[tuple[str, bool, bool, bool]] = []
-    op = make_linear(pair=False)
+    op = linear_op(unique("linear"), bias=True, backward="single")
     inner = op.rules.backward
     assert inner is not None
 
@@ -389,7 +348,7 @@ def test_ctx_phase_and_needs_input_grad_follow_the_running_pass() -> None:
 
 def test_pair_runs_only_the_needed_half() -> None:
     calls: list[str] = []
-    op = make_linear()
+    op = linear_op(unique("linear"), bias=True)
     bin_, bw = op.rules.backward_input, op.rules.backward_weight
     assert bin_ is not None and bw is not None
     op.register_backward_input(lambda ctx, s, g: (calls.append("I"), bin_(ctx, s, g))[1])

@@ -272,15 +272,12 @@ class NativeMLP(nn.Module):
         return torch.tanh(self.net(x))
 
 
-@pytest.mark.parametrize("stage_cls", [PipelineStage, TorchPipelineStage], ids=["cg", "torch"])
-@pytest.mark.parametrize("schedule_cls", SCHEDULES)
-def test_native_stage_step_does_each_flop_once(
-    group: None, schedule_cls: Any, stage_cls: Any
-) -> None:
-    # A zero-bubble step of native layers does the FLOPs of the microbatches' full backwards,
-    # on customgrad's stage as on torch's (customgrad's W computed input gradients again).
+def _step_flops(
+    schedule_cls: Any, stage_cls: Any, module_cls: Any, kind: str = ""
+) -> tuple[int, int, list[nn.Module], nn.Module]:
+    """FLOPs of a zero-bubble step of two stages and of the microbatches' full backwards."""
     torch.manual_seed(0)
-    mods = [NativeMLP(""), NativeMLP("")]
+    mods = [module_cls(kind), module_cls(kind)]
     ref = nn.Sequential(*copy.deepcopy(mods))
     stages = [stage_cls(m, i, 2, torch.device("cpu")) for i, m in enumerate(mods)]
     schedule = schedule_cls(stages, n_microbatches=N_MB, loss_fn=_loss)
@@ -293,5 +290,28 @@ def test_native_stage_step_does_each_flop_once(
     with FlopCounter() as full:
         for xi, yi in zip(x.chunk(N_MB), y.chunk(N_MB)):
             (_loss(ref(xi), yi) / N_MB).backward()
-    assert step.total == full.total
+    return step.total, full.total, mods, ref
+
+
+@pytest.mark.parametrize("stage_cls", [PipelineStage, TorchPipelineStage], ids=["cg", "torch"])
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_native_stage_step_does_each_flop_once(
+    group: None, schedule_cls: Any, stage_cls: Any
+) -> None:
+    # A zero-bubble step of native layers does the FLOPs of the microbatches' full backwards,
+    # on customgrad's stage as on torch's (customgrad's W computed input gradients again).
+    step, full, mods, ref = _step_flops(schedule_cls, stage_cls, NativeMLP)
+    assert step == full
+    _check(mods, ref)
+
+
+@pytest.mark.parametrize("schedule_cls", SCHEDULES)
+def test_native_weight_used_twice_stage_step_does_each_flop_once(
+    group: None, schedule_cls: Any
+) -> None:
+    # Block("native") uses its first weight again above its second layer: customgrad's W asks
+    # that top layer for its weight gradient only (it computed its input gradient again, as
+    # torch's W does, issue 24 item 4).
+    step, full, mods, ref = _step_flops(schedule_cls, PipelineStage, Block, "native")
+    assert step == full
     _check(mods, ref)

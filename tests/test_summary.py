@@ -76,11 +76,11 @@ def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     op.register_backward(_branching)
     _run(op)
     row = _row("branching")
-    assert row.split == "fell back"
+    assert row.split == "run once"
     assert row.detail == (
         "it branches on tensor values in Python (if tensor:, bool(), .item() in a condition); "
-        "fix: compute with tensor ops instead (torch.where, masks), so the same ops run for "
-        "every value"
+        "runs once, whole, in the first pass that needs a gradient; fix: compute with tensor "
+        "ops instead (torch.where, masks), so the same ops run for every value"
     )
 
 

@@ -398,5 +398,21 @@ def test_an_op_without_counted_flops_says_so() -> None:
     assert report["flops"].detail == MSG_NO_FLOPS.format(
         ran="input pass: backward_input x1; weight pass: backward_weight x1"
     )
-    assert "[skip] flops: could not measure FLOPs" in str(report)
+    assert "[skip] flops (float64): could not measure FLOPs" in str(report)
     assert "[ok  ] flops" not in str(report)
+
+
+def test_an_op_that_fails_in_every_dtype_is_not_blamed_on_float64() -> None:
+    @cg.op("test_testing::broken", weights=("w",))
+    def broken(x: Tensor, w: Tensor) -> Tensor:
+        raise ValueError("broken kernel")
+
+    broken.register_fake(lambda x, w: torch.empty_like(x))
+    broken.register_save_for_backward(lambda i, o: (i.x, i.w))
+    broken.register_backward_input(lambda ctx, s, g: {"x": g * s[1]})
+    broken.register_backward_weight(lambda ctx, s, g: {"w": (g * s[0]).sum(0)})
+    report = check_op(broken, torch.randn(4, 3), torch.randn(3), raise_on_failure=False)
+    for name in ("gradcheck", "split"):
+        assert report[name].status == "failed"
+        assert report[name].detail.startswith("raised ValueError: broken kernel"), report[name]
+        assert "float64 path" not in report[name].detail

@@ -316,6 +316,7 @@ def test_thread_clocks_leave_no_file_descriptor_open() -> None:
     assert cpu > 0 and queued >= 0
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_import_customgrad_loads_neither_pipelining_nor_matplotlib() -> None:
     import subprocess
     import sys

@@ -219,9 +219,10 @@ def test_inline_check_and_full_check_agree(
     ``check_source``'s lines) and hands anything else to the full check: both must accept the
     same dicts, and an invalid one must raise the same error as the full check alone. The
     first argument is a ``list[Tensor]`` of ``list_len`` items when that is not None."""
+    from customgrad._codegen import write_check
     from customgrad._layout import _slots
     from customgrad._signature import Signature
-    from customgrad._validate import collect_grads, write_check
+    from customgrad._validate import collect_grads
 
     names = [f"t{i}" for i in range(len(shapes))]
     kind_of = ["list[torch.Tensor]" if i == 0 and list_len is not None else "torch.Tensor"

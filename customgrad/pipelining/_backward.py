@@ -13,8 +13,10 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   opaque node) get the gradients that reached them in I recorded; W runs them again from those,
   in engine calls grouped so that the engine asks them for their weight-side outputs only
   (:class:`customgrad._split_plan.WeightCall`): a native layer's input gradient is not computed
-  again, as under torch's split (a plain Function's backward computes all it computes, under
-  both).
+  again, as under torch's split, and also not where the layer shares its weight with a layer
+  before it (one ``nn.Linear`` applied twice), where torch's W computes it again: W calls such a
+  layer itself, inside an engine call that wants only its weight-side edges. (A plain
+  Function's backward computes all it computes, under both.)
 - Work whose weight sides meet (a shared weight) goes through the engine in one call, so
   ``.grad`` accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as
   in a full backward: one accumulation per weight, each hook once. (torch's own weight pass
@@ -28,9 +30,10 @@ functions in one), besides their customgrad class.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -45,6 +48,7 @@ from customgrad._split_plan import (
     is_leaf_accumulator,
     plan_input_pass,
 )
+from customgrad._torch.engine import input_shape
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -279,6 +283,10 @@ def _stage_backward_input(
     # would keep their saved tensors alive until W.
     plan.executed = set()
     plan.input_routes = {}
+    # W reads only which nodes were deferred: their targets (this state) would make a cycle
+    # (state -> plan -> state) that keeps the nodes and their saved tensors alive past an
+    # aborted step until the cyclic GC runs.
+    plan.deferred = dict.fromkeys(plan.deferred)  # type: ignore[assignment]
     plan.targets = []
     plan.intermediates = []
     for out in stage_outputs_or_loss:
@@ -364,6 +372,15 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
+    clamp = call.clamp
+    if call.asked:
+        asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
+        if not _ask_weight_sides(asked, roots, values):  # the engine runs them, clamped
+            for node, _, grads in asked:
+                state.captured[node] = grads
+            call = dataclasses.replace(call, intermediates=[*call.asked, *call.intermediates])
+            clamp = [*call.asked, *clamp]
+        del asked
     for node in call.intermediates:
         grads = state.captured.pop(node, ())
         for i, g in enumerate(grads):
@@ -391,15 +408,16 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     if not roots:
         return
 
-    # An intermediate whose input edges lead to this call's leaves (a weight it shares with a
-    # layer before it) sends its input gradients again: drop them (I sent them already).
+    # A plain Function or customgrad intermediate whose input edges lead to this call's leaves
+    # (a weight it shares with a layer before it) sends its input gradients again: drop them
+    # (I sent them already). Native ones were asked for their weight side only, above.
     def keep_weight_side(side: tuple[bool, ...]) -> Callable[..., Any]:
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
             return tuple(g if w else None for g, w in zip(grad_inputs, side))
 
         return hook
 
-    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in call.clamp]
+    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in clamp]
     leaves = [v for n in call.leaves if isinstance(v := getattr(n, "variable", None),
                                                      torch.Tensor)]  # fmt: skip
     try:
@@ -407,6 +425,86 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     finally:
         for h in handles:
             h.remove()
+
+
+class _Asking(torch.autograd.Function):
+    """A node whose backward runs ``ask()``: an engine call made only to run it, whose
+    ``inputs=`` name the edges ``ask`` wants gradients on (see :func:`_ask_weight_sides`)."""
+
+    @staticmethod
+    def forward(ctx: Any, ask: Callable[[], None], anchor: torch.Tensor) -> torch.Tensor:
+        ctx.ask = ask
+        return anchor.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+        ctx.ask()
+        return None, None
+
+
+def _ask_weight_sides(
+    asked: list[tuple[Node, tuple[bool, ...], tuple[torch.Tensor | None, ...]]],
+    roots: list[GradientEdge],
+    values: list[torch.Tensor],
+) -> bool:
+    """Call each native node of ``asked`` (node, which of its edges lead to the weight side,
+    the gradients that reached it in I) for its weight-side outputs only; append each to
+    ``roots``/``values`` with its edge. False (nothing done) where torch does not say what
+    shape a node on those edges takes (``_input_metadata``, read as torch's own
+    ``autograd.backward`` reads it for a ``GradientEdge``).
+
+    A native node computes an output only where the running engine call wants its edge's node
+    (``task_should_compute_output``). Run inside an engine call whose ``inputs=`` are exactly
+    those edges, and that reaches none of them (its only path leads to a fresh anchor), the
+    node computes its weight-side outputs and nothing along its input edges, even where those
+    lead to the same weights (a weight it shares with a layer before it, where an engine call
+    from the node itself would compute its input gradient again, as torch's weight pass does).
+    The engine reaches no node of the stage's graph: no hook fires (the nodes the outputs go
+    to run later, once, in the call these gradients join), and the node's own hooks already
+    fired in I. Any other output it computes anyway is dropped (I sent it already). An output
+    that broadcast in the forward (a bias) is summed to its edge's shape, as the engine does
+    with what a node returns (a leaf's accumulator takes it as it is: the hand-over does).
+    """
+    wanted: dict[tuple[Node, int], torch.Size | None] = {}
+    for node, side, _ in asked:
+        for (fn, nr), weight in zip(node.next_functions, side):
+            if weight and fn is not None:
+                if is_leaf_accumulator(fn):
+                    wanted[fn, nr] = None
+                else:
+                    shape = input_shape(fn, nr)
+                    if shape is None:
+                        return False
+                    wanted[fn, nr] = shape
+    if not wanted:
+        return True
+
+    def ask() -> None:
+        for node, side, grads in asked:
+            if not any(g is not None for g in grads):
+                continue
+            outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+            for (fn, nr), weight in zip(node.next_functions, side):
+                g = outputs.pop(0)
+                if weight and fn is not None and g is not None:
+                    shape = wanted[fn, nr]
+                    if shape is not None and g.shape != shape:
+                        g = g.sum_to_size(shape)
+                    roots.append(GradientEdge(fn, nr))
+                    values.append(g)
+                del g  # send_gradients must hold the only references (see there)
+
+    anchor = torch.zeros((), requires_grad=True)
+    with torch.enable_grad():
+        out = _Asking.apply(ask, anchor)  # type: ignore[no-untyped-call]
+    edges = [GradientEdge(fn, nr) for fn, nr in wanted]
+    torch.autograd.grad(
+        [out],
+        [anchor, *edges],  # type: ignore[arg-type]
+        [torch.zeros(())],
+        allow_unused=True,
+    )
+    return True
 
 
 class _HandOver(torch.autograd.Function):

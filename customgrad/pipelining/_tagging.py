@@ -12,7 +12,6 @@ reaches the module's outputs, which nodes' weight halves that backward defers: t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,6 +20,7 @@ from torch.autograd.graph import Node
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Route, install_for_task, tagging
 from customgrad._split_plan import is_leaf_accumulator, plan_input_pass, reach
+from customgrad._torch import engine
 
 if TYPE_CHECKING:
     from customgrad.pipelining._queue import WeightGradQueue
@@ -29,7 +29,7 @@ __all__ = ["Attachment", "Key", "Tag"]
 
 Key = tuple[int, int]
 
-_will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
+_will_execute = engine.will_execute
 
 
 class Tag:
@@ -90,7 +90,7 @@ class Attachment:
         planned = [-1]
 
         def hook(grad_outputs: Any) -> None:
-            task = torch._C._current_graph_task_id()
+            task = engine.graph_task_id()
             if planned[0] == task:
                 return
             planned[0] = task

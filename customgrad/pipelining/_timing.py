@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
+from customgrad._torch.pipelining import stage_base
 from customgrad.pipelining._draw import Bar, draw_timeline
 from customgrad.pipelining._errors import PipeliningError
 from customgrad.pipelining._simulate import StageCosts
@@ -64,7 +64,8 @@ __all__ = [
 KINDS = ("F", "I", "W", "B")
 """Action kinds: forward, input-gradient backward, weight-gradient backward, full backward."""
 
-_S = TypeVar("_S", bound=type[_PipelineStageBase])
+_S = TypeVar("_S", bound=type[Any])
+"""A pipeline stage class (a subclass of torch's private ``_PipelineStageBase``)."""
 
 MSG_NESTED_STEP = """\
 ActionTimer.step: a step is already being timed on this timer. Time one schedule step at a \
@@ -439,7 +440,7 @@ class ActionTimer:
             ArgumentTypeError: ``base`` is not a pipeline stage class.
             UnsupportedError: this torch's stage no longer has the methods the timer wraps.
         """
-        if not (isinstance(base, type) and issubclass(base, _PipelineStageBase)):
+        if not (isinstance(base, type) and issubclass(base, stage_base())):
             raise ArgumentTypeError(
                 f"ActionTimer.stage_class: expected a pipeline stage class (a subclass of "
                 f"torch.distributed.pipelining.PipelineStage), got {base!r}. Pass the class, "

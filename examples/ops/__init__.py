@@ -5,8 +5,10 @@ The basics:
 - :mod:`.linear`: ``examples::linear``, the input/weight pair at its simplest;
 - :mod:`.gelu_linear`: ``examples::gelu_linear``, a fused GELU(linear) whose weight half
   recomputes a cheap activation instead of keeping it alive until W;
-- :mod:`.triton_scale_shift`: ``examples::scale_shift``, a Triton CUDA kernel with a clean CPU
-  fallback.
+- :mod:`.triton_scale_shift`: ``examples::scale_shift``, a Triton kernel with a clean CPU
+  fallback;
+- :mod:`.triton_fused_rms_norm`: ``examples::triton_rms_norm``, RMSNorm in Triton whose backward
+  kernel computes the input and the weight gradient in one launch, launched once across I and W.
 
 Six real ops ported from public projects (see ``docs/guides/real-ops.md``):
 
@@ -34,6 +36,7 @@ from examples.ops.lora_linear import lora_linear
 from examples.ops.lora_mlp import lora_mlp
 from examples.ops.rms_norm import rms_norm
 from examples.ops.silu_and_mul import silu_and_mul
+from examples.ops.triton_fused_rms_norm import triton_rms_norm
 from examples.ops.triton_scale_shift import HAS_TRITON, scale_shift
 from examples.ops.varlen_attention import varlen_attention, varlen_attention_backward
 
@@ -48,6 +51,7 @@ __all__ = [
     "rms_norm",
     "scale_shift",
     "silu_and_mul",
+    "triton_rms_norm",
     "varlen_attention",
     "varlen_attention_backward",
 ]

@@ -16,6 +16,7 @@ from examples.ops import (
     rms_norm,
     scale_shift,
     silu_and_mul,
+    triton_rms_norm,
     varlen_attention,
 )
 
@@ -38,6 +39,8 @@ def main() -> None:
     show(check_op(linear, r(2, 4, 3), r(5, 3), r(5)))
     show(check_op(gelu_linear, r(2, 4, 3), r(5, 3), r(5)))
     show(check_op(scale_shift, r(4, 8), r(8), r(8)))
+    # Triton kernels have no float64 path: checked in float32, the backward launches counted.
+    show(check_op(triton_rms_norm, r(4, 8), r(8), dtype=torch.float32, checks=ONCE_DIFFERENTIABLE))
 
     # the seven real ops
     show(check_op(silu_and_mul, r(2, 4, 8)))

@@ -1,11 +1,13 @@
-"""``examples::scale_shift``: ``x * weight + bias`` per feature, with a Triton kernel on CUDA.
+"""``examples::scale_shift``: ``x * weight + bias`` per feature, with a Triton kernel.
 
 The pattern for a library author with a fast kernel:
 
 1. define the op with a portable torch implementation (the kernel for every device);
-2. when Triton and CUDA are available, register a Triton launch as the ``"cuda"`` kernel
-   (``register_kernel("cuda")``); otherwise nothing changes, and CPU (or CUDA without Triton)
-   runs the torch implementation;
+2. when Triton is available, register a Triton launch as the ``"cuda"`` kernel
+   (``register_kernel("cuda")``), compiled by Triton; when Triton's interpreter is on
+   (``TRITON_INTERPRET=1`` before Triton is imported, as in the test suite), register it for
+   ``"cpu"`` too, so CPU tensors run the same kernel interpreted; otherwise CPU (or CUDA without
+   Triton) runs the torch implementation;
 3. give it a fake kernel, so ``torch.compile`` treats the launch as an opaque op;
 4. in the backward, call a kernel through another op (here ``examples::scale``) rather than
    launching Triton directly, so the backward traces under ``torch.compile`` too.
@@ -23,7 +25,7 @@ from torch import Tensor
 
 import customgrad as cg
 
-__all__ = ["HAS_TRITON", "scale", "scale_shift"]
+__all__ = ["HAS_TRITON", "INTERPRETED", "scale", "scale_shift"]
 
 try:  # Triton is optional: without it (or without CUDA) the torch kernels run.
     import triton
@@ -32,6 +34,9 @@ try:  # Triton is optional: without it (or without CUDA) the torch kernels run.
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+
+INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
+"""Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``): CPU runs them too."""
 
 
 @cg.op("examples::scale_shift", weights=("weight", "bias"))
@@ -95,7 +100,7 @@ def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor | N
     return {"weight": (grad * x).reshape(-1, weight.shape[0]).sum(0)}
 
 
-# -- the Triton kernels, registered for CUDA only when Triton is there ----------------------------
+# -- the Triton kernels: CUDA compiled, CPU when interpreted -------------------------------------
 if HAS_TRITON:
 
     @triton.jit
@@ -121,10 +126,12 @@ if HAS_TRITON:
         )
         return out
 
-    @scale_shift.register_kernel("cuda")
+    _devices = ("cuda", "cpu") if INTERPRETED else ("cuda",)
+
+    @scale_shift.register_kernel(_devices)
     def _(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
         return _launch(x, weight.contiguous(), bias.contiguous())
 
-    @scale.register_kernel("cuda")
+    @scale.register_kernel(_devices)
     def _(x: Tensor, weight: Tensor) -> Tensor:
         return _launch(x, weight.contiguous(), None)

@@ -1,0 +1,471 @@
+"""The code customgrad writes, and the one door it runs through.
+
+A pass plan's runner (:func:`write_runner`) is Python written once per (registrations, plan,
+layout of list lengths) with every decision taken: which registered functions it calls, the
+version-counter check that refuses in-place writes (:func:`watch_lines`, :func:`call_lines`),
+the validation of what they return (:func:`check_source`, whose complete, interpreted twin is
+:func:`customgrad._validate.collect_grads`: a property test runs both on the same results), the
+run-once rule and the hand-off. :mod:`customgrad._fastpath` writes the argument handling of an
+op's call. Both run what they write through :func:`run_source`, which prints it first under
+``CUSTOMGRAD_FASTPATH=show``. The generated code stays where ``benchmarks/overhead.py`` shows it
+buys at least 10% per call (fast path on against off: docs/concepts/performance.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from customgrad._errors import MissingRegistrationError
+from customgrad._handoff import HandOff, handed_over
+from customgrad._pass import (
+    BackwardContext,
+    PassPlan,
+    _Shared,
+    auto_split,
+)
+from customgrad._record import NO_HANDOFF, NodeRecord
+from customgrad._rules import AutogradRules, OpSpec
+from customgrad._signature import ArgKind, Signature
+from customgrad._switches import STATE as SWITCHES
+from customgrad._user_calls import (
+    _NO_VERSION,
+    _VERSION,
+    _call_user,
+    _raise_mutation,
+    _watched_values,
+)
+from customgrad._validate import _MISSING, HALF_NAMES, TensorMeta, collect_grads
+
+__all__ = [
+    "MAX_LAYOUTS",
+    "Runner",
+    "Runners",
+    "call_lines",
+    "check_source",
+    "run_source",
+    "watch_lines",
+    "write_check",
+    "write_runner",
+]
+
+_Tensor = torch.Tensor
+
+
+def run_source(source: str, filename: str, ns: dict[str, Any]) -> None:
+    """Run generated ``source`` in ``ns``; with ``CUSTOMGRAD_FASTPATH=show``, print it first."""
+    if SWITCHES.show_fastpath:
+        print(f"# {filename}\n{source}", file=sys.stderr)
+    exec(compile(source, filename, "exec"), ns)
+
+
+Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
+"""``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
+
+``keep``: a later pass of this node will compute the rest, so keep what the halves share
+(``record.handoff``) for it; else the hand-off is freed."""
+
+
+MAX_LAYOUTS = 64
+"""Layouts of list lengths an op gets runners written for; calls with others share one set."""
+
+
+def write_runner(
+    spec: OpSpec,
+    rules: AutogradRules,
+    plan: PassPlan,
+    observed: Any,
+    slots_of: Callable[[Any], Any],
+    lens: tuple[int, ...] | None = None,
+) -> Runner:
+    """The runner of ``plan`` under ``rules`` (see :data:`Runner`).
+
+    Args:
+        spec: the op.
+        rules: its registrations (a runner is written for one set; new ones get new runners).
+        plan: the pass plan.
+        observed: what holds the observers to call after each registered function runs, as
+            its ``observers`` attribute (the op's ``AutogradImpl``; read on every call).
+        slots_of: list lengths -> the op's slots (``AutogradImpl.slots``; for list arguments).
+        lens: for an op with list arguments, the one layout of list lengths the runner is for
+            (its items are checked one by one); None: any layout, read from the record.
+    """
+    sig = spec.signature
+    nondiff = rules.nondifferentiable
+    phase = plan.phase
+    lines: list[str] = ["metas = record.metas"]
+    slots = None if lens is None else slots_of(lens)
+    if sig.has_lists and slots is None:
+        lines.append("slots = _slots_of(record.lens)")
+    ns: dict[str, Any] = {
+        "_SPEC": spec,
+        "_SIG": sig,
+        "_CTX": plan.ctx,
+        "_PHASE": phase,
+        "_NEEDED": plan.needed,
+        "_NONDIFF": nondiff,
+        "_T": torch.Tensor,
+        "_MISSING": _MISSING,
+        "_NO_HANDOFF": NO_HANDOFF,
+        "_map": map,
+        "_getattr": getattr,
+        "_VERSION": _VERSION,
+        "_NO_VERSION": _NO_VERSION,
+        "_watched_values": _watched_values,
+        "_raise_mutation": _raise_mutation,
+        "_call_user": _call_user,
+        "_collect": collect_grads,
+        "_OBSERVED": observed,
+        "_slots_of": slots_of,
+        "_SLOTS": slots,
+        "_auto_split": auto_split,
+        "_AUTO": rules.auto,
+        "_REQUIRES": plan.requires,
+        "_make_ctx": functools.partial(BackwardContext, spec, "full"),
+        "_handed_over": handed_over,
+        "_HandOff": HandOff,
+        "_Shared": _Shared,
+        "_BackwardContext": BackwardContext,
+        "_missing": spec._missing_autograd_message,
+        "_Missing": MissingRegistrationError,
+    }
+    watch = watch_lines()
+
+    def half_lines(
+        half: str,
+        fn: Callable[..., Any] | None,
+        allowed: frozenset[str],
+        need: frozenset[str],
+        out: str,
+        into: str | None = None,
+    ) -> list[str]:
+        """Call one registered function (refusing in-place writes), its observers, then check
+        what it returned."""
+        if fn is None:  # registrations without it: the op's own message
+            return ["raise _Missing(_missing())"]
+        var = f"_FN_{half}"
+        ns[var] = fn
+        ns[f"_ALLOWED_{out}"] = allowed
+        ns[f"_NEEDED_{out}"] = need
+        return [
+            *call_lines(half, var, half in nondiff),
+            *_observe(HALF_NAMES[half], "r"),
+            *check_source(sig, half, var, allowed, need, out, slots, into),
+        ]
+
+    if rules.backward is not None:
+        bwd = rules.backward
+        if rules.auto is not None:
+            ns["_FN_full"] = bwd
+            ns["_ALLOWED_got"] = sig.tensor_set
+            ns["_NEEDED_got"] = plan.needed
+            # The automatic split: the traced part for this pass, with the hand-off it reads
+            # and keeps; the backward as written when the split declines.
+            lines += [
+                "split = _auto_split(record, _AUTO, _make_ctx, saved, grads, _REQUIRES)",
+                "if split is not None:",
+                *_indent(
+                    [
+                        "handoff = record.handoff",
+                        "if handoff is not _NO_HANDOFF:",
+                        "    handoff = _handed_over(record, grads, 'traced')",
+                        "r, kept = split.run(saved, grads, _NEEDED, "
+                        "None if handoff is _NO_HANDOFF else handoff, keep)",
+                        "record.handoff = _NO_HANDOFF if kept is None else "
+                        "_HandOff(grads, 'traced', kept)",
+                        "ctx = _CTX",
+                        *_observe(f"backward (traced {phase} part)", "r"),
+                        *check_source(
+                            sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", slots
+                        ),
+                        "return got",
+                    ]
+                ),
+            ]
+            if plan.needed != plan.requires:
+                lines += _run_once_lines(spec, sig, plan, ns, watch, slots, "full" in nondiff)
+        lines += ["ctx = _CTX", *watch]
+        lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
+        lines.append("return got")
+    else:
+        lines += watch
+        shared = rules.backward_shared is not None
+        if shared:
+            keep_now = bool(plan.need_in) and not plan.need_w
+            lines += [
+                f"shared = _Shared(record, saved, grads, (values, before, len(grads)), "
+                f"keep and {keep_now})",
+                "ctx = _BackwardContext(_SPEC, _PHASE, _NEEDED, shared)",
+            ]
+        else:
+            lines.append("ctx = _CTX")
+        lines.append("got = {}")
+        if plan.need_in:
+            lines += half_lines(
+                "input", rules.backward_input, sig.input_set, plan.need_in, "got_in", "got"
+            )
+        if plan.need_w:
+            lines += half_lines(
+                "weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w", "got"
+            )
+            # the later pass ran: free what was kept for it
+            lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
+        if shared:
+            lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
+        lines.append("return got")
+    source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
+    where = f"{spec.name}: {phase} {sorted(plan.needed)}" + (
+        f", list lengths {lens}" if lens else ""
+    )
+    run_source(source, f"<customgrad pass of {where}>", ns)
+    run: Runner = ns["run"]
+    run.__customgrad_source__ = source  # type: ignore[attr-defined]
+    return run
+
+
+def _run_once_lines(
+    spec: OpSpec,
+    sig: Any,
+    plan: PassPlan,
+    ns: dict[str, Any],
+    watch: list[str],
+    slots: Any,
+    nondifferentiable: bool,
+) -> list[str]:
+    """Lines of a partial pass of a single backward that is not split (the run-once rule): the
+    first pass that needs any gradient calls it once for every argument that requires grad and
+    hands the gradients it does not need to the node's later pass, which takes them instead of
+    calling it again. (Only ``split="phase"`` calls a backward once per pass.)"""
+    ns["_WHOLE_CTX"] = BackwardContext(spec, "full", plan.requires)
+    ns["_ALLOWED_every"] = sig.tensor_set
+    ns["_NEEDED_every"] = plan.requires
+    return [
+        "if record.handoff is not _NO_HANDOFF:",
+        "    early = _handed_over(record, grads, 'gradients')",
+        "    if early is not _NO_HANDOFF:",
+        "        got = {n: early.pop(n) for n in _NEEDED if n in early}",
+        "        if not early:",
+        "            record.handoff = _NO_HANDOFF",
+        "        return got",
+        "if keep:",
+        *_indent(
+            [
+                "ctx = _WHOLE_CTX",
+                *watch,
+                *call_lines("full", "_FN_full", nondifferentiable),
+                *_observe(HALF_NAMES["full"], "r"),
+                *check_source(
+                    sig, "full", "_FN_full", sig.tensor_set, plan.requires, "every", slots
+                ),
+                "got = {n: every.pop(n) for n in _NEEDED if n in every}",
+                "record.handoff = _HandOff(grads, 'gradients', every)",
+                "_AUTO.held(every)",
+                "return got",
+            ]
+        ),
+    ]
+
+
+class Runners:
+    """The runners of one op's plans: per set of registrations, per layout of list lengths
+    (up to :data:`MAX_LAYOUTS`, then one shared set that reads the layout from the node), per
+    plan key; each written on first use.
+
+    Args:
+        spec: the op.
+        observed: what holds the observers (see :func:`write_runner`).
+        slots_of: list lengths -> the op's slots.
+    """
+
+    def __init__(self, spec: OpSpec, observed: Any, slots_of: Callable[[Any], Any]) -> None:
+        self._spec = spec
+        self._observed = observed
+        self._slots_of = slots_of
+        self._tables: dict[tuple[int, ...] | None, dict[tuple[int, int], Runner]] = {}
+        self._rules: AutogradRules | None = None
+
+    def table(
+        self, rules: AutogradRules, lens: tuple[int, ...] | None
+    ) -> dict[tuple[int, int], Runner]:
+        """The runners written for ``rules`` and the layout ``lens``, by plan key (a new set of
+        registrations starts new tables)."""
+        if rules is not self._rules:
+            self._tables = {}
+            self._rules = rules
+        table = self._tables.get(lens)
+        if table is None:
+            if len(self._tables) >= MAX_LAYOUTS:
+                lens = None
+            table = self._tables.setdefault(lens, {})
+        return table
+
+    def runner(self, plan: PassPlan, lens: tuple[int, ...] | None) -> Runner:
+        """``plan``'s runner under the op's current registrations for the layout ``lens``."""
+        rules = self._spec.rules
+        table = self.table(rules, lens)
+        run = table.get(plan.key)
+        if run is None:
+            layout = lens if self._tables.get(lens) is table else None
+            run = table[plan.key] = write_runner(
+                self._spec, rules, plan, self._observed, self._slots_of, layout
+            )
+        return run
+
+    def layouts(self) -> list[tuple[int, ...] | None]:
+        """The layouts that have their own runners (None: the shared set)."""
+        return list(self._tables)
+
+    def forget(self) -> None:
+        """Write every runner again on next use (the tables the fast path holds included)."""
+        for table in self._tables.values():
+            table.clear()
+
+
+def watch_lines() -> list[str]:
+    """Lines that read the version counters of the output gradients and the saved values before
+    the registered functions run (``values``, ``before``)."""
+    return [
+        "values = (*grads, *saved) if type(saved) is tuple else _watched_values(saved, grads)",
+        "before = [*_map(_getattr, values, _VERSION, _NO_VERSION)]",
+    ]
+
+
+def call_lines(half: str, fn: str, nondifferentiable: bool) -> list[str]:
+    """Lines that call the registered function named ``fn`` (into ``r``) and refuse an in-place
+    write to what :func:`watch_lines` watched; a ``differentiable=False`` one runs without grad
+    (:func:`customgrad._user_calls._call_user`)."""
+    if nondifferentiable:
+        return [
+            f"r = _call_user(ctx, {half!r}, {fn}, saved, grads, (values, before, len(grads)), "
+            f"_NONDIFF)"
+        ]
+    return [
+        f"r = {fn}(ctx, saved, *grads)",
+        "if [*_map(_getattr, values, _VERSION, _NO_VERSION)] != before:",
+        f"    _raise_mutation(_SPEC, {half!r}, {fn}, values, before, len(grads))",
+    ]
+
+
+def _observe(label: str, value: str) -> list[str]:
+    """Lines that call the observers (read on each call) after a registered function ran."""
+    return ["for o in _OBSERVED.observers:", f"    o({label!r}, _PHASE, ctx, {value})"]
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return ["    " + x for x in lines]
+
+
+def check_source(
+    sig: Signature,
+    half: str,
+    fn: str,
+    allowed: frozenset[str],
+    needed: frozenset[str],
+    out: str,
+    slots: Mapping[str, tuple[int, int | None]] | None = None,
+    into: str | None = None,
+) -> list[str]:
+    """Python lines that validate ``r``, what the registered function named ``fn`` returned, and
+    set ``out`` to the needed gradients by name (or, with ``into``, add them to the dict named
+    ``into``): the validation of one pass written out for one (signature, half, needed
+    arguments, layout of list lengths).
+
+    The lines read ``r`` and ``metas`` (the node record's flat metas), and the names ``_T``
+    (``torch.Tensor``), ``_MISSING``, ``_SIG`` (``sig``), ``_collect`` (:func:`collect_grads`),
+    ``_ALLOWED_<out>`` and ``_NEEDED_<out>`` (``allowed`` and ``needed``). For an op with list
+    arguments, ``slots`` (:func:`customgrad._layout._slots` of one layout, bound as ``_SLOTS``)
+    places every item, one check each; without it the lines read the call's layout from a
+    variable ``slots`` and loop over the items. A plain dict of valid gradients is accepted
+    inline; anything else goes to :func:`collect_grads`, which accepts exactly the same results
+    (and casts an autocast gradient) and raises the errors.
+    """
+    lists = sig.has_lists
+
+    def tensor_ok(g: str, m: str, indent: str) -> list[str]:
+        return [
+            f"{indent}m = metas[{m}]",
+            f"{indent}ok = (type({g}) is _T and m is not None and {g}.shape == m[0]",
+            f"{indent}      and {g}.dtype is m[1] and {g}.device == m[2])",
+        ]
+
+    lines = [f"ok = type(r) is dict and r.keys() <= _ALLOWED_{out}"]
+    for name in sig.names:
+        if name not in allowed:
+            continue
+        i = sig.index[name]
+        g = f"g_{i}"
+        lines += ["if ok:", f"    {g} = r.get({name!r}, _MISSING)", f"    if {g} is _MISSING:"]
+        lines.append("        ok = False" if name in needed else f"        {g} = None")
+        lines.append(f"    elif {g} is not None:")
+        if sig.kinds[i] is ArgKind.TENSOR_LIST and slots is not None:
+            start, n = slots[name]
+            lines.append(
+                f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == {n}"
+            )
+            for k in range(n or 0):
+                lines += [
+                    "        if ok:",
+                    f"            gi = {g}[{k}]",
+                    "            if gi is not None:",
+                    *tensor_ok("gi", str(start + k), "                "),
+                ]
+        elif sig.kinds[i] is ArgKind.TENSOR_LIST:
+            lines += [
+                f"        start, n = slots[{name!r}]",
+                f"        ok = (type({g}) is list or type({g}) is tuple) and len({g}) == n",
+                "        if ok:",
+                f"            for gi, m in zip({g}, metas[start : start + n]):",
+                "                if gi is not None and not (type(gi) is _T and m is not None",
+                "                        and gi.shape == m[0] and gi.dtype is m[1] and gi.device == m[2]):",
+                "                    ok = False",
+                "                    break",
+            ]
+        elif not lists:
+            lines += tensor_ok(g, str(i), "        ")
+        elif slots is not None:
+            lines += tensor_ok(g, str(slots[name][0]), "        ")
+        else:
+            lines += tensor_ok(g, f"slots[{name!r}][0]", "        ")
+    kept = [n for n in sig.names if n in needed and n in allowed]
+    layout = "None" if not lists else "slots" if slots is None else "_SLOTS"
+    full = f"_collect(_SIG, {half!r}, {fn}, r, _ALLOWED_{out}, _NEEDED_{out}, metas, {layout})"
+    if into is None:
+        items = ", ".join(f"{n!r}: g_{sig.index[n]}" for n in kept)
+        return [*lines, "if ok:", f"    {out} = {{{items}}}", "else:", f"    {out} = {full}"]
+    stores = [f"    {into}[{n!r}] = g_{sig.index[n]}" for n in kept] or ["    pass"]
+    return [*lines, "if ok:", *stores, "else:", f"    {into}.update({full})"]
+
+
+def write_check(
+    sig: Signature,
+    half: str,
+    allowed: frozenset[str],
+    needed: frozenset[str],
+    slots: Mapping[str, tuple[int, int | None]] | None = None,
+    into: bool = False,
+) -> Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]:
+    """:func:`check_source` as a function ``check(fn, r, metas, slots) -> gradients`` (what a
+    pass's runner runs inline; for tests). ``slots``: write it for that one layout; ``into``:
+    the lines that add the gradients to a dict."""
+    lines = check_source(sig, half, "fn", allowed, needed, "got", slots, "got" if into else None)
+    if into:
+        lines = ["got = {}", *lines]
+    source = "def check(fn, r, metas, slots):\n" + "".join(f"    {line}\n" for line in lines)
+    source += "    return got\n"
+    ns: dict[str, Any] = {
+        "_T": _Tensor,
+        "_MISSING": _MISSING,
+        "_SIG": sig,
+        "_SLOTS": slots,
+        "_collect": collect_grads,
+        "_ALLOWED_got": allowed,
+        "_NEEDED_got": needed,
+    }
+    run_source(source, f"<customgrad check of {sig.qualname}>", ns)
+    check: Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]
+    check = ns["check"]
+    return check

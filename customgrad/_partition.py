@@ -1,0 +1,153 @@
+"""The one partitioner: cutting a backward's FX graph into an earlier and a later pass.
+
+Both kinds of graph customgrad splits use it: a traced single backward
+(:mod:`customgrad._autosplit`) and a compiled region's AOTAutograd backward
+(:mod:`customgrad._compile`). Given the graph's outputs each pass must produce, :func:`cut`
+says which nodes each pass runs and what the earlier pass hands to the later one:
+
+- a node only the earlier outputs need runs in the earlier pass, one only the later outputs
+  need in the later pass, and one no output needs nowhere;
+- a node both need runs once, in the earlier pass, and is handed over (*kept*) where the later
+  pass reads it; with ``recompute``, a shared node that costs no FLOPs by torch's formulas
+  (views, elementwise ops: :func:`cheap`, the one recompute rule) is run again in the later pass
+  instead, from what it reads (kept or recomputed in turn).
+
+So FLOPs(earlier) + FLOPs(later) == FLOPs(whole graph) by torch's FLOP formulas, always.
+:func:`extract` builds a pass's graph from the original's nodes (as AOTAutograd's
+``_extract_graph_with_inputs_outputs`` does for its forward and backward), the kept values as
+extra inputs of the later pass.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from customgrad._flops import formula_of
+from customgrad._torch.dispatcher import OpOverload
+
+__all__ = ["Cut", "ancestors", "cheap", "cut", "extract", "free"]
+
+_FREE_OPS = ("placeholder", "get_attr")
+
+
+def free(node: fx.Node) -> bool:
+    """Available in every pass without computing: an input of the graph, or a constant."""
+    return node.op in _FREE_OPS
+
+
+def cheap(node: fx.Node) -> bool:
+    """The recompute rule: safe to run again and free by torch's FLOP formulas (a view, an
+    elementwise op); opaque kernels (cost unknown), random ops and writes never are."""
+    target = node.target
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, OpOverload) or target.namespace not in ("aten", "prims"):
+        return False
+    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return formula_of(target) is None
+
+
+def ancestors(roots: Iterable[fx.Node], stop: Iterable[fx.Node] = ()) -> set[fx.Node]:
+    """The nodes ``roots`` are computed from (themselves included), not past ``stop`` or the
+    graph's inputs."""
+    stopped = set(stop)
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node in seen or node in stopped or free(node):
+            continue
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    return seen
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where :func:`cut` put each node.
+
+    Attributes:
+        early: the nodes the earlier pass runs.
+        late: the nodes the later pass runs (recomputed ones included).
+        kept: what the earlier pass hands to the later one, in graph order.
+        recomputed: shared nodes the later pass runs again instead of receiving them.
+    """
+
+    early: frozenset[fx.Node]
+    late: frozenset[fx.Node]
+    kept: tuple[fx.Node, ...]
+    recomputed: frozenset[fx.Node]
+
+
+def cut(
+    graph: fx.Graph,
+    early_outputs: Iterable[fx.Node],
+    late_outputs: Iterable[fx.Node],
+    recompute: bool | Callable[[fx.Node], bool] = False,
+) -> Cut:
+    """Cut ``graph`` into an earlier pass producing ``early_outputs`` and a later one producing
+    ``late_outputs`` (see the module's docstring). ``recompute``: True for :func:`cheap`, or
+    the rule to use."""
+    rule: Callable[[fx.Node], bool] | None
+    rule = cheap if recompute is True else (recompute or None)
+    late_outs = [n for n in late_outputs if not free(n)]
+    early = ancestors(early_outputs)
+    late = ancestors(late_outs)
+    shared = early & late
+    late_only = late - early
+    # Shared nodes the later pass reads: outputs of it, or inputs of its own nodes.
+    todo = [n for n in shared if n in late_outs or any(u in late_only for u in n.users)]
+    keep: set[fx.Node] = set()
+    again: set[fx.Node] = set()
+    while todo:
+        node = todo.pop()
+        if node in keep or node in again:
+            continue
+        if rule is not None and rule(node):
+            again.add(node)
+            todo.extend(n for n in node.all_input_nodes if n in shared)
+        else:
+            keep.add(node)
+    kept = tuple(n for n in graph.nodes if n in keep)
+    return Cut(frozenset(early), frozenset(late_only | again), kept, frozenset(again))
+
+
+def extract(
+    gm: fx.GraphModule,
+    nodes: Iterable[fx.Node],
+    outputs: Sequence[Any],
+    kept: Sequence[fx.Node] = (),
+    map_node: Callable[[fx.Node, fx.Node], None] | None = None,
+) -> fx.GraphModule:
+    """A graph module of ``gm``'s placeholders, then ``kept`` as further inputs, running
+    ``nodes`` (in ``gm``'s order; constants they read come along) and returning ``outputs``
+    (nodes of ``gm``, or constants such as None). ``map_node(original, copy)`` is called for
+    each copied op node (to swap its target, say)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = graph.node_copy(n)
+    for h in kept:
+        p = graph.placeholder(f"kept_{h.name}")
+        p.meta = dict(h.meta)
+        env[h] = p
+    run = set(nodes)
+    wanted = {o for o in outputs if isinstance(o, fx.Node)}
+    for n in gm.graph.nodes:
+        if n in env or n.op in ("placeholder", "output"):
+            continue
+        if n in run or (n.op == "get_attr" and (n in wanted or any(u in run for u in n.users))):
+            copy = env[n] = graph.node_copy(n, env.__getitem__)
+            if map_node is not None and n.op == "call_function":
+                map_node(n, copy)
+    graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    graph.lint()
+    return fx.GraphModule(gm, graph)

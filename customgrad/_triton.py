@@ -1,0 +1,99 @@
+"""Raw Triton launches where tensors have no data: found in a traceback, explained by name.
+
+``torch.compile`` (AOTAutograd) and customgrad's automatic split run a backward on fake
+tensors. A Triton kernel launched directly from that backward (``kernel[grid](x, ...)``) reads
+its arguments' data pointers, and torch answers with "Attempted to access the data pointer on
+an invalid python storage", naming neither the op nor the kernel. :func:`raw_launch` finds the
+launch in the error's traceback (the first frame inside Triton's runtime, and the user's frame
+that called it); :func:`raise_if_raw_launch` turns the error into a :class:`UnsupportedError`
+naming the op, the kernel and the fix. Triton is never imported here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from customgrad._errors import UnsupportedError, where
+
+__all__ = ["MSG_RAW_LAUNCH", "RawLaunch", "raise_if_raw_launch", "raw_launch"]
+
+_TRITON_RUNTIME = f"{os.sep}triton{os.sep}runtime{os.sep}"
+
+MSG_RAW_LAUNCH = """\
+{op}: {label} launches the Triton kernel {kernel} directly ({at}) on tensors without data: \
+torch.compile traces the backward on fake tensors, which a raw launch cannot read. Make the \
+kernel an op with a fake kernel and call the op from the backward, so the trace keeps it as \
+one opaque call:
+
+    @cg.op("mylib::my_kernel")                   # or torch.library.triton_op + wrap_triton
+    def my_kernel(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        ...                                       # the launch: {kernel}[grid](...)
+    @my_kernel.register_fake
+    def _(x, weight):
+        return torch.empty_like(x), torch.empty_like(weight)
+
+({label} defined at {loc})"""
+
+
+@dataclass(frozen=True)
+class RawLaunch:
+    """A Triton launch found in a traceback.
+
+    Attributes:
+        kernel: the kernel's name (``"_backward_kernel"``), or ``"(unknown)"``.
+        at: ``file:line`` of the launch in the caller's code.
+    """
+
+    kernel: str
+    at: str
+
+
+_NO_DATA = (
+    "data pointer",  # compiled Triton; torch's invalid python storage; FakeTensor's warning
+    "data_ptr",
+    'storage of a tensor on device "meta"',  # the interpreter copying a fake tensor to the host
+)
+
+
+def _data_pointer_error(e: BaseException) -> bool:
+    text = str(e)
+    return any(s in text for s in _NO_DATA)
+
+
+def raw_launch(e: BaseException) -> RawLaunch | None:
+    """The Triton launch that raised ``e`` for want of data, if ``e`` is such an error."""
+    if not _data_pointer_error(e):
+        return None
+    tb = e.__traceback__
+    caller = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if _TRITON_RUNTIME in frame.f_code.co_filename:
+            owner = frame.f_locals.get("self")
+            fn = getattr(owner, "fn", None)
+            name = getattr(fn, "__name__", None) or getattr(owner, "__name__", None)
+            at = (
+                f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                if caller is not None
+                else "unknown"
+            )
+            return RawLaunch(name if isinstance(name, str) else "(unknown)", at)
+        caller = frame
+        tb = tb.tb_next
+    return None
+
+
+def raise_if_raw_launch(
+    e: BaseException, op: str, label: str, fn: Callable[..., Any] | None
+) -> None:
+    """Raise :class:`UnsupportedError` (from ``e``) if ``e`` is a raw Triton launch's."""
+    found = raw_launch(e)
+    if found is not None:
+        raise UnsupportedError(
+            MSG_RAW_LAUNCH.format(
+                op=op, label=label, kernel=found.kernel, at=found.at, loc=where(fn)
+            )
+        ) from e

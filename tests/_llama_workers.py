@@ -1,0 +1,87 @@
+"""What ``tests/test_llama_stages.py`` runs on 2 processes: the torchtitan-shaped example's
+stages (or torchtitan's own Llama 3), compiled per block, through a V-shaped schedule."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from customgrad._compile import regions
+from customgrad._flops import FlopCounter
+from examples import llama_stages as ex
+
+STEPS, MICROBATCHES, ROWS = 3, 4, 8
+
+
+@dataclass
+class Result:
+    worst: float
+    """The first step's largest relative gradient difference from one process's."""
+    losses: list[float]
+    runs: dict[str, int]
+    """Compiled backward graphs run in the last step, over both ranks, by kind."""
+    split: bool
+    """Every compiled region split (none fell back)."""
+    flops: int
+    """FLOPs of the last step, over both ranks."""
+    reference_flops: int
+    """FLOPs of one process's forward and full backward of the same microbatches."""
+
+
+def torchtitan_model() -> nn.Module:
+    """torchtitan's own Llama 3 ``Transformer`` in a tiny configuration."""
+    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+
+    args = TransformerModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
+        max_seq_len=32,
+    )  # fmt: skip
+    model = Transformer(args)
+    model.init_weights()
+    return model
+
+
+def run(out_path: str, schedule: str, which: str) -> None:
+    torch.manual_seed(0)  # the same model on every rank
+    model = torchtitan_model() if which == "torchtitan" else ex.Transformer(ex.ModelArgs())
+    model = model.to(torch.float64)
+    device = torch.device("cpu")
+    reference = copy.deepcopy(model)
+    pipe = ex.Pipeline(model, device, schedule, MICROBATCHES, backend="aot_eager")
+    x, y = ex.batch(model, ROWS, torch.Generator().manual_seed(0))
+    weights = [p for m in pipe.stages for p in m.parameters()]
+    optimizer = torch.optim.AdamW(weights, lr=1e-2)
+    losses = [pipe.step(x, y)]  # compiles every region
+    worst = ex.worst_difference(pipe.stages, reference, x, y, MICROBATCHES)
+    for _ in range(STEPS - 1):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        before = _runs()
+        with FlopCounter() as counter:
+            losses.append(pipe.step(x, y))
+        runs = {k: n - before[k] for k, n in _runs().items()}
+    with FlopCounter() as ref:
+        ex.worst_difference([], reference, x, y, MICROBATCHES)  # forward and full backward
+    flops = torch.tensor([counter.total])
+    dist.all_reduce(flops)
+    everyone: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (runs, all(r.status == "split" for r in regions())))
+    if dist.get_rank() == 0:
+        total = {k: sum(r[0][k] for r in everyone) for k in runs}  # type: ignore[index]
+        split = all(r[1] for r in everyone)  # type: ignore[index]
+        result = Result(worst, losses, total, split, int(flops.item()), ref.total)
+        Path(out_path).write_bytes(pickle.dumps(result))
+
+
+def _runs() -> dict[str, int]:
+    total = {"full": 0, "input": 0, "weight": 0}
+    for region in regions():
+        for k, n in region.runs.items():
+            total[k] += n
+    return total

@@ -1,0 +1,116 @@
+"""Triton in the test suite: its interpreter on CPU, and shims for the interpreter's gaps.
+
+Loaded by pytest before anything else (``-p tests._triton_support`` in ``pyproject.toml``), so
+that ``TRITON_INTERPRET=1`` is set before the first ``import triton``: ``@triton.jit`` picks the
+interpreter or the compiler when a kernel is *defined*, and every module that defines a kernel
+(``examples/ops/triton_*.py``) must see the same choice. The variable is only set when the
+caller has not set it: ``make gpu-check`` runs the Triton tests with ``TRITON_INTERPRET=0``, so
+that CUDA runs the kernels compiled.
+
+The interpreter (``triton.runtime.interpreter``, triton 3.9.0) runs a kernel on CPU tensors
+with numpy. Two of its gaps make kernels that are correct when compiled misbehave there;
+:func:`interpreter_shims` fills them, for the tests that need it, and nothing in ``customgrad/``
+or ``examples/`` depends on it:
+
+- a Python ``float`` kernel argument (an ``eps``) stays a Python float, where compiled Triton
+  passes it as an fp32 scalar: ``eps.to(tl.float32)`` raises, and numpy may compute in float64.
+  The shim converts it to an fp32 scalar, as compiled Triton does;
+- ``triton.language.extra.libdevice`` functions are stubs (their body is ``...``) that return
+  None under the interpreter; the shim gives ``rsqrt`` and ``tanh`` numpy implementations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Any
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # triton is a dev dependency; without it the Triton tests skip
+    HAS_TRITON = False
+
+__all__ = ["HAS_TRITON", "INTERPRETED", "count_launches", "interpreter_shims"]
+
+INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
+"""Whether ``@triton.jit`` kernels run in Triton's interpreter in this process."""
+
+
+def _float_as_fp32(original: Any) -> Any:
+    import numpy as np
+    from triton.runtime.interpreter import TensorHandle
+
+    def cvt(arg: Any) -> Any:
+        if isinstance(arg, float):
+            return tl.tensor(
+                TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32
+            )
+        return original(arg)
+
+    return cvt
+
+
+def _elementwise(fn: Any) -> Any:
+    """A libdevice function for the interpreter: ``fn`` applied to the numpy data of a tensor."""
+    from triton.runtime.interpreter import TensorHandle
+
+    def apply(x: Any) -> Any:
+        data = fn(x.handle.data)
+        return tl.tensor(TensorHandle(data, x.handle.dtype.scalar), x.type)
+
+    return apply
+
+
+@contextlib.contextmanager
+def interpreter_shims() -> Iterator[None]:
+    """Fill the interpreter's gaps listed in this module's docstring, for the ``with`` block.
+
+    Does nothing when kernels are compiled (a GPU run): compiled Triton has no such gaps.
+    """
+    if not INTERPRETED:
+        yield
+        return
+    import numpy as np
+    from triton.language.extra import libdevice
+    from triton.runtime import interpreter
+
+    patches = {
+        (interpreter, "_implicit_cvt"): _float_as_fp32(interpreter._implicit_cvt),
+        (libdevice, "rsqrt"): _elementwise(lambda a: (1 / np.sqrt(a)).astype(a.dtype)),
+        (libdevice, "tanh"): _elementwise(lambda a: np.tanh(a).astype(a.dtype)),
+    }
+    saved = {key: getattr(*key) for key in patches}
+    try:
+        for (module, name), value in patches.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
+
+
+@contextlib.contextmanager
+def count_launches(*kernels: Any) -> Iterator[dict[str, int]]:
+    """Count the launches of ``kernels`` (``@triton.jit`` functions) in the ``with`` block, by
+    kernel name: ``{"_backward_kernel": 1}``. Works interpreted and compiled (each kernel's
+    pre-run hook: the interpreter has no global launch hook)."""
+    counts: dict[str, int] = {k.__name__: 0 for k in kernels}
+    hooks = []
+    for k in kernels:
+
+        def hook(*args: Any, _name: str = k.__name__, **kwargs: Any) -> None:
+            counts[_name] += 1
+
+        k.add_pre_run_hook(hook)
+        hooks.append((k, hook))
+    try:
+        yield counts
+    finally:
+        for k, hook in hooks:
+            k.pre_run_hooks.remove(hook)

@@ -1,0 +1,409 @@
+"""Triton kernels through customgrad: run on CPU by Triton's interpreter (``TRITON_INTERPRET=1``,
+set by ``tests/_triton_support.py`` before Triton is imported) and on CUDA compiled
+(``make gpu-check``, the tests marked ``cuda``).
+
+The fused RMSNorm example (``examples/ops/triton_fused_rms_norm.py``): gradients against torch
+in float32, its backward kernel launched once across the input and the weight pass (through
+``register_backward_shared``, and through a traced ``register_backward``), under
+``torch.compile``; ``check_op`` in the kernel's own dtype, counting launches per pass; a raw
+launch in a backward; the interpreter's shims.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor
+
+import customgrad as cg
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from customgrad.testing import (
+    FIX_LAUNCHED_TWICE,
+    MSG_COARSE_DTYPE,
+    MSG_NO_FLOAT64,
+    CheckFailed,
+    check_op,
+)
+from tests._triton_support import HAS_TRITON, INTERPRETED, count_launches, interpreter_shims
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a dev dependency)")
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    from examples.ops import triton_fused_rms_norm as rms_module
+    from examples.ops import triton_scale_shift as scale_shift_module
+    from examples.ops.triton_fused_rms_norm import triton_rms_norm, triton_rms_norm_backward
+
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="TRITON_INTERPRET=0")),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.cuda,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ],
+    ),
+]
+
+# The backward reads the residual rstd: registered differentiable=False, no double backward.
+ONCE = ["opcheck", "fake", "gradcheck", "split", "flops"]
+
+
+def _reference(x: Tensor, w: Tensor, eps: float = 1e-6) -> Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _args(device: str, *shape: int, seed: int = 0) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g).to(device).requires_grad_()
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(device).requires_grad_()
+    return x, w
+
+
+def _kernels() -> tuple[Any, Any]:
+    return rms_module._forward_kernel, rms_module._backward_kernel
+
+
+def _ops_only(launches: dict[str, int]) -> dict[str, int]:
+    """Launches of kernel ops; compiled Triton launches (``"triton:<name>"``, seen through
+    Triton's launch hook on a GPU) checked apart."""
+    return {k: v for k, v in launches.items() if not k.startswith("triton:")}
+
+
+def _triton_only(launches: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in launches.items() if k.startswith("triton:")}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_and_gradients_match_torch_in_float32(device: str) -> None:
+    x, w = _args(device, 3, 5, 12)  # 12 columns: a masked block of 16
+    with count_launches(*_kernels()) as launches:
+        y = triton_rms_norm(x, w)
+        g = torch.randn_like(y)
+        dx, dw = torch.autograd.grad(y, (x, w), g)
+    assert launches == {"_forward_kernel": 1, "_backward_kernel": 1}
+    ref = _reference(x, w)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx, rx, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw, rw, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_kernel_launched_once_across_input_and_weight_pass(device: str) -> None:
+    x, w = _args(device, 4, 8, seed=1)
+    y = triton_rms_norm(x, w)
+    grad = torch.randn_like(y)
+    full = torch.autograd.grad(_reference(x, w), (x, w), grad)
+    with count_launches(*_kernels()) as launches:
+        _, groups = stage_backward_input([y], [grad], [x], iter([w]))
+        after_input = dict(launches)
+        stage_backward_weight(iter([w]), groups)
+    assert after_input == {"_forward_kernel": 0, "_backward_kernel": 1}
+    assert launches == {"_forward_kernel": 0, "_backward_kernel": 1}  # W launched nothing
+    assert x.grad is not None and w.grad is not None
+    torch.testing.assert_close(x.grad, full[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, full[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_torch_compile_gives_eager_gradients(device: str, backend: str) -> None:
+    if backend == "inductor" and device == "cpu":
+        pytest.skip("inductor on CPU compiles C++: too slow for the test suite; aot_eager here")
+    x, w = _args(device, 2, 3, 8, seed=2)
+    triton_rms_norm(x, w).sum().backward()
+    xc, wc = (t.detach().clone().requires_grad_() for t in (x, w))
+    fn = torch.compile(lambda a, b: triton_rms_norm(a, b).sum(), backend=backend, fullgraph=True)
+    loss = fn(xc, wc)
+    with count_launches(*_kernels()) as launches:
+        loss.backward()
+    assert launches["_backward_kernel"] == 1
+    torch.testing.assert_close(xc.grad, x.grad)
+    torch.testing.assert_close(wc.grad, w.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_op_in_float32_counts_one_backward_launch(device: str) -> None:
+    x, w = (t.detach() for t in _args(device, 4, 8, seed=3))
+    report = check_op(triton_rms_norm, x, w, dtype=torch.float32, checks=ONCE)
+    assert report.ok, str(report)
+    assert report["gradcheck"].dtype == "float32" and report["split"].dtype == "float32"
+    kernel = "examples::triton_rms_norm_backward"
+    assert _ops_only(report.launches["full"]) == {kernel: 1}
+    assert _ops_only(report.launches["input"]) == {kernel: 1}
+    assert report.launches["weight"] == {}
+    if device == "cuda":  # compiled: Triton's launch hook sees the kernel itself, once
+        assert _triton_only(report.launches["input"]) == {"triton:_backward_kernel": 1}
+    else:  # the interpreter has no launch hook
+        assert _triton_only(report.launches["input"]) == {}
+    assert report["flops"].status == "passed"
+    assert report["flops"].detail.startswith("no FLOPs to count")
+    assert f"kernel launches, input: {kernel} x1" in str(report)
+    assert "[ok  ] gradcheck (float32)" in str(report)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the CPU kernel is Triton's only when interpreted")
+def test_check_op_default_float64_names_the_kernel_and_the_fix() -> None:
+    x, w = torch.randn(4, 8), torch.randn(8)
+    with pytest.raises(CheckFailed) as info:
+        check_op(triton_rms_norm, x, w, checks=ONCE)
+    exc = (
+        "UnsupportedError: examples::triton_rms_norm: the Triton kernel takes float32, float16 "
+        "or bfloat16 tensors, got torch.float64. Convert the arguments (x.float()), or check the "
+        "op in its own dtype: check_op(op, ..., dtype=torch.float32)."
+    )
+    expected = MSG_NO_FLOAT64.format(op="examples::triton_rms_norm", exc=exc)
+    assert isinstance(info.value, cg.CustomGradError)
+    for name in ("gradcheck", "split", "flops"):
+        assert info.value.report[name].detail == expected
+    assert info.value.report["fake"].status == "passed"  # the arguments as given: float32
+    with pytest.raises(CheckFailed, match=re.escape(f"  - gradcheck: {expected}")):
+        check_op(triton_rms_norm, x, w, checks=ONCE)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_op_in_bfloat16_skips_finite_differences_saying_why(device: str) -> None:
+    x, w = (t.detach() for t in _args(device, 4, 8, seed=4))
+    report = check_op(triton_rms_norm, x, w, dtype=torch.bfloat16, checks=ONCE)
+    assert report.ok, str(report)
+    assert report["gradcheck"].status == "skipped"
+    assert report["gradcheck"].detail == MSG_COARSE_DTYPE.format(dtype="bfloat16")
+    assert report["split"].status == "passed" and report["split"].dtype == "bfloat16"
+
+
+def _relaunching_op(name: str) -> cg.CustomOp[..., Tensor]:
+    """RMSNorm whose two halves each launch the fused backward kernel (the mistake)."""
+
+    @cg.op(name, weights=("weight",), residuals=("rstd",))
+    def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return triton_rms_norm(x, weight), torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+
+    op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
+    op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
+
+    @op.register_backward_input(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        return {"x": triton_rms_norm_backward(grad, *saved)[0]}
+
+    @op.register_backward_weight(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        return {"weight": triton_rms_norm_backward(grad, *saved)[1]}
+
+    return op
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_check_op_reports_a_backward_kernel_launched_in_both_passes(device: str) -> None:
+    op = _relaunching_op(f"test_triton::relaunch_{device}")
+    x, w = (t.detach() for t in _args(device, 4, 8, seed=5))
+    report = check_op(op, x, w, dtype=torch.float32, checks=ONCE, raise_on_failure=False)
+    assert [r.name for r in report.failures] == ["flops"], str(report)
+    kernel = "examples::triton_rms_norm_backward"
+    assert _ops_only(report.launches["input"]) == {kernel: 1}
+    assert _ops_only(report.launches["weight"]) == {kernel: 1}
+    assert report["flops"].detail == (
+        f"the backward kernel {kernel} ran in both passes, computing the same result in the "
+        f"input pass and again in the weight pass: work done twice\n{FIX_LAUNCHED_TWICE}"
+    )
+
+
+def test_check_op_float32_gradcheck_catches_a_wrong_gradient() -> None:
+    @cg.op("test_triton::wrong", weights=("w",))
+    def wrong(x: Tensor, w: Tensor) -> Tensor:
+        return x * w
+
+    wrong.register_fake(lambda x, w: torch.empty_like(x))
+    wrong.register_save_for_backward(lambda i, o: (i.x, i.w))
+    wrong.register_backward_input(lambda ctx, s, g: {"x": g * s[1]})
+    wrong.register_backward_weight(lambda ctx, s, g: {"w": (g * s[0]).sum(0) * 1.1})
+    report = check_op(
+        wrong, torch.randn(4, 3), torch.randn(3), dtype=torch.float32, raise_on_failure=False
+    )
+    assert report["gradcheck"].status == "failed"
+    assert report["gradcheck"].dtype == "float32"
+    assert "with respect to 'w'" in report["gradcheck"].detail
+
+
+def test_check_op_refuses_a_dtype_that_is_not_floating() -> None:
+    with pytest.raises(
+        cg.CustomGradError,
+        match=re.escape(
+            'check_op(examples::triton_rms_norm): dtype must be a floating-point torch.dtype, "own" '
+            "(the arguments' own dtypes) or None (float64), got torch.int64. Pass e.g. "
+            "dtype=torch.float32."
+        ),
+    ):
+        check_op(triton_rms_norm, torch.randn(2, 4), torch.randn(4), dtype=torch.int64)
+
+
+# -- the other Triton example and the interpreter's gaps ----------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_shift_runs_its_triton_kernel(device: str) -> None:
+    g = torch.Generator().manual_seed(6)
+    x, w, b = (torch.randn(s, generator=g).to(device) for s in ((4, 8), (8,), (8,)))
+    with count_launches(scale_shift_module._scale_shift_kernel) as launches:
+        torch.testing.assert_close(scale_shift_module.scale_shift(x, w, b), x * w + b)
+    assert launches == {"_scale_shift_kernel": 1}
+    assert check_op(scale_shift_module.scale_shift, x, w, b, dtype=torch.float32).ok
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _gaps_kernel(x_ptr, out_ptr, eps, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        x = tl.load(x_ptr + offs, mask=mask)
+        y = libdevice.tanh(x) + libdevice.rsqrt(x * x + eps.to(tl.float32))
+        tl.store(out_ptr + offs, y, mask=mask)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the shims fill gaps of the interpreter only")
+def test_interpreter_shims_fill_the_float_argument_and_libdevice_gaps() -> None:
+    x = torch.randn(10)
+    out = torch.full_like(x, float("nan"))
+    with pytest.raises(Exception, match="'float' object has no attribute 'to'"):
+        _gaps_kernel[(1,)](x, out, 1e-3, 10, 16)  # the gap, unshimmed
+    with interpreter_shims():
+        _gaps_kernel[(1,)](x, out, 1e-3, 10, 16)
+    torch.testing.assert_close(out, torch.tanh(x) + torch.rsqrt(x * x + 1e-3))
+
+
+# -- a raw Triton launch in a backward -----------------------------------------------------------
+def _raw_launch_op(name: str) -> cg.CustomOp[..., Tensor]:
+    """RMSNorm whose single backward launches the backward kernel itself (no op around it)."""
+
+    @cg.op(name, weights=("weight",), residuals=("rstd",))
+    def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return triton_rms_norm(x, weight), torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+
+    op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
+    op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
+    launch = rms_module._backward  # the function that launches the kernel
+
+    @op.register_backward(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        dx, dw = launch(grad, *saved)  # the raw launch
+        return {"x": dx, "weight": dw}
+
+    return op
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_raw_launch_in_a_backward_under_compile_names_the_op_and_the_fix() -> None:
+    op = _raw_launch_op("test_triton::raw_compiled")
+    x, w = _args("cpu", 4, 8, seed=7)
+    fn = torch.compile(lambda a, b: op(a, b).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception) as info:
+        fn(x, w).backward()
+    err = info.value
+    inner = getattr(err, "inner_exception", None)  # dynamo wraps it: BackendCompilerFailed
+    err = inner if isinstance(inner, BaseException) else err
+    assert isinstance(err, cg.UnsupportedError) and isinstance(err, RuntimeError)
+    launched_at = f"{rms_module.__file__}:"
+    assert str(err).startswith(
+        "test_triton::raw_compiled: backward launches the Triton kernel _backward_kernel "
+        f"directly ({launched_at}"
+    )
+    assert (
+        "on tensors without data: torch.compile traces the backward on fake tensors, which a raw "
+        "launch cannot read. Make the kernel an op with a fake kernel and call the op from the "
+        "backward, so the trace keeps it as one opaque call:"
+    ) in str(err)
+    assert "torch.library.triton_op + wrap_triton" in str(err)
+    assert re.search(r"\(backward defined at .*test_triton\.py:\d+\)$", str(err))
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> None:
+    """Not split (the automatic split cannot trace a raw launch): the run-once rule runs the
+    whole backward once, in I, and hands dweight to W."""
+    op = _raw_launch_op("test_triton::raw_once")
+    x, w = _args("cpu", 4, 8, seed=8)
+    y = op(x, w)
+    grad = torch.randn_like(y)
+    full = torch.autograd.grad(_reference(x, w), (x, w), grad)
+    with count_launches(rms_module._backward_kernel) as launches:
+        _, groups = stage_backward_input([y], [grad], [x], iter([w]))
+        stage_backward_weight(iter([w]), groups)
+    assert launches == {"_backward_kernel": 1}
+    torch.testing.assert_close(x.grad, full[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, full[1], atol=1e-5, rtol=1e-5)
+    auto = op.rules.auto
+    assert isinstance(auto, cg._autosplit.AutoSplitter)
+    fallback = auto.fallback()
+    assert fallback is not None and "triton" in fallback.describe()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_automatic_split_fallback_names_the_raw_launch() -> None:
+    op = _raw_launch_op("test_triton::raw_auto")
+    x, w = _args("cpu", 4, 8, seed=9)
+    op(x, w).sum().backward()
+    auto = op.rules.auto
+    assert isinstance(auto, cg._autosplit.AutoSplitter)
+    fallback = auto.fallback()
+    assert fallback is not None
+    assert "Triton kernel" in fallback.describe() and "raw" in fallback.describe()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_traced_backward_calling_the_kernel_op_launches_it_once(device: str) -> None:
+    """The other way: one register_backward calls the backward op once and returns both
+    gradients; the automatic split computes the call once, in I, and hands dweight to W."""
+
+    @cg.op(f"test_triton::traced_{device}", weights=("weight",), residuals=("rstd",))
+    def op(x: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+        return rms_module._forward(x, weight)  # type: ignore[no-any-return]
+
+    op.register_fake(lambda x, weight: (torch.empty_like(x), x.new_empty(x.shape[:-1])))
+    op.register_save_for_backward(lambda i, o, r: (i.x, i.weight, r.rstd))
+
+    @op.register_backward(differentiable=False)
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        dx, dw = triton_rms_norm_backward(grad, *saved)
+        return {"x": dx, "weight": dw}
+
+    x, w = _args(device, 4, 8, seed=9)
+    y = op(x, w)
+    grad = torch.randn_like(y)
+    full = torch.autograd.grad(_reference(x, w), (x, w), grad)
+    with count_launches(rms_module._backward_kernel) as launches:
+        _, groups = stage_backward_input([y], [grad], [x], iter([w]))
+        assert launches == {"_backward_kernel": 1}
+        stage_backward_weight(iter([w]), groups)
+    assert launches == {"_backward_kernel": 1}
+    auto = op.rules.auto
+    assert isinstance(auto, cg._autosplit.AutoSplitter) and auto.fallback() is None
+    torch.testing.assert_close(x.grad, full[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(w.grad, full[1], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="the interpreter's launch on fake tensors")
+def test_a_trace_that_hits_a_raw_launch_is_explained_by_the_kernel() -> None:
+    """What the automatic split says when tracing reaches a raw launch (``_autosplit._why``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from customgrad._autosplit import _why
+
+    with FakeTensorMode() as mode:
+        x, w = mode.from_tensor(torch.randn(4, 8)), mode.from_tensor(torch.randn(8))
+        rstd = mode.from_tensor(torch.randn(4))
+        with pytest.raises(Exception) as info:
+            rms_module._backward(x, x, w, rstd)
+    reason, fix = _why(info.value)
+    assert reason.startswith(
+        f"it launches the Triton kernel _backward_kernel directly ({rms_module.__file__}:"
+    )
+    assert reason.endswith("), which fake tensors cannot run")
+    assert fix == (
+        "make the kernel an op with a fake kernel (a customgrad op, or torch.library.triton_op) "
+        "and call the op from the backward: the trace keeps it as one opaque call"
+    )

@@ -865,7 +865,7 @@ class TracedSplit:
             outs = self._outputs
             early = (outs[i] for i in self._slots(self.requires - later))
             c = cut(self.graph_module.graph, early, [outs[i] for i in self._slots(later)],
-                    self._recompute)  # fmt: skip
+                    "cheap" if self._recompute else "none")  # fmt: skip
             found = self._kept[later] = (list(c.kept), set(c.recomputed))
         return found
 

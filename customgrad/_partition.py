@@ -8,9 +8,10 @@ says which nodes each pass runs and what the earlier pass hands to the later one
 - a node only the earlier outputs need runs in the earlier pass, one only the later outputs
   need in the later pass, and one no output needs nowhere;
 - a node both need runs once, in the earlier pass, and is handed over (*kept*) where the later
-  pass reads it; with ``recompute``, a shared node that costs no FLOPs by torch's formulas
-  (views, elementwise ops: :func:`cheap`, the one recompute rule) is run again in the later pass
-  instead, from what it reads (kept or recomputed in turn).
+  pass reads it; a shared node that costs no FLOPs by torch's formulas (views, elementwise ops,
+  reductions: :func:`cheap`, the one recompute rule) may be run again in the later pass instead
+  (:data:`Recompute` says which: a traced backward asks for it with ``recompute="cheap"``, a
+  compiled region recomputes what rebuilds from its inputs).
 
 So FLOPs(earlier) + FLOPs(later) == FLOPs(whole graph) by torch's FLOP formulas, always.
 :func:`extract` builds a pass's graph from the original's nodes (as AOTAutograd's
@@ -23,7 +24,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -31,7 +32,17 @@ import torch.fx as fx
 from customgrad._flops import formula_of
 from customgrad._torch.dispatcher import OpOverload
 
-__all__ = ["Cut", "ancestors", "cheap", "cut", "extract", "free"]
+__all__ = [
+    "REBUILD_DEPTH",
+    "Cut",
+    "Recompute",
+    "ancestors",
+    "cheap",
+    "cut",
+    "extract",
+    "free",
+    "rebuildable",
+]
 
 _FREE_OPS = ("placeholder", "get_attr")
 
@@ -86,17 +97,46 @@ class Cut:
     recomputed: frozenset[fx.Node]
 
 
+REBUILD_DEPTH = 8
+"""How many cheap ops deep :func:`rebuildable` looks for the graph's inputs."""
+
+
+def rebuildable(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> bool:
+    """Whether ``node`` can be rebuilt from the graph's inputs with :func:`cheap` ops only."""
+    found = memo.get(node)
+    if found is None:
+        found = free(node) or (
+            depth < REBUILD_DEPTH
+            and cheap(node)
+            and all(rebuildable(a, memo, depth + 1) for a in node.all_input_nodes)
+        )
+        memo[node] = found
+    return found
+
+
+Recompute = Literal["none", "cheap", "from_inputs"]
+"""Which shared nodes the later pass runs again instead of receiving them: none; every
+:func:`cheap` one (keeping what it reads that is not cheap); or only cheap chains that rebuild
+them from the graph's inputs (nothing new is kept for them: a compiled region's policy)."""
+
+
 def cut(
     graph: fx.Graph,
     early_outputs: Iterable[fx.Node],
     late_outputs: Iterable[fx.Node],
-    recompute: bool | Callable[[fx.Node], bool] = False,
+    recompute: Recompute = "none",
 ) -> Cut:
     """Cut ``graph`` into an earlier pass producing ``early_outputs`` and a later one producing
-    ``late_outputs`` (see the module's docstring). ``recompute``: True for :func:`cheap`, or
-    the rule to use."""
-    rule: Callable[[fx.Node], bool] | None
-    rule = cheap if recompute is True else (recompute or None)
+    ``late_outputs`` (see the module's docstring and :data:`Recompute`)."""
+    rule: Callable[[fx.Node], bool] | None = None
+    if recompute == "cheap":
+        rule = cheap
+    elif recompute == "from_inputs":
+        memo: dict[fx.Node, bool] = {}
+
+        def rule(node: fx.Node) -> bool:
+            return rebuildable(node, memo)
+
     late_outs = [n for n in late_outputs if not free(n)]
     early = ancestors(early_outputs)
     late = ancestors(late_outs)
@@ -148,6 +188,10 @@ def extract(
             copy = env[n] = graph.node_copy(n, env.__getitem__)
             if map_node is not None and n.op == "call_function":
                 map_node(n, copy)
-    graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
+    # Which outputs are tensors the caller sees (inductor reads it from a backward graph).
+    out.meta["user_visible_output_idxs"] = [
+        i for i, o in enumerate(outputs) if isinstance(o, fx.Node)
+    ]
     graph.lint()
     return fx.GraphModule(gm, graph)

@@ -332,6 +332,17 @@ def test_dynamo_backends_and_optimized_module() -> None:
     assert isinstance(module, dynamo.optimized_module_type())
 
 
+def test_aot_is_tangent_tells_the_output_gradients_of_a_backward_graph() -> None:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def backward(saved: torch.Tensor, tangents_1: torch.Tensor) -> torch.Tensor:
+        return saved * tangents_1
+
+    gm = make_fx(backward)(torch.ones(2), torch.ones(2))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert [aot.is_tangent(n) for n in placeholders] == [False, True]
+
+
 def test_aot_config_tracing_metadata_and_inductor_compilers() -> None:
     import torch._functorch.config as config
     from torch._dynamo.backends.common import aot_autograd

@@ -10,7 +10,9 @@ Imported lazily.
 - :func:`inductor_compilers`: ``(compile_fx, compile_fx_inner)`` of
   ``torch._inductor.compile_fx``;
 - :func:`compiled_backward`: the compiled backward a ``CompiledFunctionBackward`` node runs
-  (``node._forward_cls.compiled_bw``, set at its first backward), or None.
+  (``node._forward_cls.compiled_bw``, set at its first backward), or None;
+- :func:`is_tangent`: whether a placeholder of a backward graph is an output gradient
+  (AOTAutograd's own ``partitioners._is_tangent``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from typing import Any
 
 from customgrad._torch.functions import forward_cls
 
-__all__ = ["compiled_backward", "config_patch", "inductor_compilers", "tracing_metadata"]
+__all__ = [
+    "compiled_backward",
+    "config_patch",
+    "inductor_compilers",
+    "is_tangent",
+    "tracing_metadata",
+]
 
 
 def config_patch(**changes: Any) -> AbstractContextManager[Any]:
@@ -50,3 +58,13 @@ def compiled_backward(node: Any) -> Any:
     """The backward AOTAutograd compiled for the region whose backward ``node`` runs (its
     Function's ``compiled_bw``, possibly wrapped), or None (not compiled yet, another node)."""
     return getattr(forward_cls(node), "compiled_bw", None)
+
+
+def is_tangent(node: Any) -> bool:
+    """Whether ``node``, a placeholder of an AOTAutograd backward graph, is an output gradient
+    (``torch._functorch.partitioners._is_tangent``; its naming rule where torch lacks it)."""
+    try:
+        from torch._functorch.partitioners import _is_tangent  # type: ignore[attr-defined]
+    except ImportError:  # pragma: no cover - another torch
+        return bool(node.op == "placeholder" and str(node.target).startswith("tangents"))
+    return bool(_is_tangent(node))

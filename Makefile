@@ -47,6 +47,7 @@ examples: $(STAMP)
 	$(PY) -m examples.ops
 	$(PY) examples/zero_bubble.py --check
 	$(PY) examples/zero_bubble.py --check --compile
+	$(PY) examples/llama_stages.py --steps 2 --backend aot_eager
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .site

@@ -30,6 +30,7 @@ pictures: $(STAMP)
 	$(PY) examples/zero_bubble.py --compile --out docs/img/compiled
 	$(PY) -m examples.split_picture --out docs/img/explain_split.png
 	$(PY) -m benchmarks.scale --out docs/img/scale.png
+	$(PY) -m benchmarks.scale --compile --rows 8 --out docs/img/scale_compiled.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check customgrad tests examples benchmarks
@@ -46,6 +47,7 @@ examples: $(STAMP)
 	$(PY) -m examples.ops
 	$(PY) examples/zero_bubble.py --check
 	$(PY) examples/zero_bubble.py --check --compile
+	$(PY) examples/llama_stages.py --steps 2 --backend aot_eager
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .site

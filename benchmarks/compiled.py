@@ -15,8 +15,12 @@ One run, three measurements, each against an anchor measured in the same run:
    one process holds both stages of the V (NCCL refuses two ranks on one device): there is no
    bubble to remove, and the ratio shows what the split costs on one device.
 
-The last line: ``compiled zero-bubble/1F1B step time: customgrad=<r> eager=<r> torch=<r or
-error>``.
+4. The same ratio replayed (``customgrad.pipelining.simulate``) from one block's F, I, W and B
+   measured on one process (CPU time on a CPU: free of the other processes), for compiled and
+   eager blocks: what the blocks' costs allow, without the schedule's runtime.
+
+The last lines: ``compiled zero-bubble/1F1B step time: customgrad=<r> eager=<r> torch=<r or
+error>`` and the replayed ratios.
 
     python benchmarks/compiled.py                    # a few minutes on 2 CPU cores
     python benchmarks/compiled.py --device cuda      # make gpu-check; 1 or 2 GPUs
@@ -132,6 +136,55 @@ def block_figures(args: argparse.Namespace, device: torch.device) -> str:
     return "\n".join(lines)
 
 
+def replayed(args: argparse.Namespace, device: torch.device) -> str:
+    """ZBV over 1F1B replayed from one block's F, I, W and B (medians) measured on this process,
+    for blocks compiled by customgrad.compile and for eager customgrad ops, both under
+    customgrad's split: what the blocks' costs allow, without the schedule's runtime."""
+    rows = args.batch // args.microbatches
+    world = dist.get_world_size()
+    gen = torch.Generator().manual_seed(1)
+    x0, g = (torch.randn(rows, args.dim, generator=gen).to(device) for _ in range(2))
+
+    def cpu_clock() -> float:
+        return clock(device) if device.type == "cuda" else time.thread_time()
+
+    out = {}
+    for label, impl, _, how in [c for c in CONFIGS if c[0] in ("customgrad", "eager")]:
+        block = compiled_block(args, how or "", device, impl)
+        times: dict[str, list[float]] = {k: [] for k in "FIWB"}
+        for _ in range(args.reps + 3):  # the first 3 compile and warm up
+            x = x0.clone().requires_grad_()
+            t = cpu_clock()
+            y = block(x)
+            times["F"].append(cpu_clock() - t)
+            t = cpu_clock()
+            _, groups = cgp.stage_backward_input([y], [g], [x], block.parameters())
+            times["I"].append(cpu_clock() - t)
+            t = cpu_clock()
+            cgp.stage_backward_weight(block.parameters(), groups)
+            times["W"].append(cpu_clock() - t)
+            x = x0.clone().requires_grad_()
+            y = block(x)
+            t = cpu_clock()
+            y.backward(g)
+            times["B"].append(cpu_clock() - t)
+        f, i, w, b = (statistics.median(times[k][3:]) for k in "FIWB")
+        one = cgp.StageCosts(f, i, w, b)  # ZBV: a block a stage, 2 stages a rank
+        two = cgp.StageCosts(2 * f, 2 * i, 2 * w, 2 * b)  # 1F1B: two blocks a stage
+        zb = cgp.simulate(pipelining.ScheduleZBVZeroBubble, 2 * world, args.microbatches, one)
+        base = cgp.simulate(pipelining.Schedule1F1B, world, args.microbatches, two)
+        out[label] = (
+            f"{label}={zb.step_time / base.step_time:.3f} (F {f * 1e3:.2f}, I {i * 1e3:.2f}, "
+            f"W {w * 1e3:.2f}, B {b * 1e3:.2f} ms; (I+W)/B {(i + w) / b:.3f}, B/F {b / f:.2f})"
+        )
+    torch._dynamo.reset()
+    how_timed = "CPU time" if device.type == "cpu" else "time"
+    return (
+        f"replayed from one block's F / I / W / B ({how_timed}, median of {args.reps}) on one "
+        "process, no runtime: zero-bubble/1F1B " + " ".join(out.values())
+    )
+
+
 # --- 3: pipelines on 2 processes ------------------------------------------------------------
 
 
@@ -229,6 +282,7 @@ def pipeline_figures(args: argparse.Namespace, device: torch.device) -> dict[str
 def bench(args: argparse.Namespace, device: torch.device) -> None:
     rank = dist.get_rank()
     block = block_figures(args, device) if rank == 0 and not args.no_block else ""
+    replay = replayed(args, device) if rank == 0 else ""
     dist.barrier()
     ratios = pipeline_figures(args, device)
     if rank == 0:
@@ -245,6 +299,7 @@ def bench(args: argparse.Namespace, device: torch.device) -> None:
             "compiled zero-bubble/1F1B step time: "
             + " ".join(f"{k}={v}" for k, v in ratios.items())
         )
+        print(replay)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

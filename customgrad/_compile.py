@@ -197,8 +197,13 @@ class CompiledRegion:
         )
         if self.kept:
             text += f": {origin_summary(self.kept)}"
-        if self.recomputed_origins:
-            text += f"; W recomputes {origin_summary(self.recomputed_origins)} (no FLOPs)"
+        recomputed = self.recomputed_origins
+        if recomputed:
+            n = len(recomputed)
+            text += (
+                f"; W recomputes {n} value{'s' if n > 1 else ''} ({origin_summary(recomputed)}; "
+                "no FLOPs)"
+            )
         if self.repeated:
             text += f"; some pass ran the full backward: {self.repeated}"
         return text

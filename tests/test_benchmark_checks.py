@@ -1,7 +1,13 @@
 """``benchmarks/overhead_checks.py`` swaps the functions a runner is written from; its own check
-(each variant takes out exactly its check) must keep passing as the core changes."""
+(each variant takes out exactly its check) must keep passing as the core changes. The pipeline
+benchmarks start as many processes as the GPUs allow."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 
 def test_each_overhead_check_variant_takes_out_its_check() -> None:
@@ -12,3 +18,31 @@ def test_each_overhead_check_variant_takes_out_its_check() -> None:
     call = overhead.CG["linear", "pair"]._fast_call
     assert call is not None
     overhead_checks._verify(overhead_checks._variants(call.__globals__))
+
+
+CHECK_NPROC = """
+import sys, torch
+sys.path.insert(0, "benchmarks")
+import compiled, pipeline  # as the scripts run: from benchmarks/
+torch.cuda.is_available = lambda: True
+for gpus, want in ((1, 1), (2, 2), (8, 2)):
+    torch.cuda.device_count = lambda gpus=gpus: gpus
+    assert compiled.parse_args(["--device", "cuda"]).nproc == want, gpus
+    assert pipeline.parse_args(["--device", "cuda"]).nproc == want, gpus
+    assert compiled.parse_args([]).nproc == 2  # CPU: gloo, 2 processes
+assert compiled.parse_args(["--device", "cuda", "--nproc", "1"]).nproc == 1
+print("ok")
+"""
+
+
+def test_cuda_benchmarks_spawn_one_process_per_gpu() -> None:
+    """With one GPU, ``--device cuda`` spawns one rank (both stages of the V), never two NCCL
+    ranks on one device; with two or more, two ranks; on a CPU, two. (In a process of its own:
+    the scripts import their ops as top-level modules.)"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", CHECK_NPROC], cwd=root, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -136,6 +136,7 @@ def test_compiled_region_names_kept_values_by_module_and_line() -> None:
         "I keeps 4 values for W (1792 bytes per microbatch): 1 from fc1 (Linear), "
         "1 from attn.o (Linear), 2 from attn.qkv (Linear)"
     ) in node.compiled
+    assert "; W recomputes 1 value (1 from fc2 (Linear); no FLOPs)" in node.compiled
     text = str(report)
     qkv = _line(Attention.forward, "self.qkv(x)")
     assert (

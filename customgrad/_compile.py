@@ -32,12 +32,13 @@ grad, gradients that do not line up with the node's edges.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -143,8 +144,26 @@ class CompiledRegion:
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
     """Per node: the output gradients the engine passed it for the backward about to run."""
+    _input_side_dropped: weakref.WeakKeyDictionary[Any, tuple[bool, ...]] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
+    """Per node: its edges whose gradients the running weight pass keeps (it drops the rest)."""
     _logged: bool = field(default=False, repr=False)
     _logged_repeat: bool = field(default=False, repr=False)
+
+    @contextlib.contextmanager
+    def dropping_input_side(self, node: Any, weight_side: tuple[bool, ...]) -> Iterator[None]:
+        """While the block runs, ``node``'s backward computes only its ``weight_side`` edges'
+        gradients: a weight pass runs the node through an engine call that wants its input
+        edges too (a weight it shares with a region before it) but drops what it sends along
+        them (its input pass sent those already)."""
+        with _LOCK:
+            self._input_side_dropped[node] = weight_side
+        try:
+            yield
+        finally:
+            with _LOCK:
+                self._input_side_dropped.pop(node, None)
 
     def pending(self) -> int:
         """Number of microbatches whose I ran and whose W has not yet (hand-offs held)."""
@@ -488,6 +507,9 @@ class _Backward:
         needed = [fn is not None and engine_needs(fn) for fn, _ in edges]
         with _LOCK:
             handoff = region._pending.get(node)
+            kept_side = region._input_side_dropped.get(node)
+        if kept_side is not None:  # the running weight pass drops the rest
+            needed = [n and k for n, k in zip(needed, kept_side)]
         if handoff is not None:
             tangents = [args[i] for i in self.tangents if i < len(args)]
             if handoff.made_with(engine, tangents) and handoff.cut.serves_later(needed):

@@ -421,7 +421,17 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     leaves = [v for n in call.leaves if isinstance(v := getattr(n, "variable", None),
                                                      torch.Tensor)]  # fmt: skip
     try:
-        send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
+        with contextlib.ExitStack() as regions:
+            if clamp:
+                # Compiled regions among them compute only their weight side from the start.
+                from customgrad._compile import region_of
+
+                for n in clamp:
+                    region = region_of(n)
+                    if region is not None:
+                        side = plan.weight_side_edges(n)
+                        regions.enter_context(region.dropping_input_side(n, side))
+            send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:
             h.remove()

@@ -51,8 +51,23 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._origin import ValueOrigin, origin_of
 from customgrad._origin import summary as origin_summary
 from customgrad._switches import split_enabled
-from customgrad._torch.dynamo import compiled_autograd_on, compiling_locals
-from customgrad._torch.engine import graph_kept
+from customgrad._torch.aot import (
+    compiled_backward,
+    config_patch,
+    inductor_compilers,
+    tracing_metadata,
+)
+from customgrad._torch.dispatcher import is_traceable_wrapper_subclass
+from customgrad._torch.dynamo import (
+    aot_autograd_type,
+    compiled_autograd_on,
+    compiling_locals,
+    eager_backends,
+    lookup_backend,
+    optimized_module_type,
+)
+from customgrad._torch.engine import current_node, graph_kept
+from customgrad._torch.fake import is_fake
 from customgrad._torch.functions import is_aot_node
 
 __all__ = ["CompiledRegion", "GraphInfo", "compile", "region_of", "regions"]
@@ -248,8 +263,7 @@ def regions() -> list[CompiledRegion]:
 def region_of(node: Any) -> CompiledRegion | None:
     r"""The compiled region whose backward ``node`` runs (a ``CompiledFunctionBackward`` of a
     :func:`compile`\ d module, once its backward was compiled), else None."""
-    cls = getattr(node, "_forward_cls", None)
-    fn = getattr(cls, "compiled_bw", None)
+    fn = compiled_backward(node)
     for _ in range(8):  # through wrappers (torch._dynamo.disable keeps __wrapped__)
         if fn is None or isinstance(fn, _Backward):
             break
@@ -450,7 +464,7 @@ class _Backward:
 
     def __call__(self, args: list[Any]) -> Any:
         region = self.region
-        node = torch._C._current_autograd_node()
+        node = current_node()
         tangents = [args[i] for i in self.tangents if i < len(args)]
         engine = _engine_grads(region, node, tangents) if node is not None else None
         mode, cut = self._mode(node, args, engine)
@@ -549,8 +563,6 @@ def _kind(x: Any) -> bool | None:
 
 
 def _subclass_input(example_inputs: Sequence[Any]) -> bool:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     return any(
         isinstance(x, torch.Tensor)
         and not isinstance(x, nn.Parameter)
@@ -561,9 +573,7 @@ def _subclass_input(example_inputs: Sequence[Any]) -> bool:
 
 
 def _is_fake(x: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
+    return is_fake(x)
 
 
 def _no_donated_buffers() -> None:
@@ -576,15 +586,13 @@ def _no_donated_buffers() -> None:
     tensor-subclass inputs (an outer one, out of reach: there a full backward before the first
     split one still meets torch's donated-buffer error).
     """
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None)
+    meta = tracing_metadata()
     if meta is not None and meta.bw_donated_idxs is None:
         meta.bw_donated_idxs = []
 
 
 def _mutated_grad_input() -> bool:
-    ctx = torch._guards.TracingContext.try_get()
-    meta = getattr(ctx, "fw_metadata", None)
+    meta = tracing_metadata()
     if meta is None:
         return False
     return any(
@@ -722,7 +730,7 @@ def _weights_by_history(kinds: list[bool | None]) -> list[bool | None]:
     weight. This only picks the cut compiled ahead; a call whose pass needs another pattern
     (the same graph serving a block where that input is an activation) gets its own.
     """
-    node = torch._C._current_autograd_node()
+    node = current_node()
     if node is None:
         return kinds
     edges = node.next_functions
@@ -842,7 +850,7 @@ class _Backend:
         if _subclass_input(example_inputs):
             reason = "a tensor-subclass input (its gradient is flattened into inner tensors)"
         names = _dynamo_input_names(gm)
-        with torch._functorch.config.patch(donated_buffer=False, enable_autograd_cache=False):
+        with config_patch(donated_buffer=False, enable_autograd_cache=False):
             if self.backend == "inductor":
                 compiled = self._inductor(gm, example_inputs, region, kinds, reason, names)
             else:
@@ -859,7 +867,7 @@ class _Backend:
         reason: str | None,
         names: list[str],
     ) -> Any:
-        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        compile_fx, compile_fx_inner = inductor_compilers()
 
         def inner(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> Any:
             if not kw.get("is_backward"):
@@ -880,8 +888,8 @@ class _Backend:
         reason: str | None,
         names: list[str],
     ) -> Any:
-        from torch._dynamo.backends.common import AotAutograd
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+        AotAutograd = aot_autograd_type()
+        aot_eager, boxed_nop = eager_backends()
 
         backend = self.backend
         if backend == "aot_eager":
@@ -948,20 +956,16 @@ def _backend_for(backend: Any, mode: str | None, options: Any, dynamic: Any) -> 
 
 
 def _resolve_backend(backend: Any) -> Any:
-    from torch._dynamo.backends.common import AotAutograd
-
-    if isinstance(backend, AotAutograd):
+    if isinstance(backend, aot_autograd_type()):
         return backend
     if isinstance(backend, str):
         if backend in SUPPORTED_BACKENDS:
             return backend
-        from torch._dynamo.backends.registry import lookup_backend
-
         try:
             found = lookup_backend(backend)
         except Exception:
             found = None
-        if isinstance(found, AotAutograd):
+        if isinstance(found, aot_autograd_type()):
             return found
     raise ArgumentValueError(MSG_BACKEND.format(got=_describe(backend)))
 
@@ -1006,9 +1010,7 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
         >>> block = customgrad.compile(block, backend="aot_eager")
         >>> block(torch.randn(2, 4)).sum().backward()
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    if isinstance(module, OptimizedModule):
+    if isinstance(module, optimized_module_type()):
         raise ArgumentTypeError(
             MSG_TWICE.format(got="this OptimizedModule", how="by torch.compile(module)")
         )

@@ -17,8 +17,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from customgrad._torch.dispatcher import TorchDispatchMode
 
 __all__ = ["EXTRA_FORMULAS", "FlopCounter", "count_flops", "formula_of", "may_hide_flops"]
 

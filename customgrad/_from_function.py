@@ -30,7 +30,6 @@ from typing import Any
 import optree
 import torch
 from torch.autograd.function import _is_setup_context_defined
-from torch.utils._python_dispatch import _disable_current_modes
 
 from customgrad._autograd import _raises_if_differentiated, _requiring_grad
 from customgrad._errors import (
@@ -44,6 +43,9 @@ from customgrad._errors import (
 )
 from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
+from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
+from customgrad._torch.dispatcher import is_alias_of
+from customgrad._torch.fake import detect_fake_mode
 from customgrad._triton import raw_launch
 
 __all__ = ["from_function"]
@@ -51,7 +53,7 @@ __all__ = ["from_function"]
 _Tensor = torch.Tensor
 _RESIDUAL = "saved"
 _LEAVES = (_Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype, torch.Size)
-_is_alias_of: Any = torch._C._is_alias_of  # type: ignore[attr-defined]
+_is_alias_of = is_alias_of
 
 
 class _Stash(threading.local):
@@ -574,7 +576,7 @@ def from_function(
         fakes that do, to read what it records from ``x.requires_grad`` (or
         ``ctx.needs_input_grad``). Its tensors stay those of the kernel's run."""
         tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
-        fake = torch._guards.detect_fake_mode([t for t in tensors if isinstance(t, _Tensor)])
+        fake = detect_fake_mode([t for t in tensors if isinstance(t, _Tensor)])
         if fake is None:
             return attrs
         if op._user_fake is not None:  # the forward can't run on fakes: ask the probe

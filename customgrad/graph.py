@@ -42,6 +42,7 @@ from customgrad._flops import FlopCounter
 from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node
+from customgrad._torch.dispatcher import OpOverload
 
 __all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
@@ -324,7 +325,7 @@ def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if isinstance(value, torch._ops.OpOverload):
+            if isinstance(value, OpOverload):
                 return "custom_op", str(value._schema.name)
         return "custom_op", cls.__name__.removeprefix("GeneratedBackwardFor_")
     return "function", f"{cls.__qualname__} (autograd.Function)"

@@ -39,7 +39,6 @@ from typing import Any, Literal
 
 import optree
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.gradcheck import GradcheckError
 
 from customgrad._autosplit import AutoSplitter
@@ -47,6 +46,7 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGrad
 from customgrad._flops import FlopCounter
 from customgrad._launches import LaunchCounter
 from customgrad._op import CustomOp, autograd_impl
+from customgrad._torch.fake import fake_tensor_mode_type, is_fake
 
 __all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
 
@@ -574,7 +574,7 @@ class _Case:
         values = self.args.copy(grad=False)
         with torch.no_grad():
             real = optree.tree_leaves(self.args.call(values, self.op.opoverload))
-        with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        with fake_tensor_mode_type()(allow_non_fake_inputs=False) as mode:
             fake_values = {
                 k: [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in v]
                 if isinstance(v, list)
@@ -966,10 +966,9 @@ def _launched_twice(
 def _has_tensor(g: object) -> bool:
     """Whether ``g`` holds a computed gradient (a traced split hands customgrad's validation the
     trace's fake tensors for the gradients no pass computes: those were not computed)."""
-    from torch._subclasses.fake_tensor import FakeTensor
 
     def computed(t: object) -> bool:
-        return isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor)
+        return isinstance(t, torch.Tensor) and not is_fake(t)
 
     if computed(g):
         return True

@@ -171,11 +171,11 @@ def write_runner(
                 *_indent(
                     [
                         "handoff = record.handoff",
-                        "if handoff is not _NO_HANDOFF:",
+                        "if handoff is not None:",
                         "    handoff = _handed_over(record, grads, 'traced')",
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "record.handoff = _NO_HANDOFF if kept is None else "
+                        "record.handoff = None if kept is None else "
                         "_HandOff(grads, 'traced', kept)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
@@ -213,7 +213,7 @@ def write_runner(
                 "weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w", "got"
             )
             # the later pass ran: free what was kept for it
-            lines += ["if record.handoff is not _NO_HANDOFF:", "    record.handoff = _NO_HANDOFF"]
+            lines += ["if record.handoff is not None:", "    record.handoff = None"]
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
         lines.append("return got")
@@ -244,12 +244,12 @@ def _run_once_lines(
     ns["_ALLOWED_every"] = sig.tensor_set
     ns["_NEEDED_every"] = plan.requires
     return [
-        "if record.handoff is not _NO_HANDOFF:",
+        "if record.handoff is not None:",
         "    early = _handed_over(record, grads, 'gradients')",
         "    if early is not _NO_HANDOFF:",
         "        got = {n: early.pop(n) for n in _NEEDED if n in early}",
         "        if not early:",
-        "            record.handoff = _NO_HANDOFF",
+        "            record.handoff = None",
         "        return got",
         "if keep:",
         *_indent(

@@ -51,7 +51,7 @@ def handed_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind) -
     """What the node's earlier pass kept of ``kind`` for a pass with output gradients ``grads``
     (:data:`NO_HANDOFF` when nothing, or when it was made by a pass of other gradients)."""
     handoff = record.handoff
-    if handoff is NO_HANDOFF or handoff.kind != kind:
+    if handoff is None or handoff.kind != kind:
         return NO_HANDOFF
     made_with = handoff.grads
     if made_with is grads or same_tensors(

@@ -92,7 +92,7 @@ class BackwardContext:
 
     def __init__(
         self,
-        op: Any,
+        op: OpSpec,
         phase: Phase,
         needed: frozenset[str],
         shared: _Shared | None = None,
@@ -105,7 +105,7 @@ class BackwardContext:
     # Read-only: a context without shared work is made once per pass plan and reused by every
     # backward call with that plan (:attr:`PassPlan.ctx`).
     @property
-    def op(self) -> Any:
+    def op(self) -> OpSpec:
         return self._op
 
     @property

@@ -7,11 +7,14 @@ only through :func:`record_of`; nothing else is stored on the node.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from customgrad._signature import ArgKind
 
 if TYPE_CHECKING:
+    from customgrad._autograd import AutogradImpl
+    from customgrad._autosplit import TracedSplit
+    from customgrad._handoff import HandOff
     from customgrad._routing import Route
     from customgrad._rules import OpSpec
     from customgrad._validate import TensorMeta
@@ -21,7 +24,8 @@ __all__ = ["NO_HANDOFF", "NodeRecord", "attach", "record_of"]
 _ATTR = "_cg"
 
 NO_HANDOFF: Any = object()
-"""``NodeRecord.handoff`` before anything was handed from one pass to the next."""
+"""What :func:`customgrad._handoff.handed_over` answers when nothing was handed over (a value
+handed over may be None)."""
 
 
 class NodeRecord:
@@ -37,9 +41,9 @@ class NodeRecord:
         kept: how the saved values are laid out (see ``customgrad._autograd``).
         tag: what the forward was tagged with (see :func:`customgrad._routing.tagging`).
         route: what a planned backward told this node (see :mod:`customgrad._routing`).
-        handoff: values the earlier pass of a split computed for the later one
-            (:data:`NO_HANDOFF` when none).
-        split: the node's automatic-split plan, once its first backward chose one.
+        handoff: what the earlier pass of a split computed for the later one, or None.
+        split: the node's automatic-split plan once its first backward chose one (False: the
+            backward is called as written), or None before.
         split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
             strides, dtypes: a backward with others chooses again).
         forward_ad: ``(args, outputs)`` kept for a jvp while forward AD is active.
@@ -50,21 +54,21 @@ class NodeRecord:
     # Set at forward: impl, metas, lens, tag (and kept). The rest keep these class-level
     # defaults until something sets them, which keeps creating a record cheap (one per op call).
     out_lens: list[int | None] | None = None
-    kept: Any = None
+    kept: object = None
     route: Route | None = None
-    handoff: Any = NO_HANDOFF
-    split: Any = None
-    split_grads: Any = None
-    forward_ad: Any = None
+    handoff: HandOff | None = None
+    split: TracedSplit | Literal[False] | None = None
+    split_grads: object = None
+    forward_ad: tuple[object, object] | None = None
     residual_slots: tuple[tuple[int, str], ...] | None = None
     weight_edges: tuple[bool, ...] | None = None
 
     def __init__(
         self,
-        impl: Any,
+        impl: AutogradImpl,
         metas: list[TensorMeta],
         lens: tuple[int, ...] | None,
-        tag: Any,
+        tag: object,
     ) -> None:
         self.impl = impl
         self.metas = metas

@@ -12,6 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
+    from customgrad._autosplit import AutoSplitter
     from customgrad._signature import Signature
 
 __all__ = [
@@ -94,7 +95,7 @@ class AutogradRules:
     split: SplitMode = "auto"
     recompute: Literal["none", "cheap"] = "none"
     nondifferentiable: frozenset[Half] = frozenset()
-    auto: Any = None
+    auto: AutoSplitter | None = None
 
     def missing(self, *, has_inputs: bool, has_weights: bool) -> list[str]:
         """The ``register_*`` calls still needed before the op can be differentiated.

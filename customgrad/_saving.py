@@ -128,6 +128,7 @@ def _restore(node: Any, record: NodeRecord) -> Any:
         return node.saved_tensors[0]
     if kept is _SAVED_NONE:
         return None
+    assert isinstance(kept, _Kept)  # the other layouts are the sentinels above
     leaves, treespec, tensor_idx = kept
     if tensor_idx:
         leaves = list(leaves)

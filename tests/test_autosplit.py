@@ -32,7 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import customgrad as cg
 from customgrad._autosplit import MSG_FALLBACK, AutoSplitter, Fallback, TracedSplit
 from customgrad._errors import where
-from customgrad._record import NO_HANDOFF, record_of
+from customgrad._record import record_of
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
@@ -287,7 +287,7 @@ def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
         # elementwise work; "none" also keeps dh, which the up gradient needs.
         assert len(values) == kept
         gw = torch.autograd.grad(out, [up, down], g)  # W
-        assert record.handoff is NO_HANDOFF
+        assert record.handoff is None
         want = torch.autograd.grad(ref_mlp(x, up, down), [x, up, down], g)
         assert_grads([gx, *gw], want)
 

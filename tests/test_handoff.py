@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import customgrad as cg
-from customgrad._record import NO_HANDOFF, record_of
+from customgrad._record import record_of
 
 _ids = itertools.count()
 DT = torch.float64
@@ -115,9 +115,9 @@ def test_the_weight_pass_of_the_same_gradients_reads_the_hand_off(
     record = record_of(out.grad_fn)
     assert record is not None
     torch.autograd.grad(out, x, g, retain_graph=True)
-    assert record.handoff is not NO_HANDOFF
+    assert record.handoff is not None
     got = torch.autograd.grad(out, (up, down), g)
-    assert record.handoff is NO_HANDOFF  # freed after the weight pass
+    assert record.handoff is None  # freed after the weight pass
     torch.testing.assert_close(got, torch.autograd.grad(reference(x, up, down), (up, down), g))
 
 
@@ -129,7 +129,7 @@ def test_a_non_retaining_input_pass_frees_the_hand_off_at_once(style: str, fastp
     record = record_of(out.grad_fn)
     assert record is not None
     torch.autograd.grad(out, x, torch.randn_like(out))  # no retain_graph: no weight pass can come
-    assert record.handoff is NO_HANDOFF
+    assert record.handoff is None
 
 
 @pytest.mark.parametrize("style", STYLES)

@@ -24,7 +24,7 @@ from torch.distributed.pipelining import _backward as torch_backward
 
 import customgrad as cg
 from customgrad._autosplit import AutoSplitter, Fallback
-from customgrad._record import NO_HANDOFF, record_of
+from customgrad._record import record_of
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
 DT = torch.float64
@@ -152,10 +152,10 @@ def test_what_runs_once_hands_its_weight_gradients_to_w_and_frees_them() -> None
     assert record is not None
     g = torch.ones(4, 3, dtype=DT)
     _, groups = torch_backward.stage_backward_input([out], [g], [x], [w])
-    assert record.handoff is not NO_HANDOFF and record.handoff.kind == "gradients"
+    assert record.handoff is not None and record.handoff.kind == "gradients"
     assert set(record.handoff.value) == {"w"}
     torch_backward.stage_backward_weight([w], groups)
-    assert record.handoff is NO_HANDOFF
+    assert record.handoff is None
 
 
 def test_another_loss_through_the_same_node_never_reads_the_hand_off() -> None:

@@ -1,7 +1,10 @@
 """One record per customgrad autograd node: what its forward left for its backward.
 
-Other modules (the split planner, the weight-gradient queue, ``explain_split``) read a node
-only through :func:`record_of`; nothing else is stored on the node.
+Modules that look at nodes they did not make (the split planner, the weight-gradient queue,
+``explain_split``) read a node only through :func:`record_of`. The node's own forward and
+backward (:mod:`customgrad._autograd`, :mod:`customgrad._forward_ad` and the fast path's
+written code), which know the node is customgrad's, read the attribute :data:`ATTR` directly:
+one attribute load on the per-call path. Nothing else is stored on the node.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ if TYPE_CHECKING:
     from customgrad._rules import OpSpec
     from customgrad._validate import TensorMeta
 
-__all__ = ["NO_HANDOFF", "NodeRecord", "attach", "record_of"]
+__all__ = ["ATTR", "NO_HANDOFF", "NodeRecord", "attach", "record_of"]
 
-_ATTR = "_cg"
+ATTR = "_cg"
+"""The attribute of a customgrad node that holds its record."""
 
 NO_HANDOFF: Any = object()
 """What :func:`customgrad._handoff.handed_over` answers when nothing was handed over (a value
@@ -109,10 +113,10 @@ class NodeRecord:
 
 def record_of(node: object) -> NodeRecord | None:
     """The record of a customgrad autograd node, or None for any other node (or None)."""
-    record = getattr(node, _ATTR, None)
+    record = getattr(node, ATTR, None)
     return record if isinstance(record, NodeRecord) else None
 
 
 def attach(ctx: Any, record: NodeRecord) -> None:
     """Store ``record`` on the autograd node ``ctx`` (called once, at forward)."""
-    setattr(ctx, _ATTR, record)
+    setattr(ctx, ATTR, record)

@@ -42,7 +42,7 @@ from customgrad._flops import FlopCounter
 from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node
-from customgrad._torch.dispatcher import OpOverload
+from customgrad._torch.functions import custom_op_of, forward_cls
 
 __all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
@@ -316,18 +316,12 @@ def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
     region = region_of(node)
     if region is not None:
         return "compiled", region.name
-    cls = getattr(node, "_forward_cls", None)
+    cls = forward_cls(node)
     if cls is None:
         return "native", node.name()
-    if cls.__module__ == "torch._library.autograd":
-        for cell in getattr(cls.forward, "__closure__", None) or ():
-            try:
-                value = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(value, OpOverload):
-                return "custom_op", str(value._schema.name)
-        return "custom_op", cls.__name__.removeprefix("GeneratedBackwardFor_")
+    custom_op = custom_op_of(node)
+    if custom_op is not None:
+        return "custom_op", custom_op.removeprefix("GeneratedBackwardFor_")
     return "function", f"{cls.__qualname__} (autograd.Function)"
 
 

@@ -294,9 +294,7 @@ class AutoSplitter:
                 )
             else:
                 signature = (signature, ambient(), reads)
-        if not isinstance(signature, Fallback) and any(
-            isinstance(t, _Tensor) and legacy_batched(t) for t in leaves
-        ):
+        if not isinstance(signature, Fallback) and _batched(grads):
             # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the backward
             # on batched gradients: called as written, it batches each op it runs.
             signature = _INSIDE_TRACE
@@ -369,6 +367,18 @@ class AutoSplitter:
         """The latest reason not to split, if the latest backward was not split."""
         last = self.last
         return last if isinstance(last, Fallback) else None
+
+
+def _batched(grads: tuple[Any, ...]) -> bool:
+    """Whether an output gradient is batched by torch's legacy vmap (the saved values never
+    are: they were made before the backward)."""
+    for g in grads:
+        if isinstance(g, _Tensor):
+            if legacy_batched(g):
+                return True
+        elif isinstance(g, list) and any(isinstance(t, _Tensor) and legacy_batched(t) for t in g):
+            return True
+    return False
 
 
 def _flatten(saved: Any, grads: tuple[Any, ...]) -> tuple[list[Any], Any]:

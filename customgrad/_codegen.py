@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from customgrad._errors import MissingRegistrationError
-from customgrad._handoff import HandOff, handed_over
+from customgrad._handoff import hand_over, handed_over
 from customgrad._pass import (
     BackwardContext,
     PassPlan,
@@ -127,7 +127,7 @@ def write_runner(
         "_REQUIRES": plan.requires,
         "_make_ctx": functools.partial(BackwardContext, spec, "full"),
         "_handed_over": handed_over,
-        "_HandOff": HandOff,
+        "_hand_over": hand_over,
         "_Shared": _Shared,
         "_BackwardContext": BackwardContext,
         "_missing": spec._missing_autograd_message,
@@ -175,8 +175,10 @@ def write_runner(
                         "    handoff = _handed_over(record, grads, 'traced')",
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "record.handoff = None if kept is None else "
-                        "_HandOff(grads, 'traced', kept)",
+                        "if kept is None:",
+                        "    record.handoff = None",
+                        "else:",
+                        "    _hand_over(record, grads, 'traced', kept)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
                         *check_source(
@@ -262,7 +264,7 @@ def _run_once_lines(
                     sig, "full", "_FN_full", sig.tensor_set, plan.requires, "every", slots
                 ),
                 "got = {n: every.pop(n) for n in _NEEDED if n in every}",
-                "record.handoff = _HandOff(grads, 'gradients', every)",
+                "_hand_over(record, grads, 'gradients', every)",
                 "_AUTO.held(every)",
                 "return got",
             ]

@@ -40,7 +40,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import fx, nn
@@ -48,6 +48,7 @@ from torch import fx, nn
 from customgrad._autograd import engine_needs
 from customgrad._compiled_cut import Plan, cut_graph, example_of
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._handoff import HandOff, PassRecord, record_pass, same_pass
 from customgrad._origin import ValueOrigin, origin_of
 from customgrad._origin import summary as origin_summary
 from customgrad._switches import split_enabled
@@ -152,7 +153,7 @@ class CompiledRegion:
     repeated: str | None = None
     """Why some pass computed again what an earlier pass through the same node computed (the
     split ran, but not as one I and one W), or None."""
-    _pending: weakref.WeakKeyDictionary[Any, _HandOff] = field(
+    _pending: weakref.WeakKeyDictionary[Any, HandOff] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
     _passes: weakref.WeakKeyDictionary[Any, tuple[Any, ...]] = field(
@@ -291,25 +292,6 @@ class _Cut:
         return any(needed) and all(w or not n for n, w in zip(needed, self.later))
 
 
-def _same_pass(made: Sequence[Any] | None, now: Sequence[Any] | None) -> bool:
-    """Whether ``now`` (output gradients, None for "no gradient") holds the tensors of ``made``
-    (a :func:`_weak` record), unmodified since."""
-    if made is None or now is None or len(made) != len(now):
-        return False
-    for entry, g in zip(made, now):
-        if entry is None:
-            if g is not None:
-                return False
-        elif entry[0]() is not g or g._version != entry[1]:  # the same tensor, not written to
-            return False
-    return True
-
-
-def _weak(grads: Sequence[Any]) -> list[Any]:
-    """A record of output gradients: per tensor a weak reference and its version counter."""
-    return [(weakref.ref(g), g._version) if isinstance(g, torch.Tensor) else None for g in grads]
-
-
 def _engine_grads(region: CompiledRegion, node: Any, tangents: Sequence[Any]) -> list[Any] | None:
     """The output gradients the autograd engine passed to ``node`` for the running pass (None
     for "no gradient"), as its pre-hook (:class:`_PassRecorder`) saw them; None when unknown.
@@ -347,31 +329,27 @@ def _engine_grads(region: CompiledRegion, node: Any, tangents: Sequence[Any]) ->
     return grads
 
 
-class _HandOff:
-    """What an input pass kept for the weight pass of the same node, and the output gradients
-    the pass was given: a pass with other output gradients (another loss through the same
-    graph, a retained graph backwarded again) never reads it.
+class _CompiledKept(NamedTuple):
+    """What a region's input pass keeps for its weight pass (a :class:`HandOff`'s value): the
+    I/W pair whose input graph made it, whether the hand-off's record is of the gradients the
+    engine passed (else of AOTAutograd's copies, ``tangents``), and the kept values."""
 
-    The gradients compared are the ones the autograd engine passed to the node
-    (:func:`_engine_grads`); where they are unknown, the ones the compiled backward got
-    (AOTAutograd's copies: then a pass whose gradients AOTAutograd copies does not match and
-    recomputes, logged).
-    """
+    cut: _Cut
+    from_engine: bool
+    tangents: PassRecord
+    kept: list[Any]
 
-    __slots__ = ("cut", "engine", "kept", "tangents")
 
-    def __init__(
-        self, cut: _Cut, engine: list[Any] | None, tangents: list[Any], kept: list[Any]
-    ) -> None:
-        self.cut = cut  # the I/W pair whose input graph made it
-        self.engine = engine
-        self.tangents = tangents
-        self.kept = kept
-
-    def made_with(self, engine: Sequence[Any] | None, tangents: Sequence[Any]) -> bool:
-        if self.engine is not None and engine is not None:
-            return _same_pass(self.engine, engine)
-        return _same_pass(self.tangents, tangents)
+def _made_by(handoff: HandOff, engine: Sequence[Any] | None, tangents: Sequence[Any]) -> bool:
+    """Whether the running pass (its engine gradients, or where unknown AOTAutograd's copies) is
+    the pass that made ``handoff``: the gradients compared are the ones the autograd engine
+    passed to the node (:func:`_engine_grads`); where they are unknown, the ones the compiled
+    backward got (AOTAutograd's copies: then a pass whose gradients AOTAutograd copies does not
+    match and recomputes, logged)."""
+    value: _CompiledKept = handoff.value
+    if value.from_engine and engine is not None:
+        return handoff.made_by(engine)
+    return same_pass(value.tangents, tangents)
 
 
 class _PassRecorder:
@@ -477,14 +455,15 @@ class _Backward:
         plan = cut.plan
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
-            tangents = _weak([args[i] for i in plan.tangents if i < len(args)])
+            seen = record_pass([args[i] for i in plan.tangents if i < len(args)])
             out = list(cut.input_fn(args))
             n = len(plan.input_positions)
             for j, g in zip(plan.input_positions, out[:n]):
                 grads[j] = g
             kept = out[n:]
             size = sum(t.untyped_storage().nbytes() for t in kept if isinstance(t, torch.Tensor))
-            handoff = _HandOff(cut, None if engine is None else _weak(engine), tangents, kept)
+            made = seen if engine is None else record_pass(engine)
+            handoff = HandOff(made, "compiled", _CompiledKept(cut, engine is not None, seen, kept))
             with _LOCK:
                 if graph_kept():  # a later pass can come through this node
                     region._pending[node] = handoff
@@ -495,7 +474,7 @@ class _Backward:
             found = region._pending.pop(node, None)
             region.runs["weight"] += 1
         if found is not None:
-            args.extend(found.kept)
+            args.extend(found.value.kept)
             del found
         for j, g in zip(plan.weight_positions, cut.weight_fn(args)):
             grads[j] = g
@@ -526,11 +505,12 @@ class _Backward:
             needed = [n and k for n, k in zip(needed, kept_side)]
         if handoff is not None:
             tangents = [args[i] for i in self.tangents if i < len(args)]
-            if handoff.made_with(engine, tangents) and handoff.cut.serves_later(needed):
-                return "weight", handoff.cut
+            cut_made = handoff.value.cut
+            if _made_by(handoff, engine, tangents) and cut_made.serves_later(needed):
+                return "weight", cut_made
             with _LOCK:
                 region._pending.pop(node, None)
-            if any(needed) and handoff.cut.serves_later(needed):
+            if any(needed) and cut_made.serves_later(needed):
                 region.note_repeat(
                     "a pass needing only the gradients its input pass left for later came with "
                     "other output gradients than that input pass (another loss, or gradients "

@@ -1,18 +1,23 @@
 """The hand-off: what the earlier pass of a node's backward computed for its later pass.
 
-One type for every kind of hand-off a customgrad node makes between the input pass (I) and the
-weight pass (W): the work a pair's halves share (``register_backward_shared``), the values a
-traced backward's I part keeps for its W part, and the weight gradients of a backward that is
-not split, run once in I (the run-once rule). The same rules hold for each:
+One type for every kind of hand-off between the input pass (I) and the weight pass (W): the work
+a pair's halves share (``register_backward_shared``), the values a traced backward's I part keeps
+for its W part, the weight gradients of a backward that is not split, run once in I (the run-once
+rule), and the values a compiled region's I graph keeps for its W graph. The same rules hold for
+each:
 
 - it belongs to the pass that made it: only a pass with the same output gradients (the same
-  tensors) reads it, never a pass of another loss through the same node;
-- it lives on the node's record until the later pass takes it, a full backward replaces it, or
-  the graph is freed with the node (nothing else refers to it: no reference cycle).
+  tensors, not written to since) reads it, never a pass of another loss through the same node
+  (:func:`record_pass` keeps weak references and version counters, so the record holds no
+  gradient alive);
+- it lives on the node's record (a compiled region's: keyed by its node) until the later pass
+  takes it, a full backward replaces it, or the graph is freed with the node (nothing else
+  refers to it: no reference cycle).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -21,67 +26,109 @@ import torch
 
 from customgrad._record import NO_HANDOFF, NodeRecord
 
-__all__ = ["HandOff", "HandOffKind", "handed_over", "nbytes", "same_tensors"]
+__all__ = [
+    "HandOff",
+    "HandOffKind",
+    "PassRecord",
+    "hand_over",
+    "handed_over",
+    "nbytes",
+    "record_pass",
+    "same_pass",
+]
 
-HandOffKind = Literal["shared", "traced", "gradients"]
+HandOffKind = Literal["shared", "traced", "gradients", "compiled"]
+
+PassRecord = tuple[Any, ...]
+"""The output gradients a pass was given, as :func:`record_pass` keeps them: per gradient a
+weak reference and its version counter (a list of those for a list output; None for none)."""
+
+_ANY: Any = object()  # a non-differentiable output's gradient: not compared
+
+
+def record_pass(grads: Sequence[Any], differentiable: Sequence[bool] | None = None) -> PassRecord:
+    """A record of the output gradients ``grads`` that holds none of them alive. The gradients of
+    non-differentiable outputs are not recorded: autograd makes new zeros for them each pass."""
+    out: list[Any] = []
+    for i, g in enumerate(grads):
+        if differentiable is not None and not differentiable[i]:
+            out.append(_ANY)
+        elif isinstance(g, torch.Tensor):
+            out.append((weakref.ref(g), g._version))
+        elif isinstance(g, list):
+            out.append(
+                [(weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else None for t in g]
+            )
+        else:
+            out.append(None)
+    return tuple(out)
+
+
+def _same(entry: Any, g: Any) -> bool:
+    if entry is None:
+        return g is None
+    return bool(entry[0]() is g and g._version == entry[1])
+
+
+def same_pass(made: PassRecord | None, grads: Sequence[Any] | None) -> bool:
+    """Whether ``grads`` are the output gradients ``made`` records: the same tensors, none of
+    them written to since (a pass of other gradients, or of gradients changed in place between
+    the passes, is another pass)."""
+    if made is None or grads is None or len(made) != len(grads):
+        return False
+    for entry, g in zip(made, grads):
+        if entry is _ANY:
+            continue
+        if isinstance(entry, list):
+            if not isinstance(g, list) or len(g) != len(entry):
+                return False
+            if not all(_same(e, t) for e, t in zip(entry, g)):
+                return False
+        elif not _same(entry, g):
+            return False
+    return True
 
 
 class HandOff:
     """What one pass of a node computed for the node's later pass.
 
     Attributes:
-        grads: the output gradients of the pass that made it (what the later pass must match).
-        kind: ``"shared"`` (``ctx.shared``), ``"traced"`` (a traced backward's kept values) or
-            ``"gradients"`` (gradients computed early by a backward that runs once).
+        made: the output gradients of the pass that made it (:func:`record_pass`): only a pass
+            with the same ones, unchanged, reads it.
+        kind: ``"shared"`` (``ctx.shared``), ``"traced"`` (a traced backward's kept values),
+            ``"gradients"`` (gradients computed early by a backward that runs once) or
+            ``"compiled"`` (a compiled region's kept values).
         value: what is handed over.
     """
 
-    __slots__ = ("grads", "kind", "value")
+    __slots__ = ("kind", "made", "value")
 
-    def __init__(self, grads: tuple[Any, ...], kind: HandOffKind, value: Any) -> None:
-        self.grads = grads
+    def __init__(self, made: PassRecord, kind: HandOffKind, value: Any) -> None:
+        self.made = made
         self.kind = kind
         self.value = value
 
+    def made_by(self, grads: Sequence[Any] | None) -> bool:
+        """Whether a pass with output gradients ``grads`` is the pass that made it."""
+        return same_pass(self.made, grads)
+
     def __repr__(self) -> str:
         return f"<HandOff {self.kind}: {nbytes(self.value)} bytes>"
+
+
+def hand_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind, value: Any) -> None:
+    """Keep ``value`` on ``record`` for the node's later pass (made by a pass with ``grads``)."""
+    made = record_pass(grads, record.op.signature.output_differentiability)
+    record.handoff = HandOff(made, kind, value)
 
 
 def handed_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind) -> Any:
     """What the node's earlier pass kept of ``kind`` for a pass with output gradients ``grads``
     (:data:`NO_HANDOFF` when nothing, or when it was made by a pass of other gradients)."""
     handoff = record.handoff
-    if handoff is None or handoff.kind != kind:
+    if handoff is None or handoff.kind != kind or not handoff.made_by(grads):
         return NO_HANDOFF
-    made_with = handoff.grads
-    if made_with is grads or same_tensors(
-        made_with, grads, record.op.signature.output_differentiability
-    ):
-        return handoff.value
-    return NO_HANDOFF
-
-
-def same_tensors(
-    a: tuple[Any, ...], b: tuple[Any, ...], differentiable: Sequence[bool] | None = None
-) -> bool:
-    """Whether two tuples of output gradients (lists for list outputs) hold the same tensors.
-
-    The gradients of non-differentiable outputs are not compared: autograd materializes a new
-    tensor of zeros for them in each pass.
-    """
-    if len(a) != len(b):
-        return False
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x is y or (differentiable is not None and not differentiable[i]):
-            continue
-        if not (
-            isinstance(x, list)
-            and isinstance(y, list)
-            and len(x) == len(y)
-            and all(p is q for p, q in zip(x, y))
-        ):
-            return False
-    return True
+    return handoff.value
 
 
 def nbytes(value: Any) -> int:

@@ -16,7 +16,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._handoff import HandOff, handed_over
+from customgrad._handoff import hand_over, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import OpSpec
 from customgrad._torch.engine import graph_kept, graph_task_id
@@ -74,7 +74,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                self.record.handoff = HandOff(self.grads, "shared", self.value)
+                hand_over(self.record, self.grads, "shared", self.value)
         return self.value
 
 

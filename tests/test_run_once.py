@@ -286,3 +286,27 @@ def test_summary_and_explain_split_say_it_runs_once_and_what_it_held() -> None:
     info = explain_split([out], [x], [w])
     (node,) = [n for n in info.nodes if n.auto_split is not None]
     assert node.auto_split.endswith("(24 bytes held between the passes at the latest split)")
+
+
+@pytest.mark.parametrize("kind", ["traced", "run_once"])
+def test_a_gradient_written_to_between_the_passes_is_another_pass(kind: str) -> None:
+    @cg.op(unique("lin"), weights=("weight",))
+    def lin(x: Tensor, weight: Tensor) -> Tensor:
+        return x @ weight.mT
+
+    lin.register_fake(lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    lin.register_save_for_backward(lambda i, o: (i.x, i.weight))
+    if kind == "traced":  # g * 1.0 is shared by both gradients: computed in I, handed to W
+        lin.register_backward(
+            lambda ctx, s, g: {"x": (g * 1.0) @ s[1], "weight": (g * 1.0).mT @ s[0]}
+        )
+    else:
+        lin.register_backward(lambda ctx, s, g: {"x": g @ s[1], "weight": g.mT @ s[0].data})
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    out = lin(x, w)
+    g = torch.randn(4, 5, dtype=DT)
+    torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    g.mul_(2)  # the same tensor, written to: another pass's gradients
+    (gw,) = torch.autograd.grad(out, [w], g)
+    torch.testing.assert_close(gw, g.mT @ x.detach())

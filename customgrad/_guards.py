@@ -224,6 +224,8 @@ class _Proof:
             op = ins.opname
             if op in _WRITES:
                 raise Impure(f"a write to the global {ins.argval!r} in {name}")
+            if op in ("STORE_ATTR", "DELETE_ATTR"):  # of a module's flag, a shared object...
+                raise Impure(f"a write to an attribute ({ins.argval!r}) in {name}")
             if op == "STORE_DEREF" and ins.argval in code.co_freevars:
                 raise Impure(f"a write to the closure variable {ins.argval!r} in {name}")
             if op == "IMPORT_NAME" and not _library(ins.argval):

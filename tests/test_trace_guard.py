@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -301,10 +302,15 @@ def test_what_the_guard_refuses_is_named() -> None:
         print(g)
         return {}
 
+    def sets_a_flag(ctx: Any, saved: Any, g: Tensor) -> Any:
+        torch.backends.cudnn.enabled = True  # process state, through a library module
+        return {}
+
     decorated = functools.wraps(prints)(lambda ctx, saved, g: prints(ctx, saved, g))
     expected = [
         (writes, "a write to the global 'SCALE'"),
         (prints, "the builtin 'print'"),
+        (sets_a_flag, re.escape("a write to an attribute ('enabled')")),
         (decorated, "a decorated function"),
         (lambda ctx, saved, g: CFG.scale, "the global 'CFG'"),
         (lambda ctx, saved, g: torch.manual_seed(0), "manual_seed"),

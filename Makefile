@@ -5,6 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.customgrad-installed
 TORCH_PIN ?= torch==2.13.0
+# Triton kernels run in the tests on CPU through Triton's interpreter. torch's CPU build pins no
+# triton, so the test venv gets this one; make compat's CUDA builds keep the triton they bring.
+TRITON_PIN ?= triton==3.9.0
 
 .PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean pictures
 
@@ -12,6 +15,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TRITON_PIN)" "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -46,7 +46,7 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGrad
 from customgrad._flops import FlopCounter
 from customgrad._launches import LaunchCounter
 from customgrad._op import CustomOp, autograd_impl
-from customgrad._torch.fake import fake_tensor_mode_type, is_fake
+from customgrad._torch.fake import FAKE_TENSOR_LOGGER, fake_tensor_mode_type, is_fake
 
 __all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
 
@@ -830,7 +830,7 @@ def _quiet() -> Iterator[None]:
     error logs of this thread only (the logger's level is left alone), and warnings."""
     from customgrad._autosplit import _ThisThread
 
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _ThisThread()
     logger.addFilter(quiet)
     try:

@@ -407,3 +407,59 @@ def test_a_trace_that_hits_a_raw_launch_is_explained_by_the_kernel() -> None:
         "make the kernel an op with a fake kernel (a customgrad op, or torch.library.triton_op) "
         "and call the op from the backward: the trace keeps it as one opaque call"
     )
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _scale_backward_in_place(dy_ptr, x_ptr, w_ptr, dw_part_ptr, d, BLOCK: tl.constexpr):
+        """One row: dW's partial dy * x, then dX = dy * w written over dY (Liger's
+        ``in_place=True``: a Triton store, which no version counter sees)."""
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        dy = tl.load(dy_ptr + row * d + cols, mask=mask)
+        x = tl.load(x_ptr + row * d + cols, mask=mask)
+        w = tl.load(w_ptr + cols, mask=mask)
+        tl.store(dw_part_ptr + row * d + cols, dy * x, mask=mask)
+        tl.store(dy_ptr + row * d + cols, dy * w, mask=mask)
+
+    class InPlaceScale(torch.autograd.Function):
+        """``x * w`` whose Triton backward writes dX into the incoming gradient's memory."""
+
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+            ctx.save_for_backward(x, w)
+            return x * w
+
+        @staticmethod
+        def backward(ctx: Any, dy: Tensor) -> tuple[Tensor, Tensor]:
+            x, w = ctx.saved_tensors
+            dy = dy.contiguous()
+            parts = torch.empty_like(x)
+            n, d = x.shape
+            _scale_backward_in_place[(n,)](dy, x, w, parts, d, BLOCK=triton.next_power_of_2(d))
+            return dy, parts.sum(0)
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+@pytest.mark.parametrize("split", ["customgrad", "torch"])
+def test_a_kernel_writing_into_its_input_gradient_launches_once_and_is_exact(split: str) -> None:
+    from torch.distributed.pipelining import _backward as torch_split
+
+    op = cg.from_function(InPlaceScale, f"test_triton::in_place_{split}", weights=("w",))
+    first, second = (
+        (stage_backward_input, stage_backward_weight)
+        if split == "customgrad"
+        else (torch_split.stage_backward_input, torch_split.stage_backward_weight)
+    )
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 8, generator=gen).requires_grad_()
+    w = torch.randn(8, generator=gen).requires_grad_()
+    g = torch.randn(4, 8, generator=gen)
+    with count_launches(_scale_backward_in_place) as launches:
+        (gx,), groups = first([op(x, w)], [g.clone()], [x], [w])
+        second([w], groups)
+    assert launches == {"_scale_backward_in_place": 1}  # once across I and W
+    torch.testing.assert_close(gx, g * w.detach())
+    torch.testing.assert_close(w.grad, (g * x.detach()).sum(0))

@@ -19,28 +19,12 @@ import pytest
 import torch
 import torch.distributed.pipelining._backward as torch_split
 from torch import Tensor, nn
-from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
-import customgrad.pipelining as cg_split
 from customgrad._compile import regions
+from tests.test_compile_probe import SPLITS, flops, x_
 
-SPLITS = {
-    "torch": (torch_split.stage_backward_input, torch_split.stage_backward_weight),
-    "customgrad": (cg_split.stage_backward_input, cg_split.stage_backward_weight),
-}
 HOW = pytest.mark.parametrize("how", ["torch", "customgrad"])
-
-
-def flops(fn: Callable[[], Any]) -> int:
-    with FlopCounterMode(display=False) as counter:
-        fn()
-    return int(counter.get_total_flops())
-
-
-def x_(seed: int = 1, shape: tuple[int, ...] = (4, 8)) -> Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, dtype=torch.float64, generator=g).requires_grad_()
 
 
 def close(got: Sequence[Tensor | None], want: Sequence[Tensor | None]) -> None:

@@ -29,6 +29,7 @@ error>`` and the replayed ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import socket
@@ -78,7 +79,8 @@ def clock(device: torch.device) -> float:
 # --- 1 and 2: one block on one process ------------------------------------------------------
 
 
-def block_figures(args: argparse.Namespace, device: torch.device) -> str:
+def block_figures(args: argparse.Namespace, device: torch.device) -> tuple[str, dict[str, float]]:
+    """The one-block lines, and the (I+W)/full backward time ratio of each way of compiling."""
     rows = args.batch // args.microbatches
     gen = torch.Generator().manual_seed(1)
     x0, g = (torch.randn(rows, args.dim, generator=gen).to(device) for _ in range(2))
@@ -133,7 +135,10 @@ def block_figures(args: argparse.Namespace, device: torch.device) -> str:
         f"customgrad={compile_s['customgrad']:.1f}s torch={compile_s['torch']:.1f}s "
         f"ratio={compile_s['customgrad'] / compile_s['torch']:.2f}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines), {
+        "customgrad.compile": ratios["customgrad"],
+        "torch.compile (donated_buffer=False)": ratios["torch"],
+    }
 
 
 def replayed(args: argparse.Namespace, device: torch.device) -> str:
@@ -281,7 +286,9 @@ def pipeline_figures(args: argparse.Namespace, device: torch.device) -> dict[str
 
 def bench(args: argparse.Namespace, device: torch.device) -> None:
     rank = dist.get_rank()
-    block = block_figures(args, device) if rank == 0 and not args.no_block else ""
+    block, block_ratios = (
+        block_figures(args, device) if rank == 0 and not args.no_block else ("", {})
+    )
     replay = replayed(args, device) if rank == 0 else ""
     dist.barrier()
     ratios = pipeline_figures(args, device)
@@ -300,6 +307,9 @@ def bench(args: argparse.Namespace, device: torch.device) -> None:
             + " ".join(f"{k}={v}" for k, v in ratios.items())
         )
         print(replay)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"block": block_ratios, "pipeline": ratios}, f)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -312,6 +322,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--batch", type=int, default=2048, help="rows per step")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--json", help="also write the ratios to this file (benchmarks.gpu_check)")
     p.add_argument(
         "--nproc",
         type=int,

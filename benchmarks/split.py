@@ -5,13 +5,15 @@ An MLP of width 1024 made of customgrad ops, of plain ``autograd.Function``\\ s 
 customgrad's. Targets: customgrad (I+W)/full FLOPs = 1.00 (plain Function: about 2), time
 (I+W)/full <= 1.15.
 
-Run: ``python benchmarks/split.py [--width 1024] [--batch 512] [--depth 4] [--reps 5]``
+Run: ``python benchmarks/split.py [--width 1024] [--batch 512] [--depth 4] [--reps 5]
+[--device cuda] [--json out.json]`` (``--json``: the table's rows, for ``benchmarks.gpu_check``)
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import time
 from typing import Any
 
@@ -46,9 +48,10 @@ def _full(model: nn.Module, x: Tensor, g: Tensor, clock: Any) -> None:
 def measure(kind: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """FLOPs and best times per pass, for each split; runs are interleaved against noise."""
     torch.manual_seed(0)
-    model = MLP(kind, args.width, args.depth)
-    x = torch.randn(args.batch, args.width)
-    g = torch.randn(args.batch, args.width)
+    device = torch.device(args.device)
+    model = MLP(kind, args.width, args.depth).to(device)
+    x = torch.randn(args.batch, args.width, device=device)
+    g = torch.randn(args.batch, args.width, device=device)
     splits = {"torch": torch_split, "customgrad": cg_split}
 
     def run(which: str, clock: Any) -> None:
@@ -74,6 +77,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, dict[str, float]]:
             marks: list[tuple[str | None, float]] = []
 
             def clock(name: str | None, marks: list[tuple[str | None, float]] = marks) -> None:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 marks.append((name, time.perf_counter()))
 
             run(which, clock)
@@ -97,11 +102,14 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", help="also write the rows to this file, as JSON")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(
         f"MLP width {args.width}, depth {args.depth}, batch {args.batch}, "
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads, best of {args.reps}"
+        f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, "
+        f"best of {args.reps}"
     )
     header = (
         f"{'layers':18} {'split':10} {'full GF':>8} {'I GF':>7} {'W GF':>7} {'(I+W)/full':>10}"
@@ -109,15 +117,22 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
+    rows = []
     for kind in LAYERS:
         for split_name, r in measure(kind, args).items():
             f_ratio = (r["flops_I"] + r["flops_W"]) / r["flops_full"]
             t_ratio = (r["time_I"] + r["time_W"]) / r["time_full"]
+            rows.append(
+                {"layers": kind, "split": split_name, "flops_ratio": f_ratio, "time_ratio": t_ratio}
+            )
             print(
                 f"{kind:18} {split_name:10} {r['flops_full'] / 1e9:8.2f} {r['flops_I'] / 1e9:7.2f}"
                 f" {r['flops_W'] / 1e9:7.2f} {f_ratio:10.2f} {r['time_full'] * 1e3:8.1f}"
                 f" {r['time_I'] * 1e3:7.1f} {r['time_W'] * 1e3:7.1f} {t_ratio:10.2f}"
             )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,30 @@ class of a Function, and ``apply`` without its functorch wrapper.
 - :func:`plain_apply`: what ``Function.apply`` ends in when no functorch transform is active
   (``torch._C._FunctionBase.apply``), without the Python wrapper's checks;
 - :func:`custom_op_of`: the ``torch.library.custom_op`` whose backward a node runs (its Function
-  is made in ``torch._library.autograd``, which holds the ``OpOverload`` in a closure).
+  is made in ``torch._library.autograd``, which holds the ``OpOverload`` in a closure);
+- :func:`handles_keep_nodes` and :func:`keep_graphs`: on torch 2.11 and 2.12 the Python handle
+  of a Function's backward node (``tensor.grad_fn``, what ``next_functions`` returns) does not
+  keep the node alive; what keeps a graph alive there until a weight pass reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.autograd.graph import GradientEdge
 
-__all__ = ["custom_op_of", "forward_cls", "is_aot_node", "plain_apply", "set_backward_apply"]
+__all__ = [
+    "custom_op_of",
+    "forward_cls",
+    "handles_keep_nodes",
+    "is_aot_node",
+    "keep_graphs",
+    "plain_apply",
+    "set_backward_apply",
+]
 
 _CUSTOM_OP_MODULE = "torch._library.autograd"
 r"""The module whose generated Functions give ``torch.library.custom_op``\ s their autograd."""
@@ -65,3 +78,54 @@ def is_aot_node(node: Any) -> bool:
     """Whether ``node`` is the autograd node of an AOTAutograd-compiled graph (its
     ``autograd.Function`` class carries the compiled forward, ``compiled_fw``)."""
     return getattr(getattr(node, "_forward_cls", None), "compiled_fw", None) is not None
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+@functools.cache
+def handles_keep_nodes() -> bool:
+    """Whether the Python handle of a ``torch.autograd.Function``'s backward node keeps the node
+    alive (torch 2.13 and later). On torch 2.11 and 2.12 it holds the node weakly: once the
+    tensors and nodes that referenced it are gone (the stage outputs freed or ``detach_()``\\ ed
+    after an input pass), reading ``next_functions`` or ``_input_metadata`` on a kept handle
+    raises "invalid for this instance of _C._FunctionBase". Probed once, by that behaviour."""
+    with torch.enable_grad():
+        out = _Double.apply(torch.zeros((), requires_grad=True))  # type: ignore[no-untyped-call]
+    node = out.grad_fn
+    del out
+    try:
+        node.next_functions  # noqa: B018 - the read is the probe
+    except RuntimeError:
+        return False
+    return True
+
+
+def keep_graphs(outputs: Iterable[object]) -> list[Any]:
+    """Where :func:`handles_keep_nodes` is false, handles that keep the autograd graph behind
+    ``outputs`` (tensors, :class:`~torch.autograd.graph.GradientEdge`\\ s; others are skipped)
+    alive for as long as the returned list is referenced, however the outputs are freed or
+    detached; elsewhere ``[]`` (kept handles keep their nodes themselves).
+
+    A native node's handle holds its node, and a node holds the nodes its edges lead to: each
+    tensor output gets a view whose node (``ViewBackward0``) leads to the output's node. The
+    view's node saves no tensor, so the outputs' own memory is not kept; the graph's is (the
+    saved tensors of every node in it, until the list is dropped).
+    """
+    if handles_keep_nodes():
+        return []
+    keep: list[Any] = []
+    with torch.enable_grad():
+        for out in outputs:
+            if isinstance(out, GradientEdge):
+                keep.append(out.node)  # a Function's node: the caller holds what holds it
+            elif isinstance(out, torch.Tensor) and out.grad_fn is not None:
+                keep.append(out.view_as(out).grad_fn)
+    return keep

@@ -21,7 +21,9 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   ``.grad`` accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as
   in a full backward: one accumulation per weight, each hook once. (torch's own weight pass
   fires no post-accumulate-grad hooks.)
-- What W does not need is freed after I; after W nothing of the graph is kept.
+- What W does not need is freed after I; after W nothing of the graph is kept. (On torch 2.11
+  and 2.12 the graph stays until W: there a kept handle of a Function's node does not keep the
+  node alive, see :func:`customgrad._torch.functions.keep_graphs`.)
 
 Errors raised here are also ``RuntimeError``\\ s, as torch's are (it wraps every error of these
 functions in one), besides their customgrad class.
@@ -49,6 +51,7 @@ from customgrad._split_plan import (
     plan_input_pass,
 )
 from customgrad._torch.engine import input_shape
+from customgrad._torch.functions import keep_graphs
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -96,7 +99,7 @@ def _runtime_errors() -> Iterator[None]:
 class _SplitState:
     """What one microbatch's I leaves for its W (the defer target of its customgrad nodes)."""
 
-    __slots__ = ("captured", "deferred", "direct", "done", "plan")
+    __slots__ = ("captured", "deferred", "direct", "done", "keep", "plan")
 
     def __init__(self) -> None:
         self.deferred: dict[NodeRecord, Any] = {}
@@ -104,6 +107,8 @@ class _SplitState:
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
         self.done = False
+        # On torch 2.11 and 2.12, what keeps the graph alive until W (see keep_graphs).
+        self.keep: list[Any] = []
 
     def defer(self, record: NodeRecord, work: Any) -> None:
         self.deferred[record] = work
@@ -113,6 +118,7 @@ class _SplitState:
         self.captured = {}
         self.direct = {}
         self.plan = InputPassPlan()
+        self.keep = []
 
     def __repr__(self) -> str:
         return (
@@ -289,6 +295,7 @@ def _stage_backward_input(
     plan.deferred = dict.fromkeys(plan.deferred)  # type: ignore[assignment]
     plan.targets = []
     plan.intermediates = []
+    state.keep = keep_graphs(stage_outputs_or_loss)
     for out in stage_outputs_or_loss:
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()

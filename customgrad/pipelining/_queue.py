@@ -36,6 +36,7 @@ from torch.autograd.graph import GradientEdge, Node
 from customgrad._record import NodeRecord
 from customgrad._routing import routing, tagging
 from customgrad._split_plan import grad_node, plan_input_pass
+from customgrad._torch.functions import keep_graphs
 from customgrad.pipelining._backward import send_gradients
 from customgrad.pipelining._errors import (
     MissingInputPassError,
@@ -89,6 +90,8 @@ class _Ledger:
 
     def __init__(self) -> None:
         self.pending: dict[Key, list[QueuedWork]] = {}
+        # On torch 2.11 and 2.12, what keeps each key's graph alive until its W (keep_graphs).
+        self.kept: dict[Key, list[Any]] = {}
         self.done: set[Key] = set()
         self.recent: list[Key] = []
         self._counters: dict[int, int] = {}
@@ -121,6 +124,7 @@ class _Ledger:
         """W ran for ``key``: its work leaves the queue."""
         with self._lock:
             del self.pending[key]
+            self.kept.pop(key, None)
             self.done.add(key)
 
     def next_microbatch(self, stage: int) -> int:
@@ -143,6 +147,7 @@ class _Ledger:
                         keys=", ".join(map(str, sorted(keys))),
                     )
                 )
+            self.kept = {k: v for k, v in self.kept.items() if stage is not None and k[0] != stage}
             self.done = {k for k in self.done if stage is not None and k[0] != stage}
             self.recent = [k for k in self.recent if stage is not None and k[0] != stage]
             if stage is None:
@@ -305,6 +310,12 @@ class WeightGradQueue:
                 grad_tensors=grads,
                 inputs=targets,  # type: ignore[arg-type]
             )
+        keep = keep_graphs(outs)  # torch 2.11 and 2.12: the queued nodes' graph, until W
+        if keep:
+            with self._ledger._lock:
+                for target in plan.deferred.values():
+                    if isinstance(target, Tag):
+                        self._ledger.kept.setdefault(target.key, []).extend(keep)
 
     def _enqueue(self, key: Key, work: Any) -> None:
         self._ledger.add(key, QueuedWork(work, self.streams.current(work.device)))

@@ -212,6 +212,14 @@ class PipelineStage(_TorchPipelineStage):
                 self.queue.finish(self.stage_index)
             super().start_gradient_reduction()  # type: ignore[misc]
 
+    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+        # torch 2.11's schedules batch these ops for every stage, in V schedules also a send and
+        # a receive to this rank itself (two neighbouring stages on one rank), which gloo
+        # refuses ("Pair is not connected"); torch 2.12 and later leave same-rank neighbours
+        # out. Stages on one rank hand tensors over locally: there is nothing to set up.
+        ops = super()._get_init_p2p_neighbors_ops()
+        return [op for op in ops if op.group_peer != self.group_rank]
+
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # The schedule's first step infers the stage's shapes by running the module's real
         # forward with grad enabled (torch 2.13). A DDP module outside no_sync() then expects

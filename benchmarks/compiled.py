@@ -49,6 +49,7 @@ from torch.distributed.pipelining import _backward as torch_split
 
 import customgrad as cg
 import customgrad.pipelining as cgp
+from customgrad._torch.functions import handles_keep_nodes
 
 # (label, kind of op, stage class, how blocks are compiled)
 CONFIGS = (
@@ -79,13 +80,15 @@ def clock(device: torch.device) -> float:
 # --- 1 and 2: one block on one process ------------------------------------------------------
 
 
-def block_figures(args: argparse.Namespace, device: torch.device) -> tuple[str, dict[str, float]]:
+def block_figures(
+    args: argparse.Namespace, device: torch.device
+) -> tuple[str, dict[str, float | None]]:
     """The one-block lines, and the (I+W)/full backward time ratio of each way of compiling."""
     rows = args.batch // args.microbatches
     gen = torch.Generator().manual_seed(1)
     x0, g = (torch.randn(rows, args.dim, generator=gen).to(device) for _ in range(2))
     lines = []
-    ratios: dict[str, float] = {}
+    ratios: dict[str, float | None] = {"torch": None}
     compile_s: dict[str, float] = {}
     warm = Block(8, 8, "native", torch.Generator().manual_seed(0)).to(device)  # imports
     torch.compile(warm)(torch.randn(2, 8, device=device, requires_grad=True)).sum().backward()
@@ -99,7 +102,12 @@ def block_figures(args: argparse.Namespace, device: torch.device) -> tuple[str, 
             t = clock(device)
             block(x0.clone().requires_grad_()).backward(g)
             compile_s[how] = clock(device) - t
-    for how in ("torch", "customgrad"):
+    # torch's split (torch's stage) for both; before torch 2.13 it cannot run a compiled block
+    # (an autograd.Function): customgrad's split there, and no figure for torch.compile's
+    splits = {"torch": torch_split, "customgrad": torch_split}
+    if not handles_keep_nodes():
+        splits = {"customgrad": cgp}
+    for how, splitter in splits.items():
         torch._dynamo.reset()
         patch = torch._functorch.config.patch(donated_buffer=how != "torch")
         with patch:
@@ -116,8 +124,8 @@ def block_figures(args: argparse.Namespace, device: torch.device) -> tuple[str, 
                 x = x0.clone().requires_grad_()
                 y = block(x)
                 t = clock(device)
-                _, groups = torch_split.stage_backward_input([y], [g], [x], block.parameters())
-                torch_split.stage_backward_weight(block.parameters(), groups)
+                _, groups = splitter.stage_backward_input([y], [g], [x], block.parameters())
+                splitter.stage_backward_weight(block.parameters(), groups)
                 split.append(clock(device) - t)
         skip = args.reps // 5
         ratios[how] = statistics.median(
@@ -126,7 +134,12 @@ def block_figures(args: argparse.Namespace, device: torch.device) -> tuple[str, 
     lines.append(
         f"one compiled block ({rows} rows, dim {args.dim}/{args.hidden}, inductor, "
         f"{args.reps} reps): (I+W)/full backward time: customgrad={ratios['customgrad']:.3f} "
-        f"torch(donated_buffer=False)={ratios['torch']:.3f}"
+        f"torch(donated_buffer=False)="
+        + (
+            "n/a (torch's split before 2.13)"
+            if ratios["torch"] is None
+            else f"{ratios['torch']:.3f}"
+        )
     )
     torch._dynamo.reset()  # nothing compiled here is reused by the pipelines
     lines.append(

@@ -19,6 +19,7 @@ from customgrad._errors import KernelOutputError as KernelOutputError
 from customgrad._errors import MissingRegistrationError as MissingRegistrationError
 from customgrad._errors import MutationError as MutationError
 from customgrad._errors import UnsupportedError as UnsupportedError
+from customgrad._errors import UnsupportedTorchError as UnsupportedTorchError
 from customgrad._from_function import from_function as from_function
 from customgrad._op import BackwardFn as BackwardFn
 from customgrad._op import CustomOp as CustomOp
@@ -50,6 +51,7 @@ __all__ = [
     "SaveForBackwardFn",
     "SharedFn",
     "UnsupportedError",
+    "UnsupportedTorchError",
     "compile",
     "explain_split",
     "from_function",

@@ -38,6 +38,7 @@ from customgrad._pass import (
     pass_plan,
 )
 from customgrad._record import NodeRecord
+from customgrad._releases import refuse_torch_split
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, OpSpec
 from customgrad._saving import _SAVED_TENSORS, SaveError, _restore, _save
@@ -401,6 +402,8 @@ class AutogradImpl:
                             needed_items.add(j - 2)
                 edge += 1
             j += 1
+        if route is None and needed_mask != requires_mask:  # a split not customgrad's
+            refuse_torch_split(self.spec.name)
         plan = self._plans.get((requires_mask, needed_mask))
         if plan is None:
             plan = self.plan(requires_mask, needed_mask)

@@ -22,6 +22,7 @@ __all__ = [
     "MissingRegistrationError",
     "MutationError",
     "UnsupportedError",
+    "UnsupportedTorchError",
     "where",
 ]
 
@@ -65,6 +66,11 @@ class KernelOutputError(CustomGradError, RuntimeError):
 
 class UnsupportedError(CustomGradError, RuntimeError):
     """A transform or feature customgrad ops do not support (e.g. ``torch.vmap``)."""
+
+
+class UnsupportedTorchError(UnsupportedError):
+    """What the installed torch release cannot do with customgrad ops; the message names the
+    release that can and what to use instead."""
 
 
 def where(fn: Callable[..., Any] | None) -> str:

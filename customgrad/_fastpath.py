@@ -47,6 +47,7 @@ from customgrad._codegen import MAX_LAYOUTS
 from customgrad._codegen import run_source as _exec
 from customgrad._pass import keeps_for_later
 from customgrad._record import NodeRecord
+from customgrad._releases import refuse_torch_split
 from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules
 from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, _restore, _save
@@ -425,7 +426,9 @@ class _Writer:
             "    rmask = nmask = e = 0\n"
             + inits
             + "".join(edges)
-            + "    plan = _PLANS.get((rmask, nmask))\n"
+            + "    if rmask != nmask:  # a split not customgrad's (see AutogradImpl.backward)\n"
+            "        _refuse_torch_split(_SPEC.name)\n"
+            "    plan = _PLANS.get((rmask, nmask))\n"
             "    if plan is None:\n"
             "        plan = _plan(rmask, nmask)\n"
             "    if not plan.needed:\n"
@@ -461,6 +464,7 @@ class _Writer:
             "_RUNNERS": impl.runners.table(rules, self.lens or None),
             "_runner": impl.runners.runner,
             "_captured_now": impl.captures.captured_now,
+            "_refuse_torch_split": refuse_torch_split,
             "_NONES": (None,) * (n_inputs + 2),
             "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
         }

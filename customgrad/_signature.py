@@ -74,8 +74,10 @@ schema yourself: cg.op(..., schema="(Tensor x, int[2] window=[-1, -1]) -> Tensor
 object the kernel and the backward read (a quantization state, a config) is passed as an opaque \
 object: register its class with torch first, then annotate with it:
 
+    from torch._opaque_base import OpaqueBase    # its base (torch 2.11 requires it)
+
     @dataclasses.dataclass(frozen=True)          # a value: compared, hashed, baked into graphs
-    class QuantState:
+    class QuantState(OpaqueBase):
         blocksize: int
         def __fx_repr__(self):
             return f"QuantState({{self.blocksize}})", {{"QuantState": QuantState}}

@@ -164,7 +164,7 @@ def test_optional_output() -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantConfig:
+class QuantConfig(OpaqueBase):  # torch 2.11 requires the base (later releases allow it)
     """A value-type opaque object: compared and hashed, baked into compiled graphs."""
 
     scale: float

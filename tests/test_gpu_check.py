@@ -107,8 +107,10 @@ def test_a_failing_step_is_reported_and_the_others_still_run(
     assert ran == ["cpu"]
     out = capsys.readouterr().out
     assert re.search(r"^zero-bubble +failed +0\.0 s +OSError: no such file$", out, re.M)
-    assert out.strip().splitlines()[-1].startswith(
-        "gpu_check: 1/2 passed (split); zero-bubble failed; device cpu (dry run)"
+    assert (
+        out.strip()
+        .splitlines()[-1]
+        .startswith("gpu_check: 1/2 passed (split); zero-bubble failed; device cpu (dry run)")
     )
 
 

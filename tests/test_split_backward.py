@@ -24,6 +24,7 @@ from customgrad.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
+from tests._skips import TORCH_SPLIT
 from tests.conftest import function_linear, linear_op
 
 # ---------------------------------------------------------------- ops and models
@@ -352,6 +353,7 @@ def test_gradient_edge_outputs() -> None:
         stage_backward_input([get_gradient_edge(model(x))], None, [x], model.parameters())
 
 
+@TORCH_SPLIT
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_torch_split(kind: str) -> None:
     model = Shared(kind)

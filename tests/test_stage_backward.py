@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
 
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import PendingWeightWorkError, PipelineStage, WeightGradQueue
+from tests._skips import TORCH_SPLIT, TORCH_STAGE_V
 from tests.conftest import function_linear, linear_op
 
 CALLS: Counter[tuple[str, str]] = Counter()
@@ -125,6 +126,8 @@ def test_each_backward_half_runs_once_per_microbatch(group: None, schedule_cls: 
     assert _calls("input") == (2 * 3 - 1) * N_MB
 
 
+@TORCH_STAGE_V
+@TORCH_SPLIT
 @pytest.mark.parametrize("schedule_cls", [ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble])
 def test_torch_stage_repeats_work_that_customgrad_stage_does_not(
     group: None, schedule_cls: Any
@@ -147,6 +150,7 @@ def test_stage_with_queue(group: None, schedule_cls: Any) -> None:
     assert _calls("input") == (2 * 3 - 1) * N_MB
 
 
+@TORCH_STAGE_V
 def test_torch_stage_with_queue_dw_builder(group: None) -> None:
     queue = WeightGradQueue()
     torch.manual_seed(0)
@@ -232,6 +236,7 @@ def test_stage_with_queue_fires_each_hook_once_per_microbatch(
     _check(mods, ref)
 
 
+@TORCH_STAGE_V
 def test_torch_stage_with_queue_dw_builder_fires_hooks_in_input_pass_too(group: None) -> None:
     # The documented limit of torch's own stage: its I is a plain full backward, so the engine
     # also runs the queued weights' accumulators there, with no gradient.
@@ -293,7 +298,11 @@ def _step_flops(
     return step.total, full.total, mods, ref
 
 
-@pytest.mark.parametrize("stage_cls", [PipelineStage, TorchPipelineStage], ids=["cg", "torch"])
+@pytest.mark.parametrize(
+    "stage_cls",
+    [PipelineStage, pytest.param(TorchPipelineStage, marks=TORCH_STAGE_V)],
+    ids=["cg", "torch"],
+)
 @pytest.mark.parametrize("schedule_cls", SCHEDULES)
 def test_native_stage_step_does_each_flop_once(
     group: None, schedule_cls: Any, stage_cls: Any

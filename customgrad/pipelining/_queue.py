@@ -312,10 +312,15 @@ class WeightGradQueue:
             )
         keep = keep_graphs(outs)  # torch 2.11 and 2.12: the queued nodes' graph, until W
         if keep:
+            for key in {t.key for t in plan.deferred.values() if isinstance(t, Tag)}:
+                self._keep(key, keep)
+
+    def _keep(self, key: Key, handles: list[Any]) -> None:
+        """Keep ``handles`` (:func:`~customgrad._torch.functions.keep_graphs`) until ``key``'s W
+        runs or its stage's step ends."""
+        if handles:
             with self._ledger._lock:
-                for target in plan.deferred.values():
-                    if isinstance(target, Tag):
-                        self._ledger.kept.setdefault(target.key, []).extend(keep)
+                self._ledger.kept.setdefault(key, []).extend(handles)
 
     def _enqueue(self, key: Key, work: Any) -> None:
         self._ledger.add(key, QueuedWork(work, self.streams.current(work.device)))

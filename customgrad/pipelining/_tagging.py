@@ -21,6 +21,7 @@ from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Route, install_for_task, tagging
 from customgrad._split_plan import is_leaf_accumulator, plan_input_pass, reach
 from customgrad._torch import engine
+from customgrad._torch.functions import keep_graphs
 
 if TYPE_CHECKING:
     from customgrad.pipelining._queue import WeightGradQueue
@@ -60,7 +61,7 @@ class Attachment:
     def __init__(self, queue: WeightGradQueue, module: torch.nn.Module, stage: int) -> None:
         self._queue = queue
         self._stage = stage
-        self._tags: list[contextlib.ExitStack] = []
+        self._tags: list[tuple[contextlib.ExitStack, Key]] = []
         self._handles = (
             module.register_forward_pre_hook(self._pre),
             module.register_forward_hook(self._post, always_call=True),
@@ -74,12 +75,14 @@ class Attachment:
         mb = self._queue._next_microbatch(self._stage)
         stack = contextlib.ExitStack()
         stack.enter_context(tagging(Tag(self._queue, (self._stage, mb), attached=True)))
-        self._tags.append(stack)
+        self._tags.append((stack, (self._stage, mb)))
 
     def _post(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
-        if self._tags:
-            self._tags.pop().close()
         outs = out if isinstance(out, (tuple, list)) else (out,)
+        if self._tags:
+            stack, key = self._tags.pop()
+            stack.close()
+            self._queue._keep(key, keep_graphs(outs))  # torch 2.11 and 2.12: until its W
         for o in outs:
             if isinstance(o, torch.Tensor) and o.grad_fn is not None:
                 self._plan_at(o.grad_fn)

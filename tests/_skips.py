@@ -1,0 +1,81 @@
+"""Why a test may skip: the reasons a CI run accepts (``tests/conftest.py`` fails a run with
+``CI=true`` on a skip whose reason matches none of :data:`ALLOWED`).
+
+Three kinds: no CUDA GPU (or not enough), a torch release that lacks a feature (named with the
+release), an optional package that is not installed. Build reasons with these helpers.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from customgrad._torch import functions, pipelining
+
+__all__ = [
+    "ALLOWED",
+    "GRAPH_FREED_AFTER_I",
+    "NO_CUDA",
+    "TORCH_SPLIT",
+    "TORCH_STAGE_V",
+    "allowed",
+    "cuda_gpus",
+    "optional_package",
+    "release_lacks",
+]
+
+NO_CUDA = "needs a CUDA GPU"
+
+
+def cuda_gpus(n: int) -> str:
+    return f"needs {n} CUDA GPUs"
+
+
+def release_lacks(what: str) -> str:
+    """A reason for a feature the installed torch release lacks."""
+    return f"torch {torch.__version__} lacks {what}"
+
+
+def optional_package(name: str, how: str = "") -> str:
+    return f"optional package {name} is not installed{f' ({how})' if how else ''}"
+
+
+ALLOWED = re.compile(
+    r"needs (a|\d+) CUDA GPUs?\b|torch \d+\.\d+\S* lacks |optional package \S+ is not installed"
+)
+"""A skip reason CI accepts starts with one of these."""
+
+
+def allowed(reason: str) -> bool:
+    return ALLOWED.match(reason) is not None
+
+
+TORCH_SPLIT = pytest.mark.skipif(
+    not functions.handles_keep_nodes(),
+    reason=release_lacks(
+        "a split in torch's own stage_backward_input/stage_backward_weight that runs "
+        "autograd.Function nodes (fixed in torch 2.13; there customgrad refuses it with "
+        "UnsupportedTorchError, pinned in tests/test_releases.py)"
+    ),
+)
+"""For tests of torch's own split (its stage, its ``_backward`` functions)."""
+
+TORCH_STAGE_V = pytest.mark.skipif(
+    pipelining.torch_stage_inits_same_rank(),
+    reason=release_lacks(
+        "V schedules on torch's own PipelineStage with two stages on one gloo rank (its init "
+        "ops send to the rank itself; customgrad's stage drops them)"
+    ),
+)
+"""For tests that run torch's own ``PipelineStage`` under a V schedule on one gloo rank."""
+
+GRAPH_FREED_AFTER_I = pytest.mark.skipif(
+    not functions.handles_keep_nodes(),
+    reason=release_lacks(
+        "freeing the graph after the input pass: a Function node's handle does not keep its "
+        "node alive, so customgrad keeps the stage's graph until W (docs: compatibility)"
+    ),
+)
+"""For tests that check what the input pass frees."""

@@ -344,11 +344,36 @@ def test_backward_must_return_a_dict() -> None:
     with pytest.raises(
         cg.GradientTypeError,
         match=re.escape(
-            "backward must return a dict of gradients keyed by argument name, e.g. {'x': grad_x}, "
-            f"but returned a tuple of 2 items. (backward defined at {where(bwd)})"
+            "backward must return a dict of gradients keyed by argument name, but returned a "
+            "tuple of 2 items. Return {'x': grad_x, 'weight': grad_weight, 'bias': grad_bias} "
+            f"(None for a gradient that is zero). (backward defined at {where(bwd)})"
         ),
     ):
         run_backward(linear_op(bwd))
+
+
+def test_the_dict_example_names_the_halfs_own_arguments() -> None:
+    def bwd_in(ctx, saved, g):
+        return (g @ saved[1],)
+
+    with pytest.raises(
+        cg.GradientTypeError,
+        match=re.escape(
+            "backward_input must return a dict of gradients keyed by argument name, but returned "
+            "a tuple of 1 items. Return {'x': grad_x} (None for a gradient that is zero). "
+            f"(backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        run_backward(linear_op(backward_input=bwd_in, backward_weight=good_weight))
+
+
+def test_the_dict_advice_applied_gives_torchs_gradients() -> None:
+    # What the message above says to return, returned: the gradients of plain torch.
+    op = linear_op(lambda ctx, saved, g: {"x": g @ saved[1], "weight": g.mT @ saved[0],
+                                          "bias": g.sum(0)})  # fmt: skip
+    x, w, b = (torch.randn(*s, requires_grad=True) for s in ((2, 3), (4, 3), (4,)))
+    got = torch.autograd.grad(op(x, w, b).sum(), (x, w, b))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT + b).sum(), (x, w, b)))
 
 
 def test_unknown_key_lists_the_valid_ones() -> None:
@@ -466,9 +491,94 @@ def test_wrong_shape_is_not_broadcast() -> None:
 
     with pytest.raises(
         cg.GradientValueError,
-        match=re.escape("'bias' of shape (1, 4), but the input has shape (4,)"),
+        match=re.escape(
+            "'bias' of shape (1, 4), but the input has shape (4,). Return a tensor of the input's "
+            "shape, or None: the input broadcasts to (1, 4), so sum over the leading dimension "
+            f"(0), e.g. grad.sum_to_size((4,)). (backward_weight defined at {where(bwd_w)})"
+        ),
     ):
         run_backward(linear_op(backward_input=good_input, backward_weight=bwd_w))
+
+
+def test_a_broadcast_gradient_is_told_to_sum_over_the_leading_dimensions() -> None:
+    # The forward broadcast bias over a batch of (2, 5): returning the output gradient as the
+    # bias's gradient is the usual slip.
+    @cg.op(unique("add_bias"), weights=("bias",))
+    def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + bias
+
+    add_bias.register_fake(lambda x, bias: torch.empty_like(x))
+    add_bias.register_save_for_backward(lambda inputs, output: None)
+    add_bias.register_backward_input(lambda ctx, saved, g: {"x": g})
+
+    def bwd_w(ctx, saved, g):
+        return {"bias": g}
+
+    add_bias.register_backward_weight(bwd_w)
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            "backward_weight returned a gradient for 'bias' of shape (2, 5, 3), but the input "
+            "has shape (3,). Return a tensor of the input's shape, or None: the input "
+            "broadcasts to (2, 5, 3), so sum over the leading dimensions (0, 1), e.g. "
+            f"grad.sum_to_size((3,)). (backward_weight defined at {where(bwd_w)})"
+        ),
+    ):
+        add_bias(x, b).sum().backward()
+    # The advice applied: the gradient torch computes for the broadcast add.
+    add_bias.register_backward_weight(lambda ctx, saved, g: {"bias": g.sum_to_size((3,))})
+    got = torch.autograd.grad((add_bias(x, b) ** 2).sum(), (x, b))
+    torch.testing.assert_close(got, torch.autograd.grad(((x + b) ** 2).sum(), (x, b)))
+
+
+def test_a_size_one_dimension_broadcast_says_the_dimensions() -> None:
+    @cg.op(unique("scale_rows"), weights=("s",))
+    def scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s
+
+    scale_rows.register_fake(lambda x, s: torch.empty_like(x))
+    scale_rows.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.s))
+    scale_rows.register_backward_input(lambda ctx, saved, g: {"x": g * saved[1]})
+
+    def wrong(ctx, saved, g):
+        return {"s": g * saved[0]}
+
+    scale_rows.register_backward_weight(wrong)
+    x = torch.randn(3, 4, requires_grad=True)
+    s_ = torch.randn(1, 4, requires_grad=True)
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            "the input has shape (1, 4). Return a tensor of the input's shape, or None: the "
+            "input broadcasts to (3, 4), so sum over the dimensions the input was broadcast "
+            f"along (0), e.g. grad.sum_to_size((1, 4)). (backward_weight defined at {where(wrong)})"
+        ),
+    ):
+        scale_rows(x, s_).sum().backward()
+    scale_rows.register_backward_weight(
+        lambda ctx, saved, g: {"s": (g * saved[0]).sum_to_size((1, 4))}
+    )
+    got = torch.autograd.grad((scale_rows(x, s_) ** 2).sum(), (x, s_))
+    torch.testing.assert_close(got, torch.autograd.grad(((x * s_) ** 2).sum(), (x, s_)))
+
+
+def test_public_errors_report_as_customgrad_names() -> None:
+    import customgrad.pipelining as pp
+
+    assert cg.GradientValueError.__module__ == "customgrad"
+    assert repr(cg.GradientValueError("m")) == "GradientValueError('m')"
+    assert f"{cg.SaveError.__module__}.{cg.SaveError.__qualname__}" == "customgrad.SaveError"
+    assert pp.SplitStateError.__module__ == "customgrad.pipelining"
+    for name in cg.__all__:
+        value = getattr(cg, name)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            assert value.__module__ == "customgrad", name
+    import pickle
+
+    err = pickle.loads(pickle.dumps(cg.GradientValueError("m")))
+    assert type(err) is cg.GradientValueError
 
 
 def test_wrong_dtype_is_not_cast() -> None:

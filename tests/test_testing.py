@@ -416,3 +416,37 @@ def test_an_op_that_fails_in_every_dtype_is_not_blamed_on_float64() -> None:
         assert report[name].status == "failed"
         assert report[name].detail.startswith("raised ValueError: broken kernel"), report[name]
         assert "float64 path" not in report[name].detail
+
+
+def test_one_error_raised_by_several_checks_is_listed_once() -> None:
+    op = linear_op("test_testing::returns_tuple", backward=None)
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> Any:
+        x, w = saved
+        return grad @ w, grad.mT @ x  # planted: a tuple, not a dict
+
+    report = check_op(op, *_args(), raise_on_failure=False)
+    assert [r.name for r in report.failures] == [
+        "opcheck", "gradcheck", "gradgradcheck", "split", "flops",
+    ]  # fmt: skip
+    message = report.failure_message()
+    assert message.count("must return a dict of gradients") == 1
+    assert message.splitlines()[1].startswith(
+        "  - opcheck, gradcheck, gradgradcheck, split, flops: each raised GradientTypeError: "
+        "test_testing::returns_tuple: backward must return a dict of gradients keyed by "
+        "argument name, but returned a tuple of 2 items. Return {'x': grad_x, 'weight': "
+        "grad_weight} (None for a gradient that is zero)."
+    )
+    text = str(report)
+    assert text.count("must return a dict of gradients") == 1
+    assert "[FAIL] split (float64): raised the same error as opcheck" in text
+
+
+def test_the_report_says_how_a_registered_pair_splits() -> None:
+    report = check_op(good, *_args())
+    assert report.backward == (
+        "the pair: backward_input returns 'x' in the input pass; backward_weight returns "
+        "'weight' in the weight pass"
+    )
+    assert f"  backward: {report.backward}" in str(report)

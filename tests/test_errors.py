@@ -1235,24 +1235,35 @@ def test_from_function_needs_a_function_class() -> None:
 
 
 def test_from_function_without_annotations_or_schema() -> None:
-    def forward(ctx: Any, x, w):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, x, w, eps=1e-5):  # type: ignore[no-untyped-def]
         ctx.save_for_backward(x, w)
-        return x @ w.mT
+        return x @ w.mT + eps
 
-    fn = _function(forward)
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        return g @ w, g.mT @ x, None
+
+    fn = _function(forward, backward)
     name = unique("f")
     with pytest.raises(
         cg.DefinitionError,
         match=re.escape(
             f"{name}: cannot infer the op's schema from the annotations of Fn.forward: "
             "infer_schema(func): Parameter x must have a type annotation. Got func with signature "
-            "(x, w)) Annotate its parameters and return (without ctx), "
-            "e.g. def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor, or "
-            'give the schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> '
-            f'Tensor"). (forward defined at {where(forward)})'
+            "(x, w, eps=1e-05)) Annotate its parameters and return (without ctx), "
+            "e.g. def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float = 1e-05) -> "
+            'torch.Tensor, or give the schema: cg.from_function(..., schema="(Tensor x, Tensor '
+            f'w, float eps=1e-05) -> Tensor"). (forward defined at {where(forward)})'
         ),
     ):
-        cg.from_function(fn, name)
+        cg.from_function(fn, name, weights=("w",))
+    # The schema the message gives, given: the op works, with torch's gradients.
+    op = cg.from_function(
+        fn, unique("f"), weights=("w",), schema="(Tensor x, Tensor w, float eps=1e-05) -> Tensor"
+    )
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    got = torch.autograd.grad(op(x, w).sum(), (x, w))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT + 1e-5).sum(), (x, w)))
 
 
 def test_from_function_with_varargs_forward() -> None:

@@ -127,3 +127,18 @@ def test_the_reference_documents_every_public_name() -> None:
         documented = set(re.findall(rf"^::: {re.escape(name)}\.(\w+)$", page, flags=re.M))
         missing = set(module.__all__) - documented
         assert not missing, f"docs/reference: {name}: not documented: {sorted(missing)}"
+
+
+def test_pipeline_stage_reference_names_torchs_own_arguments() -> None:
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    page = (DOCS / "reference" / "pipelining.md").read_text()
+    (shown,) = re.findall(r"```text\n(PipelineStage\(.*?\))\n```", page, flags=re.DOTALL)
+    names = re.findall(r"(?:^|[(,*]\s*)(\w+)", shown.split("(", 1)[1])
+    torchs = set(inspect.signature(PipelineStage.__init__).parameters) - {"self"}
+    ours = {"queue", "split_compiled"}
+    assert set(names) - ours <= torchs, sorted(set(names) - ours - torchs)
+    assert {"submodule", "stage_index", "num_stages", "device", "dw_builder"} <= set(names)
+    assert ours <= set(names)

@@ -226,6 +226,43 @@ def test_no_autograd_registered() -> None:
     assert f(x.detach()).tolist() == [2.0, 2.0]
 
 
+def test_no_autograd_advice_applied_as_the_message_shows() -> None:
+    @cg.op(unique("noautograd_pair"), weights=("weight",))
+    def noautograd_pair(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight.mT
+
+    f = noautograd_pair
+
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(cg.MissingRegistrationError) as info:
+        f(x, w)
+    shown = str(info.value)
+    # The message shows the code to add, with the op's own names; add it as shown.
+    assert "    @noautograd_pair.register_save_for_backward\n    def _(inputs, output):\n" in shown
+    assert "        return inputs.x, inputs.weight\n" in shown
+    assert "    @noautograd_pair.register_backward_input           # gradients of 'x'\n" in shown
+    assert '        x, weight = saved\n        return {"x": ...}\n' in shown
+    assert '        return {"weight": ...}\n' in shown
+
+    @noautograd_pair.register_save_for_backward
+    def _(inputs, output):
+        return inputs.x, inputs.weight
+
+    @noautograd_pair.register_backward_input  # gradients of 'x'
+    def _(ctx, saved, grad):
+        _, weight = saved
+        return {"x": grad @ weight}
+
+    @noautograd_pair.register_backward_weight  # gradients of 'weight'
+    def _(ctx, saved, grad):
+        x, _ = saved
+        return {"weight": grad.mT @ x}
+
+    got = torch.autograd.grad(f(x, w).sum(), (x, w))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT).sum(), (x, w)))
+
+
 def test_only_save_for_backward_registered() -> None:
     op = linear_op()
     with pytest.raises(
@@ -677,6 +714,106 @@ def test_list_item_of_wrong_shape_names_the_index() -> None:
         ),
     ):
         run_list(list_op(bwd))
+
+
+# -- the validation's advice, applied: each fix gives torch's gradients -------------------------
+
+
+def _same_as_torch(op: cg.CustomOp[..., torch.Tensor], with_bias: bool = True) -> None:
+    """The op's gradients of a weighted sum equal plain torch's (None for no gradient)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, generator=g, requires_grad=True)
+    w = torch.randn(4, 3, generator=g, requires_grad=True)
+    b = torch.randn(4, generator=g, requires_grad=True) if with_bias else None
+    r = torch.randn(2, 4, generator=g)
+    leaves = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad((op(x, w, b) * r).sum(), leaves)
+    want = torch.autograd.grad(((x @ w.mT + (0 if b is None else b)) * r).sum(), leaves)
+    torch.testing.assert_close(got, want)
+
+
+def _every(ctx, saved, g):
+    x, w = saved
+    return {"x": g @ w, "weight": g.mT @ x, "bias": g.sum(0)}
+
+
+@pytest.mark.parametrize(
+    "advice",
+    [
+        # "unknown argument 'input'. Valid keys: 'x', 'weight', 'bias'": a valid key
+        "use a valid key",
+        # "a gradient for 'scale', a int argument ... Remove the key"
+        "remove the non-tensor key",
+        # "Weight gradients belong in register_backward_weight; return only 'x'" (and the reverse)
+        "each gradient in its half",
+        # "Return a Tensor or None"
+        "a tensor",
+        # "Cast it explicitly (e.g. grad.to(torch.float32))"
+        "cast explicitly",
+    ],
+)
+def test_validation_advice_applied_gives_torchs_gradients(advice: str) -> None:
+    if advice == "use a valid key":  # the mistake returned "input" for "x"
+        op = linear_op(lambda ctx, saved, g: {**_every(ctx, saved, g), "x": g @ saved[1]})
+    elif advice == "remove the non-tensor key":
+        op = linear_op(
+            lambda ctx, saved, g: {
+                k: v
+                for k, v in {**_every(ctx, saved, g), "scale": torch.zeros(())}.items()
+                if k != "scale"
+            }
+        )
+    elif advice == "each gradient in its half":
+        op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    elif advice == "a tensor":
+        op = linear_op(lambda ctx, saved, g: {**_every(ctx, saved, g), "x": torch.as_tensor(
+            g @ saved[1])})  # fmt: skip
+    else:
+        op = linear_op(
+            backward_input=lambda ctx, saved, g: {"x": (g @ saved[1]).double().to(torch.float32)},
+            backward_weight=good_weight,
+        )
+    _same_as_torch(op)
+
+
+def test_missing_gradient_advice_applied() -> None:
+    # "Add it to the dict (use None for a zero gradient), or check ctx.needs_input_grad(name)"
+    _same_as_torch(linear_op(_every))  # added
+    none = linear_op(lambda ctx, saved, g: {**_every(ctx, saved, g), "bias": None})
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3, requires_grad=True), torch.randn(4)
+    b.requires_grad_(True)
+    gw, gb = torch.autograd.grad(none(x, w, b).sum(), (w, b), allow_unused=True)
+    torch.testing.assert_close(gw, torch.ones(2, 4).mT @ x)
+    assert gb is None  # None: a zero gradient, as autograd says it
+
+    def asks(ctx, saved, g):
+        x, w = saved
+        grads = {"x": g @ w if ctx.needs_input_grad("x") else None}
+        if ctx.needs_input_grad("weight"):
+            grads["weight"] = g.mT @ x
+        if ctx.needs_input_grad("bias"):
+            grads["bias"] = g.sum(0)
+        return grads
+
+    _same_as_torch(linear_op(asks))
+
+
+def test_none_input_advice_applied() -> None:
+    # "that input was None. Return None for it."
+    op = linear_op(
+        backward_input=good_input,
+        backward_weight=lambda ctx, saved, g: {"weight": g.mT @ saved[0], "bias": None},
+    )
+    _same_as_torch(op, with_bias=False)
+
+
+def test_list_advice_applied_one_gradient_per_item() -> None:
+    # "Return a list with one Tensor or None per item" / "Return one Tensor or None per item."
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    op = list_op(lambda ctx, n, g: {"xs": [g] * (n - 1) + [None]})
+    got = torch.autograd.grad(op(xs).sum(), xs, allow_unused=True)
+    assert got[2] is None
+    torch.testing.assert_close(got[:2], (torch.ones(3), torch.ones(3)))
 
 
 def test_needs_input_grad_of_an_unknown_name() -> None:

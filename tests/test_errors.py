@@ -2210,3 +2210,110 @@ def test_compile_twice_or_an_optimized_module() -> None:
     message = MSG_TWICE.format(got="this OptimizedModule", how="by torch.compile(module)")
     with pytest.raises(cg.ArgumentTypeError, match=re.escape(message)):
         cg.compile(optimized)
+
+
+# -- the troubleshooting page's fixes, applied: each gives the outcome it promises ------------
+
+
+def test_definition_advice_applied() -> None:
+    # 'Name ops "namespace::name"', "Use your library's own namespace", "Name only Tensor
+    # arguments in weights": the forms the messages show define working ops.
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    op = cg.op(unique("mylinear"), f, weights=("w",))
+    assert op.weights == ("w",)
+    assert torch.equal(op(torch.ones(2), torch.full((2,), 3.0)), torch.full((2,), 3.0))
+
+
+def test_missing_kernel_advice_applied() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op = cg.op(unique("cpu_later"), f, device_types="cuda")
+    op.register_kernel("cpu", lambda x: x * 2)  # "Add one with @...register_kernel('<device>')"
+    assert op(torch.ones(2)).tolist() == [2.0, 2.0]
+    op.register_fake(lambda x: torch.empty_like(x))  # "no fake kernel registered"
+    with FakeTensorMode():
+        assert op(torch.empty(2)).shape == (2,)
+
+
+def test_mutation_advice_applied_pass_a_detached_buffer() -> None:
+    # "Pass buf.detach() or a buffer that does not require grad."
+    @cg.op(unique("add_"), mutates_args=("buf",))
+    def add_(buf: torch.Tensor, x: torch.Tensor) -> None:
+        buf.add_(x)
+
+    add_.register_save_for_backward(lambda inputs, output: None)
+    add_.register_backward(lambda ctx, saved: {})
+    buf = torch.zeros(2, requires_grad=True)
+    add_(buf.detach(), torch.ones(2))
+    assert buf.detach().tolist() == [1.0, 1.0]
+
+
+def test_backward_mutation_advice_applied_out_of_place() -> None:
+    # "Compute out of place (grad = grad * s, not grad.mul_(s))."
+    def bwd_in(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        _, weight = saved
+        return {"x": g @ (weight * 1)}
+
+    _same_as_torch(linear_op(backward_input=bwd_in, backward_weight=good_weight))
+
+
+def test_kernel_output_advice_applied_return_a_copy() -> None:
+    # "Return a copy (x.clone())": an identity op that works, with its gradient.
+    @cg.op(unique("identity"))
+    def identity(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    identity.register_fake(lambda x: torch.empty_like(x))
+    identity.register_save_for_backward(lambda inputs, output: None)
+    identity.register_backward_input(lambda ctx, saved, g: {"x": g})
+    x = torch.randn(3, requires_grad=True)
+    (gx,) = torch.autograd.grad((identity(x) * torch.arange(3.0)).sum(), [x])
+    assert gx.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_save_advice_applied_return_a_tuple() -> None:
+    # "Return those instead: return inputs.x, inputs.weight, ... (or a dict / a NamedTuple)"
+    import typing
+
+    class Saved(typing.NamedTuple):
+        x: torch.Tensor
+        weight: torch.Tensor
+
+    for save in (
+        lambda inputs, output: (inputs.x, inputs.weight),
+        lambda inputs, output: Saved(inputs.x, inputs.weight),
+    ):
+        op = linear_op(_every)
+        op.register_save_for_backward(save)
+        _same_as_torch(op)
+
+
+def test_split_state_advice_applied_one_weight_pass_per_input_pass() -> None:
+    # "each stage_backward_input result runs W once" / groups from customgrad's own I
+    from customgrad.pipelining import stage_backward_input, stage_backward_weight
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    for _ in range(2):  # a new I for each W
+        _, groups = stage_backward_input([op(x, w, b).sum()], None, [x], [w, b])
+        stage_backward_weight([w, b], groups)
+    gw, gb = torch.autograd.grad((x @ w.mT + b).sum(), (w, b))
+    torch.testing.assert_close((w.grad, b.grad), (2 * gw, 2 * gb))
+
+
+def test_vmap_advice_applied_loop_over_the_batch() -> None:
+    # "Call the op on the whole batch, or loop over the batch yourself."
+    op = linear_op(_every)
+    xs = torch.randn(3, 2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    looped = torch.stack([op(x, w) for x in xs])
+    whole = op(xs.reshape(6, 3), w).reshape(3, 2, 4)
+    torch.testing.assert_close(looped, whole)
+    torch.testing.assert_close(whole, xs @ w.mT)

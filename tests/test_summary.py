@@ -215,3 +215,25 @@ def test_the_first_line_says_which_op_repeated_work_with_the_split_off() -> None
     assert summary.repeated.startswith("Backward work done twice over the run: ")
     assert "test_summary::split_off_calls (2 calls with the split off)" in summary.repeated
     assert str(summary).splitlines()[0] == summary.repeated
+
+
+def test_the_fallback_fix_applied_splits() -> None:
+    # The row's fix for a branch on a tensor value: "compute with tensor ops instead
+    # (torch.where, masks), so the same ops run for every value". Applied, the op is traced and
+    # every call splits.
+    op = _linear("where_fix")
+
+    @op.register_backward
+    def _(ctx: Any, saved: Any, g: Tensor) -> dict[str, Tensor]:
+        x, w = saved
+        g = torch.where(g.sum() > 0, g * 1.0, g)  # was: if g.sum() > 0: g = g * 1.0
+        return {"x": g @ w, "w": g.mT @ x}
+
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    _split_step(op, x, w)
+    row = _row("where_fix")
+    assert row.split == "traced"
+    assert row.calls == {"split": {"input": 1, "weight": 1}}
+    torch.testing.assert_close((x.grad, w.grad), (torch.ones(2, 4) @ w.detach(),
+                                                  torch.ones(4, 2) @ x.detach()))  # fmt: skip

@@ -35,8 +35,9 @@ from customgrad.graph import explain_split as explain_split
 
 __version__ = "0.1.0"
 
-# Tracebacks name the public errors where users catch them: customgrad.GradientValueError, not
-# customgrad._errors.GradientValueError (pickling finds them here too).
+# Tracebacks and reprs name the public classes where users import them:
+# customgrad.GradientValueError, not customgrad._errors.GradientValueError (pickling finds them
+# here too).
 for _error in (
     ArgumentTypeError,
     ArgumentValueError,
@@ -49,6 +50,9 @@ for _error in (
     MutationError,
     SaveError,
     UnsupportedError,
+    Summary,
+    OpRow,
+    CompiledRegionRow,
 ):
     _error.__module__ = __name__
 del _error

@@ -219,10 +219,11 @@ def _repeated_line(s: Summary) -> str:
     regions = [r for r in s.compiled_regions if r.repeats]
     calls = sum(n for r in s.ops for phases in r.calls.values() for n in phases.values())
     if not ops and not regions:
-        return (
-            f"Backward work done twice over the run: none ({calls} backward calls of customgrad "
-            f"ops{', and compiled regions' if s.compiled_regions else ''})."
-        )
+        runs = sum(n for r in s.compiled_regions for n in r.runs.values())
+        seen = f"{calls} backward calls of customgrad ops"
+        if s.compiled_regions:
+            seen += f", {runs} graph runs of compiled regions"
+        return f"Backward work done twice over the run: none ({seen})."
     named = [f"{r.op} ({r.repeated} calls with the split off)" for r in ops]
     named += [
         f"compiled region {r.region} ("

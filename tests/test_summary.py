@@ -237,3 +237,38 @@ def test_the_fallback_fix_applied_splits() -> None:
     assert row.calls == {"split": {"input": 1, "weight": 1}}
     torch.testing.assert_close((x.grad, w.grad), (torch.ones(2, 4) @ w.detach(),
                                                   torch.ones(4, 2) @ x.detach()))  # fmt: skip
+
+
+def test_the_first_line_names_a_compiled_region_that_repeated_work() -> None:
+    from customgrad import CompiledRegionRow, Summary
+
+    split = CompiledRegionRow("Block (graph 0)", "split", "I computes ...", False, {"input": 2})
+    fell = CompiledRegionRow("Other (graph 0)", "fell back", "CUDA graphs", True, {"full": 4})
+    assert Summary((), (split,), True).repeated == (
+        "Backward work done twice over the run: none (0 backward calls of customgrad ops, 2 "
+        "graph runs of compiled regions)."
+    )
+    assert Summary((), (split, fell), True).repeated == (
+        "Backward work done twice over the run: compiled region Other (graph 0) (its full "
+        "backward in each pass)."
+    )
+
+
+def test_compiled_regions_count_their_graph_runs() -> None:
+    from torch import nn
+
+    class SummaryCountedBlock(nn.Sequential):  # a name no other test's region has
+        pass
+
+    m = SummaryCountedBlock(nn.Linear(4, 4), nn.Tanh())
+    cg.compile(m, backend="aot_eager")
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(2):
+        out = m(x)
+        params = list(m.parameters())
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], params)
+        stage_backward_weight(params, groups)
+    (row,) = [r for r in cg.summary().compiled_regions if r.region.startswith("SummaryCountedBlock")]
+    assert row.split == "split" and not row.repeats
+    assert row.runs == {"full": 0, "input": 2, "weight": 2}
+    assert "full 0, I 2, W 2" in str(cg.summary())

@@ -268,7 +268,7 @@ def test_compiled_regions_count_their_graph_runs() -> None:
         params = list(m.parameters())
         _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], params)
         stage_backward_weight(params, groups)
-    (row,) = [r for r in cg.summary().compiled_regions if r.region.startswith("SummaryCountedBlock")]
+    (row,) = [r for r in cg.summary().compiled_regions if "SummaryCountedBlock" in r.region]
     assert row.split == "split" and not row.repeats
     assert row.runs == {"full": 0, "input": 2, "weight": 2}
     assert "full 0, I 2, W 2" in str(cg.summary())

@@ -41,6 +41,7 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
+from customgrad._messages import schema_example
 from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
@@ -442,7 +443,7 @@ def _public_schema(
     try:
         return str(torch.library.infer_schema(prototype, mutates_args=()))
     except (ValueError, TypeError) as e:
-        annotated, written = _schema_example(params)
+        annotated, written = schema_example(params)
         raise DefinitionError(
             f"{name}: cannot infer the op's schema from the annotations of "
             f"{function.__qualname__}.forward: {e} Annotate its parameters and return (without "
@@ -450,25 +451,6 @@ def _public_schema(
             f'cg.from_function(..., schema="({written}) -> Tensor"). '
             f"(forward defined at {where(forward)})"
         ) from None
-
-
-_EXAMPLE_TYPES = {bool: ("bool", "bool"), int: ("int", "int"), float: ("float", "float")}
-
-
-def _schema_example(params: list[inspect.Parameter]) -> tuple[str, str]:
-    """The forward's own parameters annotated, and the schema they make (for the message):
-    a parameter with a number default is that number's type, any other a Tensor (an
-    ``Optional`` one when it defaults to None)."""
-    annotated: list[str] = []
-    written: list[str] = []
-    for p in params:
-        default = "" if p.default is inspect.Parameter.empty else f"={p.default!r}"
-        py, sch = _EXAMPLE_TYPES.get(type(p.default), ("torch.Tensor", "Tensor"))
-        if p.default is None:
-            py, sch = "torch.Tensor | None", "Tensor?"
-        annotated.append(f"{p.name}: {py}{default.replace('=', ' = ')}")
-        written.append(f"{sch} {p.name}{default}")
-    return ", ".join(annotated), ", ".join(written)
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,7 +41,9 @@ class CallCounts:
     """The backward calls of one op, by what each did and in which pass.
 
     Attributes:
-        counts: one count per (kind, phase), at :func:`slot`; runners add to it.
+        counts: one count per (kind, phase), at :func:`slot`; runners add to it (without a
+            lock: backwards running at the same moment on several threads may lose a count;
+            the counts are a report, never an input to the split).
     """
 
     __slots__ = ("counts",)

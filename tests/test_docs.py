@@ -142,3 +142,22 @@ def test_pipeline_stage_reference_names_torchs_own_arguments() -> None:
     assert set(names) - ours <= torchs, sorted(set(names) - ours - torchs)
     assert {"submodule", "stage_index", "num_stages", "device", "dw_builder"} <= set(names)
     assert ours <= set(names)
+
+
+def test_readme_quotes_the_first_line_of_summary() -> None:
+    import customgrad
+
+    readme = (DOCS.parent / "README.md").read_text()
+    quoted = "`Backward work done twice over the run: none (N backward calls of customgrad ops).`"
+    assert quoted in " ".join(readme.split())
+    line = customgrad.summary("test_docs_no_such_namespace").repeated
+    assert line == quoted.strip("`").replace("N", "0")
+
+
+def test_the_site_reads_in_order_with_next_and_previous_links() -> None:
+    config = (DOCS.parent / "mkdocs.yml").read_text()
+    assert "    - navigation.footer\n" in config  # next / previous page links
+    nav = config[config.index("\nnav:\n") :]
+    top = re.findall(r"^  - ([^:]+):", nav, flags=re.M)
+    assert top[:3] == ["Home", "Getting started", "Writing ops"]
+    assert top[-3:] == ["Troubleshooting", "Concepts", "Reference"]

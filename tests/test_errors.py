@@ -776,6 +776,28 @@ def test_validation_advice_applied_gives_torchs_gradients(advice: str) -> None:
     _same_as_torch(op)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+def test_device_advice_applied_returns_it_on_the_inputs_device() -> None:
+    # "Return it on the input's device": a CPU gradient for a CUDA input, then moved there.
+    def bwd_in(ctx, saved, g):
+        return {"x": (g @ saved[1]).cpu()}
+
+    op = linear_op(backward_input=bwd_in, backward_weight=good_weight)
+    x = torch.randn(2, 3, device="cuda", requires_grad=True)
+    w = torch.randn(4, 3, device="cuda", requires_grad=True)
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            f"returned a gradient for 'x' on device cpu, but the input is on {x.device}. Return "
+            f"it on the input's device. (backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        op(x, w).sum().backward()
+    op.register_backward_input(lambda ctx, saved, g: {"x": (g @ saved[1]).cpu().to(g.device)})
+    got = torch.autograd.grad(op(x, w).sum(), (x, w))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT).sum(), (x, w)))
+
+
 def test_missing_gradient_advice_applied() -> None:
     # "Add it to the dict (use None for a zero gradient), or check ctx.needs_input_grad(name)"
     _same_as_torch(linear_op(_every))  # added

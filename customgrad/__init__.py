@@ -27,17 +27,43 @@ from customgrad._op import JvpFn as JvpFn
 from customgrad._op import SaveForBackwardFn as SaveForBackwardFn
 from customgrad._op import SharedFn as SharedFn
 from customgrad._op import op as op
+from customgrad._summary import CompiledRegionRow as CompiledRegionRow
+from customgrad._summary import OpRow as OpRow
+from customgrad._summary import Summary as Summary
 from customgrad._summary import summary as summary
 from customgrad._switches import no_split as no_split
 from customgrad.graph import explain_split as explain_split
 
 __version__ = "0.1.0"
 
+# Tracebacks and reprs name the public classes where users import them:
+# customgrad.GradientValueError, not customgrad._errors.GradientValueError (pickling finds them
+# here too).
+for _error in (
+    ArgumentTypeError,
+    ArgumentValueError,
+    CustomGradError,
+    DefinitionError,
+    GradientTypeError,
+    GradientValueError,
+    KernelOutputError,
+    MissingRegistrationError,
+    MutationError,
+    SaveError,
+    UnsupportedError,
+    Summary,
+    OpRow,
+    CompiledRegionRow,
+):
+    _error.__module__ = __name__
+del _error
+
 __all__ = [
     "ArgumentTypeError",
     "ArgumentValueError",
     "BackwardContext",
     "BackwardFn",
+    "CompiledRegionRow",
     "CustomGradError",
     "CustomOp",
     "DefinitionError",
@@ -47,9 +73,11 @@ __all__ = [
     "KernelOutputError",
     "MissingRegistrationError",
     "MutationError",
+    "OpRow",
     "SaveError",
     "SaveForBackwardFn",
     "SharedFn",
+    "Summary",
     "UnsupportedError",
     "UnsupportedTorchError",
     "compile",

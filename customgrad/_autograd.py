@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import GradientEdge
 
+from customgrad._calls import CallCounts
 from customgrad._codegen import Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError
 from customgrad._forward_ad import forward_ad_active, jvp
@@ -183,6 +184,8 @@ class AutogradImpl:
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
+        self.calls = CallCounts()
+        """What each backward call of the op did (counted by the runners, for ``summary()``)."""
         # One Function class per op, so that autograd's own messages and the profiler name
         # the op: "CustomGrad[mylib::linear]".
         function: type[_CustomGradNode] = type(
@@ -423,6 +426,8 @@ class AutogradImpl:
             result: dict[str, Any] = {}
         elif not SWITCHES.split:
             # Split off: the whole backward, like a plain Function; the pass takes what it needs.
+            if plan.needed != plan.requires:
+                self.calls.add("split off", plan.phase)
             found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
             result = {n: g for n, g in found.items() if n in plan.needed}
         else:
@@ -567,6 +572,7 @@ class DeferredWork:
         sig = impl.spec.signature
         later = impl.plan(plan.key[0], _mask(sig, weights))
         if not SWITCHES.split:  # the whole backward again, like a plain Function
+            impl.calls.add("split off", later.phase)
             later = impl.whole(later)
         found = impl.compute(record, later, self._saved, self._grads, keep=False)
         slots = _slots(sig, record.lens) if record.lens is not None else None

@@ -932,7 +932,11 @@ class TracedSplit:
         need_in = self.requires - weights
         total = sum(1 for n in self._nodes if n.op == "call_function")
         if not need_w or not need_in:
-            return f"split automatically (traced: {total} ops; nothing to split in this call)"
+            only = "weights" if need_w else "inputs"
+            return (
+                f"split automatically (traced: {total} ops, all in one pass: only its {only} "
+                f"required grad, so there was nothing to split)"
+            )
         early = self._pass(("early", need_in, need_w))
         late = self._pass(("late", need_w, need_w))
         again = sum(1 for n in self._handoff(need_w)[1] if n.op == "call_function")

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from customgrad._calls import slot
 from customgrad._errors import MissingRegistrationError
 from customgrad._handoff import hand_over, handed_over
 from customgrad._pass import (
@@ -132,8 +133,14 @@ def write_runner(
         "_BackwardContext": BackwardContext,
         "_missing": spec._missing_autograd_message,
         "_Missing": MissingRegistrationError,
+        "_CALLS": observed.calls.counts,
     }
     watch = watch_lines()
+    partial = plan.needed != plan.requires
+
+    def count(kind: str) -> str:
+        """The line that counts this call for ``summary()`` (:mod:`customgrad._calls`)."""
+        return f"_CALLS[{slot(kind, phase)}] += 1"
 
     def half_lines(
         half: str,
@@ -184,15 +191,18 @@ def write_runner(
                         *check_source(
                             sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", slots
                         ),
+                        count("split" if partial else "whole"),
                         "return got",
                     ]
                 ),
             ]
-            if plan.needed != plan.requires:
-                lines += _run_once_lines(spec, sig, plan, ns, watch, slots, "full" in nondiff)
+            if partial:
+                lines += _run_once_lines(
+                    spec, sig, plan, ns, watch, slots, "full" in nondiff, count
+                )
         lines += ["ctx = _CTX", *watch]
         lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
-        lines.append("return got")
+        lines += [count("per pass" if partial and rules.auto is None else "whole"), "return got"]
     else:
         lines += watch
         shared = rules.backward_shared is not None
@@ -218,7 +228,7 @@ def write_runner(
             lines += ["if record.handoff is not None:", "    record.handoff = None"]
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
-        lines.append("return got")
+        lines += [count("split" if partial else "whole"), "return got"]
     source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
     where = f"{spec.name}: {phase} {sorted(plan.needed)}" + (
         f", list lengths {lens}" if lens else ""
@@ -237,6 +247,7 @@ def _run_once_lines(
     watch: list[str],
     slots: Any,
     nondifferentiable: bool,
+    count: Callable[[str], str],
 ) -> list[str]:
     """Lines of a partial pass of a single backward that is not split (the run-once rule): the
     first pass that needs any gradient calls it once for every argument that requires grad and
@@ -252,6 +263,7 @@ def _run_once_lines(
         "        got = {n: early.pop(n) for n in _NEEDED if n in early}",
         "        if not early:",
         "            record.handoff = None",
+        f"        {count('handed')}",
         "        return got",
         "if keep:",
         *_indent(
@@ -266,6 +278,7 @@ def _run_once_lines(
                 "got = {n: every.pop(n) for n in _NEEDED if n in every}",
                 "_hand_over(record, grads, 'gradients', every)",
                 "_AUTO.held(every)",
+                count("ran once"),
                 "return got",
             ]
         ),

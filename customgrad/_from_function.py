@@ -41,6 +41,7 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
+from customgrad._messages import schema_example
 from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
@@ -442,12 +443,13 @@ def _public_schema(
     try:
         return str(torch.library.infer_schema(prototype, mutates_args=()))
     except (ValueError, TypeError) as e:
+        annotated, written = schema_example(params)
         raise DefinitionError(
             f"{name}: cannot infer the op's schema from the annotations of "
             f"{function.__qualname__}.forward: {e} Annotate its parameters and return (without "
-            f"ctx), e.g. def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> "
-            f'torch.Tensor, or give the schema: cg.from_function(..., schema="(Tensor x, '
-            f'Tensor weight) -> Tensor"). (forward defined at {where(forward)})'
+            f"ctx), e.g. def forward(ctx, {annotated}) -> torch.Tensor, or give the schema: "
+            f'cg.from_function(..., schema="({written}) -> Tensor"). '
+            f"(forward defined at {where(forward)})"
         ) from None
 
 

@@ -2,11 +2,14 @@
 
 One row per registered op: how its backward splits (a registered pair, a traced single
 backward, one that is not traced and runs once (the run-once rule) and why, or
-``split="phase"``)
-and what is registered for it (kernels per device, a fake kernel, a jvp, shared work). The
-object returned prints as a table and keeps the rows as records for programs.
+``split="phase"``), what every backward call of it did over the run (split, ran once, ran
+whole; in which passes: counted by :mod:`customgrad._calls`) and what is registered for it
+(kernels per device, a fake kernel, a jvp, shared work). The object returned prints as a table,
+under one line that says whether any backward work was done twice, and keeps the rows as
+records for programs.
 
-Only :func:`_registered_ops` and :func:`_registrations` read the op's internals.
+Only :func:`_registered_ops`, :func:`_registrations` and :func:`_calls` read the op's
+internals.
 """
 
 from __future__ import annotations
@@ -20,6 +23,17 @@ if TYPE_CHECKING:
     from customgrad._op import CustomOp
 
 __all__ = ["CompiledRegionRow", "OpRow", "Summary", "summary"]
+
+_PASS = {"input": "I", "weight": "W", "full": "full"}
+_KIND = {
+    "graph runs": "",
+    "split": "split",
+    "ran once": "ran once",
+    "handed": "took the gradients handed",
+    "whole": "ran whole",
+    "per pass": "called per pass",
+    "split off": "ran whole with the split off",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +54,14 @@ class OpRow:
         kernels: the device types with a kernel (``"all"``: the kernel registered for every
             device).
         registered: the other registrations, among ``"fake"``, ``"jvp"``, ``"shared"``.
+        calls: what every backward call of the op did over the run, ``{kind: {pass: calls}}``
+            with passes ``"input"`` (I), ``"weight"`` (W) and ``"full"``, and kinds
+            ``"split"`` (the pass ran only its part), ``"ran once"`` (the whole backward, once,
+            in the first pass that needed a gradient), ``"handed"`` (the later pass took the
+            gradients the first one kept), ``"whole"`` (the pass needed every gradient the node
+            requires: a full backward, or a node with nothing to split), ``"per pass"``
+            (``split="phase"``) and ``"split off"`` (the whole backward in a pass that needed
+            part of it, the split being off: repeated work). Empty before any backward.
     """
 
     op: str
@@ -47,6 +69,12 @@ class OpRow:
     detail: str
     kernels: tuple[str, ...]
     registered: tuple[str, ...]
+    calls: dict[str, dict[str, int]] = dataclasses.field(default_factory=dict, compare=False)
+
+    @property
+    def repeated(self) -> int:
+        """Backward calls that did work another pass repeats (``"split off"`` calls)."""
+        return sum(self.calls.get("split off", {}).values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +85,17 @@ class CompiledRegionRow:
         region: the name of the compiled module or function.
         split: ``"split"`` or ``"fell back"``.
         detail: in words.
+        repeats: some pass ran its full backward where it would have split (a region that
+            fell back runs it in each pass), so work was done twice.
+        runs: how many times each of its graphs ran over the run: ``{"full": ..., "input":
+            ..., "weight": ...}``.
     """
 
     region: str
     split: str
     detail: str
+    repeats: bool = False
+    runs: dict[str, int] = dataclasses.field(default_factory=dict, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +114,14 @@ class Summary:
     compiled_regions: tuple[CompiledRegionRow, ...]
     split_enabled: bool
 
+    @property
+    def repeated(self) -> str:
+        """Whether any backward work of customgrad ops and compiled regions was done twice
+        over the run, in one line (the first line of ``str(summary)``)."""
+        return _repeated_line(self)
+
     def __str__(self) -> str:
-        lines: list[str] = []
+        lines: list[str] = [self.repeated]
         if not self.split_enabled:
             lines.append(
                 "The split is off (CUSTOMGRAD_SPLIT=0 or customgrad.no_split()): every backward "
@@ -92,13 +132,21 @@ class Summary:
         else:
             lines.extend(
                 _table(
-                    ("op", "backward", "kernels", "also registered", "how it splits"),
+                    (
+                        "op",
+                        "backward",
+                        "kernels",
+                        "also registered",
+                        "backward calls over the run",
+                        "how it splits",
+                    ),
                     [
                         (
                             r.op,
                             r.split,
                             ", ".join(r.kernels) or "-",
                             ", ".join(r.registered) or "-",
+                            calls_text(r.calls),
                             r.detail,
                         )
                         for r in self.ops
@@ -109,8 +157,11 @@ class Summary:
             lines.append("")
             lines.extend(
                 _table(
-                    ("compiled region", "backward", "how it splits"),
-                    [(r.region, r.split, r.detail) for r in self.compiled_regions],
+                    ("compiled region", "backward", "graphs run over the run", "how it splits"),
+                    [
+                        (r.region, r.split, calls_text({"graph runs": r.runs}), r.detail)
+                        for r in self.compiled_regions
+                    ],
                 )
             )
         return "\n".join(lines)
@@ -146,6 +197,41 @@ def summary(namespace: str | None = None) -> Summary:
         compiled_regions=tuple(_compiled_region_rows()) if namespace is None else (),
         split_enabled=split_enabled(),
     )
+
+
+def calls_text(calls: dict[str, dict[str, int]]) -> str:
+    """:attr:`OpRow.calls` in words: ``"split 8 (I 4, W 4); ran whole 2 (full 2)"``."""
+    if not calls:
+        return "none yet"
+    parts = []
+    for kind, phases in calls.items():
+        by_pass = ", ".join(f"{_PASS[p]} {n}" for p, n in phases.items())
+        if kind == "graph runs":
+            parts.append(by_pass or "none yet")
+        else:
+            parts.append(f"{_KIND[kind]} {sum(phases.values())} ({by_pass})")
+    return "; ".join(parts)
+
+
+def _repeated_line(s: Summary) -> str:
+    """The answer to "is any backward work done twice?" over the run, in one line."""
+    ops = [r for r in s.ops if r.repeated]
+    regions = [r for r in s.compiled_regions if r.repeats]
+    calls = sum(n for r in s.ops for phases in r.calls.values() for n in phases.values())
+    if not ops and not regions:
+        runs = sum(n for r in s.compiled_regions for n in r.runs.values())
+        seen = f"{calls} backward calls of customgrad ops"
+        if s.compiled_regions:
+            seen += f", {runs} graph runs of compiled regions"
+        return f"Backward work done twice over the run: none ({seen})."
+    named = [f"{r.op} ({r.repeated} calls with the split off)" for r in ops]
+    named += [
+        f"compiled region {r.region} ("
+        + ("its full backward in each pass" if r.split == "fell back" else "some pass ran it whole")
+        + ")"
+        for r in regions
+    ]
+    return f"Backward work done twice over the run: {', '.join(named)}."
 
 
 def _registered_ops() -> Iterable[CustomOp[..., Any]]:
@@ -187,12 +273,18 @@ def _compiled_region_rows() -> Sequence[CompiledRegionRow]:
                 f"I keeps {len(region.handoff)} value(s) for W, W recomputes "
                 f"{len(region.recomputed)}"
             )
-            repeated = getattr(region, "repeated", None)
+            repeated = region.repeated
             if repeated:
                 detail += f"; some pass ran the full backward: {repeated}"
-            rows.append(CompiledRegionRow(region.name, "split", detail))
+            rows.append(
+                CompiledRegionRow(region.name, "split", detail, bool(repeated), dict(region.runs))
+            )
         else:
-            rows.append(CompiledRegionRow(region.name, "fell back", region.reason or "-"))
+            rows.append(
+                CompiledRegionRow(
+                    region.name, "fell back", region.reason or "-", True, dict(region.runs)
+                )
+            )
     return rows
 
 
@@ -233,10 +325,15 @@ def _op_row(op: CustomOp[..., Any]) -> OpRow:
                 detail += f"; fix: {last.fix}"
         else:
             split, detail = "traced", last.describe().removeprefix("split automatically (")
-            detail = detail.removesuffix(")")
+            detail = "latest trace: " + detail.removeprefix("traced: ").removesuffix(")")
     if nondiff:
         detail += f" (differentiable=False: {', '.join(nondiff)})"
-    return OpRow(op=op.name, split=split, detail=detail, kernels=kernels, registered=registered)
+    return OpRow(op.name, split, detail, kernels, registered, _calls(op))
+
+
+def _calls(op: CustomOp[..., Any]) -> dict[str, dict[str, int]]:
+    """What the op's backward calls did over the run (:class:`customgrad._calls.CallCounts`)."""
+    return op._impl.calls.by_kind()
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

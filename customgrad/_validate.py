@@ -86,7 +86,8 @@ def _check_tensor(
         raise GradientValueError(
             f"{sig.qualname}: {label} returned a gradient for {arg} of shape "
             f"{tuple(grad.shape)}, but the input has shape {tuple(shape)}. Return a tensor of the "
-            f"input's shape, or None. ({label} defined at {where_})"
+            f"input's shape, or None{_broadcast_hint(grad.shape, shape)}. "
+            f"({label} defined at {where_})"
         )
     if grad.dtype != dtype and not (dtype.is_floating_point or dtype.is_complex):
         raise GradientValueError(
@@ -107,6 +108,24 @@ def _check_tensor(
             f"({label} defined at {where_})"
         )
     return grad if grad.dtype == dtype else grad.to(dtype)
+
+
+def _broadcast_hint(got: torch.Size, shape: torch.Size) -> str:
+    """For a gradient of the shape its input broadcasts to (the forward broadcast the input:
+    a bias added to a batch), how to reduce it to the input's shape; else nothing."""
+    k = len(got) - len(shape)
+    if k < 0 or any(a != b and a != 1 for a, b in zip(shape, got[k:])):
+        return ""
+    dims = [*range(k), *(k + i for i, a in enumerate(shape) if a == 1 and got[k + i] != 1)]
+    which = (
+        f"the leading dimension{'s' if k > 1 else ''}"
+        if len(dims) == k
+        else "the dimensions the input was broadcast along"
+    )
+    return (
+        f": the input broadcasts to {tuple(got)}, so sum over {which} "
+        f"({', '.join(map(str, dims))}), e.g. grad.sum_to_size({tuple(shape)})"
+    )
 
 
 def _autocast_dtype_ok(grad: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -180,10 +199,11 @@ def _collect(
 ) -> dict[str, Any]:
     label = HALF_NAMES[half]
     if not isinstance(result, dict):
+        example = ", ".join(f"{n!r}: grad_{n}" for n in sig.names if n in allowed)
         raise GradientTypeError(
             f"{sig.qualname}: {label} must return a dict of gradients keyed by argument name, "
-            f"e.g. {{'x': grad_x}}, but returned {describe(result)}. "
-            f"({label} defined at {where(fn)})"
+            f"but returned {describe(result)}. Return {{{example}}} (None for a gradient that "
+            f"is zero). ({label} defined at {where(fn)})"
         )
     out: dict[str, Any] = {}
     for name, grad in result.items():

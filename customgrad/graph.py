@@ -13,7 +13,8 @@ Reading the report:
 - ``I``: the node ran in the input pass only; ``W``: in the weight pass only;
 - ``I+W``: it ran in both; fine for native nodes and customgrad ops, which compute only what the
   pass needs, and flagged ``TWICE`` for nodes that cannot (or measurably did not);
-- FLOPs done outside any node (customgrad's deferred weight work) are listed on their own line.
+- customgrad's deferred weight work runs outside the engine in W; its FLOPs count to the node
+  that deferred it, so every FLOP is on a node's (and a module's) row.
 
 ``str(report)`` groups the nodes by the module that made them (named from the weights' names:
 pass ``module.named_parameters()``), one row per module; ``report.table("node")`` lists every
@@ -72,8 +73,7 @@ class NodeInfo:
             needs (a plain ``autograd.Function`` or ``custom_op``), or its I and W FLOPs add up
             to more than its full FLOPs.
         deferred: a customgrad op whose weight half the I pass set aside for W (customgrad's
-            split); that work runs outside the node, so its W FLOPs are counted in
-            :attr:`SplitExplanation.outside_flops`.
+            split); that work runs outside the engine in W, and its FLOPs count to this node.
         auto_split: for a customgrad op with one backward split automatically
             (``split="auto"``): what each pass runs, or why it was not split (it then runs
             whole in each pass that needs a gradient). None for other nodes.
@@ -189,8 +189,9 @@ class SplitExplanation:
         edges: ``(i, j)`` pairs: node ``i`` sends a gradient to node ``j``.
         flops: total FLOPs of the ``"full"`` backward and of the ``"input"`` and ``"weight"``
             passes, including work done outside any node.
-        outside_flops: per pass, FLOPs done outside any node of the graph (customgrad's
-            deferred weight work runs there).
+        outside_flops: per pass, FLOPs done outside every node of the graph and outside
+            customgrad's deferred weight work (which counts to its node): zero unless
+            something else ran inside the passes (a hook doing work, another thread).
         splitter: the module whose ``stage_backward_input``/``stage_backward_weight`` ran.
         uncounted: per pass, calls of ops that may do FLOPs the formulas cannot see (an
             opaque kernel, an op without a formula), by op name: the totals leave them out.
@@ -467,6 +468,8 @@ def explain_split(
                 [o.clone() for o in outs], gouts, inputs, iter(weights)
             )
         handed_over = _deferred_nodes(param_groups)
+        # The weight halves I deferred run outside any node in W: count them to their node.
+        _count_deferred_to_nodes(param_groups, index, counters["weight"])
         phase_of["phase"] = "weight"
         with counters["weight"]:
             backward_weight(iter(weights), param_groups)
@@ -638,6 +641,55 @@ def _depths(n: int, roots: list[int], edges: list[tuple[int, int]]) -> list[int]
             if indegree[b] == 0:
                 ready.append(b)
     return depth
+
+
+class _CountedWork:
+    """A deferred weight half whose FLOPs count to its node's row (``key``) while it runs."""
+
+    __slots__ = ("_counter", "_key", "_work")
+
+    def __init__(self, work: Any, counter: FlopCounter, key: int) -> None:
+        self._work = work
+        self._counter = counter
+        self._key = key
+
+    @property
+    def record(self) -> Any:
+        return self._work.record
+
+    @property
+    def device(self) -> torch.device:
+        return self._work.device  # type: ignore[no-any-return]
+
+    def gradients(self) -> Any:
+        before = self._counter.key
+        self._counter.key = self._key
+        try:
+            return self._work.gradients()
+        finally:
+            self._counter.key = before
+
+    def __call__(self) -> None:
+        roots, values = self.gradients()
+        if roots:
+            torch.autograd.backward(roots, grad_tensors=values)
+
+
+def _count_deferred_to_nodes(
+    param_groups: Any, index: Mapping[Node, int], counter: FlopCounter
+) -> None:
+    """Make the weight halves customgrad's I deferred count their FLOPs to their nodes when W
+    runs them (nothing to do for torch's split, which defers none)."""
+    try:
+        from customgrad.pipelining._backward import deferred_work
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return
+    works = deferred_work(param_groups)
+    key_of = {id(record_of(node)): i for node, i in index.items() if record_of(node) is not None}
+    for record, work in works.items():
+        key = key_of.get(id(record))
+        if key is not None:
+            works[record] = _CountedWork(work, counter, key)
 
 
 def _deferred_nodes(param_groups: Any) -> set[Any]:

@@ -174,9 +174,10 @@ class CheckReport:
         launches: kernel launches in each pass (``"full"``, ``"input"``, ``"weight"``), by
             kernel: ops outside torch's namespaces by name (``"ns::kernel"``) and compiled
             Triton kernels (``"triton:<name>"``; Triton's interpreter has no launch hook).
-        backward: for an op with one backward (``register_backward``), how it splits, in
-            words: split automatically, with what each pass runs, or why it was not (the reason
-            of the fallback), or called per pass (``split="phase"``). Empty for the pair.
+        backward: how the op's backward splits, in words: for the pair, which half returns
+            which gradients in which pass; for one backward (``register_backward``), split
+            automatically, with what each pass runs, or why it was not (the reason of the
+            fallback), or called per pass (``split="phase"``). Empty without a backward.
     """
 
     op: str
@@ -203,12 +204,16 @@ class CheckReport:
         raise KeyError(f"no check named {name!r}; checks: {', '.join(CHECKS)}")
 
     def failure_message(self) -> str:
-        """The message :class:`CheckFailed` carries: every failure, with its details."""
+        """The message :class:`CheckFailed` carries: every failure, with its details; checks
+        that failed with the same error are listed together, the error once."""
         n = len(self.failures)
         lines = [f"check_op({self.op}): {n} of {len(self.results)} checks failed:"]
-        for r in self.failures:
-            detail = r.detail.replace("\n", "\n      ")
-            lines.append(f"  - {r.name}: {detail}")
+        for names, detail in _grouped(self.failures):
+            detail = detail.replace("\n", "\n      ")
+            if len(names) > 1:
+                lines.append(f"  - {', '.join(names)}: each raised {detail}")
+            else:
+                lines.append(f"  - {names[0]}: {detail}")
         return "\n".join(lines)
 
     def raise_if_failed(self) -> CheckReport:
@@ -219,9 +224,15 @@ class CheckReport:
 
     def __str__(self) -> str:
         lines = [f"check_op({self.op}):"]
+        first_with: dict[str, str] = {}  # an error -> the first check that raised it
         for r in self.results:
             mark = {"passed": "ok  ", "failed": "FAIL", "skipped": "skip"}[r.status]
             first = r.detail.splitlines()[0] if r.detail else ""
+            error = _raised(r.detail) if r.status == "failed" else None
+            if error is not None:
+                if error in first_with:
+                    first = f"raised the same error as {first_with[error]}"
+                first_with.setdefault(error, r.name)
             shown = r.dtype and r.name not in ("opcheck", "fake")  # those use the arguments
             dtype = f" ({r.dtype})" if shown else ""
             lines.append(f"  [{mark}] {r.name}{dtype}" + (f": {first}" if first else ""))
@@ -378,11 +389,50 @@ class _Slot:
         return repr(self.name) if self.index is None else f"{self.name!r}[{self.index}]"
 
 
+_RAISED = re.compile(r"(?:torch\.library\.opcheck's \w+ failed: |raised )(.*)", re.DOTALL)
+
+
+def _raised(detail: str) -> str | None:
+    """The error a failed check's detail reports (``"raised X: ..."``), or None."""
+    m = _RAISED.fullmatch(detail)
+    return m.group(1) if m else None
+
+
+def _grouped(failures: Sequence[CheckResult]) -> list[tuple[list[str], str]]:
+    """The failures as (check names, detail), the checks that raised the same error together
+    (the detail then the error alone), in the order of their first check."""
+    groups: dict[str, tuple[list[str], str]] = {}
+    out: list[tuple[list[str], str]] = []
+    for r in failures:
+        error = _raised(r.detail)
+        if error is None:
+            out.append(([r.name], r.detail))
+        elif error in groups:
+            groups[error][0].append(r.name)
+        else:
+            groups[error] = ([r.name], r.detail)
+            out.append(groups[error])
+    return [
+        (names, detail if len(names) == 1 else (_raised(detail) or detail)) for names, detail in out
+    ]
+
+
 def _backward_split(op: CustomOp[..., Any]) -> str:
     """:attr:`CheckReport.backward`: how the op's backward splits."""
     rules = op.rules
     if rules.backward is None:
-        return ""
+        sig = op.signature
+        halves = [
+            f"{label} returns {', '.join(repr(n) for n in names)} in the {when} pass"
+            for label, fn, names, when in (
+                ("backward_input", rules.backward_input, sig.input_names, "input"),
+                ("backward_weight", rules.backward_weight, sig.weights, "weight"),
+            )
+            if fn is not None
+        ]
+        if not halves:
+            return ""
+        return ("the pair: " if len(halves) == 2 else "one half: ") + "; ".join(halves)
     if isinstance(rules.auto, AutoSplitter):
         return f"one backward, {rules.auto.describe()}"
     return (

@@ -127,3 +127,37 @@ def test_the_reference_documents_every_public_name() -> None:
         documented = set(re.findall(rf"^::: {re.escape(name)}\.(\w+)$", page, flags=re.M))
         missing = set(module.__all__) - documented
         assert not missing, f"docs/reference: {name}: not documented: {sorted(missing)}"
+
+
+def test_pipeline_stage_reference_names_torchs_own_arguments() -> None:
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    page = (DOCS / "reference" / "pipelining.md").read_text()
+    (shown,) = re.findall(r"```text\n(PipelineStage\(.*?\))\n```", page, flags=re.DOTALL)
+    names = re.findall(r"(?:^|[(,*]\s*)(\w+)", shown.split("(", 1)[1])
+    torchs = set(inspect.signature(PipelineStage.__init__).parameters) - {"self"}
+    ours = {"queue", "split_compiled"}
+    assert set(names) - ours <= torchs, sorted(set(names) - ours - torchs)
+    assert {"submodule", "stage_index", "num_stages", "device", "dw_builder"} <= set(names)
+    assert ours <= set(names)
+
+
+def test_readme_quotes_the_first_line_of_summary() -> None:
+    import customgrad
+
+    readme = (DOCS.parent / "README.md").read_text()
+    quoted = "`Backward work done twice over the run: none (N backward calls of customgrad ops).`"
+    assert quoted in " ".join(readme.split())
+    line = customgrad.summary("test_docs_no_such_namespace").repeated
+    assert line == quoted.strip("`").replace("N", "0")
+
+
+def test_the_site_reads_in_order_with_next_and_previous_links() -> None:
+    config = (DOCS.parent / "mkdocs.yml").read_text()
+    assert "    - navigation.footer\n" in config  # next / previous page links
+    nav = config[config.index("\nnav:\n") :]
+    top = re.findall(r"^  - ([^:]+):", nav, flags=re.M)
+    assert top[:3] == ["Home", "Getting started", "Writing ops"]
+    assert top[-3:] == ["Troubleshooting", "Concepts", "Reference"]

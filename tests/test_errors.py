@@ -226,6 +226,43 @@ def test_no_autograd_registered() -> None:
     assert f(x.detach()).tolist() == [2.0, 2.0]
 
 
+def test_no_autograd_advice_applied_as_the_message_shows() -> None:
+    @cg.op(unique("noautograd_pair"), weights=("weight",))
+    def noautograd_pair(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x @ weight.mT
+
+    f = noautograd_pair
+
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(cg.MissingRegistrationError) as info:
+        f(x, w)
+    shown = str(info.value)
+    # The message shows the code to add, with the op's own names; add it as shown.
+    assert "    @noautograd_pair.register_save_for_backward\n    def _(inputs, output):\n" in shown
+    assert "        return inputs.x, inputs.weight\n" in shown
+    assert "    @noautograd_pair.register_backward_input           # gradients of 'x'\n" in shown
+    assert '        x, weight = saved\n        return {"x": ...}\n' in shown
+    assert '        return {"weight": ...}\n' in shown
+
+    @noautograd_pair.register_save_for_backward
+    def _(inputs, output):
+        return inputs.x, inputs.weight
+
+    @noautograd_pair.register_backward_input  # gradients of 'x'
+    def _(ctx, saved, grad):
+        _, weight = saved
+        return {"x": grad @ weight}
+
+    @noautograd_pair.register_backward_weight  # gradients of 'weight'
+    def _(ctx, saved, grad):
+        x, _ = saved
+        return {"weight": grad.mT @ x}
+
+    got = torch.autograd.grad(f(x, w).sum(), (x, w))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT).sum(), (x, w)))
+
+
 def test_only_save_for_backward_registered() -> None:
     op = linear_op()
     with pytest.raises(
@@ -344,11 +381,36 @@ def test_backward_must_return_a_dict() -> None:
     with pytest.raises(
         cg.GradientTypeError,
         match=re.escape(
-            "backward must return a dict of gradients keyed by argument name, e.g. {'x': grad_x}, "
-            f"but returned a tuple of 2 items. (backward defined at {where(bwd)})"
+            "backward must return a dict of gradients keyed by argument name, but returned a "
+            "tuple of 2 items. Return {'x': grad_x, 'weight': grad_weight, 'bias': grad_bias} "
+            f"(None for a gradient that is zero). (backward defined at {where(bwd)})"
         ),
     ):
         run_backward(linear_op(bwd))
+
+
+def test_the_dict_example_names_the_halfs_own_arguments() -> None:
+    def bwd_in(ctx, saved, g):
+        return (g @ saved[1],)
+
+    with pytest.raises(
+        cg.GradientTypeError,
+        match=re.escape(
+            "backward_input must return a dict of gradients keyed by argument name, but returned "
+            "a tuple of 1 items. Return {'x': grad_x} (None for a gradient that is zero). "
+            f"(backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        run_backward(linear_op(backward_input=bwd_in, backward_weight=good_weight))
+
+
+def test_the_dict_advice_applied_gives_torchs_gradients() -> None:
+    # What the message above says to return, returned: the gradients of plain torch.
+    op = linear_op(lambda ctx, saved, g: {"x": g @ saved[1], "weight": g.mT @ saved[0],
+                                          "bias": g.sum(0)})  # fmt: skip
+    x, w, b = (torch.randn(*s, requires_grad=True) for s in ((2, 3), (4, 3), (4,)))
+    got = torch.autograd.grad(op(x, w, b).sum(), (x, w, b))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT + b).sum(), (x, w, b)))
 
 
 def test_unknown_key_lists_the_valid_ones() -> None:
@@ -466,9 +528,94 @@ def test_wrong_shape_is_not_broadcast() -> None:
 
     with pytest.raises(
         cg.GradientValueError,
-        match=re.escape("'bias' of shape (1, 4), but the input has shape (4,)"),
+        match=re.escape(
+            "'bias' of shape (1, 4), but the input has shape (4,). Return a tensor of the input's "
+            "shape, or None: the input broadcasts to (1, 4), so sum over the leading dimension "
+            f"(0), e.g. grad.sum_to_size((4,)). (backward_weight defined at {where(bwd_w)})"
+        ),
     ):
         run_backward(linear_op(backward_input=good_input, backward_weight=bwd_w))
+
+
+def test_a_broadcast_gradient_is_told_to_sum_over_the_leading_dimensions() -> None:
+    # The forward broadcast bias over a batch of (2, 5): returning the output gradient as the
+    # bias's gradient is the usual slip.
+    @cg.op(unique("add_bias"), weights=("bias",))
+    def add_bias(x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return x + bias
+
+    add_bias.register_fake(lambda x, bias: torch.empty_like(x))
+    add_bias.register_save_for_backward(lambda inputs, output: None)
+    add_bias.register_backward_input(lambda ctx, saved, g: {"x": g})
+
+    def bwd_w(ctx, saved, g):
+        return {"bias": g}
+
+    add_bias.register_backward_weight(bwd_w)
+    x = torch.randn(2, 5, 3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            "backward_weight returned a gradient for 'bias' of shape (2, 5, 3), but the input "
+            "has shape (3,). Return a tensor of the input's shape, or None: the input "
+            "broadcasts to (2, 5, 3), so sum over the leading dimensions (0, 1), e.g. "
+            f"grad.sum_to_size((3,)). (backward_weight defined at {where(bwd_w)})"
+        ),
+    ):
+        add_bias(x, b).sum().backward()
+    # The advice applied: the gradient torch computes for the broadcast add.
+    add_bias.register_backward_weight(lambda ctx, saved, g: {"bias": g.sum_to_size((3,))})
+    got = torch.autograd.grad((add_bias(x, b) ** 2).sum(), (x, b))
+    torch.testing.assert_close(got, torch.autograd.grad(((x + b) ** 2).sum(), (x, b)))
+
+
+def test_a_size_one_dimension_broadcast_says_the_dimensions() -> None:
+    @cg.op(unique("scale_rows"), weights=("s",))
+    def scale_rows(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return x * s
+
+    scale_rows.register_fake(lambda x, s: torch.empty_like(x))
+    scale_rows.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.s))
+    scale_rows.register_backward_input(lambda ctx, saved, g: {"x": g * saved[1]})
+
+    def wrong(ctx, saved, g):
+        return {"s": g * saved[0]}
+
+    scale_rows.register_backward_weight(wrong)
+    x = torch.randn(3, 4, requires_grad=True)
+    s_ = torch.randn(1, 4, requires_grad=True)
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            "the input has shape (1, 4). Return a tensor of the input's shape, or None: the "
+            "input broadcasts to (3, 4), so sum over the dimensions the input was broadcast "
+            f"along (0), e.g. grad.sum_to_size((1, 4)). (backward_weight defined at {where(wrong)})"
+        ),
+    ):
+        scale_rows(x, s_).sum().backward()
+    scale_rows.register_backward_weight(
+        lambda ctx, saved, g: {"s": (g * saved[0]).sum_to_size((1, 4))}
+    )
+    got = torch.autograd.grad((scale_rows(x, s_) ** 2).sum(), (x, s_))
+    torch.testing.assert_close(got, torch.autograd.grad(((x * s_) ** 2).sum(), (x, s_)))
+
+
+def test_public_errors_report_as_customgrad_names() -> None:
+    import customgrad.pipelining as pp
+
+    assert cg.GradientValueError.__module__ == "customgrad"
+    assert repr(cg.GradientValueError("m")) == "GradientValueError('m')"
+    assert f"{cg.SaveError.__module__}.{cg.SaveError.__qualname__}" == "customgrad.SaveError"
+    assert pp.SplitStateError.__module__ == "customgrad.pipelining"
+    for name in cg.__all__:
+        value = getattr(cg, name)
+        if isinstance(value, type) and issubclass(value, BaseException):
+            assert value.__module__ == "customgrad", name
+    import pickle
+
+    err = pickle.loads(pickle.dumps(cg.GradientValueError("m")))
+    assert type(err) is cg.GradientValueError
 
 
 def test_wrong_dtype_is_not_cast() -> None:
@@ -567,6 +714,128 @@ def test_list_item_of_wrong_shape_names_the_index() -> None:
         ),
     ):
         run_list(list_op(bwd))
+
+
+# -- the validation's advice, applied: each fix gives torch's gradients -------------------------
+
+
+def _same_as_torch(op: cg.CustomOp[..., torch.Tensor], with_bias: bool = True) -> None:
+    """The op's gradients of a weighted sum equal plain torch's (None for no gradient)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, generator=g, requires_grad=True)
+    w = torch.randn(4, 3, generator=g, requires_grad=True)
+    b = torch.randn(4, generator=g, requires_grad=True) if with_bias else None
+    r = torch.randn(2, 4, generator=g)
+    leaves = [t for t in (x, w, b) if t is not None]
+    got = torch.autograd.grad((op(x, w, b) * r).sum(), leaves)
+    want = torch.autograd.grad(((x @ w.mT + (0 if b is None else b)) * r).sum(), leaves)
+    torch.testing.assert_close(got, want)
+
+
+def _every(ctx, saved, g):
+    x, w = saved
+    return {"x": g @ w, "weight": g.mT @ x, "bias": g.sum(0)}
+
+
+@pytest.mark.parametrize(
+    "advice",
+    [
+        # "unknown argument 'input'. Valid keys: 'x', 'weight', 'bias'": a valid key
+        "use a valid key",
+        # "a gradient for 'scale', a int argument ... Remove the key"
+        "remove the non-tensor key",
+        # "Weight gradients belong in register_backward_weight; return only 'x'" (and the reverse)
+        "each gradient in its half",
+        # "Return a Tensor or None"
+        "a tensor",
+        # "Cast it explicitly (e.g. grad.to(torch.float32))"
+        "cast explicitly",
+    ],
+)
+def test_validation_advice_applied_gives_torchs_gradients(advice: str) -> None:
+    if advice == "use a valid key":  # the mistake returned "input" for "x"
+        op = linear_op(lambda ctx, saved, g: {**_every(ctx, saved, g), "x": g @ saved[1]})
+    elif advice == "remove the non-tensor key":
+        op = linear_op(
+            lambda ctx, saved, g: {
+                k: v
+                for k, v in {**_every(ctx, saved, g), "scale": torch.zeros(())}.items()
+                if k != "scale"
+            }
+        )
+    elif advice == "each gradient in its half":
+        op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    elif advice == "a tensor":
+        op = linear_op(lambda ctx, saved, g: {**_every(ctx, saved, g), "x": torch.as_tensor(
+            g @ saved[1])})  # fmt: skip
+    else:
+        op = linear_op(
+            backward_input=lambda ctx, saved, g: {"x": (g @ saved[1]).double().to(torch.float32)},
+            backward_weight=good_weight,
+        )
+    _same_as_torch(op)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+def test_device_advice_applied_returns_it_on_the_inputs_device() -> None:
+    # "Return it on the input's device": a CPU gradient for a CUDA input, then moved there.
+    def bwd_in(ctx, saved, g):
+        return {"x": (g @ saved[1]).cpu()}
+
+    op = linear_op(backward_input=bwd_in, backward_weight=good_weight)
+    x = torch.randn(2, 3, device="cuda", requires_grad=True)
+    w = torch.randn(4, 3, device="cuda", requires_grad=True)
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            f"returned a gradient for 'x' on device cpu, but the input is on {x.device}. Return "
+            f"it on the input's device. (backward_input defined at {where(bwd_in)})"
+        ),
+    ):
+        op(x, w).sum().backward()
+    op.register_backward_input(lambda ctx, saved, g: {"x": (g @ saved[1]).cpu().to(g.device)})
+    got = torch.autograd.grad(op(x, w).sum(), (x, w))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT).sum(), (x, w)))
+
+
+def test_missing_gradient_advice_applied() -> None:
+    # "Add it to the dict (use None for a zero gradient), or check ctx.needs_input_grad(name)"
+    _same_as_torch(linear_op(_every))  # added
+    none = linear_op(lambda ctx, saved, g: {**_every(ctx, saved, g), "bias": None})
+    x, w, b = torch.randn(2, 3), torch.randn(4, 3, requires_grad=True), torch.randn(4)
+    b.requires_grad_(True)
+    gw, gb = torch.autograd.grad(none(x, w, b).sum(), (w, b), allow_unused=True)
+    torch.testing.assert_close(gw, torch.ones(2, 4).mT @ x)
+    assert gb is None  # None: a zero gradient, as autograd says it
+
+    def asks(ctx, saved, g):
+        x, w = saved
+        grads = {"x": g @ w if ctx.needs_input_grad("x") else None}
+        if ctx.needs_input_grad("weight"):
+            grads["weight"] = g.mT @ x
+        if ctx.needs_input_grad("bias"):
+            grads["bias"] = g.sum(0)
+        return grads
+
+    _same_as_torch(linear_op(asks))
+
+
+def test_none_input_advice_applied() -> None:
+    # "that input was None. Return None for it."
+    op = linear_op(
+        backward_input=good_input,
+        backward_weight=lambda ctx, saved, g: {"weight": g.mT @ saved[0], "bias": None},
+    )
+    _same_as_torch(op, with_bias=False)
+
+
+def test_list_advice_applied_one_gradient_per_item() -> None:
+    # "Return a list with one Tensor or None per item" / "Return one Tensor or None per item."
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    op = list_op(lambda ctx, n, g: {"xs": [g] * (n - 1) + [None]})
+    got = torch.autograd.grad(op(xs).sum(), xs, allow_unused=True)
+    assert got[2] is None
+    torch.testing.assert_close(got[:2], (torch.ones(3), torch.ones(3)))
 
 
 def test_needs_input_grad_of_an_unknown_name() -> None:
@@ -1125,24 +1394,35 @@ def test_from_function_needs_a_function_class() -> None:
 
 
 def test_from_function_without_annotations_or_schema() -> None:
-    def forward(ctx: Any, x, w):  # type: ignore[no-untyped-def]
+    def forward(ctx: Any, x, w, eps=1e-5):  # type: ignore[no-untyped-def]
         ctx.save_for_backward(x, w)
-        return x @ w.mT
+        return x @ w.mT + eps
 
-    fn = _function(forward)
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        x, w = ctx.saved_tensors
+        return g @ w, g.mT @ x, None
+
+    fn = _function(forward, backward)
     name = unique("f")
     with pytest.raises(
         cg.DefinitionError,
         match=re.escape(
             f"{name}: cannot infer the op's schema from the annotations of Fn.forward: "
             "infer_schema(func): Parameter x must have a type annotation. Got func with signature "
-            "(x, w)) Annotate its parameters and return (without ctx), "
-            "e.g. def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor, or "
-            'give the schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> '
-            f'Tensor"). (forward defined at {where(forward)})'
+            "(x, w, eps=1e-05)) Annotate its parameters and return (without ctx), "
+            "e.g. def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float = 1e-05) -> "
+            'torch.Tensor, or give the schema: cg.from_function(..., schema="(Tensor x, Tensor '
+            f'w, float eps=1e-05) -> Tensor"). (forward defined at {where(forward)})'
         ),
     ):
-        cg.from_function(fn, name)
+        cg.from_function(fn, name, weights=("w",))
+    # The schema the message gives, given: the op works, with torch's gradients.
+    op = cg.from_function(
+        fn, unique("f"), weights=("w",), schema="(Tensor x, Tensor w, float eps=1e-05) -> Tensor"
+    )
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    got = torch.autograd.grad(op(x, w).sum(), (x, w))
+    torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT + 1e-5).sum(), (x, w)))
 
 
 def test_from_function_with_varargs_forward() -> None:
@@ -1952,3 +2232,110 @@ def test_compile_twice_or_an_optimized_module() -> None:
     message = MSG_TWICE.format(got="this OptimizedModule", how="by torch.compile(module)")
     with pytest.raises(cg.ArgumentTypeError, match=re.escape(message)):
         cg.compile(optimized)
+
+
+# -- the troubleshooting page's fixes, applied: each gives the outcome it promises ------------
+
+
+def test_definition_advice_applied() -> None:
+    # 'Name ops "namespace::name"', "Use your library's own namespace", "Name only Tensor
+    # arguments in weights": the forms the messages show define working ops.
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    op = cg.op(unique("mylinear"), f, weights=("w",))
+    assert op.weights == ("w",)
+    assert torch.equal(op(torch.ones(2), torch.full((2,), 3.0)), torch.full((2,), 3.0))
+
+
+def test_missing_kernel_advice_applied() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    op = cg.op(unique("cpu_later"), f, device_types="cuda")
+    op.register_kernel("cpu", lambda x: x * 2)  # "Add one with @...register_kernel('<device>')"
+    assert op(torch.ones(2)).tolist() == [2.0, 2.0]
+    op.register_fake(lambda x: torch.empty_like(x))  # "no fake kernel registered"
+    with FakeTensorMode():
+        assert op(torch.empty(2)).shape == (2,)
+
+
+def test_mutation_advice_applied_pass_a_detached_buffer() -> None:
+    # "Pass buf.detach() or a buffer that does not require grad."
+    @cg.op(unique("add_"), mutates_args=("buf",))
+    def add_(buf: torch.Tensor, x: torch.Tensor) -> None:
+        buf.add_(x)
+
+    add_.register_save_for_backward(lambda inputs, output: None)
+    add_.register_backward(lambda ctx, saved: {})
+    buf = torch.zeros(2, requires_grad=True)
+    add_(buf.detach(), torch.ones(2))
+    assert buf.detach().tolist() == [1.0, 1.0]
+
+
+def test_backward_mutation_advice_applied_out_of_place() -> None:
+    # "Compute out of place (grad = grad * s, not grad.mul_(s))."
+    def bwd_in(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
+        _, weight = saved
+        return {"x": g @ (weight * 1)}
+
+    _same_as_torch(linear_op(backward_input=bwd_in, backward_weight=good_weight))
+
+
+def test_kernel_output_advice_applied_return_a_copy() -> None:
+    # "Return a copy (x.clone())": an identity op that works, with its gradient.
+    @cg.op(unique("identity"))
+    def identity(x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    identity.register_fake(lambda x: torch.empty_like(x))
+    identity.register_save_for_backward(lambda inputs, output: None)
+    identity.register_backward_input(lambda ctx, saved, g: {"x": g})
+    x = torch.randn(3, requires_grad=True)
+    (gx,) = torch.autograd.grad((identity(x) * torch.arange(3.0)).sum(), [x])
+    assert gx.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_save_advice_applied_return_a_tuple() -> None:
+    # "Return those instead: return inputs.x, inputs.weight, ... (or a dict / a NamedTuple)"
+    import typing
+
+    class Saved(typing.NamedTuple):
+        x: torch.Tensor
+        weight: torch.Tensor
+
+    for save in (
+        lambda inputs, output: (inputs.x, inputs.weight),
+        lambda inputs, output: Saved(inputs.x, inputs.weight),
+    ):
+        op = linear_op(_every)
+        op.register_save_for_backward(save)
+        _same_as_torch(op)
+
+
+def test_split_state_advice_applied_one_weight_pass_per_input_pass() -> None:
+    # "each stage_backward_input result runs W once" / groups from customgrad's own I
+    from customgrad.pipelining import stage_backward_input, stage_backward_weight
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    for _ in range(2):  # a new I for each W
+        _, groups = stage_backward_input([op(x, w, b).sum()], None, [x], [w, b])
+        stage_backward_weight([w, b], groups)
+    gw, gb = torch.autograd.grad((x @ w.mT + b).sum(), (w, b))
+    torch.testing.assert_close((w.grad, b.grad), (2 * gw, 2 * gb))
+
+
+def test_vmap_advice_applied_loop_over_the_batch() -> None:
+    # "Call the op on the whole batch, or loop over the batch yourself."
+    op = linear_op(_every)
+    xs = torch.randn(3, 2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    looped = torch.stack([op(x, w) for x in xs])
+    whole = op(xs.reshape(6, 3), w).reshape(3, 2, 4)
+    torch.testing.assert_close(looped, whole)
+    torch.testing.assert_close(whole, xs @ w.mT)

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 import customgrad
 from customgrad._flops import FlopCounter, count_flops, may_hide_flops
+from tests.conftest import linear_op
 
 
 class Attention(nn.Module):
@@ -102,6 +103,37 @@ def test_eager_stage_rows_by_module_and_node_level() -> None:
     assert all(n.module == "1.fc2" for n in report.nodes if n.label in ("1.fc2.weight",))
     with pytest.raises(ValueError, match="by must be 'module' or 'node', got 'nodes'"):
         report.table("nodes")  # type: ignore[arg-type]
+
+
+class OpLinear(nn.Module):
+    """A linear layer through a customgrad op (the pair: I computes dx, W computes dW)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _op_linear(x, self.weight)
+
+
+_op_linear = linear_op("test_explain::linear")
+
+
+def test_customgrad_ops_weight_pass_flops_are_on_their_modules_row() -> None:
+    # customgrad's split runs an op's weight half outside the engine in W: its FLOPs count to
+    # the op's node and module, so the module reads full = I + W and no row is left unnamed.
+    torch.manual_seed(0)
+    stage = nn.Sequential(OpLinear(8), nn.Tanh(), OpLinear(8))
+    x = torch.randn(16, 8, requires_grad=True)
+    report = customgrad.explain_split(stage(x), [x], stage.named_parameters())
+    half = 2 * 16 * 8 * 8  # one matmul of the backward: dx, or dW
+    modules = {m.module: m for m in report.modules}
+    assert modules["0"].flops == {"full": 2 * half, "input": half, "weight": half}
+    assert modules["2"].flops == {"full": 2 * half, "input": half, "weight": half}
+    assert report.flops == {"full": 4 * half, "input": 2 * half, "weight": 2 * half}
+    assert report.outside_flops == {"full": 0, "input": 0, "weight": 0}
+    assert report.repeated_flops == 0
+    assert "(outside nodes)" not in str(report)
 
 
 def test_unnamed_weights_list_nodes() -> None:

@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 import customgrad as cg
-from customgrad._summary import OpRow
+from customgrad import OpRow
+from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
 
 def _linear(name: str, **kwargs: Any) -> Any:
@@ -61,14 +62,16 @@ def test_a_single_backward_is_not_run_yet_then_traced() -> None:
         ("fake",),
     )
     _run(op)
-    assert _row("traced") == OpRow(
+    row = _row("traced")
+    assert row == OpRow(
         "test_summary::traced",
         "traced",
-        "traced: 3 ops; the input pass runs 1, the weight pass 2; 0 tensor(s) handed from the "
-        "input pass to the weight pass, 0 op(s) recomputed there",
+        "latest trace: 3 ops; the input pass runs 1, the weight pass 2; 0 tensor(s) handed from "
+        "the input pass to the weight pass, 0 op(s) recomputed there",
         ("all",),
         ("fake",),
     )
+    assert row.calls == {"whole": {"full": 1}}  # a full backward: one call, every gradient
 
 
 def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
@@ -77,6 +80,7 @@ def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     _run(op)
     row = _row("branching")
     assert row.split == "run once"
+    assert row.calls == {"whole": {"full": 1}}
     assert row.detail == (
         "it branches on tensor values in Python (if tensor:, bool(), .item() in a condition); "
         "runs once, whole, in the first pass that needs a gradient; fix: compute with tensor "
@@ -120,10 +124,15 @@ def test_the_table() -> None:
 
     scale.register_save_for_backward(lambda inputs, output: ())
     scale.register_backward_input(lambda ctx, saved, g: {"x": 2 * g})
+    scale(torch.ones(2, requires_grad=True)).sum().backward()
     assert str(cg.summary("test_summary_table")).splitlines() == [
-        "op                         backward  kernels  also registered  how it splits",
-        "-------------------------  --------  -------  ---------------  -------------",
-        "test_summary_table::scale  pair      all      -                registered: the input half",
+        "Backward work done twice over the run: none (1 backward calls of customgrad ops).",
+        "op                         backward  kernels  also registered  "
+        "backward calls over the run  how it splits",
+        "-------------------------  --------  -------  ---------------  "
+        "---------------------------  -------------",
+        "test_summary_table::scale  pair      all      -                "
+        "ran whole 1 (full 1)         registered: the input half",
     ]
 
 
@@ -131,8 +140,135 @@ def test_the_table_says_when_the_split_is_off_and_when_there_is_nothing() -> Non
     with cg.no_split():
         text = str(cg.summary("test_summary_nothing_here"))
     assert text.splitlines() == [
+        "Backward work done twice over the run: none (0 backward calls of customgrad ops).",
         "The split is off (CUSTOMGRAD_SPLIT=0 or customgrad.no_split()): every backward below "
         "runs whole in each pass that reaches it.",
         "No customgrad ops are registered.",
     ]
     assert "split is off" not in str(cg.summary("test_summary_nothing_here"))
+
+
+def _split_step(op: Any, x: Tensor, w: Tensor) -> None:
+    """One microbatch through customgrad's split: I (stage_backward_input), then W."""
+    out = op(x, w)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], [w])
+    stage_backward_weight([w], groups)
+
+
+def test_every_call_over_the_run_is_counted_not_only_the_latest_trace() -> None:
+    # Rank 0 of a ZBV run holds the first stage (its input does not require grad: nothing to
+    # split) and the last (split into I and W). The latest trace is the first stage's; the
+    # counts say the op split in every microbatch of the last stage.
+    op = _linear("over_the_run")
+    op.register_backward(_backward)
+    w = torch.randn(4, 3, requires_grad=True)
+    for _ in range(3):
+        _split_step(op, torch.randn(2, 3, requires_grad=True), w)
+        op(torch.randn(2, 3), w).sum().backward()  # the first stage: only the weight
+    row = _row("over_the_run")
+    assert row.calls == {"split": {"input": 3, "weight": 3}, "whole": {"full": 3}}
+    assert row.detail == (
+        "latest trace: 3 ops, all in one pass: only its weights required grad, so there was "
+        "nothing to split"
+    )
+    text = str(cg.summary("test_summary"))
+    assert "split 6 (I 3, W 3); ran whole 3 (full 3)" in text
+    assert text.splitlines()[0].startswith("Backward work done twice over the run: none (")
+
+
+def test_run_once_counts_the_pass_that_ran_and_the_pass_it_handed_to() -> None:
+    op = _linear("run_once_calls")
+    op.register_backward(_branching)
+    w = torch.randn(4, 3, requires_grad=True)
+    for _ in range(2):
+        _split_step(op, torch.randn(2, 3, requires_grad=True), w)
+    assert _row("run_once_calls").calls == {
+        "ran once": {"input": 2},
+        "handed": {"weight": 2},
+    }
+
+
+def test_pair_and_phase_calls_by_pass() -> None:
+    pair = _linear("pair_calls")
+    pair.register_backward_input(lambda ctx, saved, g: {"x": g @ saved[1]})
+    pair.register_backward_weight(lambda ctx, saved, g: {"w": g.mT @ saved[0]})
+    phase = _linear("phase_calls")
+    phase.register_backward(_backward, split="phase")
+    w = torch.randn(4, 3, requires_grad=True)
+    for op in (pair, phase):
+        _split_step(op, torch.randn(2, 3, requires_grad=True), w)
+    assert _row("pair_calls").calls == {"split": {"input": 1, "weight": 1}}
+    assert _row("phase_calls").calls == {"per pass": {"input": 1, "weight": 1}}
+
+
+def test_the_first_line_says_which_op_repeated_work_with_the_split_off() -> None:
+    op = _linear("split_off_calls")
+    op.register_backward_input(lambda ctx, saved, g: {"x": g @ saved[1]})
+    op.register_backward_weight(lambda ctx, saved, g: {"w": g.mT @ saved[0]})
+    w = torch.randn(4, 3, requires_grad=True)
+    with cg.no_split():
+        _split_step(op, torch.randn(2, 3, requires_grad=True), w)
+    row = _row("split_off_calls")
+    assert row.calls == {"split off": {"input": 1, "weight": 1}}
+    assert row.repeated == 2
+    summary = cg.summary("test_summary")
+    assert summary.repeated.startswith("Backward work done twice over the run: ")
+    assert "test_summary::split_off_calls (2 calls with the split off)" in summary.repeated
+    assert str(summary).splitlines()[0] == summary.repeated
+
+
+def test_the_fallback_fix_applied_splits() -> None:
+    # The row's fix for a branch on a tensor value: "compute with tensor ops instead
+    # (torch.where, masks), so the same ops run for every value". Applied, the op is traced and
+    # every call splits.
+    op = _linear("where_fix")
+
+    @op.register_backward
+    def _(ctx: Any, saved: Any, g: Tensor) -> dict[str, Tensor]:
+        x, w = saved
+        g = torch.where(g.sum() > 0, g * 1.0, g)  # was: if g.sum() > 0: g = g * 1.0
+        return {"x": g @ w, "w": g.mT @ x}
+
+    w = torch.randn(4, 3, requires_grad=True)
+    x = torch.randn(2, 3, requires_grad=True)
+    _split_step(op, x, w)
+    row = _row("where_fix")
+    assert row.split == "traced"
+    assert row.calls == {"split": {"input": 1, "weight": 1}}
+    torch.testing.assert_close((x.grad, w.grad), (torch.ones(2, 4) @ w.detach(),
+                                                  torch.ones(4, 2) @ x.detach()))  # fmt: skip
+
+
+def test_the_first_line_names_a_compiled_region_that_repeated_work() -> None:
+    from customgrad import CompiledRegionRow, Summary
+
+    split = CompiledRegionRow("Block (graph 0)", "split", "I computes ...", False, {"input": 2})
+    fell = CompiledRegionRow("Other (graph 0)", "fell back", "CUDA graphs", True, {"full": 4})
+    assert Summary((), (split,), True).repeated == (
+        "Backward work done twice over the run: none (0 backward calls of customgrad ops, 2 "
+        "graph runs of compiled regions)."
+    )
+    assert Summary((), (split, fell), True).repeated == (
+        "Backward work done twice over the run: compiled region Other (graph 0) (its full "
+        "backward in each pass)."
+    )
+
+
+def test_compiled_regions_count_their_graph_runs() -> None:
+    from torch import nn
+
+    class SummaryCountedBlock(nn.Sequential):  # a name no other test's region has
+        pass
+
+    m = SummaryCountedBlock(nn.Linear(4, 4), nn.Tanh())
+    cg.compile(m, backend="aot_eager")
+    x = torch.randn(2, 4, requires_grad=True)
+    for _ in range(2):
+        out = m(x)
+        params = list(m.parameters())
+        _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], params)
+        stage_backward_weight(params, groups)
+    (row,) = [r for r in cg.summary().compiled_regions if "SummaryCountedBlock" in r.region]
+    assert row.split == "split" and not row.repeats
+    assert row.runs == {"full": 0, "input": 2, "weight": 2}
+    assert "full 0, I 2, W 2" in str(cg.summary())

@@ -416,3 +416,158 @@ def test_an_op_that_fails_in_every_dtype_is_not_blamed_on_float64() -> None:
         assert report[name].status == "failed"
         assert report[name].detail.startswith("raised ValueError: broken kernel"), report[name]
         assert "float64 path" not in report[name].detail
+
+
+def test_one_error_raised_by_several_checks_is_listed_once() -> None:
+    op = linear_op("test_testing::returns_tuple", backward=None)
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> Any:
+        x, w = saved
+        return grad @ w, grad.mT @ x  # planted: a tuple, not a dict
+
+    report = check_op(op, *_args(), raise_on_failure=False)
+    assert [r.name for r in report.failures] == [
+        "opcheck", "gradcheck", "gradgradcheck", "split", "flops",
+    ]  # fmt: skip
+    message = report.failure_message()
+    assert message.count("must return a dict of gradients") == 1
+    assert message.splitlines()[1].startswith(
+        "  - opcheck, gradcheck, gradgradcheck, split, flops: each raised GradientTypeError: "
+        "test_testing::returns_tuple: backward must return a dict of gradients keyed by "
+        "argument name, but returned a tuple of 2 items. Return {'x': grad_x, 'weight': "
+        "grad_weight} (None for a gradient that is zero)."
+    )
+    text = str(report)
+    assert text.count("must return a dict of gradients") == 1
+    assert "[FAIL] split (float64): raised the same error as opcheck" in text
+
+
+def test_the_report_says_how_a_registered_pair_splits() -> None:
+    report = check_op(good, *_args())
+    assert report.backward == (
+        "the pair: backward_input returns 'x' in the input pass; backward_weight returns "
+        "'weight' in the weight pass"
+    )
+    assert f"  backward: {report.backward}" in str(report)
+
+
+# -- check_op's advice, applied: each fix it prints gives the outcome it promises --------------
+
+
+def test_fix_flops_applied_asking_needs_input_grad_passes() -> None:
+    # FIX_FLOPS, second way: in a single backward, compute a gradient only when asked.
+    op = linear_op("test_testing::asks", backward=None)
+
+    @op.register_backward(split="phase")
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        x, weight = saved
+        grads = {}
+        if ctx.needs_input_grad("x"):
+            grads["x"] = grad @ weight
+        if ctx.needs_input_grad("weight"):
+            grads["weight"] = grad.mT @ x
+        return grads
+
+    report = check_op(op, *_args())
+    assert report.ok
+    assert report.flops == {"full": 240, "input": 120, "weight": 120}
+
+
+def test_fix_flops_applied_the_pair_passes() -> None:
+    # FIX_FLOPS, first way: the pair (``good`` registers it) does no work twice.
+    report = check_op(good, *_args())
+    assert report["flops"].status == "passed"
+    assert report.flops["input"] + report.flops["weight"] == report.flops["full"]
+
+
+def _mlp_args() -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(*s, generator=g) for s in ((4, 3), (5, 3), (2, 5)))  # type: ignore[return-value]
+
+
+def test_fix_twice_applied_with_register_backward_shared_passes() -> None:
+    # FIX_TWICE, first way: what both halves need, computed once in register_backward_shared.
+    op = mlp_pair("test_testing::mlp_shared")
+
+    @op.register_backward_shared
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> Any:
+        x, up, down = saved
+        h = x @ up.mT
+        s = torch.sigmoid(h)
+        return (g @ down) * (s * (1 + h * (1 - s))), h * s
+
+    @op.register_backward_input
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        return {"x": ctx.shared[0] @ saved[1]}
+
+    @op.register_backward_weight
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        d, act = ctx.shared
+        return {"up": d.mT @ saved[0], "down": g.mT @ act}
+
+    report = check_op(op, *_mlp_args())
+    assert report.ok, str(report)
+    twice = check_op(
+        mlp_pair("test_testing::mlp_twice_again"), *_mlp_args(), raise_on_failure=False
+    )
+    assert report.flops["full"] < twice.flops["full"]  # the shared matmuls, once
+
+
+def test_fix_twice_applied_with_one_traced_backward_passes() -> None:
+    # FIX_TWICE, second way: one backward returning every gradient, split automatically.
+    op = mlp_pair("test_testing::mlp_traced")
+
+    @op.register_backward  # replaces the pair
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+        x, up, down = saved
+        h = x @ up.mT
+        s = torch.sigmoid(h)
+        d = (g @ down) * (s * (1 + h * (1 - s)))
+        return {"x": d @ up, "up": d.mT @ x, "down": g.mT @ (h * s)}
+
+    report = check_op(op, *_mlp_args())
+    assert report.ok, str(report)
+    assert report.flops["input"] + report.flops["weight"] == report.flops["full"]
+
+
+def test_fix_fake_applied_passes() -> None:
+    # FIX_FAKE: a fake kernel that returns the real kernel's shape, dtype and strides.
+    op = linear_op("test_testing::fake_fixed")
+
+    @op.register_fake
+    def _(x: Tensor, weight: Tensor) -> Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0] + 1))  # the mistake
+
+    assert check_op(op, *_args(), raise_on_failure=False)["fake"].status == "failed"
+
+    @op.register_fake
+    def _(x: Tensor, weight: Tensor) -> Tensor:
+        return x.new_empty((x.shape[0], weight.shape[0]))  # new_empty: contiguous, as x @ w.mT
+
+    report = check_op(op, *_args())
+    assert report["fake"].status == "passed" and report["opcheck"].status == "passed"
+
+
+def test_no_float64_advice_applied_checks_in_float32() -> None:
+    # MSG_NO_FLOAT64: "check_op(op, ..., dtype=torch.float32)" for a kernel without float64.
+    @cg.op("test_testing::float32_only", weights=("w",))
+    def op(x: Tensor, w: Tensor) -> Tensor:
+        if x.dtype != torch.float32:
+            raise TypeError(f"this kernel takes float32 tensors, got {x.dtype}")
+        return x * w
+
+    op.register_fake(lambda x, w: torch.empty_like(x))
+    op.register_save_for_backward(lambda i, o: (i.x, i.w))
+    op.register_backward_input(lambda ctx, s, g: {"x": g * s[1]})
+    op.register_backward_weight(lambda ctx, s, g: {"w": (g * s[0]).sum(0)})
+    x, w = torch.randn(4, 3), torch.randn(3)
+    failed = check_op(op, x, w, raise_on_failure=False)
+    assert "dtype=torch.float32" in failed["gradcheck"].detail
+    report = check_op(op, x, w, dtype=torch.float32)
+    assert report.ok
+    assert report["gradcheck"].status == "passed" and report["gradcheck"].dtype == "float32"
+    # MSG_COARSE_DTYPE's advice: in bfloat16 the gradchecks are skipped, saying to use float32
+    coarse = check_op(op, x, w, dtype=torch.bfloat16, raise_on_failure=False)
+    assert coarse["gradcheck"].status == "skipped"
+    assert "dtype=torch.float32" in coarse["gradcheck"].detail

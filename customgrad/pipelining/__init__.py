@@ -38,6 +38,21 @@ from customgrad.pipelining._timing import StepTimeline as StepTimeline
 from customgrad.pipelining._timing import WaitEvent as WaitEvent
 from customgrad.pipelining._timing import stage_costs as stage_costs
 
+# Tracebacks name the public errors where users catch them (customgrad.pipelining.X).
+for _error in (
+    ActionTimerError,
+    MissingInputPassError,
+    PendingWeightWorkError,
+    PipeliningError,
+    SplitStateError,
+    StrayWeightWorkError,
+    StreamSyncError,
+    WeightGradQueueError,
+    WeightPassTwiceError,
+):
+    _error.__module__ = __name__
+del _error
+
 __all__ = [
     "ActionEvent",
     "ActionTimer",

@@ -313,6 +313,18 @@ def deferred_nodes(param_groups: object) -> set[Node]:
     return set()
 
 
+def deferred_work(param_groups: object) -> dict[NodeRecord, Any]:
+    """The weight halves :func:`stage_backward_input` deferred, by node record, read off its
+    ``param_groups`` before W runs (W runs the values found here then; empty for anything
+    else). For tools that watch W (``explain_split`` counts their FLOPs to their nodes)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            return state.deferred
+    return {}
+
+
 def _state_of(param_groups: object) -> _SplitState:
     state = None
     if isinstance(param_groups, list) and len(param_groups) == 1:

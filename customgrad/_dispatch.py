@@ -22,7 +22,7 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from customgrad._errors import DefinitionError, MissingRegistrationError, where
-from customgrad._kernels import Kernels
+from customgrad._kernels import Kernels, first_tensor
 from customgrad._torch import dispatcher
 from customgrad._torch.transforms import forward_ad_level
 
@@ -126,9 +126,9 @@ class OpLibrary:
     def backend_full(self, *args: Any, **kwargs: Any) -> Any:
         """Every return of the kernel (outputs, then residuals)."""
         kernels = self._kernels
-        kernel = kernels.for_args(self._sig.normalize(args, kwargs))
-        out = kernel(*args, **kwargs)
-        kernels.checked_output(self._sig.normalize(args, kwargs), out)
+        full = self._sig.normalize(args, kwargs)
+        out = kernels.run(kernels.kernel_for(first_tensor(full)), full)
+        kernels.checked_output(full, out)
         return out
 
     def backend(self, *args: Any, **kwargs: Any) -> Any:

@@ -314,10 +314,22 @@ class _Writer:
             else "type(out) is not _T"
         )
         node_inputs = self._node_inputs()
+        # The version counters of every tensor argument (none is in mutates_args here), read
+        # before and after the kernel: Kernels.run's check, unrolled.
+        versions = ", ".join(
+            f"None if {n} is None else {n}._version"
+            if kind is ArgKind.OPTIONAL_TENSOR
+            else f"{n}._version"
+            for _, n, kind, is_slot in self._flat()
+            if is_slot
+        )
         forward_src = (
             f"def forward(impl, kernel, {node_inputs}):\n"
             f"    args = {regrouped}\n"
+            f"    before = [{versions}]\n"
             f"    out = kernel(*args)\n"
+            f"    if [{versions}] != before:\n"
+            f"        _raise_if_mutated(args, before)\n"
             f"    if {alias}:\n"
             f"        out = _checked_output(args, out)[0]\n"
             f"    return out\n"
@@ -446,6 +458,7 @@ class _Writer:
         ns: dict[str, Any] = {
             **_RUNTIME,
             "_checked_output": self.kernels.checked_output,
+            "_raise_if_mutated": self.kernels.raise_if_mutated,
             "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,

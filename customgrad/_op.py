@@ -117,7 +117,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self._mutates = mutates
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._var = opname
-        self._kernels = Kernels(self._sig, opname, bool(mutates))
+        self._kernels = Kernels(self._sig, opname, mutates)
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
         self.rules = AutogradRules()
@@ -149,14 +149,11 @@ class CustomOp(OpRegistration, Generic[P, R]):
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
     def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
         """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
-        sig = self._sig
         if kernel is None:
             with _below_autograd():
-                out = sig.call(self._library.kernel_overload, args)
-        elif sig.kwonly_names:
-            out = sig.call(kernel, args)
+                out = self._sig.call(self._library.kernel_overload, args)
         else:
-            out = kernel(*args)
+            out = self._kernels.run(kernel, args)
         return self._kernels.checked_output(args, out)
 
     def _missing_autograd_message(self) -> str:
@@ -221,8 +218,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
         if _forward_ad_level() >= 0 and has_tangent(args):
             return self._forward_ad(args, kernel)  # type: ignore[no-any-return]
         if kernel is not None:
-            out = sig.call(kernel, args) if sig.kwonly_names else kernel(*args)
-            return kernels.checked_output(args, out)[0]  # type: ignore[no-any-return]
+            return kernels.checked_output(args, kernels.run(kernel, args))[0]  # type: ignore[no-any-return]
         with _below_autograd():
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
 

@@ -62,10 +62,13 @@ from customgrad._torch.dispatcher import is_traceable_wrapper_subclass
 from customgrad._torch.dynamo import (
     aot_autograd_type,
     compiled_autograd_on,
+    compiled_call,
     compiling_locals,
     eager_backends,
+    inductor_config,
     lookup_backend,
     optimized_module_type,
+    set_compiled_call,
 )
 from customgrad._torch.engine import current_node, graph_kept
 from customgrad._torch.fake import is_fake
@@ -818,9 +821,7 @@ class _Backend:
         self.counter = itertools.count()
         self.inductor_config: dict[str, Any] = {}
         if backend == "inductor":
-            from torch import _TorchCompileInductorWrapper
-
-            self.inductor_config = _TorchCompileInductorWrapper(mode, options, dynamic).config
+            self.inductor_config = inductor_config(mode, options, dynamic)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
         region = CompiledRegion(name=f"{_region_label(gm)} (graph {next(self.counter)})")
@@ -1006,7 +1007,7 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
     compiled_backend = _backend_for(backend, mode, options, kwargs.get("dynamic"))
     label = type(module).__qualname__ if isinstance(module, nn.Module) else _describe(module)
     if isinstance(module, nn.Module):
-        if module._compiled_call_impl is not None:
+        if compiled_call(module) is not None:
             raise ArgumentTypeError(
                 MSG_TWICE.format(got=label, how="its _compiled_call_impl is set")
             )
@@ -1016,6 +1017,6 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
         call = module._call_impl if _user_forward(module) else _call_for(module)
         compiled = torch.compile(call, backend=compiled_backend, **kwargs)
         compiled._customgrad_compiled = True
-        module._compiled_call_impl = compiled
+        set_compiled_call(module, compiled)
         return module
     return torch.compile(module, backend=compiled_backend, **kwargs)  # type: ignore[return-value]

@@ -8,6 +8,8 @@ class of a Function, and ``apply`` without its functorch wrapper.
   instead of the ``ctx`` torch hands to ``backward``;
 - :func:`plain_apply`: what ``Function.apply`` ends in when no functorch transform is active
   (``torch._C._FunctionBase.apply``), without the Python wrapper's checks;
+- :func:`setup_context_defined`: whether a Function overrides ``setup_context``
+  (``torch.autograd.function._is_setup_context_defined``);
 - :func:`custom_op_of`: the ``torch.library.custom_op`` whose backward a node runs (its Function
   is made in ``torch._library.autograd``, which holds the ``OpOverload`` in a closure).
 """
@@ -19,7 +21,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["custom_op_of", "forward_cls", "is_aot_node", "plain_apply", "set_backward_apply"]
+__all__ = [
+    "custom_op_of",
+    "forward_cls",
+    "is_aot_node",
+    "plain_apply",
+    "set_backward_apply",
+    "setup_context_defined",
+]
 
 _CUSTOM_OP_MODULE = "torch._library.autograd"
 r"""The module whose generated Functions give ``torch.library.custom_op``\ s their autograd."""
@@ -65,3 +74,10 @@ def is_aot_node(node: Any) -> bool:
     """Whether ``node`` is the autograd node of an AOTAutograd-compiled graph (its
     ``autograd.Function`` class carries the compiled forward, ``compiled_fw``)."""
     return getattr(getattr(node, "_forward_cls", None), "compiled_fw", None) is not None
+
+
+def setup_context_defined(function: type[torch.autograd.Function]) -> bool:
+    """Whether ``function`` defines its own ``setup_context`` (a forward without ``ctx``)."""
+    from torch.autograd.function import _is_setup_context_defined
+
+    return bool(_is_setup_context_defined(function.setup_context))

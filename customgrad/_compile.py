@@ -46,7 +46,7 @@ import torch
 from torch import fx, nn
 
 from customgrad._autograd import engine_needs
-from customgrad._compiled_cut import Plan, cut_graph, example_of
+from customgrad._compiled_cut import Plan, cut_graph
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, PassRecord, record_pass, same_pass
 from customgrad._origin import ValueOrigin, origin_of
@@ -550,13 +550,9 @@ def _subclass_input(example_inputs: Sequence[Any]) -> bool:
         isinstance(x, torch.Tensor)
         and not isinstance(x, nn.Parameter)
         and (is_traceable_wrapper_subclass(x) or type(x) not in (torch.Tensor,))
-        and not _is_fake(x)
+        and not is_fake(x)
         for x in example_inputs
     )
-
-
-def _is_fake(x: torch.Tensor) -> bool:
-    return is_fake(x)
 
 
 def _no_donated_buffers() -> None:
@@ -694,7 +690,7 @@ class _SplitCompiler:
         kwargs: dict[str, Any],
     ) -> _Cut:
         input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
-        weight_examples = [*example_inputs, *(example_of(h) for h in plan.handoff)]
+        weight_examples = [*example_inputs, *(h.meta.get("val") for h in plan.handoff)]
         weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
         return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, later)
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torch import fx
 
@@ -21,7 +20,7 @@ from customgrad._partition import cut, extract
 from customgrad._torch.aot import is_tangent
 from customgrad._torch.dispatcher import OpOverload, schema_of
 
-__all__ = ["Plan", "cut_graph", "example_of"]
+__all__ = ["Plan", "cut_graph"]
 
 
 @dataclass
@@ -67,7 +66,3 @@ def cut_graph(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> Plan | st
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tangents = [i for i, n in enumerate(placeholders) if is_tangent(n)]
     return Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed, tangents)
-
-
-def example_of(node: fx.Node) -> Any:
-    return node.meta.get("val")

@@ -115,7 +115,6 @@ class _BackwardContext:
     ) -> None:
         self.__dict__.update(attrs)
         self.saved_tensors = saved
-        self.saved_variables = saved
         self.needs_input_grad = needs_input_grad
 
 

@@ -31,6 +31,7 @@ from customgrad._torch import dispatcher
 __all__ = [
     "DISPATCH",
     "IMPLS",
+    "Kernel",
     "MSG_KERNEL_MUTATED",
     "ForeignKeys",
     "Kernels",
@@ -43,6 +44,9 @@ __all__ = [
 _Tensor = torch.Tensor
 _intercepted = dispatcher.intercepted
 _alias_check = dispatcher.alias_check
+
+Kernel = Callable[..., Any]
+"""A kernel: the op's function for a device, called with the op's arguments."""
 
 DISPATCH: Any = object()
 """What :meth:`Kernels.route` returns when the whole call must go through the dispatcher."""

@@ -26,7 +26,7 @@ from customgrad._autograd import AutogradImpl
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
 from customgrad._kernels import DISPATCH as _DISPATCH
-from customgrad._kernels import Kernels, dispatch_key
+from customgrad._kernels import Kernel, Kernels, dispatch_key
 from customgrad._kernels import device_types as _device_types
 from customgrad._messages import missing_autograd_message
 from customgrad._registration import OpRegistration
@@ -205,24 +205,38 @@ class CustomOp(OpRegistration, Generic[P, R]):
                         sig.check_args(args)
             elif not (kind is _OPTIONAL and a is None):
                 sig.check_args(args)
-        if self._mutated_idx:
-            self._check_mutated_no_grad(args)
-        kernels = self._kernels
-        kernel = kernels.route(first, plain)
+        kernel = self._kernels.route(first, plain)
         if kernel is _DISPATCH:
             # A kernel or autocast rule registered through torch.library would run: let the
-            # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).
+            # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's,
+            # which ends in run_call as this call does).
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
-        if requires and sig.output_kinds:
-            return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
-        if _forward_ad_level() >= 0 and has_tangent(args):
-            return self._forward_ad(args, kernel)  # type: ignore[no-any-return]
-        if kernel is not None:
-            return kernels.checked_output(args, kernels.run(kernel, args))[0]  # type: ignore[no-any-return]
-        with _below_autograd():
-            return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
+        return self.run_call(args, kernel, requires)  # type: ignore[no-any-return]
 
-    def _forward_ad(self, args: tuple[Any, ...], kernel: Any) -> Any:
+    def run_call(self, args: tuple[Any, ...], kernel: Kernel | None, requires: bool) -> Any:
+        """Run a call whose kernel is decided: the one door of the direct call and of the
+        dispatcher's Autograd kernel (:meth:`customgrad._dispatch.OpLibrary.autograd`).
+
+        Args:
+            args: schema-ordered arguments, checked.
+            kernel: the kernel to call directly (:meth:`Kernels.route`), or None to call it
+                through the dispatcher, below autograd.
+            requires: whether grad mode is on and a tensor argument requires grad.
+        """
+        if self._mutated_idx:
+            self._check_mutated_no_grad(args)
+        sig = self._sig
+        if requires and sig.output_kinds:
+            return self._impl.apply(args, kernel)
+        if _forward_ad_level() >= 0 and has_tangent(args):
+            return self._forward_ad(args, kernel)
+        if kernel is not None:
+            kernels = self._kernels
+            return kernels.checked_output(args, kernels.run(kernel, args))[0]
+        with _below_autograd():
+            return sig.call(self.opoverload, args)
+
+    def _forward_ad(self, args: tuple[Any, ...], kernel: Kernel | None) -> Any:
         """Forward-mode AD of inputs that need no backward: through the registered jvp."""
         if self.rules.jvp is None:
             raise MissingRegistrationError(

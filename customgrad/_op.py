@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
-from customgrad import _fastpath
+from customgrad import _codegen
 from customgrad._autograd import AutogradImpl
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
@@ -59,7 +59,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDictionary()
 """The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
 its kernels) do, that is until it is replaced by a new definition of its name."""
-_DECLINED = _fastpath.DECLINED
+_DECLINED = _codegen.DECLINED
 _below_autograd = dispatcher.below_autograd
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
@@ -265,7 +265,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     def _refresh_fast(self) -> None:
         """Rebuild the fast path for the current registrations and kernels."""
-        self._fast_call = _fastpath.build(self._impl, self._kernels)
+        self._fast_call = _codegen.write_call(self._impl, self._kernels)
 
     # -- identity --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> CustomOp[P, R]:

@@ -20,7 +20,7 @@ import functools
 import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -80,6 +80,16 @@ def run_source(source: str, filename: str, ns: dict[str, Any]) -> None:
     exec(compile(source, filename, "exec"), ns)
 
 
+class Observed(Protocol):
+    """What holds the observers a runner calls after each registered function runs (the op's
+    ``AutogradImpl``; read on every call, so observers added later are called)."""
+
+    observers: tuple[Callable[..., None], ...]
+
+
+SlotsOf = Callable[[tuple[int, ...]], dict[str, tuple[int, int | None]]]
+"""List lengths -> each argument's first flat position and list length (``AutogradImpl.slots``)."""
+
 Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
 """``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
 
@@ -95,8 +105,8 @@ def write_runner(
     spec: OpSpec,
     rules: AutogradRules,
     plan: PassPlan,
-    observed: Any,
-    slots_of: Callable[[Any], Any],
+    observed: Observed,
+    slots_of: SlotsOf,
     lens: tuple[int, ...] | None = None,
 ) -> Runner:
     """The runner of ``plan`` under ``rules`` (see :data:`Runner`).
@@ -300,7 +310,7 @@ class Runners:
         slots_of: list lengths -> the op's slots.
     """
 
-    def __init__(self, spec: OpSpec, observed: Any, slots_of: Callable[[Any], Any]) -> None:
+    def __init__(self, spec: OpSpec, observed: Observed, slots_of: SlotsOf) -> None:
         self._spec = spec
         self._observed = observed
         self._slots_of = slots_of

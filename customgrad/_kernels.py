@@ -13,8 +13,9 @@ same way (:meth:`Kernels.checked_output`), whichever path ran it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -30,6 +31,7 @@ from customgrad._torch import dispatcher
 
 __all__ = [
     "DISPATCH",
+    "Dispatch",
     "IMPLS",
     "Kernel",
     "MSG_KERNEL_MUTATED",
@@ -48,8 +50,14 @@ _alias_check = dispatcher.alias_check
 Kernel = Callable[..., Any]
 """A kernel: the op's function for a device, called with the op's arguments."""
 
-DISPATCH: Any = object()
-"""What :meth:`Kernels.route` returns when the whole call must go through the dispatcher."""
+
+class Dispatch(enum.Enum):
+    """What :meth:`Kernels.route` returns when the whole call must go through the dispatcher."""
+
+    DISPATCH = "dispatch"
+
+
+DISPATCH: Final = Dispatch.DISPATCH
 
 
 MSG_KERNEL_MUTATED = """\
@@ -223,7 +231,7 @@ class Kernels:
                         )
                     )
 
-    def route(self, first: torch.Tensor | None, plain: bool) -> Any:
+    def route(self, first: torch.Tensor | None, plain: bool) -> Kernel | Dispatch | None:
         """How a direct call of the op runs: the one dispatch decision, made for every call
         that does not start in the dispatcher (``CustomOp.__call__`` and the fast path).
 

@@ -147,7 +147,9 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self.__class__ = _ReplacedOp
 
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
-    def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
+    def _run_kernel(
+        self, args: tuple[Any, ...], kernel: Kernel | None
+    ) -> tuple[Any, tuple[Any, ...]]:
         """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
         if kernel is None:
             with _below_autograd():

@@ -11,7 +11,7 @@ functions a backward calls see a :class:`BackwardContext`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
@@ -21,6 +21,10 @@ from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import OpSpec
 from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import _call_user, _Watch
+
+if TYPE_CHECKING:
+    from customgrad._autosplit import AutoSplitter, TracedSplit
+    from customgrad._routing import DeferTarget
 
 __all__ = [
     "BackwardContext",
@@ -148,7 +152,7 @@ class BackwardContext:
         )
 
 
-def keeps_for_later(plan: PassPlan, target: Any) -> bool:
+def keeps_for_later(plan: PassPlan, target: DeferTarget | None) -> bool:
     """Whether a pass keeps what it computed for the node's later pass: when gradients that
     require grad are left for a later pass and that pass can come (the graph is retained, or a
     route defers the weight half to ``target``). A non-retaining partial pass frees everything
@@ -206,12 +210,12 @@ def pass_plan(
 
 def auto_split(
     record: NodeRecord,
-    auto: Any,
+    auto: AutoSplitter,
     make_ctx: Callable[[frozenset[str]], BackwardContext],
     saved: Any,
-    grads: Any,
+    grads: tuple[Any, ...],
     requires: frozenset[str],
-) -> Any:
+) -> TracedSplit | None:
     """The node's automatic-split plan (``auto``: the op's ``AutoSplitter``), or None to call
     the single backward as it is. ``requires``: the arguments of the node that require grad."""
     if _grad_enabled() and _graph_task_id() != -1:

@@ -406,7 +406,7 @@ class AutogradImpl:
         if plan is None:
             plan = self.plan(requires_mask, needed_mask)
         target = None if route is None else route.defer
-        deferred = plan.later_w if target is not None else frozenset()
+        deferred = plan.later_weight if target is not None else frozenset()
         out: list[Any] = [None] * (len(metas) + 2)
         if not plan.needed and not deferred:
             return tuple(out)

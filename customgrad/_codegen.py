@@ -224,7 +224,7 @@ def write_runner(
         lines += watch
         shared = rules.backward_shared is not None
         if shared:
-            keep_now = bool(plan.need_in) and not plan.need_w
+            keep_now = bool(plan.need_input) and not plan.need_weight
             lines += [
                 f"shared = _Shared(record, saved, grads, (values, before, len(grads)), "
                 f"keep and {keep_now})",
@@ -233,13 +233,13 @@ def write_runner(
         else:
             lines.append("ctx = _CTX")
         lines.append("got = {}")
-        if plan.need_in:
+        if plan.need_input:
             lines += half_lines(
-                "input", rules.backward_input, sig.input_set, plan.need_in, "got_in", "got"
+                "input", rules.backward_input, sig.input_set, plan.need_input, "got_in", "got"
             )
-        if plan.need_w:
+        if plan.need_weight:
             lines += half_lines(
-                "weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w", "got"
+                "weight", rules.backward_weight, sig.weight_set, plan.need_weight, "got_w", "got"
             )
             # the later pass ran: free what was kept for it
             lines += ["if record.handoff is not None:", "    record.handoff = None"]
@@ -274,10 +274,10 @@ def _run_once_lines(
     ns["_NEEDED_every"] = plan.requires
     return [
         "if record.handoff is not None:",
-        "    early = _handed_over(record, grads, 'gradients')",
-        "    if early is not _NO_HANDOFF:",
-        "        got = {n: early.pop(n) for n in _NEEDED if n in early}",
-        "        if not early:",
+        "    handed = _handed_over(record, grads, 'gradients')",
+        "    if handed is not _NO_HANDOFF:",
+        "        got = {n: handed.pop(n) for n in _NEEDED if n in handed}",
+        "        if not handed:",
         "            record.handoff = None",
         "        return got",
         "if keep:",
@@ -793,20 +793,25 @@ class _Writer:
         node_inputs = self._node_inputs()
         # The version counters of every tensor argument (none is in mutates_args here), read
         # before and after the kernel: Kernels.run's check, unrolled.
-        versions = ", ".join(
-            f"None if {n} is None else {n}._version"
+        tensors = [(n, kind) for _, n, kind, is_slot in self._flat() if is_slot]
+        read = "".join(
+            f"    v_{n} = None if {n} is None else {n}._version\n"
             if kind is ArgKind.OPTIONAL_TENSOR
-            else f"{n}._version"
-            for _, n, kind, is_slot in self._flat()
-            if is_slot
+            else f"    v_{n} = {n}._version\n"
+            for n, kind in tensors
         )
+        moved = " or ".join(
+            f"({n} is not None and {n}._version != v_{n})"
+            if kind is ArgKind.OPTIONAL_TENSOR
+            else f"{n}._version != v_{n}"
+            for n, kind in tensors
+        )
+        before = ", ".join(f"v_{n}" for n, _ in tensors)
         forward_src = (
             f"def forward(impl, kernel, {node_inputs}):\n"
-            f"    args = {regrouped}\n"
-            f"    before = [{versions}]\n"
-            f"    out = kernel(*args)\n"
-            f"    if [{versions}] != before:\n"
-            f"        _raise_if_mutated(args, before)\n"
+            f"    args = {regrouped}\n" + read + f"    out = kernel(*args)\n"
+            f"    if {moved or 'False'}:\n"
+            f"        _raise_if_mutated(args, [{before}])\n"
             f"    if {alias}:\n"
             f"        out = _checked_output(args, out)[0]\n"
             f"    return out\n"

@@ -158,8 +158,8 @@ def keeps_for_later(plan: PassPlan, target: DeferTarget | None) -> bool:
     route defers the weight half to ``target``). A non-retaining partial pass frees everything
     at once."""
     if target is not None:
-        return bool(plan.later_w) and bool(plan.needed)
-    return bool(plan.later_w or plan.later_in) and bool(plan.needed) and graph_kept()
+        return bool(plan.later_weight) and bool(plan.needed)
+    return bool(plan.later_weight or plan.later_input) and bool(plan.needed) and graph_kept()
 
 
 class PassPlan(NamedTuple):
@@ -168,12 +168,12 @@ class PassPlan(NamedTuple):
 
     phase: Phase
     needed: frozenset[str]
-    need_in: frozenset[str]
-    need_w: frozenset[str]
-    later_w: frozenset[str]
+    need_input: frozenset[str]
+    need_weight: frozenset[str]
+    later_weight: frozenset[str]
     """Weights that require grad but that this pass does not compute (a later pass will, or a
     route takes them)."""
-    later_in: frozenset[str]
+    later_input: frozenset[str]
     """Non-weight arguments that require grad but that this pass does not compute."""
     splits: bool
     """Whether the pass computes input gradients while weights that require grad are left for
@@ -182,7 +182,7 @@ class PassPlan(NamedTuple):
     """The backward functions' context for this plan when the op registers no shared work
     (a context is read-only then, so every call with this plan shares one)."""
     requires: frozenset[str]
-    """Every argument of the node that requires grad (``needed | later_w | later_in``)."""
+    """Every argument of the node that requires grad (``needed | later_weight | later_input``)."""
     key: tuple[int, int]
     """(arguments that require grad, arguments needed) as bit masks (bit ``i``: argument
     ``i``): the plan's key among its op's plans and runners."""
@@ -194,18 +194,29 @@ def pass_plan(
     """The plan for a call where ``requires`` require grad and the pass needs ``needed``
     (``key``: the same as argument bit masks)."""
     sig = spec.signature
-    need_w = needed & sig.weight_set
-    need_in = needed - sig.weight_set
-    if needed >= requires or (need_w and need_in):
+    need_weight = needed & sig.weight_set
+    need_input = needed - sig.weight_set
+    if needed >= requires or (need_weight and need_input):
         phase: Phase = "full"
     else:
-        phase = "weight" if need_w else "input"
+        phase = "weight" if need_weight else "input"
     later = requires - needed
-    later_w = later & sig.weight_set
-    splits = bool(later_w) and bool(need_in)
-    later_in = later - sig.weight_set
+    later_weight = later & sig.weight_set
+    splits = bool(later_weight) and bool(need_input)
+    later_input = later - sig.weight_set
     ctx = BackwardContext(spec, phase, needed)
-    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx, requires, key)
+    return PassPlan(
+        phase,
+        needed,
+        need_input,
+        need_weight,
+        later_weight,
+        later_input,
+        splits,
+        ctx,
+        requires,
+        key,
+    )
 
 
 def auto_split(

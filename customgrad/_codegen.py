@@ -795,9 +795,9 @@ class _Writer:
         # before and after the kernel: Kernels.run's check, unrolled.
         tensors = [(n, kind) for _, n, kind, is_slot in self._flat() if is_slot]
         read = "".join(
-            f"    v_{n} = None if {n} is None else {n}._version\n"
+            f"        v_{n} = None if {n} is None else {n}._version\n"
             if kind is ArgKind.OPTIONAL_TENSOR
-            else f"    v_{n} = {n}._version\n"
+            else f"        v_{n} = {n}._version\n"
             for n, kind in tensors
         )
         moved = " or ".join(
@@ -809,9 +809,15 @@ class _Writer:
         before = ", ".join(f"v_{n}" for n, _ in tensors)
         forward_src = (
             f"def forward(impl, kernel, {node_inputs}):\n"
-            f"    args = {regrouped}\n" + read + f"    out = kernel(*args)\n"
-            f"    if {moved or 'False'}:\n"
-            f"        _raise_if_mutated(args, [{before}])\n"
+            f"    args = {regrouped}\n"
+            f"    try:\n"
+            + read
+            + f"    except RuntimeError:  # an inference tensor keeps no version\n"
+            f"        out = _run(kernel, args)\n"
+            f"    else:\n"
+            f"        out = kernel(*args)\n"
+            f"        if {moved or 'False'}:\n"
+            f"            _raise_if_mutated(args, [{before}])\n"
             f"    if {alias}:\n"
             f"        out = _checked_output(args, out)[0]\n"
             f"    return out\n"
@@ -941,6 +947,7 @@ class _Writer:
             **_runtime(),
             "_checked_output": self.kernels.checked_output,
             "_raise_if_mutated": self.kernels.raise_if_mutated,
+            "_run": self.kernels.run,
             "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,

@@ -586,3 +586,20 @@ def test_the_fix_the_mutation_error_gives_makes_the_gradients_right() -> None:
     assert torch.equal(x.detach(), x0)
     torch.testing.assert_close(x.grad, xr.grad)
     torch.testing.assert_close(w.grad, wr.grad)
+
+
+@pytest.mark.parametrize("fastpath", [True, False], ids=["fast", "general"])
+def test_inference_tensors_keep_no_version_and_the_write_check_lets_them_through(
+    fastpath: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inference tensor has no version counter: the check of the kernel's writes skips it,
+    and what happens is what torch does (under inference_mode the call runs; recorded by
+    autograd, saving it is torch's own error)."""
+    from customgrad._switches import STATE
+
+    monkeypatch.setattr(STATE, "fastpath", fastpath)
+    with torch.inference_mode():
+        x, w = torch.randn(3, 4), torch.randn(4)
+        torch.testing.assert_close(LINEAR_SINGLE(x, w.expand(5, 4)), x @ w.expand(5, 4).mT)
+    with pytest.raises(RuntimeError, match=re.escape("Inference tensors cannot be saved")):
+        LINEAR_SINGLE(x, leaf(5, 4, dtype=torch.float32))

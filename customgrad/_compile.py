@@ -46,7 +46,7 @@ import torch
 from torch import fx, nn
 
 from customgrad._autograd import engine_needs
-from customgrad._compiled_cut import Plan, cut_graph
+from customgrad._compiled_cut import RegionCut, cut_graph
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, PassRecord, record_pass, same_pass
 from customgrad._origin import ValueOrigin, origin_of
@@ -285,7 +285,7 @@ class _Cut:
 
     input_fn: Callable[[list[Any]], Any]
     weight_fn: Callable[[list[Any]], Any]
-    plan: Plan
+    plan: RegionCut
     later: tuple[bool, ...]
     """One entry per edge of the node (the region's tensor inputs): whether W computes its
     gradient (I computes the others)."""
@@ -667,7 +667,7 @@ class _SplitCompiler:
             self._describe(gm, plan)
         return cut
 
-    def _describe(self, gm: fx.GraphModule, plan: Plan) -> None:
+    def _describe(self, gm: fx.GraphModule, plan: RegionCut) -> None:
         """What explain_split and the summary say of the region: the cut it runs first."""
         region = self.region
         names = _input_names(gm, self.kinds)
@@ -684,7 +684,7 @@ class _SplitCompiler:
 
     def _cut(
         self,
-        plan: Plan,
+        plan: RegionCut,
         later: tuple[bool, ...],
         example_inputs: Sequence[Any],
         kwargs: dict[str, Any],

@@ -3,7 +3,7 @@
 Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks`` (``--quick`` for a short run).
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the backward that
-``customgrad/_fastpath.py`` generates for its signature, which calls the general path's engine
+``customgrad/_codegen.py`` (``write_call``) writes for its signature, which calls the general path's engine
 query (``needed_edge``), plan and the plan's runner (``customgrad/_codegen.py``). This script swaps
 one function the core calls (or that writes a runner's lines) for a variant without the check,
 one check at a time, rewrites the runners, and times forward + ``out.backward(g)`` of each

@@ -51,6 +51,7 @@ for _error in (
     MutationError,
     SaveError,
     UnsupportedError,
+    UnsupportedTorchError,
     Summary,
     OpRow,
     CompiledRegionRow,

@@ -15,15 +15,16 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._calls import CallCounts
 from customgrad._codegen import Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError
 from customgrad._forward_ad import forward_ad_active, jvp
+from customgrad._kernels import Kernel
 from customgrad._layout import (
     _flatten_args,
     _public_outputs,
@@ -125,13 +126,13 @@ class CaptureMemo:
         return captured
 
 
-def needed_edge(fn: Any, captured: frozenset[int]) -> bool:
+def needed_edge(fn: Node | None, captured: frozenset[int]) -> bool:
     """Whether the running pass uses the gradient sent along an edge to ``fn``.
 
     ``captured``: the leaves the running ``autograd.grad`` captures
     (:meth:`CaptureMemo.captured_now`, read once per node backward).
     """
-    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[attr-defined]
+    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
         return True  # a leaf that autograd.grad captures: needed, without asking the engine
     if _will_execute is None:
         return engine_needs(fn)
@@ -141,7 +142,7 @@ def needed_edge(fn: Any, captured: frozenset[int]) -> bool:
         return True
 
 
-def engine_needs(fn: Any) -> bool:
+def engine_needs(fn: Node | None) -> bool:
     """Whether the running graph task will use the gradient sent along an edge to ``fn``.
 
     Any error (outside a backward, a leaf captured by ``autograd.grad``) means "needed".
@@ -222,7 +223,7 @@ class AutogradImpl:
         self._ready_for = rules
         return True
 
-    def apply(self, args: tuple[Any, ...], kernel: Any, backward: bool = True) -> Any:
+    def apply(self, args: tuple[Any, ...], kernel: Kernel | None, backward: bool = True) -> Any:
         """Run the op under autograd with schema-ordered ``args``; return what the op returns.
 
         ``kernel`` is the kernel to call directly, or None to call it through the dispatcher.
@@ -371,7 +372,7 @@ class AutogradImpl:
             run = self.runners.runner(plan, lens)
         return run(record, saved, grads, keep)
 
-    def backward(self, node: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
+    def backward(self, node: NodeCtx, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         """The node's backward: compute what the pass needs, hand over what the route defers."""
         record: NodeRecord = node._cg
         route = None if record.route is None else route_for(record)
@@ -411,7 +412,7 @@ class AutogradImpl:
         if plan is None:
             plan = self.plan(requires_mask, needed_mask)
         target = None if route is None else route.defer
-        deferred = plan.later_w if target is not None else frozenset()
+        deferred = plan.later_weight if target is not None else frozenset()
         out: list[Any] = [None] * (len(metas) + 2)
         if not plan.needed and not deferred:
             return tuple(out)
@@ -455,12 +456,22 @@ class AutogradImpl:
 # The autograd.Function
 
 
+class NodeCtx(Protocol):
+    """A customgrad node as its backward reads it (torch's ``BackwardCFunction`` of the op's
+    Function: ``ctx`` and node in one object)."""
+
+    _cg: NodeRecord
+    needs_input_grad: tuple[bool, ...]
+    next_functions: tuple[tuple[Node | None, int], ...]
+    saved_tensors: tuple[torch.Tensor | None, ...]
+
+
 class _Call:
     """What one op call passes through ``Function.apply`` (the node's second input)."""
 
     __slots__ = ("kernel", "lens", "out_lens", "residuals", "saved")
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Kernel | None) -> None:
         self.kernel = kernel
         self.lens: tuple[int, ...] | None = None
         self.out_lens: list[int | None] | None = None
@@ -540,7 +551,7 @@ class DeferredWork:
     def __init__(
         self,
         impl: AutogradImpl,
-        node: Any,
+        node: NodeCtx,
         record: NodeRecord,
         plan: PassPlan,
         weights: frozenset[str],
@@ -609,7 +620,7 @@ class DeferredWork:
 
 def _deferred(
     impl: AutogradImpl,
-    node: Any,
+    node: NodeCtx,
     record: NodeRecord,
     plan: PassPlan,
     weights: frozenset[str],

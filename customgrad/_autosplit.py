@@ -57,6 +57,8 @@ from customgrad._torch.dispatcher import (
     aten_callables,
     dispatch_stack_len,
     get_dispatch_mode,
+    overload_name,
+    schema_of,
 )
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.fake import (
@@ -498,7 +500,7 @@ def _mutating(gm: fx.GraphModule) -> list[fx.Node]:
         for n in gm.graph.nodes
         if n.op == "call_function"
         and isinstance(n.target, OpOverload)
-        and n.target._schema.is_mutable
+        and schema_of(n.target).is_mutable
     ]
     if found:
         rewritten = [n for n in found if _pure(n) or _ordered(n)]
@@ -523,7 +525,7 @@ def _ordered(node: fx.Node) -> bool:
         return False  # functionalized
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     written: list[fx.Node] = []
-    for a, value in zip(target._schema.arguments, node.args):
+    for a, value in zip(schema_of(target).arguments, node.args):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         if not isinstance(value, fx.Node) or free(value):
@@ -558,14 +560,14 @@ def _pure(node: fx.Node) -> bool:
     mutated = node.args[0]
     if not isinstance(mutated, fx.Node) or free(mutated) or len(mutated.users) != 1:
         return False
-    schema = target._schema
+    schema = schema_of(target)
     written = [a for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     if len(written) != 1 or written[0] is not schema.arguments[0]:
         return False
     name = target.overloadpacket.__name__
     packet = getattr(torch.ops.aten, name[:-1], None) if name.endswith("_") else None
-    twin = getattr(packet, target._overloadname, None)
-    if not isinstance(twin, OpOverload) or twin._schema.is_mutable or not twin.is_view:
+    twin = getattr(packet, overload_name(target), None)
+    if not isinstance(twin, OpOverload) or schema_of(twin).is_mutable or not twin.is_view:
         return False  # only metadata writes (data writes are functionalized)
     node.target = twin
     return True
@@ -647,7 +649,7 @@ def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
         if (
             not isinstance(target, OpOverload)
             or target.namespace not in ("aten", "prims")
-            or target._schema.is_mutable
+            or schema_of(target).is_mutable
             or torch.Tag.nondeterministic_seeded in target.tags
         ):
             banned.add(packet)

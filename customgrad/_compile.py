@@ -46,7 +46,7 @@ import torch
 from torch import fx, nn
 
 from customgrad._autograd import engine_needs
-from customgrad._compiled_cut import Plan, cut_graph, example_of
+from customgrad._compiled_cut import RegionCut, cut_graph
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, PassRecord, record_pass, same_pass
 from customgrad._origin import ValueOrigin, origin_of
@@ -62,10 +62,13 @@ from customgrad._torch.dispatcher import is_traceable_wrapper_subclass
 from customgrad._torch.dynamo import (
     aot_autograd_type,
     compiled_autograd_on,
+    compiled_call,
     compiling_locals,
     eager_backends,
+    inductor_config,
     lookup_backend,
     optimized_module_type,
+    set_compiled_call,
 )
 from customgrad._torch.engine import current_node, graph_kept
 from customgrad._torch.fake import is_fake
@@ -282,7 +285,7 @@ class _Cut:
 
     input_fn: Callable[[list[Any]], Any]
     weight_fn: Callable[[list[Any]], Any]
-    plan: Plan
+    plan: RegionCut
     later: tuple[bool, ...]
     """One entry per edge of the node (the region's tensor inputs): whether W computes its
     gradient (I computes the others)."""
@@ -547,13 +550,9 @@ def _subclass_input(example_inputs: Sequence[Any]) -> bool:
         isinstance(x, torch.Tensor)
         and not isinstance(x, nn.Parameter)
         and (is_traceable_wrapper_subclass(x) or type(x) not in (torch.Tensor,))
-        and not _is_fake(x)
+        and not is_fake(x)
         for x in example_inputs
     )
-
-
-def _is_fake(x: torch.Tensor) -> bool:
-    return is_fake(x)
 
 
 def _no_donated_buffers() -> None:
@@ -668,7 +667,7 @@ class _SplitCompiler:
             self._describe(gm, plan)
         return cut
 
-    def _describe(self, gm: fx.GraphModule, plan: Plan) -> None:
+    def _describe(self, gm: fx.GraphModule, plan: RegionCut) -> None:
         """What explain_split and the summary say of the region: the cut it runs first."""
         region = self.region
         names = _input_names(gm, self.kinds)
@@ -685,13 +684,13 @@ class _SplitCompiler:
 
     def _cut(
         self,
-        plan: Plan,
+        plan: RegionCut,
         later: tuple[bool, ...],
         example_inputs: Sequence[Any],
         kwargs: dict[str, Any],
     ) -> _Cut:
         input_fn = self.compile_one(plan.input_gm, list(example_inputs), **kwargs)
-        weight_examples = [*example_inputs, *(example_of(h) for h in plan.handoff)]
+        weight_examples = [*example_inputs, *(h.meta.get("val") for h in plan.handoff)]
         weight_fn = self.compile_one(plan.weight_gm, weight_examples, **kwargs)
         return _Cut(_boxed(input_fn), _boxed(weight_fn), plan, later)
 
@@ -818,9 +817,7 @@ class _Backend:
         self.counter = itertools.count()
         self.inductor_config: dict[str, Any] = {}
         if backend == "inductor":
-            from torch import _TorchCompileInductorWrapper
-
-            self.inductor_config = _TorchCompileInductorWrapper(mode, options, dynamic).config
+            self.inductor_config = inductor_config(mode, options, dynamic)
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
         region = CompiledRegion(name=f"{_region_label(gm)} (graph {next(self.counter)})")
@@ -1006,7 +1003,7 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
     compiled_backend = _backend_for(backend, mode, options, kwargs.get("dynamic"))
     label = type(module).__qualname__ if isinstance(module, nn.Module) else _describe(module)
     if isinstance(module, nn.Module):
-        if module._compiled_call_impl is not None:
+        if compiled_call(module) is not None:
             raise ArgumentTypeError(
                 MSG_TWICE.format(got=label, how="its _compiled_call_impl is set")
             )
@@ -1016,6 +1013,6 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
         call = module._call_impl if _user_forward(module) else _call_for(module)
         compiled = torch.compile(call, backend=compiled_backend, **kwargs)
         compiled._customgrad_compiled = True
-        module._compiled_call_impl = compiled
+        set_compiled_call(module, compiled)
         return module
     return torch.compile(module, backend=compiled_backend, **kwargs)  # type: ignore[return-value]

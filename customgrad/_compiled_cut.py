@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from torch import fx
 
@@ -21,11 +20,14 @@ from customgrad._partition import cut, extract
 from customgrad._torch.aot import is_tangent
 from customgrad._torch.dispatcher import OpOverload, schema_of
 
-__all__ = ["Plan", "cut_graph", "example_of"]
+__all__ = ["RegionCut", "cut_graph"]
 
 
 @dataclass
-class Plan:
+class RegionCut:
+    """A compiled region's backward graph cut into its input-pass and weight-pass graphs (the
+    glossary's "plan" is the pass plan; this is a cut)."""
+
     input_gm: fx.GraphModule
     weight_gm: fx.GraphModule
     input_positions: list[int]
@@ -41,7 +43,7 @@ def _is_mutating(node: fx.Node) -> bool:
     return isinstance(target, OpOverload) and schema_of(target).is_mutable
 
 
-def cut_graph(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> Plan | str:
+def cut_graph(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> RegionCut | str:
     """Cut ``gm`` (outputs: one gradient per region input) into I and W, or say why not.
 
     ``is_weight[j]`` is True for a weight's gradient, False for an input's, None for a
@@ -66,8 +68,4 @@ def cut_graph(gm: fx.GraphModule, is_weight: Sequence[bool | None]) -> Plan | st
     recomputed = [n for n in gm.graph.nodes if n in c.recomputed]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     tangents = [i for i, n in enumerate(placeholders) if is_tangent(n)]
-    return Plan(input_gm, weight_gm, ipos, wpos, hand, recomputed, tangents)
-
-
-def example_of(node: fx.Node) -> Any:
-    return node.meta.get("val")
+    return RegionCut(input_gm, weight_gm, ipos, wpos, hand, recomputed, tangents)

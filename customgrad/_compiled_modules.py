@@ -19,7 +19,12 @@ from torch import nn
 
 from customgrad._compile import compile as cg_compile
 from customgrad._errors import ArgumentValueError
-from customgrad._torch.dynamo import compile_options, optimized_module_type
+from customgrad._torch.dynamo import (
+    compile_options,
+    compiled_call,
+    optimized_module_type,
+    set_compiled_call,
+)
 
 __all__ = ["split_compiled"]
 
@@ -28,7 +33,7 @@ log = logging.getLogger("customgrad")
 
 def _by_torch(module: nn.Module) -> bool:
     """Whether ``module`` was compiled by ``nn.Module.compile`` (not by customgrad)."""
-    compiled = module._compiled_call_impl
+    compiled = compiled_call(module)
     return compiled is not None and not getattr(compiled, "_customgrad_compiled", False)
 
 
@@ -53,7 +58,7 @@ def _recompile(
         if isinstance(compiled, nn.Module):  # the OptimizedModule
             module.compile(**options)
         else:
-            module._compiled_call_impl = compiled
+            set_compiled_call(module, compiled)
         kept.append(name)
         return
     done.append(name)
@@ -88,8 +93,8 @@ def split_compiled(module: nn.Module, owner: str) -> tuple[nn.Module, list[str]]
                 _recompile(inner, child, "torch.compile wrapper", full, done, kept)
     for path, sub in module.named_modules():
         if _by_torch(sub):
-            compiled = sub._compiled_call_impl
-            sub._compiled_call_impl = None
+            compiled = compiled_call(sub)
+            set_compiled_call(sub, None)
             _recompile(sub, compiled, "nn.Module.compile", path, done, kept)
     if kept:
         log.info(

@@ -22,9 +22,8 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from customgrad._errors import DefinitionError, MissingRegistrationError, where
-from customgrad._kernels import Kernels
+from customgrad._kernels import Kernel, Kernels, first_tensor
 from customgrad._torch import dispatcher
-from customgrad._torch.transforms import forward_ad_level
 
 if TYPE_CHECKING:
     from customgrad._autograd import AutogradImpl
@@ -44,11 +43,8 @@ class DispatchedOp(Protocol):
     _impl: AutogradImpl
     _mutated_idx: tuple[int, ...]
 
-    def _check_mutated_no_grad(self, args: tuple[Any, ...]) -> None:
-        """Refuse a mutated argument that requires grad."""
-
-    def _forward_ad(self, args: tuple[Any, ...], kernel: Any) -> Any:
-        """Forward-mode AD of a call that needs no backward."""
+    def run_call(self, args: tuple[Any, ...], kernel: Kernel | None, requires: bool) -> Any:
+        """Run a call whose kernel is decided (None: through the dispatcher, below autograd)."""
 
 
 class OpLibrary:
@@ -112,23 +108,15 @@ class OpLibrary:
     # -- the kernels the dispatcher calls --------------------------------------------------
     def autograd(self, *args: Any, **kwargs: Any) -> Any:
         """The Autograd kernel: customgrad's node, as a direct call records it."""
-        sig = self._sig
-        args = sig.normalize(args, kwargs)
-        if self._mutated_idx:
-            self._op._check_mutated_no_grad(args)
-        if sig.output_kinds and torch.is_grad_enabled() and any_requires_grad(args):
-            return self._impl.apply(args, None)
-        if forward_ad_level() >= 0 and has_tangent(args):
-            return self._op._forward_ad(args, None)
-        with _below_autograd():
-            return sig.call(self.opoverload, args)
+        args = self._sig.normalize(args, kwargs)
+        return self._op.run_call(args, None, torch.is_grad_enabled() and any_requires_grad(args))
 
     def backend_full(self, *args: Any, **kwargs: Any) -> Any:
         """Every return of the kernel (outputs, then residuals)."""
         kernels = self._kernels
-        kernel = kernels.for_args(self._sig.normalize(args, kwargs))
-        out = kernel(*args, **kwargs)
-        kernels.checked_output(self._sig.normalize(args, kwargs), out)
+        full = self._sig.normalize(args, kwargs)
+        out = kernels.run(kernels.kernel_for(first_tensor(full)), full)
+        kernels.checked_output(full, out)
         return out
 
     def backend(self, *args: Any, **kwargs: Any) -> Any:

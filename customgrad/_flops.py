@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from customgrad._torch.dispatcher import TorchDispatchMode
+from customgrad._torch.dispatcher import TorchDispatchMode, schema_of
 
 __all__ = ["EXTRA_FORMULAS", "FlopCounter", "count_flops", "formula_of", "may_hide_flops"]
 
@@ -137,7 +137,7 @@ class FlopCounter(TorchDispatchMode):
                 kept = out.detach().clone() if isinstance(out, torch.Tensor) else None
                 self.calls.append((func, flops, kept))
         elif may_hide_flops(func):
-            self.uncounted[str(func._schema.name)] += 1
+            self.uncounted[str(schema_of(func).name)] += 1
         return out
 
 

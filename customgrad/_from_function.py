@@ -29,7 +29,6 @@ from typing import Any
 
 import optree
 import torch
-from torch.autograd.function import _is_setup_context_defined
 
 from customgrad._autograd import _raises_if_differentiated, _requiring_grad
 from customgrad._errors import (
@@ -47,6 +46,7 @@ from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.dispatcher import is_alias_of
 from customgrad._torch.fake import detect_fake_mode
+from customgrad._torch.functions import setup_context_defined
 from customgrad._triton import raw_launch
 
 __all__ = ["from_function"]
@@ -116,7 +116,6 @@ class _BackwardContext:
     ) -> None:
         self.__dict__.update(attrs)
         self.saved_tensors = saved
-        self.saved_variables = saved
         self.needs_input_grad = needs_input_grad
 
 
@@ -518,7 +517,7 @@ def from_function(
         raise DefinitionError(
             f"{name}: from_function needs a torch.autograd.Function subclass, got {got}.{fix}"
         )
-    classic = not _is_setup_context_defined(function.setup_context)
+    classic = not setup_context_defined(function)
     params, returns = _parameters(function, name, classic)
     public = _public_schema(function, name, params, returns, schema)
     args_part, rets = _split_returns(public)

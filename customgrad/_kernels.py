@@ -13,8 +13,9 @@ same way (:meth:`Kernels.checked_output`), whichever path ran it.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -22,19 +23,76 @@ from customgrad._errors import (
     DefinitionError,
     KernelOutputError,
     MissingRegistrationError,
+    MutationError,
     where,
 )
-from customgrad._signature import Signature
+from customgrad._signature import ArgKind, Signature
 from customgrad._torch import dispatcher
 
-__all__ = ["DISPATCH", "IMPLS", "ForeignKeys", "Kernels", "device_types", "dispatch_key"]
+__all__ = [
+    "DISPATCH",
+    "Dispatch",
+    "IMPLS",
+    "Kernel",
+    "MSG_KERNEL_MUTATED",
+    "ForeignKeys",
+    "Kernels",
+    "device_types",
+    "dispatch_key",
+    "first_tensor",
+    "version_of",
+]
 
 _Tensor = torch.Tensor
 _intercepted = dispatcher.intercepted
 _alias_check = dispatcher.alias_check
 
-DISPATCH: Any = object()
-"""What :meth:`Kernels.route` returns when the whole call must go through the dispatcher."""
+Kernel = Callable[..., Any]
+"""A kernel: the op's function for a device, called with the op's arguments."""
+
+
+class Dispatch(enum.Enum):
+    """What :meth:`Kernels.route` returns when the whole call must go through the dispatcher."""
+
+    DISPATCH = "dispatch"
+
+
+DISPATCH: Final = Dispatch.DISPATCH
+
+
+MSG_KERNEL_MUTATED = """\
+{op}: the kernel wrote into argument {arg!r} in place (its version went from {before} to \
+{after}), but {name!r} is not in mutates_args. Autograd and the backward read {name!r} as it was \
+before the call, so every gradient that depends on it would be silently wrong. Compute out of \
+place, on a copy:
+
+    {name} = {name}.clone()      # first line of the kernel; then write into the copy
+
+or declare the write (then {name!r} must not require grad):
+
+    @cg.op({qualname!r}, mutates_args=({name!r},))
+
+(kernel defined at {loc})"""
+
+
+def version_of(t: object) -> int | None:
+    """The version counter of a tensor (None for anything else, and for an inference tensor,
+    which keeps none). In-place torch ops bump it; a Triton kernel's stores do not."""
+    if isinstance(t, _Tensor) and not t.is_inference():
+        return t._version
+    return None
+
+
+def first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The first tensor among ``args`` (list items included): its device picks the kernel."""
+    for a in args:
+        if isinstance(a, _Tensor):
+            return a
+        if isinstance(a, (list, tuple)):
+            t = next((x for x in a if isinstance(x, _Tensor)), None)
+            if t is not None:
+                return t
+    return None
 
 
 def device_types(device_types: str | Sequence[str] | None) -> tuple[str, ...] | None:
@@ -87,16 +145,24 @@ class Kernels:
     Args:
         sig: the op's signature (its name and function name the op in messages).
         var: the op's name as a Python variable, for the fixes messages show.
-        mutates: whether the op writes into an argument (then every call goes through the
-            dispatcher, whose ``ADInplaceOrView`` kernel records the writes).
+        mutates: the arguments the op declares it writes into (``mutates_args``; then every
+            call goes through the dispatcher, whose ``ADInplaceOrView`` kernel records the
+            writes). Every other Tensor argument is watched: a kernel that writes into one
+            raises :class:`~customgrad.MutationError` (:meth:`run`).
     """
 
-    def __init__(self, sig: Signature, var: str, mutates: bool) -> None:
+    def __init__(self, sig: Signature, var: str, mutates: Sequence[str] = ()) -> None:
         self.sig = sig
         self.qualname = sig.qualname
         self.var = var
         self.fn = sig.fn
-        self.mutates = mutates
+        self.mutates = bool(mutates)
+        self.watched: tuple[int, ...] = tuple(
+            i
+            for i, (name, kind) in enumerate(zip(sig.names, sig.kinds))
+            if kind is not ArgKind.OTHER and name not in mutates
+        )
+        """The arguments (indices) whose tensors a kernel must not write into."""
         self.by_device: dict[str | None, Callable[..., Any]] = {}
         self.fake: Callable[..., Any] | None = None
         """The fake kernel (``register_fake``), or None."""
@@ -106,21 +172,11 @@ class Kernels:
         by = self.by_device
         return by.get(device_type) or by.get(None)
 
-    def for_args(self, args: tuple[Any, ...]) -> Callable[..., Any]:
-        """The kernel for the device of the first tensor in ``args``, or an error."""
-        by = self.by_device
-        if len(by) > 1 or None not in by:
-            for a in args:
-                t = a if isinstance(a, _Tensor) else None
-                if t is None and isinstance(a, (list, tuple)):
-                    t = next((x for x in a if isinstance(x, _Tensor)), None)
-                if t is not None:
-                    k = by.get(t.device.type)
-                    if k is not None:
-                        return k
-                    break
-        k = by.get(None)
+    def kernel_for(self, first: torch.Tensor | None) -> Callable[..., Any]:
+        """The kernel for the device of ``first`` (the call's first tensor), or an error."""
+        k = self.for_device(first.device.type) if first is not None else self.by_device.get(None)
         if k is None:
+            by = self.by_device
             devices = ", ".join(sorted(d for d in by if d is not None)) or "none"
             raise MissingRegistrationError(
                 f"{self.qualname}: no kernel for these inputs' device (kernels registered for: "
@@ -130,7 +186,52 @@ class Kernels:
             )
         return k
 
-    def route(self, first: torch.Tensor | None, plain: bool) -> Any:
+    def versions(self, args: tuple[Any, ...]) -> list[int | None]:
+        """The version counters of the watched arguments' tensors (list items inline)."""
+        out: list[int | None] = []
+        for i in self.watched:
+            a = args[i]
+            if isinstance(a, (list, tuple)):
+                out.extend(map(version_of, a))
+            else:
+                out.append(version_of(a))
+        return out
+
+    def run(self, kernel: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Call ``kernel`` on schema-ordered ``args`` and return what it returns; a write into
+        an argument that is not in ``mutates_args`` raises (:meth:`raise_if_mutated`). Every
+        call of a kernel goes through here (the fast path inlines the same check)."""
+        before = self.versions(args)
+        out = self.sig.call(kernel, args) if self.sig.kwonly_names else kernel(*args)
+        if self.versions(args) != before:
+            self.raise_if_mutated(args, before)
+        return out
+
+    def raise_if_mutated(self, args: tuple[Any, ...], before: Sequence[int | None]) -> None:
+        """Raise :class:`~customgrad.MutationError` for the first watched tensor whose version
+        moved since ``before`` (:meth:`versions`, read before the kernel ran)."""
+        names = self.sig.names
+        it = iter(before)
+        for i in self.watched:
+            a = args[i]
+            items = list(enumerate(a)) if isinstance(a, (list, tuple)) else [(None, a)]
+            for k, t in items:
+                was = next(it, None)
+                now = version_of(t)
+                if was is not None and now != was:
+                    raise MutationError(
+                        MSG_KERNEL_MUTATED.format(
+                            op=self.qualname,
+                            arg=names[i] if k is None else f"{names[i]}[{k}]",
+                            name=names[i],
+                            before=was,
+                            after=now,
+                            qualname=self.qualname,
+                            loc=where(self.fn),
+                        )
+                    )
+
+    def route(self, first: torch.Tensor | None, plain: bool) -> Kernel | Dispatch | None:
         """How a direct call of the op runs: the one dispatch decision, made for every call
         that does not start in the dispatcher (``CustomOp.__call__`` and the fast path).
 
@@ -166,7 +267,7 @@ class Kernels:
         by_device = self.by_device
         if len(by_device) == 1 and None in by_device:
             return by_device[None]
-        return self.for_device(first.device.type)
+        return self.kernel_for(first)
 
     def checked_output(self, args: tuple[Any, ...], out: Any) -> tuple[Any, tuple[Any, ...]]:
         """Check the kernel's return against the schema and refuse outputs that alias inputs:

@@ -21,12 +21,12 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
-from customgrad import _fastpath
+from customgrad import _codegen
 from customgrad._autograd import AutogradImpl
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
 from customgrad._kernels import DISPATCH as _DISPATCH
-from customgrad._kernels import Kernels, dispatch_key
+from customgrad._kernels import Kernel, Kernels, dispatch_key
 from customgrad._kernels import device_types as _device_types
 from customgrad._messages import missing_autograd_message
 from customgrad._registration import OpRegistration
@@ -59,7 +59,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDictionary()
 """The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
 its kernels) do, that is until it is replaced by a new definition of its name."""
-_DECLINED = _fastpath.DECLINED
+_DECLINED = _codegen.DECLINED
 _below_autograd = dispatcher.below_autograd
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
@@ -117,7 +117,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self._mutates = mutates
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._var = opname
-        self._kernels = Kernels(self._sig, opname, bool(mutates))
+        self._kernels = Kernels(self._sig, opname, mutates)
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
         self.rules = AutogradRules()
@@ -147,16 +147,15 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self.__class__ = _ReplacedOp
 
     # -- what customgrad's autograd reads (customgrad._rules.OpSpec) --------------------------
-    def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> tuple[Any, tuple[Any, ...]]:
+    def _run_kernel(
+        self, args: tuple[Any, ...], kernel: Kernel | None
+    ) -> tuple[Any, tuple[Any, ...]]:
         """Run the kernel below autograd: ``(outputs as the op returns them, residuals)``."""
-        sig = self._sig
         if kernel is None:
             with _below_autograd():
-                out = sig.call(self._library.kernel_overload, args)
-        elif sig.kwonly_names:
-            out = sig.call(kernel, args)
+                out = self._sig.call(self._library.kernel_overload, args)
         else:
-            out = kernel(*args)
+            out = self._kernels.run(kernel, args)
         return self._kernels.checked_output(args, out)
 
     def _missing_autograd_message(self) -> str:
@@ -208,25 +207,38 @@ class CustomOp(OpRegistration, Generic[P, R]):
                         sig.check_args(args)
             elif not (kind is _OPTIONAL and a is None):
                 sig.check_args(args)
-        if self._mutated_idx:
-            self._check_mutated_no_grad(args)
-        kernels = self._kernels
-        kernel = kernels.route(first, plain)
+        kernel = self._kernels.route(first, plain)
         if kernel is _DISPATCH:
             # A kernel or autocast rule registered through torch.library would run: let the
-            # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's).
+            # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's,
+            # which ends in run_call as this call does).
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
-        if requires and sig.output_kinds:
-            return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
-        if _forward_ad_level() >= 0 and has_tangent(args):
-            return self._forward_ad(args, kernel)  # type: ignore[no-any-return]
-        if kernel is not None:
-            out = sig.call(kernel, args) if sig.kwonly_names else kernel(*args)
-            return kernels.checked_output(args, out)[0]  # type: ignore[no-any-return]
-        with _below_autograd():
-            return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
+        return self.run_call(args, kernel, requires)  # type: ignore[no-any-return]
 
-    def _forward_ad(self, args: tuple[Any, ...], kernel: Any) -> Any:
+    def run_call(self, args: tuple[Any, ...], kernel: Kernel | None, requires: bool) -> Any:
+        """Run a call whose kernel is decided: the one door of the direct call and of the
+        dispatcher's Autograd kernel (:meth:`customgrad._dispatch.OpLibrary.autograd`).
+
+        Args:
+            args: schema-ordered arguments, checked.
+            kernel: the kernel to call directly (:meth:`Kernels.route`), or None to call it
+                through the dispatcher, below autograd.
+            requires: whether grad mode is on and a tensor argument requires grad.
+        """
+        if self._mutated_idx:
+            self._check_mutated_no_grad(args)
+        sig = self._sig
+        if requires and sig.output_kinds:
+            return self._impl.apply(args, kernel)
+        if _forward_ad_level() >= 0 and has_tangent(args):
+            return self._forward_ad(args, kernel)
+        if kernel is not None:
+            kernels = self._kernels
+            return kernels.checked_output(args, kernels.run(kernel, args))[0]
+        with _below_autograd():
+            return sig.call(self.opoverload, args)
+
+    def _forward_ad(self, args: tuple[Any, ...], kernel: Kernel | None) -> Any:
         """Forward-mode AD of inputs that need no backward: through the registered jvp."""
         if self.rules.jvp is None:
             raise MissingRegistrationError(
@@ -255,7 +267,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     def _refresh_fast(self) -> None:
         """Rebuild the fast path for the current registrations and kernels."""
-        self._fast_call = _fastpath.build(self._impl, self._kernels)
+        self._fast_call = _codegen.write_call(self._impl, self._kernels)
 
     # -- identity --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> CustomOp[P, R]:

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from customgrad._flops import formula_of
-from customgrad._torch.dispatcher import OpOverload
+from customgrad._torch.dispatcher import OpOverload, schema_of
 
 __all__ = [
     "REBUILD_DEPTH",
@@ -60,7 +60,7 @@ def cheap(node: fx.Node) -> bool:
         return True
     if not isinstance(target, OpOverload) or target.namespace not in ("aten", "prims"):
         return False
-    if target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
+    if schema_of(target).is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
         return False
     return formula_of(target) is None
 

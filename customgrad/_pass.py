@@ -11,7 +11,7 @@ functions a backward calls see a :class:`BackwardContext`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import torch
 
@@ -21,6 +21,10 @@ from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import OpSpec
 from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import _call_user, _Watch
+
+if TYPE_CHECKING:
+    from customgrad._autosplit import AutoSplitter, TracedSplit
+    from customgrad._routing import DeferTarget
 
 __all__ = [
     "BackwardContext",
@@ -148,14 +152,14 @@ class BackwardContext:
         )
 
 
-def keeps_for_later(plan: PassPlan, target: Any) -> bool:
+def keeps_for_later(plan: PassPlan, target: DeferTarget | None) -> bool:
     """Whether a pass keeps what it computed for the node's later pass: when gradients that
     require grad are left for a later pass and that pass can come (the graph is retained, or a
     route defers the weight half to ``target``). A non-retaining partial pass frees everything
     at once."""
     if target is not None:
-        return bool(plan.later_w) and bool(plan.needed)
-    return bool(plan.later_w or plan.later_in) and bool(plan.needed) and graph_kept()
+        return bool(plan.later_weight) and bool(plan.needed)
+    return bool(plan.later_weight or plan.later_input) and bool(plan.needed) and graph_kept()
 
 
 class PassPlan(NamedTuple):
@@ -164,12 +168,12 @@ class PassPlan(NamedTuple):
 
     phase: Phase
     needed: frozenset[str]
-    need_in: frozenset[str]
-    need_w: frozenset[str]
-    later_w: frozenset[str]
+    need_input: frozenset[str]
+    need_weight: frozenset[str]
+    later_weight: frozenset[str]
     """Weights that require grad but that this pass does not compute (a later pass will, or a
     route takes them)."""
-    later_in: frozenset[str]
+    later_input: frozenset[str]
     """Non-weight arguments that require grad but that this pass does not compute."""
     splits: bool
     """Whether the pass computes input gradients while weights that require grad are left for
@@ -178,7 +182,7 @@ class PassPlan(NamedTuple):
     """The backward functions' context for this plan when the op registers no shared work
     (a context is read-only then, so every call with this plan shares one)."""
     requires: frozenset[str]
-    """Every argument of the node that requires grad (``needed | later_w | later_in``)."""
+    """Every argument of the node that requires grad (``needed | later_weight | later_input``)."""
     key: tuple[int, int]
     """(arguments that require grad, arguments needed) as bit masks (bit ``i``: argument
     ``i``): the plan's key among its op's plans and runners."""
@@ -190,28 +194,39 @@ def pass_plan(
     """The plan for a call where ``requires`` require grad and the pass needs ``needed``
     (``key``: the same as argument bit masks)."""
     sig = spec.signature
-    need_w = needed & sig.weight_set
-    need_in = needed - sig.weight_set
-    if needed >= requires or (need_w and need_in):
+    need_weight = needed & sig.weight_set
+    need_input = needed - sig.weight_set
+    if needed >= requires or (need_weight and need_input):
         phase: Phase = "full"
     else:
-        phase = "weight" if need_w else "input"
+        phase = "weight" if need_weight else "input"
     later = requires - needed
-    later_w = later & sig.weight_set
-    splits = bool(later_w) and bool(need_in)
-    later_in = later - sig.weight_set
+    later_weight = later & sig.weight_set
+    splits = bool(later_weight) and bool(need_input)
+    later_input = later - sig.weight_set
     ctx = BackwardContext(spec, phase, needed)
-    return PassPlan(phase, needed, need_in, need_w, later_w, later_in, splits, ctx, requires, key)
+    return PassPlan(
+        phase,
+        needed,
+        need_input,
+        need_weight,
+        later_weight,
+        later_input,
+        splits,
+        ctx,
+        requires,
+        key,
+    )
 
 
 def auto_split(
     record: NodeRecord,
-    auto: Any,
+    auto: AutoSplitter,
     make_ctx: Callable[[frozenset[str]], BackwardContext],
     saved: Any,
-    grads: Any,
+    grads: tuple[Any, ...],
     requires: frozenset[str],
-) -> Any:
+) -> TracedSplit | None:
     """The node's automatic-split plan (``auto``: the op's ``AutoSplitter``), or None to call
     the single backward as it is. ``requires``: the arguments of the node that require grad."""
     if _grad_enabled() and _graph_task_id() != -1:

@@ -25,6 +25,7 @@ from customgrad._errors import UnsupportedError
 from customgrad._torch.engine import graph_task_id
 
 if TYPE_CHECKING:
+    from customgrad._autograd import DeferredWork
     from customgrad._record import NodeRecord
 
 __all__ = [
@@ -43,8 +44,8 @@ _graph_task_id = graph_task_id
 class DeferTarget(Protocol):
     """Where a customgrad node's weight half goes when the pass leaves it for later."""
 
-    def defer(self, record: NodeRecord, work: Any) -> None:
-        """Keep ``work`` (a ``customgrad._autograd.DeferredWork``) for the weight pass."""
+    def defer(self, record: NodeRecord, work: DeferredWork) -> None:
+        """Keep ``work`` for the weight pass."""
 
 
 @dataclasses.dataclass(frozen=True)

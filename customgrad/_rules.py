@@ -9,6 +9,7 @@ it whole on every ``register_*`` call, so a backward always sees one consistent 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
@@ -145,7 +146,7 @@ class OpSpec(Protocol):
     def rules(self) -> AutogradRules:
         """The current autograd registrations."""
 
-    def _run_kernel(self, args: tuple[Any, ...], kernel: Any) -> Any:
+    def _run_kernel(self, args: tuple[Any, ...], kernel: Callable[..., Any] | None) -> Any:
         """Run the forward below autograd on schema-ordered ``args``: everything the kernel
         returns (outputs, then residuals). ``kernel`` is the kernel to call directly, or None
         to go through the dispatcher."""

@@ -344,13 +344,9 @@ def _splitter(name: str | None) -> tuple[str, Any, Any]:
             f"explain_split: unknown splitter {name!r}. Use 'customgrad' or 'torch' (or None "
             f"for customgrad's when available)."
         )
-    from torch.distributed.pipelining import _backward
+    from customgrad._torch.pipelining import torch_split
 
-    return (
-        "torch.distributed.pipelining",
-        _backward.stage_backward_input,
-        _backward.stage_backward_weight,
-    )
+    return ("torch.distributed.pipelining", *torch_split())
 
 
 def explain_split(

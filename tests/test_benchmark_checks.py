@@ -21,9 +21,8 @@ def test_each_overhead_check_variant_takes_out_its_check() -> None:
 
 
 CHECK_NPROC = """
-import sys, torch
-sys.path.insert(0, "benchmarks")
-import compiled, pipeline  # as the scripts run: from benchmarks/
+import torch
+import compiled, pipeline  # as the scripts run: benchmarks/ first on the path
 torch.cuda.is_available = lambda: True
 for gpus, want in ((1, 1), (2, 2), (8, 2)):
     torch.cuda.device_count = lambda gpus=gpus: gpus
@@ -40,7 +39,7 @@ def test_cuda_benchmarks_spawn_one_process_per_gpu() -> None:
     ranks on one device; with two or more, two ranks; on a CPU, two. (In a process of its own:
     the scripts import their ops as top-level modules.)"""
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "benchmarks"), str(root)])}
     done = subprocess.run(
         [sys.executable, "-c", CHECK_NPROC], cwd=root, env=env, capture_output=True, text=True,
         timeout=120,

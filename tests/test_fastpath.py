@@ -1,4 +1,4 @@
-"""The fast path (generated per op, ``customgrad._fastpath``) and the general path agree.
+"""The fast path (generated per op, ``customgrad._codegen.write_call``) and the general path agree.
 
 Every op with a simple signature runs the generated call, forward and backward; an op whose fast
 path is switched off runs ``customgrad._autograd`` only. Random signatures, registrations,
@@ -311,7 +311,7 @@ def test_check_op_runs_the_path_a_user_call_runs() -> None:
 
     def counting(args: tuple[Any, ...]) -> Any:
         out = fast(args)
-        if out is not cg._fastpath.DECLINED and autograd_impl(op).observers:  # check_op watches
+        if out is not cg._codegen.DECLINED and autograd_impl(op).observers:  # check_op watches
             assert type(out.grad_fn).apply is not _node_apply  # the generated node
             served.append(True)
         return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import itertools
+import re
 import threading
 import weakref
 from typing import Any
@@ -471,3 +472,134 @@ def test_modes_and_profilers_see_the_op_despite_the_direct_kernel_path() -> None
     with torch.profiler.profile() as prof:
         LINEAR_PAIR(x, w).sum().backward()
     assert any("test_op::linear_pair" in e.name for e in prof.events())
+
+
+# -- a kernel that writes into an argument it did not declare in mutates_args ------------------
+
+
+def _scaling_op(name: str, *, mutates: tuple[str, ...] = ()) -> cg.CustomOp[..., Any]:
+    """``x * w`` whose kernel doubles ``xs[1]`` in place."""
+
+    @cg.op(name, weights=("w",), mutates_args=mutates)
+    def scale(x: torch.Tensor, w: torch.Tensor, xs: list[torch.Tensor]) -> torch.Tensor:
+        xs[1].mul_(2)
+        return x * w
+
+    scale.register_fake(lambda x, w, xs: torch.empty_like(x))
+    scale.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+
+    @scale.register_backward
+    def _(ctx: Any, saved: Any, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, w = saved
+        return {"x": grad * w, "w": grad * x}
+
+    return scale
+
+
+def _mutating_linear(name: str) -> cg.CustomOp[..., Any]:
+    """A linear whose kernel scales its input in place: the mistake of issue 34."""
+
+    @cg.op(name, weights=("w",))
+    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        return x @ w.mT
+
+    lin.register_fake(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
+    lin.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+
+    @lin.register_backward
+    def _(ctx: Any, saved: Any, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, w = saved
+        return {"x": grad @ w, "w": grad.mT @ x}
+
+    return lin
+
+
+def _mutation_message(qualname: str, arg: str, name: str, before: int, after: int) -> str:
+    return cg._kernels.MSG_KERNEL_MUTATED.split("(kernel defined at")[0].format(
+        op=qualname, arg=arg, name=name, before=before, after=after, qualname=qualname
+    )
+
+
+@pytest.mark.parametrize("fastpath", [True, False], ids=["fast", "general"])
+@pytest.mark.parametrize("call", ["direct", "torch.ops", "no_grad", "torch.ops no_grad"])
+def test_kernel_writing_an_undeclared_argument_raises_naming_op_argument_and_fix(
+    call: str, fastpath: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from customgrad._switches import STATE
+
+    monkeypatch.setattr(STATE, "fastpath", fastpath)
+    qualname = unique("mutating_linear")
+    lin = _mutating_linear(qualname)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w = leaf(5, 4)
+    ns, opname = qualname.split("::")
+    fn = getattr(getattr(torch.ops, ns), opname) if call.startswith("torch.ops") else lin
+    msg = _mutation_message(qualname, "x", "x", 0, 1)
+    with pytest.raises(cg.MutationError, match=re.escape(msg)):
+        if call.endswith("no_grad"):
+            with torch.no_grad():
+                fn(x, w)
+        else:
+            fn(x.requires_grad_(), w)
+    assert "x = x.clone()" in msg and f"@cg.op({qualname!r}, mutates_args=('x',))" in msg
+
+
+def test_kernel_writing_a_list_item_names_the_item_and_a_declared_write_is_allowed() -> None:
+    qualname = unique("scale_list")
+    scale = _scaling_op(qualname)
+    x, w = leaf(3), leaf(3)
+    xs = [torch.ones(3), torch.ones(3)]
+    msg = _mutation_message(qualname, "xs[1]", "xs", 0, 1)
+    with pytest.raises(cg.MutationError, match=re.escape(msg)):
+        scale(x, w, xs)
+    # Declared in mutates_args, the same write runs, and the gradients are right.
+    declared = _scaling_op(unique("scale_list_declared"), mutates=("xs",))
+    xs = [torch.ones(3), torch.ones(3)]
+    declared(x, w, xs).sum().backward()
+    assert torch.equal(xs[1], torch.full((3,), 2.0))
+    assert torch.equal(x.grad, w.detach()) and torch.equal(w.grad, x.detach())
+
+
+def test_the_fix_the_mutation_error_gives_makes_the_gradients_right() -> None:
+    """Cloning first (the fix the message names) gives torch's gradients."""
+
+    @cg.op(unique("cloning_linear"), weights=("w",))
+    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x.mul_(2)
+        return x @ w.mT
+
+    lin.register_fake(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0]))
+    lin.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+
+    @lin.register_backward
+    def _(ctx: Any, saved: Any, grad: torch.Tensor) -> dict[str, torch.Tensor]:
+        x, w = saved
+        return {"x": 2 * grad @ w, "w": grad.mT @ (2 * x)}
+
+    x, w = leaf(3, 4), leaf(5, 4)
+    x0 = x.detach().clone()
+    lin(x, w).sum().backward()
+    xr, wr = x0.clone().requires_grad_(), w.detach().clone().requires_grad_()
+    ((2 * xr) @ wr.mT).sum().backward()
+    assert torch.equal(x.detach(), x0)
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(w.grad, wr.grad)
+
+
+@pytest.mark.parametrize("fastpath", [True, False], ids=["fast", "general"])
+def test_inference_tensors_keep_no_version_and_the_write_check_lets_them_through(
+    fastpath: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inference tensor has no version counter: the check of the kernel's writes skips it,
+    and what happens is what torch does (under inference_mode the call runs; recorded by
+    autograd, saving it is torch's own error)."""
+    from customgrad._switches import STATE
+
+    monkeypatch.setattr(STATE, "fastpath", fastpath)
+    with torch.inference_mode():
+        x, w = torch.randn(3, 4), torch.randn(4)
+        torch.testing.assert_close(LINEAR_SINGLE(x, w.expand(5, 4)), x @ w.expand(5, 4).mT)
+    with pytest.raises(RuntimeError, match=re.escape("Inference tensors cannot be saved")):
+        LINEAR_SINGLE(x, leaf(5, 4, dtype=torch.float32))

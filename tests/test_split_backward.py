@@ -395,14 +395,6 @@ def test_stage_backward_nested_outputs_and_edges() -> None:
     torch.testing.assert_close(lin2.bias.grad, r2.bias.grad)
 
 
-def test_stage_backward_deprecated_indices() -> None:
-    lin = nn.Linear(8, 8)
-    x = torch.randn(4, 8, requires_grad=True)
-    out = lin(x)
-    (dx,) = stage_backward([out, out * 2], [None, torch.ones(4, 8)], [x], [1])
-    torch.testing.assert_close(dx, 2 * lin.weight.detach().sum(0).expand(4, 8))
-
-
 def test_stage_backward_mismatched_gradients() -> None:
     x = torch.randn(2, requires_grad=True)
     with pytest.raises(ValueError, match=re.escape("must be a tuple or list of the same length")):

@@ -1,14 +1,13 @@
 """Each adapter of torch's private API (customgrad/_torch/) reads what it says, in the form read:
 when a torch upgrade changes a name or a behaviour one relies on, its test here fails instead of
 customgrad silently taking a slower fallback or a wrong answer. One test (or a few) per adapter,
-named after it; a last test checks that no other module of customgrad names a private torch
-module outside the modules still to be converted."""
+named after it; the last tests check that no other module of customgrad uses torch's private
+API in any form (imports, attribute chains, private attributes of torch objects)."""
 
 from __future__ import annotations
 
+import ast
 import inspect
-import re
-import tokenize
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +136,15 @@ def test_dispatcher_library_impls_records_each_torch_library_registration() -> N
     assert "test_torch_internals/f/CPU" not in impls
     assert not hasattr(torch.ops.test_torch_internals, "f")
     assert isinstance(torch.ops.higher_order.cond, dispatcher.HigherOrderOperator)
+
+
+def test_dispatcher_schema_of_and_overload_name() -> None:
+    add = torch.ops.aten.add.Tensor
+    assert dispatcher.overload_name(add) == "Tensor"
+    assert dispatcher.overload_name(torch.ops.aten.relu.default) == "default"
+    assert dispatcher.schema_of(torch.ops.aten.add_.Tensor).is_mutable
+    assert not dispatcher.schema_of(add).is_mutable
+    assert dispatcher.schema_of(add).name == "aten::add"
 
 
 def test_dispatcher_keys_guards_and_schemas() -> None:
@@ -277,6 +285,25 @@ def test_functions_forward_cls_backward_apply_and_plain_apply() -> None:
     assert calls == [Double] and torch.equal(g, torch.full((2,), 3.0))
 
 
+def test_functions_setup_context_defined_tells_the_two_styles_of_function() -> None:
+    class Classic(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    class Separate(torch.autograd.Function):
+        @staticmethod
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def setup_context(ctx: Any, inputs: Any, output: Any) -> None:
+            pass
+
+    assert functions.setup_context_defined(Separate)
+    assert not functions.setup_context_defined(Classic)
+
+
 def test_functions_custom_op_of_names_a_torch_library_custom_op() -> None:
     @torch.library.custom_op("test_torch_internals::twice", mutates_args=())
     def twice(x: torch.Tensor) -> torch.Tensor:
@@ -305,6 +332,12 @@ def test_fake_types_and_mode_detection() -> None:
 # -- pipelining --------------------------------------------------------------------------------
 
 
+def test_pipelining_ddp_find_tensors_finds_nested_outputs() -> None:
+    a, b, c = torch.ones(1), torch.ones(2), torch.ones(3)
+    found = pipelining.ddp_find_tensors((a, [b, {"k": c}], 3))
+    assert {id(t) for t in found} == {id(a), id(b), id(c)}
+
+
 def test_pipelining_stage_base_and_torch_split() -> None:
     from torch.distributed.pipelining import PipelineStage
 
@@ -318,6 +351,23 @@ def test_pipelining_stage_base_and_torch_split() -> None:
 
 
 # -- dynamo and AOTAutograd --------------------------------------------------------------------
+
+
+def test_dynamo_compiled_call_and_inductor_config() -> None:
+    module = torch.nn.Linear(2, 2)
+    assert dynamo.compiled_call(module) is None
+    module.compile(backend="eager")
+    installed = dynamo.compiled_call(module)
+    assert installed is not None
+    dynamo.set_compiled_call(module, None)
+    assert dynamo.compiled_call(module) is None
+    dynamo.set_compiled_call(module, installed)
+    assert dynamo.compiled_call(module) is installed
+    config = dynamo.inductor_config("max-autotune", None, None)
+    assert config["max_autotune"] is True
+    assert dynamo.inductor_config(None, {"epilogue_fusion": False}, None) == {
+        "epilogue_fusion": False
+    }
 
 
 def test_dynamo_backends_and_optimized_module() -> None:
@@ -381,33 +431,105 @@ def test_aot_config_tracing_metadata_and_inductor_compilers() -> None:
 
 # -- one door ----------------------------------------------------------------------------------
 
-PRIVATE = re.compile(
-    r"torch\._(C|functorch|dynamo|inductor|guards|subclasses|library|ops)\b"
-    r"|torch\.library\._|torch\.utils\._|_forward_cls|_backward_cls"
-    r"|torch\.distributed\.pipelining(\.stage)? import _|pipelining\.stage\._|fwad\._"
-    r"|profiler\._is_profiler_enabled"
+PRIVATE_ATTRS = frozenset(
+    {
+        "_C",
+        "_backward_cls",
+        "_compiled_call_impl",
+        "_forward_cls",
+        "_input_metadata",
+        "_opoverload",
+        "_overloadname",
+        "_schema",
+    }
 )
+"""Private attributes of torch objects that moved between releases, read on any object."""
 
 
-def _code_lines(path: Path) -> dict[int, str]:
-    """The code of each line of ``path``, strings and comments left out."""
-    skip = {tokenize.STRING, tokenize.COMMENT, getattr(tokenize, "FSTRING_MIDDLE", -1)}
-    lines: dict[int, str] = {}
-    with path.open("rb") as f:
-        for tok in tokenize.tokenize(f.readline):
-            if tok.type not in skip:
-                lines[tok.start[0]] = lines.get(tok.start[0], "") + tok.string
-    return lines
+def _private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
 
 
-def test_no_module_outside_the_adapters_names_a_private_torch_module() -> None:
+def _chain(node: ast.expr) -> list[str] | None:
+    """``a.b.c`` as ``["a", "b", "c"]`` (None when it does not start at a name)."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return None
+
+
+def private_torch_uses(path: Path) -> list[tuple[int, str]]:
+    """Each use of torch's private API in the code of ``path`` (never in strings or comments):
+    an import of a private torch module or of a private name from torch, an attribute chain
+    through a private name from a name bound to torch (``torch._C.x``,
+    ``torch.nn.parallel.distributed._find_tensors``, ``fwad._x`` after ``import ... as fwad``),
+    or a private attribute torch moves between releases (:data:`PRIVATE_ATTRS`) on any object
+    but ``self``."""
+    tree = ast.parse(path.read_text(), str(path))
+    torch_names = {"torch"}
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                parts = a.name.split(".")
+                if parts[0] == "torch":
+                    if any(map(_private, parts)):
+                        found.append((node.lineno, f"import {a.name}"))
+                    torch_names.add((a.asname or a.name).split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            module = node.module or ""
+            if any(map(_private, module.split("."))):
+                found.append((node.lineno, f"from {module} import ..."))
+            for a in node.names:
+                if _private(a.name):
+                    found.append((node.lineno, f"from {module} import {a.name}"))
+                else:
+                    torch_names.add(a.asname or a.name)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            chain = _chain(node)
+            if chain and chain[0] in torch_names and any(map(_private, chain[1:])):
+                found.append((node.lineno, ".".join(chain)))
+            elif node.attr in PRIVATE_ATTRS and not (chain and chain[0] == "self"):
+                found.append((node.lineno, f"...{node.attr}"))
+    first: dict[int, str] = {}
+    for line, what in found:  # one per line: the outermost chain comes first
+        first.setdefault(line, what)
+    return sorted(first.items())
+
+
+def test_the_scan_sees_each_form_of_private_use(tmp_path: Path) -> None:
+    source = tmp_path / "sample.py"
+    source.write_text(
+        "import torch\n"
+        "import torch.autograd.forward_ad as fwad\n"
+        "from torch import _TorchCompileInductorWrapper\n"
+        "from torch.distributed.pipelining import _backward\n"
+        "from torch._dynamo import eval_frame\n"
+        "from torch.nn.parallel import distributed\n"
+        "x = torch._C._will_engine_execute_node\n"
+        "y = torch.nn.parallel.distributed._find_tensors\n"
+        "z = distributed._find_tensors\n"
+        "w = fwad._current_level\n"
+        "s = op._schema.is_mutable\n"
+        "m.module._compiled_call_impl = None\n"
+        "# torch._C in a comment\n"
+        "t = 'torch._C in a string'\n"
+        "u = self._schema\n"
+        "v = torch.nn.functional.linear\n"
+    )
+    assert [n for n, _ in private_torch_uses(source)] == [3, 4, 5, 7, 8, 9, 10, 11, 12]
+
+
+def test_no_module_outside_the_adapters_uses_private_torch_api() -> None:
     root = Path(cg.__file__).parent
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if rel.parts[0] == "_torch":
             continue
-        for n, code in _code_lines(path).items():
-            if PRIVATE.search(code):
-                found.append(f"{rel}:{n}: {code}")
+        found += [f"{rel}:{n}: {what}" for n, what in private_torch_uses(path)]
     assert not found, "\n".join(found)

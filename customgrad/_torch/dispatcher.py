@@ -51,6 +51,7 @@ __all__ = [
     "is_alias_of",
     "is_traceable_wrapper_subclass",
     "library_impls",
+    "overload_name",
     "parse_schema",
     "schema_of",
     "profiler_enabled",
@@ -79,6 +80,11 @@ def schema_of(op: OpOverload) -> torch._C.FunctionSchema:
     """The ``FunctionSchema`` of an op overload (``OpOverload._schema``: its ``name``,
     ``arguments``, ``is_mutable``, ...)."""
     return op._schema
+
+
+def overload_name(op: OpOverload) -> str:
+    """The overload's name (``"default"``, ``"Tensor"``, ...: ``OpOverload._overloadname``)."""
+    return op._overloadname
 
 
 # -- torch.library's registrations ----------------------------------------------------------

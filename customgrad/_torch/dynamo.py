@@ -12,6 +12,10 @@ Imported lazily (dynamo is large).
 - :func:`compile_options`: the ``torch.compile`` options a compiled function or module was made
   with (read from dynamo's context);
 - :func:`compiling_locals`: the locals of the frame dynamo compiles now;
+- :func:`compiled_call`, :func:`set_compiled_call`: the compiled ``_call_impl`` that
+  ``nn.Module.compile`` installs (``module._compiled_call_impl``);
+- :func:`inductor_config`: the inductor config ``torch.compile(mode=, options=)`` gives
+  (``torch._TorchCompileInductorWrapper``);
 - :func:`compiled_autograd_on`: whether compiled autograd is on (it runs AOTAutograd's
   backward graphs itself).
 """
@@ -24,12 +28,15 @@ from typing import Any
 __all__ = [
     "aot_autograd_type",
     "compile_options",
+    "compiled_call",
     "compiled_autograd_on",
     "compiling_locals",
     "eager_backends",
+    "inductor_config",
     "load",
     "lookup_backend",
     "optimized_module_type",
+    "set_compiled_call",
 ]
 
 
@@ -118,3 +125,23 @@ def compiling_locals() -> dict[str, Any]:
     except Exception:  # no frame being compiled, or a torch that keeps it elsewhere
         return {}
     return found if isinstance(found, dict) else {}
+
+
+def compiled_call(module: Any) -> Any:
+    """The compiled ``_call_impl`` ``nn.Module.compile`` installed on ``module``, or None."""
+    return getattr(module, "_compiled_call_impl", None)
+
+
+def set_compiled_call(module: Any, call: Any) -> None:
+    """Install ``call`` as ``module``'s compiled ``_call_impl`` (None removes it), as
+    ``nn.Module.compile`` does."""
+    module._compiled_call_impl = call
+
+
+def inductor_config(mode: str | None, options: Any, dynamic: Any) -> dict[str, Any]:
+    """The inductor config ``torch.compile(backend="inductor", mode=, options=, dynamic=)``
+    compiles with."""
+    from torch import _TorchCompileInductorWrapper
+
+    config: dict[str, Any] = _TorchCompileInductorWrapper(mode, options, dynamic).config
+    return config

@@ -8,6 +8,8 @@ class of a Function, and ``apply`` without its functorch wrapper.
   instead of the ``ctx`` torch hands to ``backward``;
 - :func:`plain_apply`: what ``Function.apply`` ends in when no functorch transform is active
   (``torch._C._FunctionBase.apply``), without the Python wrapper's checks;
+- :func:`setup_context_defined`: whether a Function overrides ``setup_context``
+  (``torch.autograd.function._is_setup_context_defined``);
 - :func:`custom_op_of`: the ``torch.library.custom_op`` whose backward a node runs (its Function
   is made in ``torch._library.autograd``, which holds the ``OpOverload`` in a closure);
 - :func:`handles_keep_nodes` and :func:`keep_graphs`: on torch 2.11 and 2.12 the Python handle
@@ -32,6 +34,7 @@ __all__ = [
     "keep_graphs",
     "plain_apply",
     "set_backward_apply",
+    "setup_context_defined",
 ]
 
 _CUSTOM_OP_MODULE = "torch._library.autograd"
@@ -129,3 +132,10 @@ def keep_graphs(outputs: Iterable[object]) -> list[Any]:
             elif isinstance(out, torch.Tensor) and out.grad_fn is not None:
                 keep.append(out.view_as(out).grad_fn)
     return keep
+
+
+def setup_context_defined(function: type[torch.autograd.Function]) -> bool:
+    """Whether ``function`` defines its own ``setup_context`` (a forward without ``ctx``)."""
+    from torch.autograd.function import _is_setup_context_defined
+
+    return bool(_is_setup_context_defined(function.setup_context))

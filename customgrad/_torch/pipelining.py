@@ -5,7 +5,9 @@
 - :func:`torch_split`: torch's own split backward, ``stage_backward_input`` and
   ``stage_backward_weight`` of ``torch.distributed.pipelining._backward``;
 - :func:`torch_split_running`: whether torch's own ``stage_backward_input`` is running (its
-  frame on a thread's stack), for the releases where it cannot run customgrad ops.
+  frame on a thread's stack), for the releases where it cannot run customgrad ops;
+- :func:`ddp_find_tensors`: the tensors in a stage's outputs, as DDP's reducer expects them
+  for ``prepare_for_backward`` (``torch.nn.parallel.distributed._find_tensors``).
 
 Imported lazily: ``import customgrad`` does not load ``torch.distributed.pipelining``.
 """
@@ -17,7 +19,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["stage_base", "torch_split", "torch_split_running", "torch_stage_inits_same_rank"]
+__all__ = [
+    "ddp_find_tensors",
+    "stage_base",
+    "torch_split",
+    "torch_split_running",
+    "torch_stage_inits_same_rank",
+]
 
 
 def stage_base() -> type[Any]:
@@ -63,3 +71,10 @@ def torch_stage_inits_same_rank() -> bool:
     from torch.distributed.pipelining import PipelineStage
 
     return not hasattr(PipelineStage, "_warmup_forward_vote")
+
+
+def ddp_find_tensors(outputs: Any) -> list[Any]:
+    """The tensors in ``outputs`` (nested in lists, tuples, dicts, dataclasses) as DDP finds them."""
+    from torch.nn.parallel.distributed import _find_tensors
+
+    return list(_find_tensors(outputs))

@@ -644,7 +644,6 @@ def stage_backward(
     stage_output: Any,
     output_grads: Any,
     input_values: Sequence[Any],
-    outputs_with_grads_idxs: list[int] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Full backward of a stage: accumulate the weights' gradients, return the inputs'.
 
@@ -653,7 +652,6 @@ def stage_backward(
             or its loss.
         output_grads: gradients with the same structure (``None`` for a scalar loss).
         input_values: the stage's inputs.
-        outputs_with_grads_idxs: deprecated; selects outputs and gradients by index.
 
     Returns:
         One gradient per input value (``None`` for non-tensors); inputs' ``.grad`` are reset
@@ -667,20 +665,16 @@ def stage_backward(
         (torch.Size([2, 3]), None)
     """
     with _runtime_errors():
-        return run_stage_backward(stage_output, output_grads, input_values, outputs_with_grads_idxs)
+        return run_stage_backward(stage_output, output_grads, input_values)
 
 
 def run_stage_backward(
     stage_output: Any,
     output_grads: Any,
     input_values: Sequence[Any],
-    outputs_with_grads_idxs: list[int] | None = None,
     run: Callable[[list[Any], list[Any]], None] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """:func:`stage_backward`, with ``run(tensors, grads)`` as the backward (default: torch's)."""
-    if outputs_with_grads_idxs is not None:
-        stage_output = [stage_output[i] for i in outputs_with_grads_idxs]
-        output_grads = [output_grads[i] for i in outputs_with_grads_idxs]
     tensors, grads = _flatten_outputs(stage_output, output_grads)
     if tensors:
         if run is None:

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from customgrad._compiled_modules import split_compiled as _split_compiled
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._torch.pipelining import ddp_find_tensors
 from customgrad.pipelining._backward import (
     run_stage_backward,
     stage_backward,
@@ -239,9 +240,7 @@ class PipelineStage(_TorchPipelineStage):
         if isinstance(submod, DistributedDataParallel):
             if weight_pass and submod.find_unused_parameters:
                 raise PipeliningError(MSG_DDP_FIND_UNUSED.format(stage=self.stage_index))
-            submod.reducer.prepare_for_backward(
-                list(torch.nn.parallel.distributed._find_tensors(outputs))
-            )
+            submod.reducer.prepare_for_backward(ddp_find_tensors(outputs))
 
     def backward_maybe_with_nosync(
         self,

@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
+from customgrad._torch import functions
 from customgrad.pipelining import stage_costs
 from tests import _mp_workers as w
 from tests._mp_workers import Case
@@ -151,19 +152,22 @@ def test_a_failing_rank_stops_the_others(tmp_path: Path) -> None:
 
 
 def test_a_hanging_run_is_stopped_at_its_timeout(tmp_path: Path) -> None:
-    with pytest.raises(TimeoutError, match="still running after 15 s"):
-        w.spawn(w.hang, (str(tmp_path),), world=2, timeout=15)
+    with pytest.raises(TimeoutError, match="still running after 30 s"):
+        w.spawn(w.hang, (str(tmp_path),), world=2, timeout=30)
     assert len(_pids(tmp_path)) == 2
     assert not any(_alive(pid) for pid in _pids(tmp_path))
 
 
 CUDA_RANKS = min(2, torch.cuda.device_count())  # ZBV fits 2 stages on 1 rank if need be
+# torch's own stage runs its own split, which refuses customgrad ops on torch 2.11 and 2.12
+# (UnsupportedTorchError, pinned in tests/test_releases.py); the other stage kinds run there.
+CUDA_STAGES = [st for st in w.STAGE_KINDS if st != "torch" or functions.handles_keep_nodes()]
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(CUDA_RANKS == 0, reason="needs a CUDA GPU")
 def test_zero_bubble_on_cuda(tmp_path: Path) -> None:
-    cases = [Case(s, "customgrad", st) for st in w.STAGE_KINDS for s in w.SCHEDULES]
+    cases = [Case(s, "customgrad", st) for st in CUDA_STAGES for s in w.SCHEDULES]
     out = tmp_path / "outcomes.pkl"
     w.spawn(w.run_cases, (cases, str(out), "cuda"), world=CUDA_RANKS, timeout=300, backend="nccl")
     outcomes: dict[Case, w.Outcome] = pickle.loads(out.read_bytes())

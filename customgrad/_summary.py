@@ -26,10 +26,9 @@ __all__ = ["CompiledRegionRow", "OpRow", "Summary", "summary"]
 
 _PASS = {"input": "I", "weight": "W", "full": "full"}
 _KIND = {
-    "graph runs": "",
     "split": "split",
     "ran once": "ran once",
-    "handed": "took the gradients handed",
+    "handed": "took handed gradients",
     "whole": "ran whole",
     "per pass": "called per pass",
     "split off": "ran whole with the split off",
@@ -159,7 +158,7 @@ class Summary:
                 _table(
                     ("compiled region", "backward", "graphs run over the run", "how it splits"),
                     [
-                        (r.region, r.split, calls_text({"graph runs": r.runs}), r.detail)
+                        (r.region, r.split, _by_pass(r.runs) or "none yet", r.detail)
                         for r in self.compiled_regions
                     ],
                 )
@@ -203,14 +202,15 @@ def calls_text(calls: dict[str, dict[str, int]]) -> str:
     """:attr:`OpRow.calls` in words: ``"split 8 (I 4, W 4); ran whole 2 (full 2)"``."""
     if not calls:
         return "none yet"
-    parts = []
-    for kind, phases in calls.items():
-        by_pass = ", ".join(f"{_PASS[p]} {n}" for p, n in phases.items())
-        if kind == "graph runs":
-            parts.append(by_pass or "none yet")
-        else:
-            parts.append(f"{_KIND[kind]} {sum(phases.values())} ({by_pass})")
-    return "; ".join(parts)
+    return "; ".join(
+        f"{_KIND[kind]} {sum(phases.values())} ({_by_pass(phases)})"
+        for kind, phases in calls.items()
+    )
+
+
+def _by_pass(counts: dict[str, int]) -> str:
+    """``{"input": 4, "weight": 4}`` as ``"I 4, W 4"``."""
+    return ", ".join(f"{_PASS[p]} {n}" for p, n in counts.items())
 
 
 def _repeated_line(s: Summary) -> str:

@@ -389,13 +389,18 @@ class _Slot:
         return repr(self.name) if self.index is None else f"{self.name!r}[{self.index}]"
 
 
-_RAISED = re.compile(r"(?:torch\.library\.opcheck's \w+ failed: |raised )(.*)", re.DOTALL)
+_OPCHECK_FAILED = re.compile(r"^torch\.library\.opcheck's \w+ failed: ", re.MULTILINE)
 
 
 def _raised(detail: str) -> str | None:
-    """The error a failed check's detail reports (``"raised X: ..."``), or None."""
-    m = _RAISED.fullmatch(detail)
-    return m.group(1) if m else None
+    """The one error a failed check's detail reports (``"raised X: ..."``, or opcheck's tests
+    that all failed with it), or None."""
+    if detail.startswith("raised "):
+        return detail.removeprefix("raised ")
+    first, *errors = _OPCHECK_FAILED.split(detail)
+    if errors and not first and len({e.rstrip("\n") for e in errors}) == 1:
+        return errors[0].rstrip("\n")
+    return None
 
 
 def _grouped(failures: Sequence[CheckResult]) -> list[tuple[list[str], str]]:

@@ -2339,3 +2339,29 @@ def test_vmap_advice_applied_loop_over_the_batch() -> None:
     whole = op(xs.reshape(6, 3), w).reshape(3, 2, 4)
     torch.testing.assert_close(looped, whole)
     torch.testing.assert_close(whole, xs @ w.mT)
+
+
+def test_queue_advice_applied() -> None:
+    # MSG_NO_INPUT_PASS's code (forward under queue.microbatch, queue.backward, queue.run),
+    # MSG_TWICE and MSG_PENDING ("run W once per microbatch", "queue.run(...) for each before
+    # the step ends", then queue.finish()), MSG_STRAY ("work already queued can still be run with
+    # queue.run"): the weights' gradients are those of full backwards, and finish() passes.
+    from customgrad.pipelining import WeightGradQueue
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    xs = [torch.randn(2, 3, requires_grad=True) for _ in range(2)]
+    queue = WeightGradQueue()
+    for mb, x in enumerate(xs):
+        with queue.microbatch(0, mb):
+            out = op(x, w, b)
+        queue.backward(out.sum(), inputs=[x])  # I: input grads now, weight work queued
+    assert w.grad is None  # W has not run
+    for mb in range(len(xs)):
+        queue.run(0, mb)  # W, once per microbatch
+    queue.finish()
+    gw, gb = torch.autograd.grad(sum(((x @ w.mT + b).sum() for x in xs), torch.zeros(())), (w, b))
+    torch.testing.assert_close((w.grad, b.grad), (gw, gb))
+    for x in xs:
+        torch.testing.assert_close(x.grad, torch.ones(2, 4) @ w.detach())

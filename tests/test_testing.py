@@ -571,3 +571,27 @@ def test_no_float64_advice_applied_checks_in_float32() -> None:
     coarse = check_op(op, x, w, dtype=torch.bfloat16, raise_on_failure=False)
     assert coarse["gradcheck"].status == "skipped"
     assert "dtype=torch.float32" in coarse["gradcheck"].detail
+
+
+def test_opchecks_tests_failing_with_the_same_error_count_as_one() -> None:
+    from customgrad.testing import CheckReport, CheckResult
+
+    error = "GradientTypeError: ns::op: backward must return a dict"
+    report = CheckReport(
+        "ns::op",
+        [
+            CheckResult(
+                "opcheck",
+                "failed",
+                f"torch.library.opcheck's test_autograd_registration failed: {error}\n"
+                f"torch.library.opcheck's test_aot_dispatch_dynamic failed: {error}",
+            ),
+            CheckResult("gradcheck", "failed", f"raised {error}"),
+            CheckResult("split", "failed", "gradient of 'x' from the input pass differs"),
+        ],
+    )
+    assert report.failure_message().splitlines() == [
+        "check_op(ns::op): 3 of 3 checks failed:",
+        f"  - opcheck, gradcheck: each raised {error}",
+        "  - split: gradient of 'x' from the input pass differs",
+    ]

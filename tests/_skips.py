@@ -19,6 +19,7 @@ __all__ = [
     "GRAPH_FREED_AFTER_I",
     "NO_CUDA",
     "TORCH_SPLIT",
+    "TORCH_SPLIT_RUNS_FUNCTIONS",
     "TORCH_STAGE_V",
     "allowed",
     "cuda_gpus",
@@ -79,3 +80,7 @@ GRAPH_FREED_AFTER_I = pytest.mark.skipif(
     ),
 )
 """For tests that check what the input pass frees."""
+
+TORCH_SPLIT_RUNS_FUNCTIONS = functions.handles_keep_nodes()
+"""Whether torch's own split can run ``autograd.Function`` nodes, customgrad ops among them
+(torch 2.13 and later); elsewhere customgrad refuses it (``UnsupportedTorchError``)."""

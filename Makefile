@@ -64,12 +64,12 @@ test: lint typecheck pytest examples docs
 gpu-check:
 	$(PYTHON) -m benchmarks.gpu_check
 
-# Release check on the other supported torch releases (2.14.1 and the newest below 2.16): a venv
-# per release (.compat/venv-<v>),
-# the test suite and the demo's check in each, one table at the end. Those releases come from
-# the registry as CUDA builds (several GB each; they run on the CPU). PIP_CONSTRAINT=/dev/null
-# lifts this machine's pip cap for these venvs only; CI (make test) stays on $(TORCH_PIN).
-COMPAT_TORCH ?= 2.14.1 newest
+# Release check on the other supported torch releases (2.11.0, 2.12.1, 2.14.1 and the newest
+# below 2.16): a venv per release (.compat/venv-<v>), the test suite and the demo's check in each,
+# one table at the end. Those releases come from the registry as CUDA builds (several GB each;
+# they run on the CPU) with the triton they were built with. PIP_CONSTRAINT=/dev/null lifts this
+# machine's pip cap for these venvs only; CI (make test) stays on $(TORCH_PIN).
+COMPAT_TORCH ?= 2.11.0 2.12.1 2.14.1 newest
 
 compat:
 	@mkdir -p .compat; rm -f .compat/results.tsv

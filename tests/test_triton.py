@@ -27,7 +27,7 @@ from customgrad.testing import (
     CheckFailed,
     check_op,
 )
-from tests._skips import NO_CUDA, optional_package
+from tests._skips import NO_CUDA, TORCH_SPLIT, optional_package
 from tests._triton_support import HAS_TRITON, INTERPRETED, count_launches, interpreter_shims
 
 pytestmark = pytest.mark.skipif(
@@ -455,7 +455,7 @@ if HAS_TRITON:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
-@pytest.mark.parametrize("split", ["customgrad", "torch"])
+@pytest.mark.parametrize("split", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 def test_a_kernel_writing_into_its_input_gradient_launches_once_and_is_exact(split: str) -> None:
     from torch.distributed.pipelining import _backward as torch_split
 

@@ -58,20 +58,18 @@ docs: $(STAMP)
 
 test: lint typecheck pytest examples docs
 
-# On a GPU machine: the CUDA tests (pipelines on 1 or 2 GPUs with NCCL; the Triton kernels
-# compiled, TRITON_INTERPRET=0, where make test runs them in Triton's interpreter on CPU), then
-# the pipeline benchmark on the GPUs as one table, with a model big enough for a GPU.
-gpu-check: $(STAMP)
-	TRITON_INTERPRET=0 $(PY) -m pytest -q -m cuda -p no:cacheprovider customgrad tests
-	$(PY) benchmarks/pipeline.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
-	$(PY) benchmarks/compiled.py --device cuda --dim 2048 --hidden 8192 --batch 8192 --rounds 5
+# On a GPU machine, with the Python and torch installed there (no venv, no downloads): the CUDA
+# tests, a zero-bubble step on one GPU against the unsplit step, and the split and compiled
+# benchmarks as one table (benchmarks/gpu_check.py; README: On a GPU machine).
+gpu-check:
+	$(PYTHON) -m benchmarks.gpu_check
 
-# Release check on the other supported torch releases (2.14.1 and the newest below 2.16): a venv
-# per release (.compat/venv-<v>),
-# the test suite and the demo's check in each, one table at the end. Those releases come from
-# the registry as CUDA builds (several GB each; they run on the CPU). PIP_CONSTRAINT=/dev/null
-# lifts this machine's pip cap for these venvs only; CI (make test) stays on $(TORCH_PIN).
-COMPAT_TORCH ?= 2.14.1 newest
+# Release check on the other supported torch releases (2.11.0, 2.12.1, 2.14.1 and the newest
+# below 2.16): a venv per release (.compat/venv-<v>), the test suite and the demo's check in each,
+# one table at the end. Those releases come from the registry as CUDA builds (several GB each;
+# they run on the CPU) with the triton they were built with. PIP_CONSTRAINT=/dev/null lifts this
+# machine's pip cap for these venvs only; CI (make test) stays on $(TORCH_PIN).
+COMPAT_TORCH ?= 2.11.0 2.12.1 2.14.1 newest
 
 compat:
 	@mkdir -p .compat; rm -f .compat/results.tsv

@@ -246,19 +246,22 @@ class Pipeline:
         return float(took.item())
 
 
-def split_error(args: argparse.Namespace, device: torch.device, how: str | None) -> str | None:
-    """What a split backward of one block compiled ``how`` raises under torch's defaults, if
-    anything (plain ``nn.Module.compile``: the donated-buffer error)."""
+def split_error(
+    args: argparse.Namespace, device: torch.device, how: str | None, splitter: Any = torch_split
+) -> str | None:
+    """What a split backward (``splitter``'s, the stage's) of one block compiled ``how`` raises
+    under torch's defaults, if anything (plain ``nn.Module.compile``: the donated-buffer error;
+    before torch 2.13 torch's split cannot run any compiled block)."""
     if how is None:
         return None
     block = compiled_block(args, how, device)
     x = torch.randn(args.batch // args.microbatches, args.dim, device=device, requires_grad=True)
     try:
         y = block(x)
-        _, groups = torch_split.stage_backward_input(
+        _, groups = splitter.stage_backward_input(
             [y], [torch.ones_like(y)], [x], block.parameters()
         )
-        torch_split.stage_backward_weight(block.parameters(), groups)
+        splitter.stage_backward_weight(block.parameters(), groups)
     except Exception as e:
         cause = e.__cause__ or e
         return f"error({type(cause).__name__}: {str(cause).strip().splitlines()[0][:60]}...)"
@@ -272,7 +275,8 @@ def pipeline_figures(args: argparse.Namespace, device: torch.device) -> dict[str
     pipes: dict[tuple[str, str], Pipeline] = {}
     failed: dict[str, str] = {}
     for config in [c for c in CONFIGS if c[0] in args.only]:
-        error = split_error(args, device, config[3])
+        splitter = cgp if config[2] is cgp.PipelineStage else torch_split
+        error = split_error(args, device, config[3], splitter)
         if error is not None:  # one rank failing inside a schedule would leave the other waiting
             failed[config[0]] = error
             continue

@@ -26,9 +26,17 @@ __all__ = ["EXTRA_FORMULAS", "FlopCounter", "count_flops", "formula_of", "may_hi
 aten = torch.ops.aten
 
 
+def _heads_of(query: Any, kv: Any) -> tuple[int, ...]:
+    """``kv``'s shape with the query's heads: with grouped-query attention the kernel broadcasts
+    the key/value heads to the query's, and torch 2.11's counts take equal heads only (2.12 and
+    later broadcast themselves, to the same count)."""
+    shape = tuple(kv.shape)
+    return (*shape[:-3], int(query.shape[-3]), *shape[-2:])
+
+
 def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
     """Attention forward (``q @ k^T``, then ``p @ v``), as torch counts its fused kernels."""
-    return int(sdpa_flop_count(query.shape, key.shape, value.shape))
+    return int(sdpa_flop_count(query.shape, _heads_of(query, key), _heads_of(query, value)))
 
 
 def _sdpa_backward(
@@ -36,7 +44,8 @@ def _sdpa_backward(
 ) -> int:
     """Attention backward as torch counts its fused kernels: ``q @ k^T`` recomputed, then four
     matmuls for the gradients of ``q``, ``k``, ``v`` (2.5x the forward)."""
-    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+    k, v = _heads_of(query, key), _heads_of(query, value)
+    return int(sdpa_backward_flop_count(grad_out.shape, query.shape, k, v))
 
 
 def _grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:

@@ -392,7 +392,7 @@ def explain_split(
         ...         return g @ w.T, x.T @ g
         >>> x = torch.randn(4, 3, requires_grad=True)
         >>> w = torch.randn(3, 3, requires_grad=True)
-        >>> report = explain_split(Twice.apply(x, w), [x], [w], splitter="torch")
+        >>> report = explain_split(Twice.apply(x, w), [x], [w])
         >>> [n.label for n in report.computes_twice]
         ['Twice (autograd.Function)']
         >>> report.repeated_flops

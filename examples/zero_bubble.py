@@ -149,7 +149,9 @@ def get_batch(text: Tensor, step: int, rows: int, seq: int) -> tuple[Tensor, Ten
     gen = torch.Generator().manual_seed(step)
     starts = torch.randint(len(text) - seq - 1, (rows,), generator=gen)
     windows = torch.stack([text[s : s + seq + 1] for s in starts.tolist()])
-    return windows[:, :-1], windows[:, 1:]
+    # contiguous: torch 2.11's schedule checks a microbatch's strides against the ones it
+    # inferred, and a slice of the windows has the windows' row stride
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 def check_first_step(

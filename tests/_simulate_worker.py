@@ -1,4 +1,5 @@
-"""Worker for ``tests/test_simulate_mp.py``: time real pipeline steps, action by action.
+"""Worker for ``tests/test_simulate_mp.py`` and ``benchmarks/simulate_accuracy.py``: time real
+pipeline steps, action by action, and the stage costs the simulator replays them from.
 
 Lives in its own module, importable by name, so spawned processes can unpickle it. The model is
 residual MLP blocks of a customgrad linear op, big enough that an action (a few ms on one core)
@@ -9,6 +10,8 @@ dwarfs the schedule's Python around it; the stages are customgrad's ``PipelineSt
 from __future__ import annotations
 
 import pickle
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -17,6 +20,7 @@ import torch.distributed.pipelining as pipelining
 from torch import Tensor, nn
 
 import customgrad.pipelining as cgp
+from customgrad.pipelining import StageCosts, StepTimeline
 from tests.conftest import linear_op
 
 DIM, HIDDEN, ROWS, MICROBATCHES, BLOCKS = 384, 1536, 512, 8, 4
@@ -87,3 +91,37 @@ def time_steps(schedules: list[str], steps: int, out_path: str) -> None:
         results[schedule] = timer.gather()
     if rank == 0:
         Path(out_path).write_bytes(pickle.dumps(results))
+
+
+def measured_costs(steps: list[StepTimeline]) -> list[StageCosts]:
+    """Each stage's mean action times, the mean hand-over between ranks (``send``: the part of a
+    wait after the peer's action ended) and the runtime's own time per action (``overhead``:
+    what a rank spent neither in actions nor waiting for a receive).
+
+    Means, not :func:`~customgrad.pipelining.stage_costs`' medians: a step is a sum of actions,
+    and on a shared CPU action times have a long right tail, which the median leaves out."""
+    times: dict[tuple[int, str], list[float]] = defaultdict(list)
+    transfer = waits = other = actions = 0.0
+    for step in steps:
+        for rank, part in zip(step.ranks, step.breakdown()):
+            for a in rank.actions:
+                times[a.stage, a.kind].append(a.duration)
+            transfer += part.transfer
+            waits += len(rank.waits)
+            other += rank.duration - rank.busy - sum(wt.duration for wt in rank.waits)
+            actions += len(rank.actions)
+
+    def mean(stage: int, kind: str) -> float:
+        return statistics.mean(times[stage, kind]) if (stage, kind) in times else 0.0
+
+    return [
+        StageCosts(
+            forward=mean(s, "F"),
+            backward_input=mean(s, "I"),
+            backward_weight=mean(s, "W"),
+            backward=mean(s, "B") if (s, "B") in times else None,
+            send=transfer / waits if waits else 0.0,
+            overhead=other / actions,
+        )
+        for s in sorted({s for s, _ in times})
+    ]

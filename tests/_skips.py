@@ -7,7 +7,9 @@ release), an optional package that is not installed. Build reasons with these he
 
 from __future__ import annotations
 
+import os
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,7 @@ __all__ = [
     "GRAPH_FREED_AFTER_I",
     "NO_CUDA",
     "TORCH_SPLIT",
+    "TORCH_SPLIT_RUNS_FUNCTIONS",
     "TORCH_STAGE_V",
     "allowed",
     "cuda_gpus",
@@ -79,3 +82,54 @@ GRAPH_FREED_AFTER_I = pytest.mark.skipif(
     ),
 )
 """For tests that check what the input pass frees."""
+
+TORCH_SPLIT_RUNS_FUNCTIONS = functions.handles_keep_nodes()
+"""Whether torch's own split can run ``autograd.Function`` nodes, customgrad ops among them
+(torch 2.13 and later); elsewhere customgrad refuses it (``UnsupportedTorchError``)."""
+
+
+# --- in CI, a skip is a result: reasons outside ALLOWED fail the run ---------------------------
+# Loaded as a pytest plugin (``-p tests._skips`` in pyproject.toml's addopts).
+
+_refused: list[str] = []
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def _reason(report: pytest.CollectReport | pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    text = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return text.removeprefix("Skipped: ")
+
+
+def _note(report: pytest.CollectReport | pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = _reason(report)
+        if not allowed(reason):
+            _refused.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _note(report)
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _note(report)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _in_ci() and _refused and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _in_ci() and _refused:
+        terminalreporter.section("skips CI does not accept", sep="=", red=True)
+        terminalreporter.line(
+            "CI=true: a skip must say why with a reason of tests/_skips.py (no CUDA GPU, a torch "
+            "release that lacks a feature, an optional package); these did not:"
+        )
+        for line in _refused:
+            terminalreporter.line(f"  {line}")

@@ -17,6 +17,8 @@ or ``examples/`` depends on it:
   The shim converts it to an fp32 scalar, as compiled Triton does;
 - ``triton.language.extra.libdevice`` functions are stubs (their body is ``...``) that return
   None under the interpreter; the shim gives ``rsqrt`` and ``tanh`` numpy implementations.
+
+And, for the whole session, triton 3.6's ``__index__`` under numpy 2.4 (:func:`_squeezed_index`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,45 @@ __all__ = ["HAS_TRITON", "INTERPRETED", "count_launches", "interpreter_shims"]
 
 INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
 """Whether ``@triton.jit`` kernels run in Triton's interpreter in this process."""
+
+
+def _squeezed_index() -> None:
+    """triton 3.6's interpreter takes ``int()`` of a tensor's numpy data for ``__index__`` (a
+    loop bound: ``range(start, end)`` of ``tl.minimum`` results), which numpy 2.4 refuses for a
+    1-element array that is not 0-d; triton 3.9 squeezes it first. Where the interpreter's
+    ``__index__`` fails so (probed on a stand-in), it squeezes, for this test session."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    class Scope:
+        def set_attr(self, obj: object, name: str, value: object) -> None:
+            setattr(obj, name, value)
+
+    class Probe:
+        pass
+
+    original(Probe, Scope())
+    probe: Any = Probe.__new__(Probe)
+    probe.handle = SimpleNamespace(data=np.array([3]))
+    try:
+        if Probe.__index__(probe) == 3:  # type: ignore[attr-defined]
+            return
+    except TypeError:
+        pass
+
+    def patched(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRETED:
+    _squeezed_index()
 
 
 def _float_as_fp32(original: Any) -> Any:

@@ -36,6 +36,7 @@ from customgrad._record import record_of
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
+from tests._skips import TORCH_SPLIT
 
 _ids = itertools.count()
 DT = torch.float64
@@ -192,7 +193,7 @@ class CountOps(TorchDispatchMode):
 # Gradients and exact FLOPs
 
 
-@pytest.mark.parametrize("splitter", ["customgrad", "torch"])
+@pytest.mark.parametrize("splitter", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias=None"])
 def test_naive_linear_splits_with_exact_flops(
@@ -222,7 +223,7 @@ def test_naive_linear_splits_with_exact_flops(
     assert_grads(naive_full, want)
 
 
-@pytest.mark.parametrize("splitter", ["customgrad", "torch"])
+@pytest.mark.parametrize("splitter", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 @pytest.mark.parametrize("recompute", ["none", "cheap"])
 def test_shared_work_is_done_once_and_handed_to_the_weight_pass(
     splitter: str, recompute: str

@@ -26,6 +26,7 @@ import customgrad as cg
 from customgrad._op import autograd_impl
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import CHECKS, check_op
+from tests._skips import TORCH_SPLIT
 
 _ids = itertools.count()
 ONCE_DIFFERENTIABLE = [c for c in CHECKS if c != "gradgradcheck"]
@@ -445,7 +446,7 @@ def handoff_op(calls: Counter[str], kept: list[weakref.ref[Tensor]]) -> cg.Custo
     return low_rank
 
 
-@pytest.mark.parametrize("split", ["customgrad", "torch"])
+@pytest.mark.parametrize("split", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 def test_shared_work_is_computed_once_and_freed_after_w(split: str) -> None:
     calls: Counter[str] = Counter()
     kept: list[weakref.ref[Tensor]] = []

@@ -16,6 +16,7 @@ from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import CHECKS, check_op
 from examples.ops import gelu_linear, linear, rms_norm, scale_shift
+from tests._skips import TORCH_SPLIT
 
 Case = tuple[cg.CustomOp[..., Tensor], Callable[[torch.Generator], tuple[Any, ...]]]
 
@@ -87,6 +88,7 @@ def test_stage_split_matches_full_backward(name: str, dtype: torch.dtype) -> Non
             torch.testing.assert_close(b.grad, a.grad)
 
 
+@TORCH_SPLIT
 @pytest.mark.parametrize("name", ["linear", "rms_norm", "gelu_linear", "scale_shift"])
 def test_nothing_computes_twice_in_a_stage(name: str) -> None:
     op, make = CASES[name]

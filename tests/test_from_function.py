@@ -23,6 +23,7 @@ import customgrad as cg
 from customgrad._autosplit import TracedSplit
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
+from tests._skips import TORCH_SPLIT
 from tests._triton_support import INTERPRETED
 
 _ids = itertools.count()
@@ -188,7 +189,7 @@ def assert_grads(got: list[Tensor | None], want: tuple[Tensor, ...]) -> None:
 # Gradients and FLOPs
 
 
-@pytest.mark.parametrize("splitter", ["customgrad", "torch"])
+@pytest.mark.parametrize("splitter", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias=None"])
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
 def test_wrapped_linear_splits_with_exact_flops(

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_arguments_default_to_every_step_on_cuda_in_run_order() -> None:
     args = gpu_check.parse_args([])
     assert (args.device, args.steps, args.budget) == ("cuda", list(gpu_check.STEPS), 460.0)
-    args = gpu_check.parse_args(["--steps", "split", "cuda-tests", "split", "--device", "cpu"])
-    assert (args.device, args.steps) == ("cpu", ["cuda-tests", "split"])
     assert sum(gpu_check.BUDGETS.values()) <= args.budget <= 8 * 60 - 20  # within 8 minutes
+    args = gpu_check.parse_args(["--steps", "split", "cuda-tests", "split", "--device", "cpu"])
+    assert (args.device, args.steps, args.budget) == ("cpu", ["cuda-tests", "split"], 4 * 460.0)
+    assert gpu_check.parse_args(["--budget", "30"]).budget == 30.0
 
 
 @pytest.mark.parametrize(

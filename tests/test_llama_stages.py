@@ -15,6 +15,7 @@ import pytest
 
 from tests import _llama_workers as lw
 from tests import _mp_workers as w
+from tests._skips import optional_package
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,7 +49,7 @@ def test_example_trains_split_with_one_process_gradients(tmp_path: Path, schedul
 
 @pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
-    reason="torchtitan is not installed (pip install torchtitan to run its Llama 3 model too)",
+    reason=optional_package("torchtitan", "pip install torchtitan to run its Llama 3 model too"),
 )
 def test_torchtitan_llama3_trains_split_with_one_process_gradients(tmp_path: Path) -> None:
     _check(_train(tmp_path, "ScheduleZBVZeroBubble", "torchtitan"))

@@ -22,6 +22,7 @@ from customgrad import _autograd
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import _backward as split_backward
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests._skips import TORCH_SPLIT, TORCH_SPLIT_RUNS_FUNCTIONS
 from tests.conftest import function_linear, linear_op
 
 HALVES: Counter[tuple[str, str]] = Counter()
@@ -118,7 +119,11 @@ def _measure(
 
 
 @pytest.mark.parametrize("kind", ["pair", "single", "auto"])
-@pytest.mark.parametrize("split", [_torch_split, _customgrad_split], ids=["torch", "customgrad"])
+@pytest.mark.parametrize(
+    "split",
+    [pytest.param(_torch_split, marks=TORCH_SPLIT), _customgrad_split],
+    ids=["torch", "customgrad"],
+)
 def test_customgrad_ops_split_with_no_repeated_flops(kind: str, split: Callable[..., Any]) -> None:
     flops, full_halves, split_halves = _measure(kind, False, split)
     assert flops["I"] + flops["W"] == flops["full"]
@@ -135,6 +140,7 @@ def test_shared_weight_customgrad_split_does_no_repeated_work(kind: str) -> None
     assert sum(split_halves.values()) == sum(full_halves.values())
 
 
+@TORCH_SPLIT
 @pytest.mark.parametrize("kind", ["pair", "single"])
 def test_shared_weight_torch_split_repeats_the_outer_input_half(kind: str) -> None:
     flops, full_halves, split_halves = _measure(kind, True, _torch_split)
@@ -144,7 +150,11 @@ def test_shared_weight_torch_split_repeats_the_outer_input_half(kind: str) -> No
     assert sum(split_halves.values()) == sum(full_halves.values()) + 1
 
 
-@pytest.mark.parametrize("split", [_torch_split, _customgrad_split], ids=["torch", "customgrad"])
+@pytest.mark.parametrize(
+    "split",
+    [pytest.param(_torch_split, marks=TORCH_SPLIT), _customgrad_split],
+    ids=["torch", "customgrad"],
+)
 def test_plain_function_repeats_its_whole_backward(split: Callable[..., Any]) -> None:
     flops, full_halves, split_halves = _measure("fn", False, split)
     # Its needs_input_grad is fixed at forward time: each pass computes both gradients.
@@ -255,7 +265,8 @@ def test_native_weight_used_twice_splits_with_no_repeated_flops(form: str, first
         # Never more than torch's split, which repeats the outer layer's input gradient.
         torch_figures = _torch_split_flops(theirs, g)
         if torch_figures is None:  # torch's W frees a node it runs again
-            assert form == "between"
+            # (before torch 2.13 its split refuses customgrad ops: "over-op")
+            assert form == "between" or (form == "over-op" and not TORCH_SPLIT_RUNS_FUNCTIONS)
         else:
             assert flops_i == torch_figures[0]
             assert flops_w < torch_figures[1]

@@ -350,6 +350,36 @@ def test_pipelining_stage_base_and_torch_split() -> None:
     assert list(inspect.signature(backward_weight).parameters)[:2] == ["weights", "param_groups"]
 
 
+def test_pipelining_torch_split_running_sees_torch_s_input_pass_on_this_thread() -> None:
+    seen: list[bool] = []
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            seen.append(pipelining.torch_split_running())
+            return grad
+
+    x = torch.randn(3, requires_grad=True)
+    Spy.apply(x).sum().backward()
+    backward_input, _ = pipelining.torch_split()
+    y = Spy.apply(x)
+    backward_input([y], [torch.ones_like(y)], [x], [])
+    assert seen == [False, True]
+
+
+def test_pipelining_torch_stage_inits_same_rank_where_it_warms_up_without_a_vote() -> None:
+    # torch 2.11 batches every stage's init p2p ops; 2.12 and later vote between neighbours
+    from torch.distributed.pipelining import PipelineStage
+
+    has_vote = hasattr(PipelineStage, "_warmup_forward_vote")
+    assert pipelining.torch_stage_inits_same_rank() is not has_vote
+    assert hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")  # what customgrad's stage filters
+
+
 # -- dynamo and AOTAutograd --------------------------------------------------------------------
 
 

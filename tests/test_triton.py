@@ -27,9 +27,16 @@ from customgrad.testing import (
     CheckFailed,
     check_op,
 )
+from tests._skips import NO_CUDA, TORCH_SPLIT, optional_package
 from tests._triton_support import HAS_TRITON, INTERPRETED, count_launches, interpreter_shims
 
-pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton (a dev dependency)")
+pytestmark = pytest.mark.skipif(
+    not HAS_TRITON,
+    reason=optional_package(
+        "triton",
+        "torch's CPU build brings none: make install pins one; a CUDA build brings its own",
+    ),
+)
 
 if HAS_TRITON:
     import triton
@@ -46,7 +53,7 @@ DEVICES = [
         "cuda",
         marks=[
             pytest.mark.cuda,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+            pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA),
         ],
     ),
 ]
@@ -112,11 +119,16 @@ def test_backward_kernel_launched_once_across_input_and_weight_pass(device: str)
     torch.testing.assert_close(w.grad, full[1], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    ("backend", "device"),
+    [
+        # inductor on CPU compiles C++: too slow for the test suite; aot_eager there
+        pytest.param("aot_eager", "cpu", marks=DEVICES[0].marks, id="aot_eager-cpu"),
+        pytest.param("aot_eager", "cuda", marks=DEVICES[1].marks, id="aot_eager-cuda"),
+        pytest.param("inductor", "cuda", marks=DEVICES[1].marks, id="inductor-cuda"),
+    ],
+)
 def test_torch_compile_gives_eager_gradients(device: str, backend: str) -> None:
-    if backend == "inductor" and device == "cpu":
-        pytest.skip("inductor on CPU compiles C++: too slow for the test suite; aot_eager here")
     x, w = _args(device, 2, 3, 8, seed=2)
     triton_rms_norm(x, w).sum().backward()
     xc, wc = (t.detach().clone().requires_grad_() for t in (x, w))
@@ -443,7 +455,7 @@ if HAS_TRITON:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
-@pytest.mark.parametrize("split", ["customgrad", "torch"])
+@pytest.mark.parametrize("split", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 def test_a_kernel_writing_into_its_input_gradient_launches_once_and_is_exact(split: str) -> None:
     from torch.distributed.pipelining import _backward as torch_split
 

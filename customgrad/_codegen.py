@@ -786,11 +786,7 @@ class _Writer:
 
         # -- Function.forward and setup_context ------------------------------------------------
         regrouped = self._regrouped()
-        alias = (
-            "type(out) is not _T or _alias(args, _EMPTY, (out,))"
-            if _alias_check is not None
-            else "type(out) is not _T"
-        )
+        alias = "type(out) is not _T or _alias(args, _EMPTY, (out,))"
         node_inputs = self._node_inputs()
         # The version counters of every tensor argument (none is in mutates_args here), read
         # before and after the kernel: Kernels.run's check, unrolled.

@@ -289,7 +289,7 @@ class Kernels:
             if out is None:
                 return public, residuals
             outs = tuple(out) if sig.kernel_output_is_tuple else (out,)
-        if _alias_check is not None and _alias_check(args, {}, outs):
+        if _alias_check(args, {}, outs):
             raise KernelOutputError(
                 f"{self.qualname}: the kernel returned a Tensor that is (a view of) one of its "
                 f"inputs or of another output. Custom ops must return new tensors (as "

@@ -13,7 +13,6 @@ This module depends on an op only through :class:`customgrad._rules.OpSpec`.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -49,8 +48,8 @@ from customgrad._switches import STATE as SWITCHES
 from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
     captured_by_caller,
+    edge_query,
     graph_task_id,
-    will_execute,
 )
 from customgrad._torch.functions import plain_apply, set_backward_apply
 from customgrad._torch.transforms import functorch_active, unwrap_if_dead
@@ -69,10 +68,8 @@ __all__ = [
     "keeps_for_later",
 ]
 
-log = logging.getLogger("customgrad")
 
-_will_execute = will_execute
-_warned_no_engine_query = False
+_edge_query = edge_query
 
 _Tensor = torch.Tensor
 _functorch_active = functorch_active
@@ -134,10 +131,8 @@ def needed_edge(fn: Node | None, captured: frozenset[int]) -> bool:
     """
     if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
         return True  # a leaf that autograd.grad captures: needed, without asking the engine
-    if _will_execute is None:
-        return engine_needs(fn)
     try:
-        return _will_execute(fn)
+        return _edge_query(fn)
     except Exception:  # a captured leaf the caller's frame did not name: needed
         return True
 
@@ -147,17 +142,8 @@ def engine_needs(fn: Node | None) -> bool:
 
     Any error (outside a backward, a leaf captured by ``autograd.grad``) means "needed".
     """
-    global _warned_no_engine_query
-    if _will_execute is None:
-        if not _warned_no_engine_query:
-            _warned_no_engine_query = True
-            log.warning(
-                "customgrad: this torch has no torch._C._will_engine_execute_node; split "
-                "backward falls back to computing every gradient in every pass."
-            )
-        return True
     try:
-        return _will_execute(fn)
+        return _edge_query(fn)
     except Exception:
         return True
 

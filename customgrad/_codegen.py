@@ -68,6 +68,7 @@ __all__ = [
     "watch_lines",
     "eligible",
     "write_call",
+    "write_kernel_run",
     "write_check",
     "write_runner",
 ]
@@ -800,11 +801,7 @@ class _Writer:
 
         # -- Function.forward and setup_context ------------------------------------------------
         regrouped = self._regrouped()
-        alias = (
-            "type(out) is not _T or _alias(args, _EMPTY, (out,))"
-            if _alias_check is not None
-            else "type(out) is not _T"
-        )
+        alias = "type(out) is not _T or _alias(args, _EMPTY, (out,))"
         node_inputs = self._node_inputs()
         # The version counters of every tensor argument (none is in mutates_args here), read
         # before and after the kernel: Kernels.run's check, unrolled.
@@ -964,7 +961,7 @@ class _Writer:
             **_runtime(),
             "_checked_output": self.kernels.checked_output,
             "_raise_if_mutated": self.kernels.raise_if_mutated,
-            "_run": self.kernels.run,
+            "_run": self.kernels.run_any,
             "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,
@@ -1001,3 +998,45 @@ class _Writer:
         call: Callable[[tuple[Any, ...]], Any] = ns["call"]
         call.__customgrad_source__ = source  # type: ignore[attr-defined]
         return call
+
+
+# --------------------------------------------------------------------------------------------
+# The kernel call with the check of its writes, written per op
+
+
+def write_kernel_run(kernels: Kernels) -> Callable[[Callable[..., Any], tuple[Any, ...]], Any]:
+    """``run(kernel, args)`` for one op: the version counters of every argument not in
+    ``mutates_args`` read before and after the kernel, unrolled (``Kernels.run_any`` loops and
+    asks per tensor; a tensor without a counter, an inference tensor, goes there)."""
+    sig = kernels.sig
+    reads: list[str] = []
+    for i in kernels.watched:
+        kind = sig.kinds[i]
+        if kind is ArgKind.TENSOR:
+            reads.append(f"args[{i}]._version")
+        elif kind is ArgKind.OPTIONAL_TENSOR:
+            reads.append(f"None if args[{i}] is None else args[{i}]._version")
+        else:
+            reads.append(f"*[None if t is None else t._version for t in args[{i}]]")
+    versions = f"[{', '.join(reads)}]"
+    call = "_call(kernel, args)" if sig.kwonly_names else "kernel(*args)"
+    source = (
+        "def run(kernel, args):\n"
+        "    try:\n"
+        f"        before = {versions}\n"
+        "    except RuntimeError:  # an inference tensor keeps no version counter\n"
+        "        return _run_any(kernel, args)\n"
+        f"    out = {call}\n"
+        f"    if {versions} != before:\n"
+        "        _raise_if_mutated(args, before)\n"
+        "    return out\n"
+    )
+    ns: dict[str, Any] = {
+        "_call": sig.call,
+        "_run_any": kernels.run_any,
+        "_raise_if_mutated": kernels.raise_if_mutated,
+    }
+    run_source(source, f"<customgrad kernel call of {sig.qualname}>", ns)
+    run: Callable[[Callable[..., Any], tuple[Any, ...]], Any] = ns["run"]
+    run.__customgrad_source__ = source  # type: ignore[attr-defined]
+    return run

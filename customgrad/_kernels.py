@@ -163,6 +163,14 @@ class Kernels:
             if kind is not ArgKind.OTHER and name not in mutates
         )
         """The arguments (indices) whose tensors a kernel must not write into."""
+        from customgrad._codegen import write_kernel_run  # _codegen imports this module
+
+        self.run: Callable[[Kernel, tuple[Any, ...]], Any] = write_kernel_run(self)
+        """``run(kernel, args)``: call ``kernel`` on schema-ordered ``args`` and return what it
+        returns; a write into an argument that is not in ``mutates_args`` raises
+        (:meth:`raise_if_mutated`). Every call of a kernel goes through it (the written forward
+        reads the same version counters inline). Written for the op's arguments
+        (:func:`customgrad._codegen.write_kernel_run`); :meth:`run_any` is its interpreted twin."""
         self.by_device: dict[str | None, Callable[..., Any]] = {}
         self.fake: Callable[..., Any] | None = None
         """The fake kernel (``register_fake``), or None."""
@@ -197,10 +205,9 @@ class Kernels:
                 out.append(version_of(a))
         return out
 
-    def run(self, kernel: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-        """Call ``kernel`` on schema-ordered ``args`` and return what it returns; a write into
-        an argument that is not in ``mutates_args`` raises (:meth:`raise_if_mutated`). Every
-        call of a kernel goes through here (the fast path inlines the same check)."""
+    def run_any(self, kernel: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """:attr:`run`, interpreted: also for tensors without a version counter (inference
+        tensors, which it skips)."""
         before = self.versions(args)
         out = self.sig.call(kernel, args) if self.sig.kwonly_names else kernel(*args)
         if self.versions(args) != before:
@@ -282,7 +289,7 @@ class Kernels:
             if out is None:
                 return public, residuals
             outs = tuple(out) if sig.kernel_output_is_tuple else (out,)
-        if _alias_check is not None and _alias_check(args, {}, outs):
+        if _alias_check(args, {}, outs):
             raise KernelOutputError(
                 f"{self.qualname}: the kernel returned a Tensor that is (a view of) one of its "
                 f"inputs or of another output. Custom ops must return new tensors (as "

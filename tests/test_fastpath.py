@@ -274,14 +274,13 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
     op = _define("TT", (1,), "pair", "none", fast=fast)
     assert (op._fast_call is not None) == fast
     asked: list[object] = []
-    will = _autograd._will_execute
-    assert will is not None
+    will = _autograd._edge_query
 
     def counting(fn: object) -> bool:
         asked.append(fn)
         return bool(will(fn))
 
-    monkeypatch.setattr(_autograd, "_will_execute", counting)
+    monkeypatch.setattr(_autograd, "_edge_query", counting)
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = op(x, w)
     (gw,) = torch.autograd.grad(out.sum(), [w], retain_graph=True)

@@ -71,8 +71,21 @@ def test_engine_input_shape_reads_what_a_node_takes_at_each_input() -> None:
     assert engine.input_shape(object(), 0) is None
 
 
+def test_engine_edge_query_fallback_says_needed_and_logs_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(engine, "_warned_no_query", False)
+    with caplog.at_level("WARNING", logger="customgrad"):
+        assert engine._every_edge(None) and engine._every_edge(object())
+    assert [r.getMessage() for r in caplog.records] == [
+        "customgrad: this torch has no torch._C._will_engine_execute_node; split backward "
+        "falls back to computing every gradient in every pass."
+    ]
+
+
 def test_engine_will_execute_and_current_node_inside_a_backward() -> None:
     assert engine.will_execute is not None
+    assert engine.edge_query is engine.will_execute  # the fallback only on a torch without it
     assert engine.current_node() is None  # outside a backward
     with pytest.raises(RuntimeError):
         engine.will_execute((torch.ones(1, requires_grad=True) * 2).grad_fn)
@@ -211,7 +224,7 @@ def test_dispatcher_ambient_state_alias_checks_and_aten_callables() -> None:
     assert dispatcher.deterministic_warn_only() is (
         torch.is_deterministic_algorithms_warn_only_enabled()
     )
-    assert dispatcher.alias_check is not None
+    assert dispatcher.alias_check is not dispatcher._no_alias_check  # the fallback: old torch
     x = torch.ones(3)
     assert dispatcher.alias_check((x,), {}, (x[:1],)) is True
     assert dispatcher.alias_check((x,), {}, (x.clone(),)) is False

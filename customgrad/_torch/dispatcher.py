@@ -142,12 +142,18 @@ deterministic: Callable[[], bool] = torch._C._get_deterministic_algorithms
 deterministic_warn_only: Callable[[], bool] = torch._C._get_deterministic_algorithms_warn_only
 """``torch.is_deterministic_algorithms_warn_only_enabled()`` without the Python wrapper."""
 
+
 # -- aliasing --------------------------------------------------------------------------------
-alias_check: Callable[..., bool] | None = getattr(
-    torch._C, "_any_output_is_alias_to_input_or_output", None
+def _no_alias_check(args: Any, kwargs: Any, outputs: Any) -> bool:
+    """The alias check's fallback on a torch without it: no alias is seen."""
+    return False
+
+
+alias_check: Callable[..., bool] = getattr(
+    torch._C, "_any_output_is_alias_to_input_or_output", _no_alias_check
 )
 """``(args, kwargs, outputs) -> bool``: whether an output aliases an input or another output
-(the check ``torch.library.custom_op`` makes), or None on a torch without it."""
+(the check ``torch.library.custom_op`` makes); on a torch without it, always False."""
 is_alias_of: Callable[[torch.Tensor, torch.Tensor], bool] = torch._C._is_alias_of  # type: ignore[attr-defined]
 """Whether two tensors share storage."""
 

@@ -3,6 +3,8 @@ graph task run now, and what ``torch.autograd.grad`` captures.
 
 - :data:`will_execute`: whether the running backward uses a node's gradient
   (``torch._C._will_engine_execute_node``), how a customgrad node learns which pass it is in;
+- :data:`edge_query`: :data:`will_execute` where torch has it, else a fallback that says every
+  edge is needed (and logs once that the split then computes every gradient in every pass);
 - :data:`current_node`: the node whose backward runs now (``torch._C._current_autograd_node``);
 - :data:`graph_task_id`: which backward (graph task) runs now
   (``torch._C._current_graph_task_id``), what a hand-off between passes is keyed by;
@@ -20,6 +22,7 @@ answer (ask the engine, treat every edge as needed), never a wrong one.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +35,7 @@ __all__ = [
     "FRAME_READABLE",
     "captured_by_caller",
     "current_node",
+    "edge_query",
     "graph_kept",
     "input_shape",
     "graph_task_id",
@@ -41,6 +45,25 @@ __all__ = [
 will_execute: Callable[[Any], bool] | None = getattr(torch._C, "_will_engine_execute_node", None)
 """``torch._C._will_engine_execute_node`` (raises outside a backward and for a leaf
 ``autograd.grad`` captures: treat an error as "needed"), or None on a torch without it."""
+
+_warned_no_query = False
+
+
+def _every_edge(fn: Any) -> bool:
+    """The engine query's fallback: every edge is needed (logged once)."""
+    global _warned_no_query
+    if not _warned_no_query:
+        _warned_no_query = True
+        logging.getLogger("customgrad").warning(
+            "customgrad: this torch has no torch._C._will_engine_execute_node; split backward "
+            "falls back to computing every gradient in every pass."
+        )
+    return True
+
+
+edge_query: Callable[[Any], bool] = will_execute if will_execute is not None else _every_edge
+"""Whether the running backward uses the gradient sent along an edge to ``fn`` (may raise:
+treat an error as "needed"); on a torch without the engine's query, always True."""
 
 current_node: Callable[[], Any] = getattr(torch._C, "_current_autograd_node", lambda: None)
 """The autograd node whose backward the calling thread runs (None outside a backward)."""

@@ -14,7 +14,10 @@ it, naming it).
 from __future__ import annotations
 
 import contextlib
+import pickle
+from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -147,3 +150,105 @@ def gradients(first: nn.Module, last: nn.Module) -> dict[str, Any]:
     return {
         f"{i}.{n}": p.grad for i, m in enumerate((first, last)) for n, p in m.named_parameters()
     }
+
+
+# --- ScheduleZBVZeroBubble on two processes (run by tests._mp_workers.spawn) -----------------
+
+STAGES = 4
+PIPELINE_KERNELS = ("_rms_norm_backward_kernel", "_swiglu_backward_kernel", "element_mul_kernel")
+"""The kernels counted in a pipeline step: those that run in backward only (rope's kernel also
+runs in the forwards the schedule makes to infer shapes)."""
+
+
+class PipelineLast(nn.Module):
+    """The last stage of the pipeline: a layer; its head runs in the schedule's loss_fn (the
+    fused linear cross entropy takes hidden states, not logits), as a submodule of the stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = LigerLayer()
+        self.head = LigerHead()
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.layer(x)
+        return out
+
+
+def pipeline_modules(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    mods: list[nn.Module] = [LigerLayer() for _ in range(STAGES - 1)]
+    return [*mods, PipelineLast()]
+
+
+def pipeline_reference() -> tuple[dict[str, Tensor], Counter[str]]:
+    """One process's gradients of the step, and its backward kernel launches."""
+    mods = pipeline_modules()
+    x, target = batch()
+    counts: Counter[str] = Counter()
+    for xm, tm in zip(x.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+        h = xm
+        for m in mods:
+            h = m(h)
+        loss = mods[-1].head(h, tm)  # type: ignore[operator]
+        with backward_launches() as launched:
+            loss.backward()
+        counts.update({k: launched[k] for k in PIPELINE_KERNELS})
+    grads = {f"{i}.{n}": p.grad for i, m in enumerate(mods) for n, p in m.named_parameters()}
+    return grads, counts  # type: ignore[return-value]
+
+
+def pipeline_reference_in_interpreter() -> tuple[dict[str, Tensor], Counter[str]]:
+    """:func:`pipeline_reference` with Liger's kernels under the interpreter's shims."""
+    with liger_kernels():
+        return pipeline_reference()
+
+
+def run_zbv(out_path: str, run_once: bool) -> None:
+    """A ScheduleZBVZeroBubble step of the Liger stages on this rank (of two): rank 0 writes
+    the gradients' mismatches against one process's and the launches of every rank."""
+    import torch.distributed as dist
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    import customgrad.pipelining as cgp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cpu")
+    with liger_kernels():
+        mods = pipeline_modules()
+        mine = sorted({rank, 2 * world - 1 - rank})
+        stages = [
+            cgp.PipelineStage(mods[s], s, STAGES, device, run_functions_once=run_once) for s in mine
+        ]
+        head = mods[-1].head  # type: ignore[union-attr]
+
+        def loss_fn(output: Tensor, target: Tensor) -> Tensor:
+            out: Tensor = head(output, target)
+            return out
+
+        schedule = ScheduleZBVZeroBubble(stages, MICROBATCHES, loss_fn=loss_fn, scale_grads=False)
+        x, target = batch()
+        kwargs = {"target": target} if STAGES - 1 in mine else {}
+        # The first step also infers shapes (torch 2.13 runs a forward and a backward of each
+        # stage for it): count the second.
+        schedule.step(*([x] if 0 in mine else []), **kwargs)
+        for m in mods:
+            m.zero_grad(set_to_none=True)
+        with backward_launches() as launched:
+            schedule.step(*([x] if 0 in mine else []), **kwargs)
+        ref, _ = pipeline_reference()
+        problems = []
+        for s in mine:
+            for n, p in mods[s].named_parameters():
+                want = ref[f"{s}.{n}"]
+                if p.grad is None or not torch.allclose(p.grad, want, rtol=1e-4, atol=1e-6):
+                    err = None if p.grad is None else float((p.grad - want).abs().max())
+                    problems.append(f"stage {s} {n}: max error {err}")
+        mine_counts = {k: launched[k] for k in PIPELINE_KERNELS}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (problems, mine_counts))
+    if rank == 0:
+        total: Counter[str] = Counter()
+        for _, c in everyone:
+            total.update(c)
+        out = {"problems": [p for ps, _ in everyone for p in ps], "launches": dict(total)}
+        Path(out_path).write_bytes(pickle.dumps(out))

@@ -320,7 +320,7 @@ def _stage_backward_input(
     ran = state.ran
     state.once_ids = frozenset(id(n) for n, h in ran.items() if h is not None)
     for c, call in enumerate(plan.weight_calls):
-        handed = [h for n in call.once if (h := ran.get(n)) is not None]
+        handed = [ho for n in call.once if (ho := ran.get(n)) is not None]
         again = [n for n in call.once if n in ran and ran[n] is None]
         if handed:
             state.once[c] = handed
@@ -359,7 +359,7 @@ def _keep_weight_gradients(
         kept = [
             (GradientEdge(fn, nr), g)
             for (fn, nr), g, w in zip(node.next_functions, grad_inputs, side)
-            if w and g is not None
+            if w and g is not None and fn is not None
         ]
         if len(kept) < sum(side):
             # A weight-side gradient is missing: a backward that asks the engine what the pass
@@ -487,7 +487,7 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
         node, nr, g = state.direct.pop(i)
         roots.append(GradientEdge(node, nr))
         values.append(g)
-    for handoff in state.once.pop(index, ()):  # type: ignore[call-overload]
+    for handoff in state.once.pop(index, ()):
         roots.extend(edge for edge, _ in handoff.value)
         values.extend(grad for _, grad in handoff.value)
         handoff.value = None  # send_gradients must hold the only references (see there)
@@ -535,7 +535,7 @@ def _sharing_leaves(plan: InputPassPlan, nodes: list[Node]) -> list[list[Node]]:
     groups: list[tuple[list[Node], set[Node]]] = []
     for node in nodes:
         side = plan.weight_side_edges(node)
-        mine = reach([fn for (fn, _), w in zip(node.next_functions, side) if w], set())
+        mine = reach([fn for (fn, _), w in zip(node.next_functions, side) if w and fn], set())
         joined = [g for g in groups if not g[1].isdisjoint(mine)]
         merged = ([node], mine)
         for g in joined:
@@ -561,7 +561,7 @@ def _run_again(state: _SplitState, nodes: list[Node]) -> None:
         grads = state.captured.pop(node, ())
         roots += [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
         values += [g for g in grads if g is not None]
-        starts += [fn for (fn, _), w in zip(node.next_functions, side) if w]
+        starts += [fn for (fn, _), w in zip(node.next_functions, side) if w and fn is not None]
         handles.append(node.register_hook(_weight_side_only(side)))
         del grads
     leaves = [

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -59,9 +60,33 @@ from customgrad._split_plan import (
     reach,
 )
 from customgrad._torch.engine import input_shape
+from customgrad._torch.functions import forward_cls
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
+
+log = logging.getLogger("customgrad")
+
+_TOLD: set[type] = set()
+"""The Function classes the log already named (one line per class, not per call)."""
+
+
+def _tell_once(nodes: list[Node]) -> None:
+    """Log, once per Function class, that its backward runs once in I under the split."""
+    for node in nodes:
+        cls = forward_cls(node)
+        if cls is not None and cls not in _TOLD:
+            _TOLD.add(cls)
+            log.info(
+                "customgrad.pipelining: %s.%s is a plain autograd.Function (it cannot split): "
+                "its backward runs once, in the input pass, and the weight pass receives the "
+                "weight gradients it returned (torch's split runs it twice). Make it a "
+                "customgrad op (customgrad.from_function) to split it; "
+                "run_functions_once=False runs it as torch does.",
+                cls.__module__,
+                cls.__qualname__,
+            )
+
 
 _STATE_KEY = "customgrad_split"
 
@@ -278,6 +303,8 @@ def _stage_backward_input(
     )
     state.plan = plan
     state.direct = {i: (*out_edges[i], grads[i]) for i in plan.direct}
+    if plan.once:
+        _tell_once(plan.once)
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from customgrad._errors import MissingRegistrationError
-from customgrad._handoff import hand_over, handed_over
+from customgrad._handoff import hand_over, handed_over, release
 from customgrad._pass import (
     BackwardContext,
     PassPlan,
@@ -128,6 +128,7 @@ def write_runner(
         "_make_ctx": functools.partial(BackwardContext, spec, "full"),
         "_handed_over": handed_over,
         "_hand_over": hand_over,
+        "_release": release,
         "_Shared": _Shared,
         "_BackwardContext": BackwardContext,
         "_missing": spec._missing_autograd_message,
@@ -176,7 +177,7 @@ def write_runner(
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
                         "if kept is None:",
-                        "    record.handoff = None",
+                        "    _release(record, grads)",
                         "else:",
                         "    _hand_over(record, grads, 'traced', kept)",
                         "ctx = _CTX",
@@ -215,7 +216,7 @@ def write_runner(
                 "weight", rules.backward_weight, sig.weight_set, plan.need_w, "got_w", "got"
             )
             # the later pass ran: free what was kept for it
-            lines += ["if record.handoff is not None:", "    record.handoff = None"]
+            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
         lines.append("return got")
@@ -251,7 +252,7 @@ def _run_once_lines(
         "    if early is not _NO_HANDOFF:",
         "        got = {n: early.pop(n) for n in _NEEDED if n in early}",
         "        if not early:",
-        "            record.handoff = None",
+        "            _release(record, grads)",
         "        return got",
         "if keep:",
         *_indent(

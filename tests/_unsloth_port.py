@@ -1,0 +1,142 @@
+"""unsloth's LoRA MLP ``autograd.Function``, ported for the tests (unsloth cannot be imported
+on a CPU-only machine: it needs CUDA and unsloth_zoo at import).
+
+Ported from unsloth 2026.10.9 (Apache-2.0, https://github.com/unslothai/unsloth),
+``unsloth/kernels/fast_lora.py`` (``LoRA_MLP``, its unquantized path without dropout or biases:
+``matmul_lora`` with ``W_quant=None`` is ``X @ W.t() + s * (X @ A.t()) @ B.t()``) and
+``unsloth/kernels/swiglu.py`` (``_DWf_DW_dfg_kernel``, here in torch ops with the same stores).
+What matters here is kept as unsloth writes it: the SwiGLU backward writes ``h``, ``df`` and
+``de`` over ``DW`` and the *saved* ``e`` and ``g`` (so a second backward reads its own
+results: every LoRA A/B gradient wrong), and with ``inplace=True`` (its default) ``dX`` is
+written into the saved input ``X`` (``torch.matmul(..., out=X)``: a second backward fails with
+torch's "modified by an inplace operation").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def _matmul_lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor, s: float) -> Tensor:
+    return x @ w.t() + s * ((x @ a.t()) @ b.t())
+
+
+def swiglu_fg(e: Tensor, g: Tensor) -> Tensor:
+    return nn.functional.silu(e) * g
+
+
+def swiglu_DWf_DW_dfg(dw: Tensor, e: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``_DWf_DW_dfg_kernel``: h over DW, df over e, de over g (in place, as its stores do)."""
+    ef = e.float()
+    se = torch.sigmoid(ef)
+    f = (se * ef).to(dw.dtype)
+    h = f * g
+    df = dw * f
+    dg = dw * g
+    de = (dg.float() * se * (1.0 + ef * (1.0 - se))).to(dw.dtype)
+    dw.data.copy_(h)  # Triton stores: no version counter sees them
+    e.data.copy_(df)
+    g.data.copy_(de)
+    return dw, e, g
+
+
+class LoRA_MLP(torch.autograd.Function):  # noqa: N801 - unsloth's name
+    @staticmethod
+    def forward(
+        ctx: Any,
+        X: Tensor,  # noqa: N803
+        gateW: Tensor,  # noqa: N803
+        gateA: Tensor,  # noqa: N803
+        gateB: Tensor,  # noqa: N803
+        gateS: float,  # noqa: N803
+        upW: Tensor,  # noqa: N803
+        upA: Tensor,  # noqa: N803
+        upB: Tensor,  # noqa: N803
+        upS: float,  # noqa: N803
+        downW: Tensor,  # noqa: N803
+        downA: Tensor,  # noqa: N803
+        downB: Tensor,  # noqa: N803
+        downS: float,  # noqa: N803
+        inplace: bool = True,
+    ) -> Tensor:
+        e = _matmul_lora(X, gateW, gateA, gateB, gateS)
+        g = _matmul_lora(X, upW, upA, upB, upS)
+        h = swiglu_fg(e, g)
+        i = _matmul_lora(h, downW, downA, downB, downS)
+        ctx.custom_saved_tensors = (gateW, gateS, upW, upS, downW, downS)
+        ctx.save_for_backward(gateA, gateB, upA, upB, downA, downB, X, e, g)
+        ctx.inplace = inplace
+        return i
+
+    @staticmethod
+    def backward(ctx: Any, dY: Tensor) -> tuple[Tensor | None, ...]:  # noqa: N803
+        gateW, gateS, upW, upS, downW, downS = ctx.custom_saved_tensors
+        gateA, gateB, upA, upB, downA, downB, X, e, g = ctx.saved_tensors
+        batch, seq_len, hd = X.shape
+        dY = dY.reshape(-1, dY.shape[-1])  # noqa: N806
+        X = X.view(-1, X.shape[-1])  # noqa: N806
+        e = e.view(-1, e.shape[-1])
+        g = g.view(-1, g.shape[-1])
+        gateA, gateB, upA, upB, downA, downB = (  # noqa: N806
+            gateA.t(), gateB.t(), upA.t(), upB.t(), downA.t(), downB.t(),
+        )  # fmt: skip
+        # matmul_lora(dY, downW.t(), downB, downA, downS), the A and B above transposed
+        DW = dY @ downW + downS * ((dY @ downB.t()) @ downA.t())  # noqa: N806
+        DW, e, g = swiglu_DWf_DW_dfg(DW, e, g)  # noqa: N806
+        h, df, de = DW, e, g
+        d_downA = torch.empty_like(downA)  # noqa: N806
+        d_downB = torch.empty_like(downB)  # noqa: N806
+        d_gateA = torch.empty_like(gateA)  # noqa: N806
+        d_gateB = torch.empty_like(gateB)  # noqa: N806
+        d_upA = torch.empty_like(upA)  # noqa: N806
+        d_upB = torch.empty_like(upB)  # noqa: N806
+        d_downA.addmm_(h.t(), dY @ downB.t(), alpha=downS, beta=0)
+        d_downB.addmm_(downA.t() @ h.t(), dY, alpha=downS, beta=0)
+        up_dB = df @ upB.t()  # noqa: N806
+        gate_dB = de @ gateB.t()  # noqa: N806
+        d_upA.addmm_(X.t(), up_dB, alpha=upS, beta=0)
+        d_upB.addmm_(upA.t() @ X.t(), df, alpha=upS, beta=0)
+        d_gateA.addmm_(X.t(), gate_dB, alpha=gateS, beta=0)
+        d_gateB.addmm_(gateA.t() @ X.t(), de, alpha=gateS, beta=0)
+        dX = torch.matmul(df, upW, out=X if ctx.inplace else None)  # noqa: N806
+        dX.addmm_(up_dB, upA.t(), alpha=upS)
+        dX.addmm_(de, gateW)
+        dX.addmm_(gate_dB, gateA.t(), alpha=gateS)
+        return (
+            dX.view(batch, seq_len, hd),
+            None, d_gateA.t(), d_gateB.t(), None,
+            None, d_upA.t(), d_upB.t(), None,
+            None, d_downA.t(), d_downB.t(), None,
+            None,
+        )  # fmt: skip
+
+
+class LoraMLP(nn.Module):
+    """A Llama MLP with frozen base weights and LoRA adapters, through ``LoRA_MLP``."""
+
+    def __init__(self, hidden: int = 8, inter: int = 16, rank: int = 2, inplace: bool = True):
+        super().__init__()
+        self.inplace = inplace
+        self.gate = nn.Parameter(torch.randn(inter, hidden) / 3, requires_grad=False)
+        self.up = nn.Parameter(torch.randn(inter, hidden) / 3, requires_grad=False)
+        self.down = nn.Parameter(torch.randn(hidden, inter) / 4, requires_grad=False)
+        self.gate_A = nn.Parameter(torch.randn(rank, hidden) / 3)
+        self.gate_B = nn.Parameter(torch.randn(inter, rank) / 2)
+        self.up_A = nn.Parameter(torch.randn(rank, hidden) / 3)
+        self.up_B = nn.Parameter(torch.randn(inter, rank) / 2)
+        self.down_A = nn.Parameter(torch.randn(rank, inter) / 4)
+        self.down_B = nn.Parameter(torch.randn(hidden, rank) / 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # unsloth calls it on the RMSNorm's output, a fresh tensor (dX may go into its memory)
+        out: Tensor = LoRA_MLP.apply(
+            x * 1.0,
+            self.gate, self.gate_A, self.gate_B, 2.0,
+            self.up, self.up_A, self.up_B, 2.0,
+            self.down, self.down_A, self.down_B, 2.0,
+            self.inplace,
+        )  # fmt: skip
+        return x + out

@@ -43,23 +43,23 @@ def swiglu_DWf_DW_dfg(dw: Tensor, e: Tensor, g: Tensor) -> tuple[Tensor, Tensor,
     return dw, e, g
 
 
-class LoRA_MLP(torch.autograd.Function):  # noqa: N801 - unsloth's name
+class LoRA_MLP(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        X: Tensor,  # noqa: N803
-        gateW: Tensor,  # noqa: N803
-        gateA: Tensor,  # noqa: N803
-        gateB: Tensor,  # noqa: N803
-        gateS: float,  # noqa: N803
-        upW: Tensor,  # noqa: N803
-        upA: Tensor,  # noqa: N803
-        upB: Tensor,  # noqa: N803
-        upS: float,  # noqa: N803
-        downW: Tensor,  # noqa: N803
-        downA: Tensor,  # noqa: N803
-        downB: Tensor,  # noqa: N803
-        downS: float,  # noqa: N803
+        X: Tensor,
+        gateW: Tensor,
+        gateA: Tensor,
+        gateB: Tensor,
+        gateS: float,
+        upW: Tensor,
+        upA: Tensor,
+        upB: Tensor,
+        upS: float,
+        downW: Tensor,
+        downA: Tensor,
+        downB: Tensor,
+        downS: float,
         inplace: bool = True,
     ) -> Tensor:
         e = _matmul_lora(X, gateW, gateA, gateB, gateS)
@@ -72,36 +72,36 @@ class LoRA_MLP(torch.autograd.Function):  # noqa: N801 - unsloth's name
         return i
 
     @staticmethod
-    def backward(ctx: Any, dY: Tensor) -> tuple[Tensor | None, ...]:  # noqa: N803
+    def backward(ctx: Any, dY: Tensor) -> tuple[Tensor | None, ...]:
         gateW, gateS, upW, upS, downW, downS = ctx.custom_saved_tensors
         gateA, gateB, upA, upB, downA, downB, X, e, g = ctx.saved_tensors
         batch, seq_len, hd = X.shape
-        dY = dY.reshape(-1, dY.shape[-1])  # noqa: N806
-        X = X.view(-1, X.shape[-1])  # noqa: N806
+        dY = dY.reshape(-1, dY.shape[-1])
+        X = X.view(-1, X.shape[-1])
         e = e.view(-1, e.shape[-1])
         g = g.view(-1, g.shape[-1])
-        gateA, gateB, upA, upB, downA, downB = (  # noqa: N806
+        gateA, gateB, upA, upB, downA, downB = (
             gateA.t(), gateB.t(), upA.t(), upB.t(), downA.t(), downB.t(),
         )  # fmt: skip
         # matmul_lora(dY, downW.t(), downB, downA, downS), the A and B above transposed
-        DW = dY @ downW + downS * ((dY @ downB.t()) @ downA.t())  # noqa: N806
-        DW, e, g = swiglu_DWf_DW_dfg(DW, e, g)  # noqa: N806
+        DW = dY @ downW + downS * ((dY @ downB.t()) @ downA.t())
+        DW, e, g = swiglu_DWf_DW_dfg(DW, e, g)
         h, df, de = DW, e, g
-        d_downA = torch.empty_like(downA)  # noqa: N806
-        d_downB = torch.empty_like(downB)  # noqa: N806
-        d_gateA = torch.empty_like(gateA)  # noqa: N806
-        d_gateB = torch.empty_like(gateB)  # noqa: N806
-        d_upA = torch.empty_like(upA)  # noqa: N806
-        d_upB = torch.empty_like(upB)  # noqa: N806
+        d_downA = torch.empty_like(downA)
+        d_downB = torch.empty_like(downB)
+        d_gateA = torch.empty_like(gateA)
+        d_gateB = torch.empty_like(gateB)
+        d_upA = torch.empty_like(upA)
+        d_upB = torch.empty_like(upB)
         d_downA.addmm_(h.t(), dY @ downB.t(), alpha=downS, beta=0)
         d_downB.addmm_(downA.t() @ h.t(), dY, alpha=downS, beta=0)
-        up_dB = df @ upB.t()  # noqa: N806
-        gate_dB = de @ gateB.t()  # noqa: N806
+        up_dB = df @ upB.t()
+        gate_dB = de @ gateB.t()
         d_upA.addmm_(X.t(), up_dB, alpha=upS, beta=0)
         d_upB.addmm_(upA.t() @ X.t(), df, alpha=upS, beta=0)
         d_gateA.addmm_(X.t(), gate_dB, alpha=gateS, beta=0)
         d_gateB.addmm_(gateA.t() @ X.t(), de, alpha=gateS, beta=0)
-        dX = torch.matmul(df, upW, out=X if ctx.inplace else None)  # noqa: N806
+        dX = torch.matmul(df, upW, out=X if ctx.inplace else None)
         dX.addmm_(up_dB, upA.t(), alpha=upS)
         dX.addmm_(de, gateW)
         dX.addmm_(gate_dB, gateA.t(), alpha=gateS)

@@ -172,3 +172,11 @@ def test_the_log_names_each_function_class_once(caplog: pytest.LogCaptureFixture
         "liger_kernel.ops.fused_linear_cross_entropy.LigerFusedLinearCrossEntropyFunction",
         "liger_kernel.ops.rms_norm.LigerRMSNormFunction",
     ]
+
+
+def test_summary_names_the_function_classes_run_once() -> None:
+    _launches_per_microbatch(_split(True))
+    text = str(cg.summary())
+    assert "Plain autograd.Functions customgrad's split ran once" in text
+    assert "  liger_kernel.ops.rms_norm.LigerRMSNormFunction" in text
+    assert "LigerRopeFunction" not in text  # no weight edge: nothing to run once

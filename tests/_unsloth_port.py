@@ -140,3 +140,103 @@ class LoraMLP(nn.Module):
             self.inplace,
         )  # fmt: skip
         return x + out
+
+
+# --- ScheduleZBVZeroBubble on two processes (run by tests._mp_workers.spawn) -----------------
+
+STAGES, MICROBATCHES = 4, 2
+
+
+def _modules(inplace: bool) -> list[LoraMLP]:
+    torch.manual_seed(0)
+    return [LoraMLP(inplace=inplace) for _ in range(STAGES)]
+
+
+def _batch() -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(2 * MICROBATCHES, 3, 8, generator=gen), torch.randn(
+        2 * MICROBATCHES, 3, 8, generator=gen
+    )
+
+
+def _loss(out: Tensor, target: Tensor) -> Tensor:
+    return ((out - target) ** 2).mean() / MICROBATCHES
+
+
+class _Counted:
+    """Counts ``LoRA_MLP.backward`` calls while installed."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.original = LoRA_MLP.backward
+
+    def __enter__(self) -> _Counted:
+        def counted(ctx: Any, dy: Tensor) -> Any:
+            self.calls += 1
+            return self.original(ctx, dy)
+
+        LoRA_MLP.backward = staticmethod(counted)  # type: ignore[method-assign,assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        LoRA_MLP.backward = staticmethod(self.original)  # type: ignore[method-assign,assignment]
+
+
+def zbv_reference(inplace: bool) -> tuple[dict[str, Tensor], int]:
+    """One process's gradients of the step, and its LoRA_MLP backward calls."""
+    mods = _modules(inplace)
+    x, target = _batch()
+    with _Counted() as counted:
+        for xm, tm in zip(x.chunk(MICROBATCHES), target.chunk(MICROBATCHES)):
+            h = xm
+            for m in mods:
+                h = m(h)
+            _loss(h, tm).backward()
+    grads = {
+        f"{i}.{n}": p.grad
+        for i, m in enumerate(mods)
+        for n, p in m.named_parameters()
+        if p.grad is not None
+    }
+    return grads, counted.calls
+
+
+def run_zbv(out_path: str, inplace: bool) -> None:
+    """Two ScheduleZBVZeroBubble steps of the LoRA stages on this rank (of two), the second
+    counted: rank 0 writes the gradients' mismatches and every rank's backward calls."""
+    import pickle
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    import customgrad.pipelining as cgp
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mods = _modules(inplace)
+    mine = sorted({rank, 2 * world - 1 - rank})
+    cpu = torch.device("cpu")
+    stages = [cgp.PipelineStage(mods[s], s, STAGES, cpu) for s in mine]
+    schedule = ScheduleZBVZeroBubble(stages, MICROBATCHES, loss_fn=_loss, scale_grads=False)
+    x, target = _batch()
+    kwargs = {"target": target} if STAGES - 1 in mine else {}
+    schedule.step(*([x] if 0 in mine else []), **kwargs)  # the first step infers shapes too
+    for m in mods:
+        m.zero_grad(set_to_none=True)
+    with _Counted() as counted:
+        schedule.step(*([x] if 0 in mine else []), **kwargs)
+    ref, _ = zbv_reference(inplace)
+    problems = [
+        f"stage {s} {n}"
+        for s in mine
+        for n, p in mods[s].named_parameters()
+        if p.requires_grad and not torch.allclose(p.grad, ref[f"{s}.{n}"], rtol=1e-4, atol=1e-6)
+    ]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (problems, counted.calls))
+    if rank == 0:
+        out = {
+            "problems": [p for ps, _ in everyone for p in ps],
+            "calls": sum(c for _, c in everyone),
+        }
+        Path(out_path).write_bytes(pickle.dumps(out))

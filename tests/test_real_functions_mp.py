@@ -41,3 +41,15 @@ def test_zbv_liger_stages_torch_s_way_is_wrong(tmp_path: Path) -> None:
     launches = outcome["launches"]
     assert isinstance(launches, dict)
     assert launches["_rms_norm_backward_kernel"] > ref_launches["_rms_norm_backward_kernel"]
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["inplace", "out-of-place"])
+def test_zbv_unsloth_lora_stages_run_once_and_exact(tmp_path: Path, inplace: bool) -> None:
+    from tests import _unsloth_port as U
+
+    out = tmp_path / "outcome.pkl"
+    w.spawn(U.run_zbv, (str(out), inplace), world=2, timeout=200)
+    outcome = pickle.loads(out.read_bytes())
+    _, ref_calls = U.zbv_reference(inplace)
+    assert outcome["problems"] == []
+    assert outcome["calls"] == ref_calls == U.STAGES * U.MICROBATCHES

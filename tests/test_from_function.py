@@ -599,3 +599,42 @@ def test_a_fake_kernel_whose_outputs_do_not_match_the_forward_names_both() -> No
         ),
     ):
         _fake_call(op, (4, 8), (8,))
+
+
+_CFG: dict[str, float] = {"scale": 2.0}
+_LOG: list[str] = []
+
+
+class _CtxContainers(torch.autograd.Function):
+    """Keeps a dict and a list on ctx (not arguments): backward reads the dict as it is then,
+    and appends to the list."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.cfg = _CFG
+        ctx.log = _LOG
+        return x * w * _CFG["scale"]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        ctx.log.append("backward")
+        s = ctx.cfg["scale"]
+        return g * s, (g * x * s).sum(0)
+
+
+def test_ctx_containers_reach_backward_as_the_user_s_own_objects() -> None:
+    op = cg.from_function(_CtxContainers, "test_ff_ctx::containers", weights=("w",))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    got = {}
+    for name, f in (("raw", _CtxContainers.apply), ("op", op)):
+        _CFG["scale"], _LOG[:] = 2.0, []
+        y = f(x, w)
+        _CFG["scale"] = 3.0  # changed between forward and backward: backward sees it
+        (gw,) = torch.autograd.grad(y.sum(), [w])
+        got[name] = (gw, list(_LOG))
+    torch.testing.assert_close(got["op"][0], got["raw"][0])
+    torch.testing.assert_close(got["op"][0], 3.0 * x.detach().sum(0))
+    assert got["op"][1] == got["raw"][1] == ["backward"]  # appended to the user's list

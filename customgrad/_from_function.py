@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import inspect
 import threading
+import weakref
 import typing
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -120,10 +121,33 @@ class _ByReference:
         return f"<ctx attribute {type(self.value).__name__}>"
 
 
+class _LeafByReference:
+    """A leaf tensor (a weight) ``forward`` kept on ctx without saving it (``ctx.w = w``), for
+    ``backward`` to read as it is then, as plain autograd does: without a saved tensor's version
+    check, so an in-place change between the passes (an optimizer step, ``w.data``) raises
+    nothing. A weak reference: the leaf lives on its own (the module holds it)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, value: _Tensor) -> None:
+        self.ref = weakref.ref(value)
+
+
+def _leaf_by_reference(value: Any, args: Sequence[Any]) -> bool:
+    """Whether ``value`` is a parameter among ``args`` of an eager call (see
+    :class:`_LeafByReference`)."""
+    return (
+        isinstance(value, torch.nn.Parameter)
+        and not _traced(value)
+        and any(value is a for a in args)
+    )
+
+
 def _by_reference(value: Any, args: Sequence[Any]) -> bool:
     """Whether an attribute ``value`` of ctx reaches backward by reference: a mutable object
     holding no tensor, in an eager call (under tracing, torch.compile's or fake tensors', every
-    attribute goes the traced way). Tensors go through autograd's saving, version-checked."""
+    attribute goes the traced way). Tensors go through autograd's saving, version-checked
+    (except a leaf kept on ctx: :class:`_LeafByReference`)."""
     if type(value) in _LEAVES or isinstance(value, (tuple, frozenset, torch.dtype)):
         return False
     leaves = optree.tree_leaves(value, none_is_leaf=True)
@@ -584,6 +608,9 @@ def from_function(
             if _by_reference(value, args):
                 attrs[attr] = (None, [_ByReference(value)])
                 continue
+            if _leaf_by_reference(value, args):
+                attrs[attr] = (None, [_LeafByReference(value)])
+                continue
             if type(value) in _LEAVES:  # a plain value or a tensor: no flattening
                 attrs[attr] = (None, [place(value)])
                 continue
@@ -744,7 +771,11 @@ def from_function(
         at = 1 + n_saved
         for attr, spec, n in specs:
             value = saved[at] if spec is None else optree.tree_unflatten(spec, saved[at : at + n])
-            attrs[attr] = value.value if isinstance(value, _ByReference) else value
+            if isinstance(value, _ByReference):
+                value = value.value
+            elif isinstance(value, _LeafByReference):
+                value = value.ref()
+            attrs[attr] = value
             at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
         result = function.backward(_BackwardContext(tensors, attrs, needs), *grads)

@@ -638,3 +638,36 @@ def test_ctx_containers_reach_backward_as_the_user_s_own_objects() -> None:
     torch.testing.assert_close(got["op"][0], got["raw"][0])
     torch.testing.assert_close(got["op"][0], 3.0 * x.detach().sum(0))
     assert got["op"][1] == got["raw"][1] == ["backward"]  # appended to the user's list
+
+
+class _WeightOnCtx(torch.autograd.Function):
+    """Keeps its weight on ctx without saving it (``ctx.w = w``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w = w
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        return g * ctx.w, (g * x).sum(0)
+
+
+def test_a_weight_kept_on_ctx_and_changed_in_place_reads_as_with_the_raw_function() -> None:
+    # Plain autograd keeps ctx.w by reference (no version check): backward reads the weight as
+    # it is then. customgrad saved it through autograd and raised torch's version error.
+    op = cg.from_function(_WeightOnCtx, "test_ff_ctx::weight_on_ctx", weights=("w",))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    got = []
+    for f in (_WeightOnCtx.apply, op):
+        y = f(x, w)
+        with torch.no_grad():
+            w.mul_(2.0)  # an optimizer step between forward and backward
+        got.append(torch.autograd.grad(y.sum(), [x])[0])
+        with torch.no_grad():
+            w.div_(2.0)
+    torch.testing.assert_close(got[1], got[0])
+    torch.testing.assert_close(got[1], (2.0 * w.detach()).expand(3, 4))

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import inspect
 import threading
-import weakref
 import typing
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 

@@ -12,6 +12,7 @@ is what the default prevents. ScheduleZBVZeroBubble on two processes is in
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
 from typing import Any
@@ -49,6 +50,12 @@ def _full(outputs: Any, grads: Any, inputs: Any, module: Any) -> tuple[Tensor | 
     return tuple(i.grad for i in inputs)
 
 
+@functools.cache
+def _reference() -> tuple[dict[str, Tensor], list[Counter[str]]]:
+    """One process's full backward: gradients and launches (computed once for the module)."""
+    return _launches_per_microbatch(_full)
+
+
 def _split(once: bool) -> Any:
     def run(outputs: Any, grads: Any, inputs: Any, module: Any) -> tuple[Tensor | None, ...]:
         dx, groups = cgp.stage_backward_input(
@@ -70,7 +77,7 @@ def _queued(outputs: Any, grads: Any, inputs: Any, module: Any) -> tuple[Tensor 
 
 @pytest.mark.parametrize("driver", ["split", "queue"])
 def test_liger_block_gradients_and_launches_equal_the_full_backward(driver: str) -> None:
-    ref, ref_counts = _launches_per_microbatch(_full)
+    ref, ref_counts = _reference()
     got, counts = _launches_per_microbatch(_split(True) if driver == "split" else _queued)
     assert set(got) == set(ref)
     for name in ref:
@@ -83,7 +90,7 @@ def test_liger_block_under_torch_s_way_runs_twice_and_is_wrong() -> None:
     # run_functions_once=False re-runs each Function's backward in W, as torch's split does:
     # the in-place RMSNorm reads dX where it wrote over dY, the fused loss scales its kept
     # gradients a second time.
-    ref, ref_counts = _launches_per_microbatch(_full)
+    ref, ref_counts = _reference()
     got, counts = _launches_per_microbatch(_split(False))
     assert counts[0]["_rms_norm_backward_kernel"] > ref_counts[0]["_rms_norm_backward_kernel"]
     wrong = [n for n in ref if not torch.allclose(got[n], ref[n], rtol=1e-4, atol=1e-6)]

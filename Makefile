@@ -8,6 +8,9 @@ TORCH_PIN ?= torch==2.13.0
 # Triton kernels run in the tests on CPU through Triton's interpreter. torch's CPU build pins no
 # triton, so the test venv gets this one; make compat's CUDA builds keep the triton they bring.
 TRITON_PIN ?= triton==3.9.0
+# Real libraries' autograd.Functions for tests/test_real_functions*.py (their kernels in
+# Triton's interpreter); --no-deps: they need only torch and triton here.
+LIGER_PIN ?= liger-kernel==0.8.5
 
 .PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean pictures
 
@@ -16,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TRITON_PIN)" "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -27,7 +27,7 @@ import torch
 from customgrad import _kernels
 from customgrad._calls import CallCounts, slot
 from customgrad._errors import MissingRegistrationError
-from customgrad._handoff import hand_over, handed_over
+from customgrad._handoff import hand_over, handed_over, release
 from customgrad._pass import (
     BackwardContext,
     PassPlan,
@@ -159,6 +159,7 @@ def write_runner(
         "_make_ctx": functools.partial(BackwardContext, spec, "full"),
         "_handed_over": handed_over,
         "_hand_over": hand_over,
+        "_release": release,
         "_Shared": _Shared,
         "_BackwardContext": BackwardContext,
         "_missing": spec._missing_autograd_message,
@@ -213,7 +214,7 @@ def write_runner(
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
                         "if kept is None:",
-                        "    record.handoff = None",
+                        "    _release(record, grads)",
                         "else:",
                         "    _hand_over(record, grads, 'traced', kept)",
                         "ctx = _CTX",
@@ -255,7 +256,7 @@ def write_runner(
                 "weight", rules.backward_weight, sig.weight_set, plan.need_weight, "got_w", "got"
             )
             # the later pass ran: free what was kept for it
-            lines += ["if record.handoff is not None:", "    record.handoff = None"]
+            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
         lines += [count("split" if partial else "whole"), "return got"]
@@ -292,7 +293,7 @@ def _run_once_lines(
         "    if handed is not _NO_HANDOFF:",
         "        got = {n: handed.pop(n) for n in _NEEDED if n in handed}",
         "        if not handed:",
-        "            record.handoff = None",
+        "            _release(record, grads)",
         f"        {count('handed')}",
         "        return got",
         "if keep:",

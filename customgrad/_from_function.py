@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import threading
 import typing
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -45,7 +46,7 @@ from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.dispatcher import is_alias_of
-from customgrad._torch.fake import detect_fake_mode
+from customgrad._torch.fake import detect_fake_mode, functional_tensor_type, is_fake
 from customgrad._torch.functions import setup_context_defined
 from customgrad._triton import raw_launch
 
@@ -105,6 +106,60 @@ class _ForwardContext:
             f"place, which customgrad ops do not differentiate through. Return a new tensor "
             f"instead, or keep this Function as it is. (forward defined at {where(fn)})"
         )
+
+
+class _ByReference:
+    """An attribute ``forward`` set on ctx, handed to ``backward`` as the object itself (as
+    plain autograd does), not rebuilt from a snapshot: a container changed between forward and
+    backward, or appended to by backward, is the user's own."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"<ctx attribute {type(self.value).__name__}>"
+
+
+class _LeafByReference:
+    """A leaf tensor (a weight) ``forward`` kept on ctx without saving it (``ctx.w = w``), for
+    ``backward`` to read as it is then, as plain autograd does: without a saved tensor's version
+    check, so an in-place change between the passes (an optimizer step, ``w.data``) raises
+    nothing. A weak reference: the leaf lives on its own (the module holds it)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, value: _Tensor) -> None:
+        self.ref = weakref.ref(value)
+
+
+def _leaf_by_reference(value: Any, args: Sequence[Any]) -> bool:
+    """Whether ``value`` is a parameter among ``args`` of an eager call (see
+    :class:`_LeafByReference`)."""
+    return (
+        isinstance(value, torch.nn.Parameter)
+        and not _traced(value)
+        and any(value is a for a in args)
+    )
+
+
+def _by_reference(value: Any, args: Sequence[Any]) -> bool:
+    """Whether an attribute ``value`` of ctx reaches backward by reference: a mutable object
+    holding no tensor, in an eager call (under tracing, torch.compile's or fake tensors', every
+    attribute goes the traced way). Tensors go through autograd's saving, version-checked
+    (except a leaf kept on ctx: :class:`_LeafByReference`)."""
+    if type(value) in _LEAVES or isinstance(value, (tuple, frozenset, torch.dtype)):
+        return False
+    leaves = optree.tree_leaves(value, none_is_leaf=True)
+    return not any(isinstance(v, _Tensor) for v in leaves) and not any(
+        isinstance(a, _Tensor) and _traced(a) for a in args
+    )
+
+
+def _traced(t: _Tensor) -> bool:
+    """Whether ``t`` is a fake or functional tensor (a trace, not an eager call)."""
+    return is_fake(t) or isinstance(t, functional_tensor_type())
 
 
 class _BackwardContext:
@@ -551,6 +606,12 @@ def from_function(
         saved = tuple(place(t) for t in ctx._cg_saved)
         attrs: dict[str, tuple[Any, list[Any]]] = {}
         for attr, value in ctx._cg_attrs.items():
+            if _by_reference(value, args):
+                attrs[attr] = (None, [_ByReference(value)])
+                continue
+            if _leaf_by_reference(value, args):
+                attrs[attr] = (None, [_LeafByReference(value)])
+                continue
             if type(value) in _LEAVES:  # a plain value or a tensor: no flattening
                 attrs[attr] = (None, [place(value)])
                 continue
@@ -710,9 +771,12 @@ def from_function(
         attrs: dict[str, Any] = {}
         at = 1 + n_saved
         for attr, spec, n in specs:
-            attrs[attr] = (
-                saved[at] if spec is None else optree.tree_unflatten(spec, saved[at : at + n])
-            )
+            value = saved[at] if spec is None else optree.tree_unflatten(spec, saved[at : at + n])
+            if isinstance(value, _ByReference):
+                value = value.value
+            elif isinstance(value, _LeafByReference):
+                value = value.ref()
+            attrs[attr] = value
             at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
         result = function.backward(_BackwardContext(tensors, attrs, needs), *grads)

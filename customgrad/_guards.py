@@ -337,8 +337,10 @@ class TraceGuard:
         # Every proof whose key may select a trace, kept alive: the ids in a key are never
         # reused by other objects while a trace selected by them exists.
         self._proofs: list[_Proof] = []
-        # The last proof, why it failed (None: it held) and its key.
-        self._last: tuple[_Proof, Impure | None, tuple[Any, ...]] | None = None
+        # The last proof, why it failed (the refusal's arguments; None: it held) and its key.
+        # Not the exception itself: raised again, its traceback would grow by each call's
+        # frames, keeping every step's tensors alive.
+        self._last: tuple[_Proof, tuple[Any, ...] | None, tuple[Any, ...]] | None = None
 
     def check(self) -> tuple[Any, ...]:
         """The values the function reads (a key that selects its trace), once it is proven to
@@ -350,17 +352,14 @@ class TraceGuard:
         last = self._last
         if last is not None and _unchanged(last[0]):
             if last[1] is not None:
-                raise last[1]
+                raise Impure(*last[1])
             return last[2]
         proof = _Proof()
         try:
             proof.function(self._fn, "the backward")
         except Impure as e:
-            self._last = (
-                proof,
-                e,
-                (),
-            )  # its places up to the impure read: proved again on a change
+            # its places up to the impure read: proved again on a change
+            self._last = (proof, e.args, ())
             raise
         key = tuple(proof.key)
         self._last = (proof, None, key)

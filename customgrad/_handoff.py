@@ -11,8 +11,13 @@ each:
   (:func:`record_pass` keeps weak references and version counters, so the record holds no
   gradient alive);
 - it lives on the node's record (a compiled region's: keyed by its node) until the later pass
-  takes it, a full backward replaces it, or the graph is freed with the node (nothing else
-  refers to it: no reference cycle).
+  takes it (:func:`release`), or the graph is freed with the node (nothing else refers to it:
+  no reference cycle). A node keeps up to :data:`MAX_PENDING` of them, one per pass whose
+  later pass has not run yet: two losses through one node, run in torch's order I(loss 1),
+  I(loss 2), W(loss 1), W(loss 2), each find their own;
+- an output the loss does not use gets fresh zeros from autograd in each pass: for a node with
+  several differentiable outputs the record also keeps, per gradient, whether it had a nonzero
+  (a 0-dim tensor, read only when the tensors differ), so zeros match zeros.
 """
 
 from __future__ import annotations
@@ -34,8 +39,13 @@ __all__ = [
     "handed_over",
     "nbytes",
     "record_pass",
+    "release",
     "same_pass",
 ]
+
+MAX_PENDING = 4
+"""The hand-offs a node keeps at most, one per pass whose later pass has not run (the oldest
+goes first: its later pass then computes for itself)."""
 
 HandOffKind = Literal["shared", "traced", "gradients", "compiled"]
 
@@ -50,11 +60,17 @@ def record_pass(grads: Sequence[Any], differentiable: Sequence[bool] | None = No
     """A record of the output gradients ``grads`` that holds none of them alive. The gradients of
     non-differentiable outputs are not recorded: autograd makes new zeros for them each pass."""
     out: list[Any] = []
+    several = (
+        sum(differentiable) if differentiable is not None else len(grads)
+    ) > 1  # an unused output's gradient is autograd's fresh zeros, each pass
     for i, g in enumerate(grads):
         if differentiable is not None and not differentiable[i]:
             out.append(_ANY)
         elif isinstance(g, torch.Tensor):
-            out.append((weakref.ref(g), g._version))
+            if several:
+                out.append((weakref.ref(g), g._version, g.any()))
+            else:
+                out.append((weakref.ref(g), g._version))
         elif isinstance(g, list):
             out.append(
                 [(weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else None for t in g]
@@ -67,7 +83,12 @@ def record_pass(grads: Sequence[Any], differentiable: Sequence[bool] | None = No
 def _same(entry: Any, g: Any) -> bool:
     if entry is None:
         return g is None
-    return bool(entry[0]() is g and g._version == entry[1])
+    if entry[0]() is g:
+        return bool(g._version == entry[1])
+    # Zeros for zeros (an output no loss uses: autograd makes new ones each pass).
+    return (
+        len(entry) == 3 and isinstance(g, torch.Tensor) and not bool(entry[2]) and not bool(g.any())
+    )
 
 
 def same_pass(made: PassRecord | None, grads: Sequence[Any] | None) -> bool:
@@ -99,14 +120,17 @@ class HandOff:
             ``"gradients"`` (gradients computed early by a backward that runs once) or
             ``"compiled"`` (a compiled region's kept values).
         value: what is handed over.
+        next: the hand-off of an earlier pass of the node whose later pass has not run yet
+            (see :data:`MAX_PENDING`), or None.
     """
 
-    __slots__ = ("kind", "made", "value")
+    __slots__ = ("kind", "made", "next", "value")
 
     def __init__(self, made: PassRecord, kind: HandOffKind, value: Any) -> None:
         self.made = made
         self.kind = kind
         self.value = value
+        self.next: HandOff | None = None  # the node's hand-off of an earlier pass, if pending
 
     def made_by(self, grads: Sequence[Any] | None) -> bool:
         """Whether a pass with output gradients ``grads`` is the pass that made it."""
@@ -117,18 +141,43 @@ class HandOff:
 
 
 def hand_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind, value: Any) -> None:
-    """Keep ``value`` on ``record`` for the node's later pass (made by a pass with ``grads``)."""
+    """Keep ``value`` on ``record`` for the node's later pass (made by a pass with ``grads``),
+    beside the pending hand-offs of other passes (what this pass made before is replaced)."""
     made = record_pass(grads, record.op.signature.output_differentiability)
-    record.handoff = HandOff(made, kind, value)
+    new = HandOff(made, kind, value)
+    new.next = _without(record.handoff, grads, MAX_PENDING - 1)
+    record.handoff = new
 
 
 def handed_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind) -> Any:
     """What the node's earlier pass kept of ``kind`` for a pass with output gradients ``grads``
     (:data:`NO_HANDOFF` when nothing, or when it was made by a pass of other gradients)."""
     handoff = record.handoff
-    if handoff is None or handoff.kind != kind or not handoff.made_by(grads):
-        return NO_HANDOFF
-    return handoff.value
+    while handoff is not None:
+        if handoff.kind == kind and handoff.made_by(grads):
+            return handoff.value
+        handoff = handoff.next
+    return NO_HANDOFF
+
+
+def release(record: NodeRecord, grads: tuple[Any, ...]) -> None:
+    """Free what the pass with output gradients ``grads`` kept (its later pass ran); the
+    hand-offs of other passes stay."""
+    record.handoff = _without(record.handoff, grads, MAX_PENDING)
+
+
+def _without(chain: HandOff | None, grads: tuple[Any, ...], keep: int) -> HandOff | None:
+    """``chain`` less the hand-offs made by a pass with ``grads``, at most ``keep`` of them."""
+    kept: list[HandOff] = []
+    while chain is not None:
+        if len(kept) < keep and not chain.made_by(grads):
+            kept.append(chain)
+        chain = chain.next
+    head: HandOff | None = None
+    for h in reversed(kept):
+        h.next = head
+        head = h
+    return head
 
 
 def nbytes(value: Any) -> int:

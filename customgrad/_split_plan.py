@@ -10,13 +10,19 @@ gradient inside the stage) and later a weight pass (W: the weights' gradients).
 - I runs every node that leads to a stage input or to a deferred node (:attr:`executed`), and
   tells each customgrad node among them which of its edges the pass uses (a route), so that no
   node has to ask the engine;
-- other nodes of I with edges into the weight side (native ops, plain ``autograd.Function``\\ s)
-  are *intermediates*: I records the gradients that reach them, and W runs them again from
-  those (torch's split does the same), in engine calls where nothing below their input edges
-  is wanted, so that they compute their weight-side outputs only (:class:`WeightCall`). A
-  native intermediate whose input edges do lead to its call's weights (a weight it shares with
-  a layer before it) is *asked* instead: W calls it itself, where only its weight-side edges
-  are wanted.
+- plain ``torch.autograd.Function`` nodes of I with edges into the weight side (Liger-Kernel's,
+  unsloth's, any ``torch.library.custom_op``'s) run *once* (:attr:`InputPassPlan.once`): their
+  backward computes every gradient whatever the pass needs, so I keeps the weight-side
+  gradients it returned (a post-hook sees them all) and W sends those on instead of calling the
+  backward again, which torch's split does (twice the kernels, and wrong gradients for a
+  backward that writes its output gradient in place);
+- other nodes of I with edges into the weight side (native ops; plain Functions with
+  ``run_once=False``) are *intermediates*: I records the gradients that reach them, and W runs
+  them again from those (torch's split does the same), in engine calls where nothing below
+  their input edges is wanted, so that they compute their weight-side outputs only
+  (:class:`WeightCall`). A native intermediate whose input edges do lead to its call's weights
+  (a weight it shares with a layer before it) is *asked* instead: W calls it itself, where
+  only its weight-side edges are wanted.
 
 ``customgrad.pipelining.stage_backward_input``/``_weight`` and the weight-gradient queue both
 plan with it (the queue keeps native weight work in I and defers only customgrad weight halves
@@ -37,6 +43,7 @@ from torch.autograd.graph import Node
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import DeferTarget, Route
 from customgrad._torch.engine import ACCUMULATE_GRAD
+from customgrad._torch.functions import forward_cls, is_aot_node
 
 _ACCUMULATE: type = ACCUMULATE_GRAD
 _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
@@ -51,6 +58,7 @@ __all__ = [
     "is_native",
     "plan_input_pass",
     "postorder",
+    "runs_once",
     "reach",
 ]
 
@@ -68,6 +76,14 @@ def is_native(node: Node) -> bool:
     """Whether ``node`` is one of torch's own (C++) nodes, not a Python ``autograd.Function``'s:
     its backward computes an output only where the running engine call wants one."""
     return not isinstance(node, BackwardCFunction)
+
+
+def runs_once(node: Node) -> bool:
+    """Whether ``node`` is a plain ``torch.autograd.Function``'s (a ``torch.library.custom_op``'s
+    included): one backward that computes every gradient it returns whatever the running pass
+    needs. Not customgrad's nodes (they split) nor AOTAutograd's compiled regions (they have
+    their own split)."""
+    return forward_cls(node) is not None and record_of(node) is None and not is_aot_node(node)
 
 
 def is_leaf_accumulator(node: Node) -> bool:
@@ -131,6 +147,8 @@ class WeightCall:
             where only its weight-side edges are wanted (so it computes nothing else), and
             sends what it returns on those edges into the call; the engine never runs them.
         deferred: records of the customgrad nodes whose handed-over weight halves go here.
+        once: plain Function nodes that ran once in I: the weight-side gradients they returned
+            there go here.
         direct: positions of the roots that lead only to weights.
         leaves: the leaf accumulators the call fills.
         clamp: intermediates the engine runs whose input edges do lead to this call's leaves
@@ -144,6 +162,7 @@ class WeightCall:
     intermediates: list[Node] = field(default_factory=list)
     asked: list[Node] = field(default_factory=list)
     deferred: list[NodeRecord] = field(default_factory=list)
+    once: list[Node] = field(default_factory=list)
     direct: list[int] = field(default_factory=list)
     leaves: list[Node] = field(default_factory=list)
     clamp: list[Node] = field(default_factory=list)
@@ -159,6 +178,9 @@ class InputPassPlan:
         deferred: customgrad nodes whose weight half goes to W, with where it goes.
         intermediates: nodes of I with edges into the weight side that W runs again (only with
             ``defer_native``); :meth:`weight_side_edges` tells which of their edges W needs.
+        once: plain Function nodes of I with edges into the weight side that run once, in I
+            (only with ``defer_native`` and ``run_once``): W sends on the weight-side gradients
+            they returned in I.
         direct: positions of the roots that lead only to weights (W starts there).
         targets: the nodes I must run beyond the stage inputs (deferred customgrad nodes, and
             without ``defer_native`` the leaf accumulators I fills).
@@ -174,6 +196,7 @@ class InputPassPlan:
     executed: set[Node] = field(default_factory=set)
     deferred: dict[Node, DeferTarget] = field(default_factory=dict)
     intermediates: list[Node] = field(default_factory=list)
+    once: list[Node] = field(default_factory=list)
     direct: list[int] = field(default_factory=list)
     targets: list[Node] = field(default_factory=list)
     weight_leaves: list[Node] = field(default_factory=list)
@@ -249,6 +272,7 @@ def plan_input_pass(
     target_of: Callable[[NodeRecord], DeferTarget | None],
     *,
     defer_native: bool,
+    run_once: bool = True,
 ) -> InputPassPlan:
     """Plan the input pass of a split backward over the graph under ``roots``.
 
@@ -260,6 +284,9 @@ def plan_input_pass(
         defer_native: True for customgrad's split (W also re-runs native nodes' weight work);
             False for the weight-gradient queue (native weight work stays in I, so a customgrad
             node defers only when nothing else in I reaches its weights).
+        run_once: with ``defer_native``, plain Function nodes of I with edges into the weight
+            side run once, in I (:attr:`InputPassPlan.once`); False: W runs them again, as
+            torch's split does.
     """
     order, edges = _walk(roots, input_nodes)
     records: dict[Node, NodeRecord] = {}
@@ -346,13 +373,13 @@ def plan_input_pass(
             )
             plan.input_routes[record] = Route(needed=needed, defer=candidates.get(node))
     if defer_native:
-        plan.intermediates = [
-            node
-            for node in order
-            if node in executed
-            and node not in candidates
-            and any(k is not None and k in side for k in edges[node])
-        ]
+        for node in order:
+            if (
+                node in executed
+                and node not in candidates
+                and any(k is not None and k in side for k in edges[node])
+            ):
+                (plan.once if run_once and runs_once(node) else plan.intermediates).append(node)
         plan.direct = [i for i, r in enumerate(roots) if r not in executed and r in leads_w]
         plan.weight_leaves = [n for n in leaves if n in side]
         for node in candidates:
@@ -378,11 +405,16 @@ def _weight_calls(
     """Group W's work into as few engine calls as possible (see :class:`WeightCall`)."""
     if not plan.intermediates:  # nothing computes input gradients in W: one call
         deferred = [records[n] for n in plan.deferred]
-        return [WeightCall(deferred=deferred, direct=plan.direct, leaves=plan.weight_leaves)]
+        return [
+            WeightCall(
+                deferred=deferred, once=plan.once, direct=plan.direct, leaves=plan.weight_leaves
+            )
+        ]
     side, executed = plan.weight_side, plan.executed
     # Units of work, each with the weight-side nodes it sends gradients to.
     starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]
     starts += [split[n][1] for n in plan.deferred]
+    starts += [[k for k in edges[n] if k in side] for n in plan.once]
     starts += [[roots[i]] for i in plan.direct]
     # Units whose weight sides meet go together (union-find over the weight-side nodes).
     parent = list(range(len(starts)))
@@ -408,7 +440,7 @@ def _weight_calls(
 
     # For each node I ran: the groups and the units (as bits) below it, through nodes I ran.
     # A unit's children that I ran are those of its input edges.
-    units = [*plan.intermediates, *plan.deferred]
+    units = [*plan.intermediates, *plan.deferred, *plan.once]
     n_int = len(plan.intermediates)
     group_bit = {node: 1 << group[u] for u, node in enumerate(units)}
     unit_bit = {node: 1 << u for u, node in enumerate(units)}
@@ -487,7 +519,9 @@ def _weight_calls(
             call.clamp.append(node)
     for u, node in enumerate(plan.deferred, n_int):
         calls[call_of[group[u]]].deferred.append(records[node])
-    for u, i in enumerate(plan.direct, n_int + len(plan.deferred)):
+    for u, node in enumerate(plan.once, n_int + len(plan.deferred)):
+        calls[call_of[group[u]]].once.append(node)
+    for u, i in enumerate(plan.direct, len(units)):
         calls[call_of[group[u]]].direct.append(i)
     for leaf in plan.weight_leaves:
         unit = owner.get(leaf)

@@ -107,11 +107,15 @@ class Summary:
         compiled_regions: one row per compiled region seen.
         split_enabled: False while the split is turned off (``CUSTOMGRAD_SPLIT=0`` or
             :func:`customgrad.no_split`): every backward then runs whole in each pass.
+        functions: the plain ``torch.autograd.Function`` classes (``module.QualName``) whose
+            backward customgrad's split ran once in this process (a Liger-Kernel or unsloth
+            kernel): they cannot split, so their weight work stays in the input pass.
     """
 
     ops: tuple[OpRow, ...]
     compiled_regions: tuple[CompiledRegionRow, ...]
     split_enabled: bool
+    functions: tuple[str, ...] = ()
 
     @property
     def repeated(self) -> str:
@@ -163,6 +167,7 @@ class Summary:
                     ],
                 )
             )
+        lines.extend(_function_lines(self.functions))
         return "\n".join(lines)
 
 
@@ -195,6 +200,7 @@ def summary(namespace: str | None = None) -> Summary:
         ops=rows,
         compiled_regions=tuple(_compiled_region_rows()) if namespace is None else (),
         split_enabled=split_enabled(),
+        functions=_functions_run_once() if namespace is None else (),
     )
 
 
@@ -232,6 +238,26 @@ def _repeated_line(s: Summary) -> str:
         for r in regions
     ]
     return f"Backward work done twice over the run: {', '.join(named)}."
+
+
+def _functions_run_once() -> tuple[str, ...]:
+    """The plain Function classes customgrad's split ran once (none before it ran)."""
+    backward = sys.modules.get("customgrad.pipelining._backward")
+    if backward is None:
+        return ()
+    return tuple(sorted(f"{c.__module__}.{c.__qualname__}" for c in backward._TOLD))
+
+
+def _function_lines(functions: Sequence[str]) -> list[str]:
+    if not functions:
+        return []
+    return [
+        "",
+        "Plain autograd.Functions customgrad's split ran once (their backward whole, in the "
+        "input pass; the weight pass received the weight gradients they returned; torch's "
+        "split runs them twice). customgrad.from_function makes one an op that splits:",
+        *(f"  {name}" for name in functions),
+    ]
 
 
 def _registered_ops() -> Iterable[CustomOp[..., Any]]:

@@ -196,6 +196,16 @@ class SplitExplanation:
         uncounted: per pass, calls of ops that may do FLOPs the formulas cannot see (an
             opaque kernel, an op without a formula), by op name: the totals leave them out.
         weight_names: the weights' names in the order given (they order :attr:`modules`).
+        ran_once: the labels of the plain ``autograd.Function`` / ``custom_op`` nodes whose
+            backward ran once, in I, W receiving the weight gradients it returned
+            (customgrad's split; see :attr:`functions`).
+        gradient_errors: per input or weight (by name) whose split gradient differs from the
+            full backward's: the largest difference relative to the largest full gradient.
+            Empty when the split's gradients equal the full backward's; None when they could
+            not be compared: a second full backward of the graph differs from the first (a
+            Function's backward changes what it saved, as Liger's fused linear cross entropy
+            scales its kept gradients in place), so a backward after the first is no
+            reference.
     """
 
     nodes: list[NodeInfo]
@@ -205,6 +215,14 @@ class SplitExplanation:
     splitter: str = ""
     uncounted: dict[str, dict[str, int]] = field(default_factory=dict)
     weight_names: tuple[str, ...] = ()
+    ran_once: frozenset[str] = frozenset()
+    gradient_errors: dict[str, float] | None = field(default_factory=dict)
+
+    @property
+    def functions(self) -> list[FunctionRun]:
+        """The stage's plain ``autograd.Function`` and ``custom_op`` nodes, one entry per
+        class and module, with how their backward ran under the split."""
+        return _function_runs(self)
 
     @property
     def modules(self) -> list[ModuleInfo]:
@@ -281,7 +299,7 @@ class SplitExplanation:
         return max(0, self.flops["input"] + self.flops["weight"] - self.flops["full"])
 
     def __str__(self) -> str:
-        return _render.table(self, "module")
+        return _render.table(self, "module") + _functions_section(self)
 
     def to_dot(self) -> str:
         """The graph in Graphviz DOT: nodes colored by pass, edges in the gradient's direction.
@@ -435,8 +453,8 @@ def explain_split(
 
     # Watch every node: which pass it runs in, and the FLOPs done while it runs.
     phase_of = {"phase": "full"}
-    ran: dict[str, set[int]] = {p: set() for p in _PHASES}
-    counters = {p: FlopCounter() for p in _PHASES}
+    ran: dict[str, set[int]] = {p: set() for p in (*_PHASES, "check")}
+    counters = {p: FlopCounter() for p in (*_PHASES, "check")}
     handles: list[Any] = []
     for i, node in enumerate(order):
 
@@ -456,19 +474,29 @@ def explain_split(
     try:
         with counters["full"]:
             wanted = [t for t in leaves if t.requires_grad]
+            full_grads: Sequence[torch.Tensor | None] = ()
             if outs and wanted:
-                torch.autograd.grad(outs, wanted, gouts, retain_graph=True, allow_unused=True)
+                full_grads = torch.autograd.grad(
+                    outs, wanted, [g.clone() for g in gouts], retain_graph=True, allow_unused=True
+                )
+        repeatable = _repeatable(outs, wanted, gouts, full_grads, phase_of)
         phase_of["phase"] = "input"
+        for t in leaves:
+            t.grad = None
         with counters["input"]:
-            _, param_groups = backward_input(
-                [o.clone() for o in outs], gouts, inputs, iter(weights)
+            dinputs, param_groups = backward_input(
+                [o.clone() for o in outs], [g.clone() for g in gouts], inputs, iter(weights)
             )
         handed_over = _deferred_nodes(param_groups)
         # The weight halves I deferred run outside any node in W: count them to their node.
         _count_deferred_to_nodes(param_groups, index, counters["weight"])
+        once_ids = _ran_once(param_groups)
         phase_of["phase"] = "weight"
         with counters["weight"]:
             backward_weight(iter(weights), param_groups)
+        split_grads = {id(t): t.grad for t in weights if isinstance(t, torch.Tensor)}
+        split_grads.update({id(t): g for t, g in zip(inputs, dinputs)})
+        errors = _gradient_errors(wanted, full_grads, split_grads, names) if repeatable else None
     finally:
         for h in handles:
             h.remove()
@@ -479,6 +507,7 @@ def explain_split(
     weight_ids = {id(t) for t in weights}
     nodes: list[NodeInfo] = []
     seen: collections.Counter[str] = collections.Counter()
+    once_labels: set[str] = set()
     for i, node in enumerate(order):
         flops = {p: int(counters[p].by_key.get(i, 0)) for p in _PHASES}
         phases = frozenset(p for p in ("input", "weight") if i in ran[p])
@@ -504,6 +533,8 @@ def explain_split(
         seen[label] += 1
         if seen[label] > 1:
             label = f"{label} #{seen[label]}"
+        if id(node) in once_ids:
+            once_labels.add(label)
         deferred = node in handed_over
         if deferred:
             phases = frozenset({"input", "weight"})
@@ -531,7 +562,15 @@ def explain_split(
     outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
     uncounted = {p: dict(counters[p].uncounted) for p in _PHASES if counters[p].uncounted}
     return SplitExplanation(
-        nodes, edges, totals, outside, splitter_name, uncounted, tuple(names.values())
+        nodes,
+        edges,
+        totals,
+        outside,
+        splitter_name,
+        uncounted,
+        tuple(names.values()),
+        frozenset(once_labels),
+        errors,
     )
 
 
@@ -695,3 +734,136 @@ def _deferred_nodes(param_groups: Any) -> set[Any]:
     except ImportError:  # pragma: no cover - torch without pipelining
         return set()
     return deferred_nodes(param_groups)
+
+
+# --- plain autograd.Functions: how each ran, and whether the split's gradients are right -----
+
+
+@dataclass(frozen=True)
+class FunctionRun:
+    """A plain ``autograd.Function`` (or ``custom_op``) class of the stage, in one module.
+
+    Attributes:
+        label: the class, e.g. ``"LigerRMSNormFunction (autograd.Function)"``.
+        module: the module whose forward made its nodes (see :attr:`NodeInfo.module`).
+        calls: how many nodes of the graph it made.
+        how: ``"once"`` (its backward ran once, in I; W received the weight gradients it
+            returned: customgrad's split), ``"twice"`` (it ran whole in I and again in W:
+            torch's split, or ``run_functions_once=False``), ``"I"`` or ``"W"`` (it ran in one
+            pass only: it has no edge into the weight side, or lies wholly on it).
+    """
+
+    label: str
+    module: str
+    calls: int
+    how: str
+
+
+def _function_runs(report: SplitExplanation) -> list[FunctionRun]:
+    rows: dict[tuple[str, str, str], int] = {}
+    for n in report.nodes:
+        if n.kind not in ("function", "custom_op"):
+            continue
+        label = n.label.rsplit(" #", 1)[0]
+        if n.label in report.ran_once:
+            how = "once"
+        elif n.computes_twice:
+            how = "twice"
+        else:
+            how = n.runs_in
+        key = (label, n.module, how)
+        rows[key] = rows.get(key, 0) + 1
+    return [FunctionRun(label, module, calls, how) for (label, module, how), calls in rows.items()]
+
+
+def _functions_section(report: SplitExplanation) -> str:
+    """The report's lines on plain Functions and on the split's gradients."""
+    lines: list[str] = []
+    runs = report.functions
+    if runs:
+        lines.append("Plain autograd.Functions (they cannot split):")
+        for r in runs:
+            where = f" in {r.module}" if r.module else ""
+            what = {
+                "once": "backward ran once, in I; W received the weight gradients it returned",
+                "twice": "backward ran whole in I and again in W",
+            }.get(r.how, f"ran in {r.how} only")
+            lines.append(f"  - {r.label}{where}, {r.calls} call(s): {what}")
+        if any(r.how == "twice" for r in runs):
+            lines.append(
+                "  customgrad.pipelining's split runs each once (splitter='customgrad'); "
+                "customgrad.from_function makes one split."
+            )
+    if report.gradient_errors is None:
+        lines.append(
+            "Gradients not compared: a second backward of this graph differs from the first (a "
+            "Function's backward changes what it saved), so the split, run after the full "
+            "backward, has no reference. Compare a training step's gradients instead."
+        )
+    elif report.gradient_errors:
+        worst = sorted(report.gradient_errors.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name} {err:.3g}" for name, err in worst[:6])
+        lines.append(
+            f"The split's gradients differ from the full backward's (largest difference "
+            f"relative to the gradient): {shown}."
+        )
+    return "".join(f"\n{line}" for line in lines)
+
+
+def _repeatable(
+    outs: list[torch.Tensor],
+    wanted: list[torch.Tensor],
+    gouts: list[torch.Tensor],
+    first: Sequence[torch.Tensor | None],
+    phase_of: dict[str, str],
+) -> bool:
+    """Whether a second full backward of the graph gives the first's gradients (the node
+    watchers count it in no pass)."""
+    if not (outs and wanted):
+        return True
+    phase_of["phase"] = "check"
+    try:
+        again = torch.autograd.grad(
+            outs, wanted, [g.clone() for g in gouts], retain_graph=True, allow_unused=True
+        )
+    finally:
+        phase_of["phase"] = "full"
+    return all(
+        (a is None) == (b is None)
+        and (a is None or b is None or torch.allclose(a, b, rtol=1e-5, atol=1e-7))
+        for a, b in zip(first, again)
+    )
+
+
+def _gradient_errors(
+    wanted: Sequence[torch.Tensor],
+    full: Sequence[torch.Tensor | None],
+    split: dict[int, torch.Tensor | None],
+    names: dict[int, str],
+) -> dict[str, float]:
+    """Per tensor of ``wanted`` whose split gradient is not the full backward's: the largest
+    difference relative to the largest full gradient (inf where only one of them is None)."""
+    errors: dict[str, float] = {}
+    for i, (t, want) in enumerate(zip(wanted, full)):
+        got = split.get(id(t))
+        name = names.get(id(t), f"tensor {i} {tuple(t.shape)}")
+        if want is None or got is None:
+            if (want is None) != (got is None) and not (
+                (want is not None and not want.any()) or (got is not None and not got.any())
+            ):
+                errors[name] = float("inf")
+            continue
+        if torch.allclose(got, want, rtol=1e-4, atol=1e-6):
+            continue
+        scale = float(want.abs().max()) or 1.0
+        errors[name] = float((got - want).abs().max()) / scale
+    return errors
+
+
+def _ran_once(param_groups: Any) -> set[int]:
+    """The ids of the plain Function nodes customgrad's split ran once (none for torch's)."""
+    try:
+        from customgrad.pipelining._backward import ran_once
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return set()
+    return ran_once(param_groups)

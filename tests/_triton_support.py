@@ -109,8 +109,11 @@ def _elementwise(fn: Any) -> Any:
 
 
 @contextlib.contextmanager
-def interpreter_shims() -> Iterator[None]:
+def interpreter_shims(*modules: Any) -> Iterator[None]:
     """Fill the interpreter's gaps listed in this module's docstring, for the ``with`` block.
+
+    ``modules``: modules that imported a libdevice function by name (Liger-Kernel's
+    ``from triton.language.extra.libdevice import rsqrt``): their names are rebound too.
 
     Does nothing when kernels are compiled (a GPU run): compiled Triton has no such gaps.
     """
@@ -126,6 +129,10 @@ def interpreter_shims() -> Iterator[None]:
         (libdevice, "rsqrt"): _elementwise(lambda a: (1 / np.sqrt(a)).astype(a.dtype)),
         (libdevice, "tanh"): _elementwise(lambda a: np.tanh(a).astype(a.dtype)),
     }
+    for module in modules:
+        for name in ("rsqrt", "tanh"):
+            if getattr(module, name, None) is getattr(libdevice, name):
+                patches[module, name] = patches[libdevice, name]
     saved = {key: getattr(*key) for key in patches}
     try:
         for (module, name), value in patches.items():

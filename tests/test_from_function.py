@@ -208,7 +208,10 @@ def test_wrapped_linear_splits_with_exact_flops(
     mm = 2 * (shape[0] * shape[1] if len(shape) == 3 else shape[0]) * 5 * 4
     assert flops == {"I": mm, "W": mm, "full": 2 * mm}
     assert fn_flops["full"] == flops["full"]  # the Function's own full backward
-    assert fn_flops["I"] + fn_flops["W"] == 2 * fn_flops["full"]  # repeated under the split
+    if splitter == "torch":  # the raw Function's whole backward runs again in torch's W
+        assert fn_flops["I"] + fn_flops["W"] == 2 * fn_flops["full"]
+    else:  # customgrad's split runs it once, in I (its weight work cannot move to W)
+        assert (fn_flops["I"], fn_flops["W"]) == (fn_flops["full"], 0)
     assert isinstance(linear.rules.auto.last, TracedSplit)
 
 
@@ -597,3 +600,75 @@ def test_a_fake_kernel_whose_outputs_do_not_match_the_forward_names_both() -> No
         ),
     ):
         _fake_call(op, (4, 8), (8,))
+
+
+_CFG: dict[str, float] = {"scale": 2.0}
+_LOG: list[str] = []
+
+
+class _CtxContainers(torch.autograd.Function):
+    """Keeps a dict and a list on ctx (not arguments): backward reads the dict as it is then,
+    and appends to the list."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.cfg = _CFG
+        ctx.log = _LOG
+        return x * w * _CFG["scale"]
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        ctx.log.append("backward")
+        s = ctx.cfg["scale"]
+        return g * s, (g * x * s).sum(0)
+
+
+def test_ctx_containers_reach_backward_as_the_user_s_own_objects() -> None:
+    op = cg.from_function(_CtxContainers, "test_ff_ctx::containers", weights=("w",))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    got = {}
+    for name, f in (("raw", _CtxContainers.apply), ("op", op)):
+        _CFG["scale"], _LOG[:] = 2.0, []
+        y = f(x, w)
+        _CFG["scale"] = 3.0  # changed between forward and backward: backward sees it
+        (gw,) = torch.autograd.grad(y.sum(), [w])
+        got[name] = (gw, list(_LOG))
+    torch.testing.assert_close(got["op"][0], got["raw"][0])
+    torch.testing.assert_close(got["op"][0], 3.0 * x.detach().sum(0))
+    assert got["op"][1] == got["raw"][1] == ["backward"]  # appended to the user's list
+
+
+class _WeightOnCtx(torch.autograd.Function):
+    """Keeps its weight on ctx without saving it (``ctx.w = w``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.w = w
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (x,) = ctx.saved_tensors
+        return g * ctx.w, (g * x).sum(0)
+
+
+def test_a_weight_kept_on_ctx_and_changed_in_place_reads_as_with_the_raw_function() -> None:
+    # Plain autograd keeps ctx.w by reference (no version check): backward reads the weight as
+    # it is then. customgrad saved it through autograd and raised torch's version error.
+    op = cg.from_function(_WeightOnCtx, "test_ff_ctx::weight_on_ctx", weights=("w",))
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(4, dtype=torch.float64))
+    got = []
+    for f in (_WeightOnCtx.apply, op):
+        y = f(x, w)
+        with torch.no_grad():
+            w.mul_(2.0)  # an optimizer step between forward and backward
+        got.append(torch.autograd.grad(y.sum(), [x])[0])
+        with torch.no_grad():
+            w.div_(2.0)
+    torch.testing.assert_close(got[1], got[0])
+    torch.testing.assert_close(got[1], (2.0 * w.detach()).expand(3, 4))

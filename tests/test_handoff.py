@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad._record import record_of
@@ -222,3 +223,77 @@ def test_the_node_of_the_first_traced_backward_is_freed() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "True"
+
+
+def _two_outputs(calls: list[str]) -> Any:
+    """``(x * w, x * w * 2)``, both differentiable, with work shared by its two halves."""
+
+    @cg.op(f"test_handoff{next(_ids)}::two", weights=("w",))
+    def two(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * w, x * w * 2
+
+    two.register_fake(lambda x, w: (torch.empty_like(x), torch.empty_like(x)))
+    two.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @two.register_backward_shared
+    def _(ctx: cg.BackwardContext, s: Any, g: torch.Tensor, g2: torch.Tensor) -> torch.Tensor:
+        calls.append("shared")
+        return g + 2 * g2
+
+    two.register_backward_input(lambda ctx, s, g, g2: {"x": ctx.shared * s[1]})
+    two.register_backward_weight(lambda ctx, s, g, g2: {"w": ctx.shared * s[0]})
+    return two
+
+
+def test_an_output_no_loss_uses_gets_zeros_each_pass_and_still_matches(fastpath: bool) -> None:
+    # Autograd makes fresh zeros for the unused output in I and again in W: matched as zeros,
+    # not by identity, so W reads I's shared work instead of computing it again.
+    calls: list[str] = []
+    two = _two_outputs(calls)
+    x, w = (torch.randn(4, dtype=DT, requires_grad=True) for _ in range(2))
+    y, _ = two(x, w)
+    g = torch.randn(4, dtype=DT)
+    (gx,) = torch.autograd.grad(y, x, g, retain_graph=True)  # I
+    (gw,) = torch.autograd.grad(y, w, g)  # W
+    assert calls == ["shared"]
+    torch.testing.assert_close((gx, gw), (g * w, g * x))
+
+
+def test_zeros_do_not_match_a_gradient_that_is_not_zero(fastpath: bool) -> None:
+    calls: list[str] = []
+    two = _two_outputs(calls)
+    x, w = (torch.randn(4, dtype=DT, requires_grad=True) for _ in range(2))
+    y, y2 = two(x, w)
+    g = torch.randn(4, dtype=DT)
+    torch.autograd.grad(y, x, g, retain_graph=True)  # I of a loss on y alone (y2 gets zeros)
+    g2 = torch.randn(4, dtype=DT)
+    (gw,) = torch.autograd.grad([y, y2], w, [g, g2])  # W of a loss on both
+    assert calls == ["shared", "shared"]
+    torch.testing.assert_close(gw, (g + 2 * g2) * x)
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_two_losses_in_torch_s_order_each_find_their_hand_off(style: str, fastpath: bool) -> None:
+    # I(loss 1), I(loss 2), W(loss 1), W(loss 2): one hand-off per pending pass, not one slot
+    # (with one, W(loss 1) found loss 2's and computed its shared work again).
+    op = mlp_op(style)
+    x, up, down = leaves()
+    out = op(x, up, down)
+    ref = reference(x, up, down)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    g1, g2 = torch.randn_like(out), torch.randn_like(out)
+    torch.autograd.grad(out, x, g1, retain_graph=True)
+    torch.autograd.grad(out, x, g2, retain_graph=True)
+    assert record.handoff is not None and record.handoff.next is not None  # both pending
+    left = [1, 0]
+    for g, n in zip((g1, g2), left):
+        with FlopCounterMode(display=False) as flops:
+            got = torch.autograd.grad(out, (up, down), g, retain_graph=True)
+        # W's own matmuls only (dUp, dDown): the hidden gradient came from its I
+        assert flops.get_total_flops() == 2 * 6 * 5 * 4 + 2 * 6 * 3 * 5
+        torch.testing.assert_close(got, torch.autograd.grad(ref, (up, down), g, retain_graph=True))
+        pending, h = 0, record.handoff
+        while h is not None:
+            pending, h = pending + 1, h.next
+        assert pending == n  # each W took its own

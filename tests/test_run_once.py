@@ -21,6 +21,7 @@ import pytest
 import torch
 from torch import Tensor
 from torch.distributed.pipelining import _backward as torch_backward
+from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad._autosplit import AutoSplitter, Fallback
@@ -239,6 +240,12 @@ def test_legacy_vmap_of_a_traced_backward() -> None:
     torch.testing.assert_close(jw, want[1])
 
 
+def _counted_backward(ctx: cg.BackwardContext, s: Any, g: Tensor) -> dict[str, Tensor]:
+    """A single backward the tracer refuses (it writes a global): the run-once rule's."""
+    CALLS["counted"] += 1
+    return {"x": g @ s[1], "weight": g.mT @ s[0]}
+
+
 @pytest.mark.parametrize("kind", ["traced", "shared", "run_once"])
 def test_an_aborted_step_frees_its_nodes_without_the_cyclic_gc(kind: str) -> None:
     @cg.op(unique("lin"), weights=("weight",))
@@ -250,7 +257,7 @@ def test_an_aborted_step_frees_its_nodes_without_the_cyclic_gc(kind: str) -> Non
     if kind == "traced":
         lin.register_backward(lambda ctx, s, g: {"x": g @ s[1], "weight": g.mT @ s[0]})
     elif kind == "run_once":
-        lin.register_backward(lambda ctx, s, g: {"x": g @ s[1], "weight": g.mT @ s[0].data})
+        lin.register_backward(_counted_backward)  # reads a global: not traced, runs once
     else:
         lin.register_backward_shared(lambda ctx, s, g: g * 1.0)
         lin.register_backward_input(lambda ctx, s, g: {"x": ctx.shared @ s[1]})
@@ -301,12 +308,191 @@ def test_a_gradient_written_to_between_the_passes_is_another_pass(kind: str) -> 
             lambda ctx, s, g: {"x": (g * 1.0) @ s[1], "weight": (g * 1.0).mT @ s[0]}
         )
     else:
-        lin.register_backward(lambda ctx, s, g: {"x": g @ s[1], "weight": g.mT @ s[0].data})
+        lin.register_backward(_counted_backward)  # reads a global: not traced, runs once
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
     w = torch.randn(5, 3, dtype=DT, requires_grad=True)
     out = lin(x, w)
     g = torch.randn(4, 5, dtype=DT)
     torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    record = record_of(out.grad_fn)
+    assert record is not None and record.handoff is not None
+    assert record.handoff.kind == ("traced" if kind == "traced" else "gradients")
     g.mul_(2)  # the same tensor, written to: another pass's gradients
     (gw,) = torch.autograd.grad(out, [w], g)
     torch.testing.assert_close(gw, g.mT @ x.detach())
+
+
+# --------------------------------------------------- each hand-off kind, really taken (item 5)
+
+
+def _lin_op(kind: str) -> Any:
+    """``x @ w.mT`` whose backward takes the hand-off ``kind``: "shared" (a pair with shared
+    work), "traced" (one backward, traced and split), "gradients" (one backward the tracer
+    refuses: it writes through ``.data``, so it runs once and hands its weight gradient on)."""
+    if kind == "gradients":
+
+        class InPlaceLinear(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+                ctx.save_for_backward(x, w)
+                return x @ w.mT
+
+            @staticmethod
+            def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+                CALLS["lin"] += 1
+                x, w = ctx.saved_tensors
+                dw = grad.mT @ x
+                grad.data.mul_(1.0)  # a write the tracer refuses (as a Triton store would be)
+                return grad @ w, dw
+
+        return cg.from_function(InPlaceLinear, unique("lin"), weights=("w",))
+
+    @cg.op(unique("lin"), weights=("w",))
+    def lin(x: Tensor, w: Tensor) -> Tensor:
+        return x @ w.mT
+
+    lin.register_fake(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
+    lin.register_save_for_backward(lambda i, o: (i.x, i.w, torch.eye(5, dtype=DT)))
+    if kind == "traced":  # g @ eye is shared by both gradients: computed in I, handed to W
+        # (no call counter here: reading one would stop the trace; W's FLOPs tell instead)
+        lin.register_backward(lambda ctx, s, g: {"x": (g @ s[2]) @ s[1], "w": (g @ s[2]).mT @ s[0]})
+    else:
+
+        def shared(ctx: cg.BackwardContext, s: Any, g: Tensor) -> Tensor:
+            CALLS["lin"] += 1
+            return g * 1.0
+
+        lin.register_backward_shared(shared)
+        lin.register_backward_input(lambda ctx, s, g: {"x": ctx.shared @ s[1]})
+        lin.register_backward_weight(lambda ctx, s, g: {"w": ctx.shared.mT @ s[0]})
+    return lin
+
+
+KINDS = ["shared", "traced", "gradients"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_hand_off_kind_is_taken_once_and_freed(kind: str) -> None:
+    op = _lin_op(kind)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    out = op(x, w)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    g = torch.randn(4, 5, dtype=DT)
+    CALLS.clear()
+    (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    handoff = record.handoff
+    assert handoff is not None and handoff.kind == kind  # this path, and no other
+    held = [weakref.ref(t) for t in _tensors(handoff.value)]
+    assert held
+    del handoff
+    with FlopCounterMode(display=False) as flops:
+        (gw,) = torch.autograd.grad(out, [w], g)  # W reads it
+    # the shared work, the traced part it keeps, the backward: once
+    if kind == "traced":
+        assert flops.get_total_flops() == 2 * 4 * 5 * 3  # dW's matmul only: g @ eye was kept
+    else:
+        assert CALLS["lin"] == 1
+    torch.testing.assert_close(gx, g @ w.detach())
+    torch.testing.assert_close(gw, g.mT @ x.detach())
+    assert record.handoff is None
+    del gx, gw  # W's result may be what was handed over (run once: the weight gradient)
+    assert all(r() is None for r in held)  # what it held is freed with it
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_hand_off_kind_refuses_gradients_changed_between_the_passes(kind: str) -> None:
+    op = _lin_op(kind)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    out = op(x, w)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    g = torch.randn(4, 5, dtype=DT)
+    torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    assert record.handoff is not None and record.handoff.kind == kind
+    g.mul_(2)  # the same tensor, written to: another pass's gradients
+    CALLS.clear()
+    with FlopCounterMode(display=False) as flops:
+        (gw,) = torch.autograd.grad(out, [w], g)
+    # computed again for the new gradients, not read from I
+    if kind == "traced":
+        assert flops.get_total_flops() == 2 * 4 * 5 * 3 + 2 * 4 * 5 * 5  # g @ eye again
+    else:
+        assert CALLS["lin"] == 1
+    torch.testing.assert_close(gw, g.mT @ x.detach())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hand_off_holds_no_output_gradient_alive(kind: str) -> None:
+    op = _lin_op(kind)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    out = op(x, w)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    g = torch.randn(4, 5, dtype=DT)
+    torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    assert record.handoff is not None and record.handoff.kind == kind
+    gone = weakref.ref(g)
+    del g
+    assert gone() is None  # the record keeps a weak reference and a version, not the tensor
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    import optree
+
+    return [t for t in optree.tree_leaves(value) if isinstance(t, Tensor)]
+
+
+def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
+    # customgrad's split: a plain Function's weight-side gradients go from I to W in a
+    # HandOff of kind "gradients"; W takes them, and nothing of the node outlives I.
+    from customgrad.pipelining import _backward
+
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(3, dtype=DT, requires_grad=True)
+    out = InPlaceNorm.apply(x * 1.0, w)
+    node = weakref.ref(out.grad_fn)
+    g = torch.randn(4, 3, dtype=DT)
+    want = (g * x.detach()).sum(0)
+    CALLS.clear()
+    _, groups = stage_backward_input([out], [g.clone()], [x], [w])
+    state = groups[0][_backward._STATE_KEY]
+    (handed,) = [h for hs in state.once.values() for h in hs]
+    assert handed.kind == "gradients"
+    dw = weakref.ref(handed.value[0][1])
+    del handed, out
+    assert node() is None  # W needs only the gradients, not the node
+    stage_backward_weight([w], groups)
+    assert CALLS["norm"] == 1
+    torch.testing.assert_close(w.grad, want)
+    del groups, state
+    assert dw() is w.grad or dw() is None  # handed over as .grad, or freed
+
+
+def test_a_refused_backward_keeps_no_step_alive() -> None:
+    # The tracer's refusal is remembered as its message, not as the exception: raised again,
+    # an exception's traceback grows by each call's frames, which held every step's tensors.
+    @cg.op(unique("lin"), weights=("weight",))
+    def lin(x: Tensor, weight: Tensor) -> Tensor:
+        return x @ weight.mT
+
+    lin.register_fake(lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])))
+    lin.register_save_for_backward(lambda i, o: (i.x, i.weight))
+    lin.register_backward(_counted_backward)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    alive = []
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(50):
+            x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+            g = torch.randn(4, 5, dtype=DT)
+            lin(x, w).backward(g)
+            alive += [weakref.ref(x), weakref.ref(g)]
+        del x, g
+        assert sum(r() is not None for r in alive) == 0  # flat: nothing of any step is kept
+    finally:
+        gc.enable()

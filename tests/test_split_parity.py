@@ -264,7 +264,10 @@ def test_no_more_flops_than_torch_and_full_where_torch_is(name: str) -> None:
     if theirs.total == full.total:
         assert ours.total == full.total
     assert ours.flops["I"] == theirs.flops["I"]  # I computes the same input gradients
-    assert ours.flops["W"] > 0
+    if name == "fn-stack":  # plain Functions only: each runs once, in I; W sends their dW on
+        assert ours.flops["W"] == 0 and ours.total == full.total < theirs.total
+    else:
+        assert ours.flops["W"] > 0
 
 
 @pytest.mark.parametrize(

@@ -9,8 +9,16 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   when a weight is shared (``op(relu(op(x, w)), w)``), where torch's W re-runs the outer op. A
   stage whose inputs need no gradient (the first stage) still runs its activation gradients in
   I, so that W carries only weight work, as the schedules assume.
-- Other nodes with edges into the weight side (native ops, plain ``autograd.Function``\\ s, any
-  opaque node) get the gradients that reached them in I recorded; W runs them again from those,
+- A plain ``autograd.Function`` with edges into the weight side (Liger-Kernel's, unsloth's,
+  a ``torch.library.custom_op``) computes every gradient it returns in one backward, whatever
+  the pass needs: it runs once, in I, and W sends on the weight gradients it returned there
+  (its node's post-hook sees them all, :class:`~customgrad._handoff.HandOff` kind
+  ``"gradients"``, the rule customgrad's own unsplittable ops follow). torch's split runs such
+  a backward again in W: twice the kernels, and wrong gradients where the backward writes its
+  output gradient in place (Liger's RMSNorm) or scales a gradient it keeps (a fused loss).
+  ``run_functions_once=False`` runs them as torch does.
+- Other nodes with edges into the weight side (native ops, any opaque node) get the gradients
+  that reached them in I recorded; W runs them again from those,
   in engine calls grouped so that the engine asks them for their weight-side outputs only
   (:class:`customgrad._split_plan.WeightCall`): a native layer's input gradient is not computed
   again, as under torch's split, and also not where the layer shares its weight with a layer
@@ -34,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
@@ -41,6 +50,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._handoff import HandOff, record_pass
 from customgrad._record import NodeRecord
 from customgrad._routing import routing
 from customgrad._split_plan import (
@@ -49,12 +59,36 @@ from customgrad._split_plan import (
     grad_node,
     is_leaf_accumulator,
     plan_input_pass,
+    reach,
 )
 from customgrad._torch.engine import input_shape
-from customgrad._torch.functions import keep_graphs
+from customgrad._torch.functions import forward_cls, keep_graphs
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
+
+log = logging.getLogger("customgrad")
+
+_TOLD: set[type] = set()
+"""The Function classes the log already named (one line per class, not per call)."""
+
+
+def _tell_once(nodes: list[Node]) -> None:
+    """Log, once per Function class, that its backward runs once in I under the split."""
+    for node in nodes:
+        cls = forward_cls(node)
+        if cls is not None and cls not in _TOLD:
+            _TOLD.add(cls)
+            log.info(
+                "customgrad.pipelining: %s.%s is a plain autograd.Function (it cannot split): "
+                "its backward runs once, in the input pass, and the weight pass receives the "
+                "weight gradients it returned (torch's split runs it twice). Make it a "
+                "customgrad op (customgrad.from_function) to split it; "
+                "run_functions_once=False runs it as torch does.",
+                cls.__module__,
+                cls.__qualname__,
+            )
+
 
 _STATE_KEY = "customgrad_split"
 
@@ -99,11 +133,20 @@ def _runtime_errors() -> Iterator[None]:
 class _SplitState:
     """What one microbatch's I leaves for its W (the defer target of its customgrad nodes)."""
 
-    __slots__ = ("captured", "deferred", "direct", "done", "keep", "plan")
+    __slots__ = (
+        "asked_once", "captured", "deferred", "direct", "done", "keep", "once", "once_ids", "plan",
+        "ran",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.deferred: dict[NodeRecord, Any] = {}
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        # Function nodes run once: what each returned in I (None: a weight-side gradient was
+        # missing), then, per W call, their hand-offs and the nodes W asks again.
+        self.ran: dict[Node, HandOff | None] = {}
+        self.once: dict[int, list[HandOff]] = {}
+        self.asked_once: dict[int, list[Node]] = {}
+        self.once_ids: frozenset[int] = frozenset()
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
         self.done = False
@@ -116,6 +159,9 @@ class _SplitState:
     def clear(self) -> None:
         self.deferred = {}
         self.captured = {}
+        self.ran = {}
+        self.once = {}
+        self.asked_once = {}
         self.direct = {}
         self.plan = InputPassPlan()
         self.keep = []
@@ -123,6 +169,7 @@ class _SplitState:
     def __repr__(self) -> str:
         return (
             f"<customgrad split state: {len(self.deferred)} deferred customgrad weight halves, "
+            f"{len(self.once)} Functions run once, "
             f"{len(self.captured)} native intermediates{', used' if self.done else ''}>"
         )
 
@@ -150,6 +197,8 @@ def stage_backward_input(
     output_grads: Sequence[torch.Tensor | None] | None,
     input_values: Sequence[Any],
     weights: Iterator[torch.nn.Parameter] | Iterable[torch.Tensor],
+    *,
+    run_functions_once: bool = True,
 ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
     """Compute the stage inputs' gradients (I) and set aside the weights' (W) work.
 
@@ -162,6 +211,11 @@ def stage_backward_input(
         input_values: the stage's inputs; non-tensors and tensors without grad get ``None``.
         weights: the stage's weights (e.g. ``module.parameters()``); W computes the gradients
             of every leaf of the stage that is not an input.
+        run_functions_once: True (the default): a plain ``torch.autograd.Function`` whose
+            node has edges into the weight side runs its backward once, here, and W receives
+            the weight gradients it returned. False: W runs its backward again from the
+            gradients that reached it, as torch's ``stage_backward_weight`` does (twice, and
+            wrong for a backward that writes its output gradient in place).
 
     Returns:
         ``(dinputs, param_groups)``: the input gradients (also accumulated into each input's
@@ -185,7 +239,9 @@ def stage_backward_input(
         torch.Size([3, 3])
     """
     with _runtime_errors():
-        return _stage_backward_input(stage_outputs_or_loss, output_grads, input_values)
+        return _stage_backward_input(
+            stage_outputs_or_loss, output_grads, input_values, run_functions_once
+        )
 
 
 def _pair_outputs(
@@ -233,7 +289,7 @@ def _pair_outputs(
 
 
 def _stage_backward_input(
-    stage_outputs_or_loss: Any, output_grads: Any, input_values: Any
+    stage_outputs_or_loss: Any, output_grads: Any, input_values: Any, run_once: bool
 ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
     input_values = _sequence(input_values, "input_values", "Pass the stage's inputs as a list.")
     outputs, grads, out_edges = _pair_outputs(stage_outputs_or_loss, output_grads)
@@ -245,10 +301,16 @@ def _stage_backward_input(
     input_nodes = {n for _, v in inputs if (n := grad_node(v)) is not None}
     state = _SplitState()
     plan = plan_input_pass(
-        [n for n, _ in out_edges], input_nodes, lambda record: state, defer_native=True
+        [n for n, _ in out_edges],
+        input_nodes,
+        lambda record: state,
+        defer_native=True,
+        run_once=run_once,
     )
     state.plan = plan
     state.direct = {i: (*out_edges[i], grads[i]) for i in plan.direct}
+    if plan.once:
+        _tell_once(plan.once)
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
@@ -262,7 +324,8 @@ def _stage_backward_input(
 
             return hook
 
-        handles = [n.register_prehook(capture(n)) for n in plan.intermediates]
+        handles = [n.register_prehook(capture(n)) for n in [*plan.intermediates, *plan.once]]
+        handles += [n.register_hook(_keep_weight_gradients(state, plan, n)) for n in plan.once]
         before = [v.grad for _, v in inputs]
         for _, v in inputs:
             v.grad = None
@@ -272,7 +335,8 @@ def _stage_backward_input(
                     outputs,  # type: ignore[arg-type]
                     grad_tensors=grads,
                     inputs=targets,  # type: ignore[arg-type]
-                    retain_graph=bool(plan.intermediates),
+                    # A Function that asks the engine what to compute may need W to ask again.
+                    retain_graph=bool(plan.intermediates or plan.once),
                 )
         finally:
             for h in handles:
@@ -284,6 +348,20 @@ def _stage_backward_input(
                     v.grad = old
                 else:
                     v.grad = g.clone() if old is None else old + g
+    # The Function nodes that ran once: their hand-offs go by W's call, so that nothing keeps
+    # the nodes (and, through their edges, the activation side below them) alive until W.
+    ran = state.ran
+    state.once_ids = frozenset(id(n) for n, h in ran.items() if h is not None)
+    for c, call in enumerate(plan.weight_calls):
+        handed = [ho for n in call.once if (ho := ran.get(n)) is not None]
+        again = [n for n in call.once if n in ran and ran[n] is None]
+        if handed:
+            state.once[c] = handed
+        if again:
+            state.asked_once[c] = again
+        call.once = []
+    state.ran = {}
+    plan.once = []
     # Drop the output side of the graph (views cannot be detached in place; their graph goes
     # when the caller drops them), and the plan's references to nodes W does not run, which
     # would keep their saved tensors alive until W.
@@ -300,6 +378,46 @@ def _stage_backward_input(
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()
     return tuple(dinputs), [{_STATE_KEY: state}]
+
+
+def _keep_weight_gradients(
+    state: _SplitState, plan: InputPassPlan, node: Node
+) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
+    """A post-hook for a Function node that runs once, in I: it keeps, for W, the gradients
+    the node's backward returned along its weight-side edges (the engine hands a post-hook
+    every gradient the backward returned, after summing each to its edge's shape); I drops
+    them, as no node I runs wants them."""
+    side = plan.weight_side_edges(node)
+
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        kept = [
+            (GradientEdge(fn, nr), g)
+            for (fn, nr), g, w in zip(node.next_functions, grad_inputs, side)
+            if w and g is not None and fn is not None
+        ]
+        if len(kept) < sum(side):
+            # A weight-side gradient is missing: a backward that asks the engine what the pass
+            # needs (as a compiled region's does) computes it when the engine runs it again in
+            # W, from the output gradients kept for it (so does one that returns None for a
+            # weight: twice, as under torch's split).
+            state.ran[node] = None
+            return
+        state.captured.pop(node, None)
+        state.ran[node] = HandOff(record_pass(grad_outputs), "gradients", kept)
+
+    return hook
+
+
+def ran_once(param_groups: object) -> set[int]:
+    """The ``id``\\ s of the plain Function nodes that :func:`stage_backward_input` ran once, handing the weight
+    gradients they returned to W, read off its ``param_groups`` before W runs (empty for
+    anything else)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            return set(state.once_ids)
+    return set()
 
 
 def deferred_nodes(param_groups: object) -> set[Node]:
@@ -383,14 +501,18 @@ def _run_weight_pass(state: _SplitState, retain_graph: bool) -> None:
     last = len(calls) - 1
     with routing(plan.weight_routes):
         for i, call in enumerate(calls):
-            _run_weight_call(state, call, retain_graph or i < last)
+            _run_weight_call(state, i, call, retain_graph or i < last)
 
 
-def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -> None:
-    """One engine call of W (see :class:`customgrad._split_plan.WeightCall`)."""
+def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_graph: bool) -> None:
+    """W's engine call number ``index`` (see :class:`customgrad._split_plan.WeightCall`)."""
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
+    again = state.asked_once.pop(index, [])
+    for group in _sharing_leaves(state.plan, again):
+        _run_again(state, group)
+    del again
     clamp = call.clamp
     if call.asked:
         asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
@@ -411,6 +533,10 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
         node, nr, g = state.direct.pop(i)
         roots.append(GradientEdge(node, nr))
         values.append(g)
+    for handoff in state.once.pop(index, ()):
+        roots.extend(edge for edge, _ in handoff.value)
+        values.extend(grad for _, grad in handoff.value)
+        handoff.value = None  # send_gradients must hold the only references (see there)
     deferred = state.deferred
     if len(state.plan.weight_calls) == 1:  # all of it belongs to this call
         works = [*deferred.values()]
@@ -430,13 +556,7 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     # A plain Function or customgrad intermediate whose input edges lead to this call's leaves
     # (a weight it shares with a layer before it) sends its input gradients again: drop them
     # (I sent them already). Native ones were asked for their weight side only, above.
-    def keep_weight_side(side: tuple[bool, ...]) -> Callable[..., Any]:
-        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-            return tuple(g if w else None for g, w in zip(grad_inputs, side))
-
-        return hook
-
-    handles = [n.register_hook(keep_weight_side(plan.weight_side_edges(n))) for n in clamp]
+    handles = [n.register_hook(_weight_side_only(plan.weight_side_edges(n))) for n in clamp]
     leaves = [v for n in call.leaves if isinstance(v := getattr(n, "variable", None),
                                                      torch.Tensor)]  # fmt: skip
     try:
@@ -454,6 +574,62 @@ def _run_weight_call(state: _SplitState, call: WeightCall, retain_graph: bool) -
     finally:
         for h in handles:
             h.remove()
+
+
+def _sharing_leaves(plan: InputPassPlan, nodes: list[Node]) -> list[list[Node]]:
+    """``nodes`` grouped so that nodes whose weight sides reach a common leaf go together."""
+    groups: list[tuple[list[Node], set[Node]]] = []
+    for node in nodes:
+        side = plan.weight_side_edges(node)
+        mine = reach([fn for (fn, _), w in zip(node.next_functions, side) if w and fn], set())
+        joined = [g for g in groups if not g[1].isdisjoint(mine)]
+        merged = ([node], mine)
+        for g in joined:
+            groups.remove(g)
+            merged[0].extend(g[0])
+            merged[1].update(g[1])
+        groups.append(merged)
+    return [g[0] for g in groups]
+
+
+def _run_again(state: _SplitState, nodes: list[Node]) -> None:
+    """Run the Function nodes of I whose backward returned no gradient for a weight-side edge
+    (it asks the engine what the pass needs, as a compiled region's does) again, from the
+    output gradients that reached them in I, in an engine call of their own that accumulates
+    only the leaves below their weight-side edges: they then compute those edges' gradients
+    only (W drops what they send along their other edges, which I sent already)."""
+    roots: list[GradientEdge] = []
+    values: list[torch.Tensor] = []
+    starts: list[Node] = []
+    handles = []
+    for node in nodes:
+        side = state.plan.weight_side_edges(node)
+        grads = state.captured.pop(node, ())
+        roots += [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
+        values += [g for g in grads if g is not None]
+        starts += [fn for (fn, _), w in zip(node.next_functions, side) if w and fn is not None]
+        handles.append(node.register_hook(_weight_side_only(side)))
+        del grads
+    leaves = [
+        v
+        for n in reach(starts, set())
+        if is_leaf_accumulator(n) and isinstance(v := getattr(n, "variable", None), torch.Tensor)
+    ]
+    try:
+        if roots and leaves:
+            send_gradients(roots, values, inputs=leaves, retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _weight_side_only(side: tuple[bool, ...]) -> Callable[..., tuple[Any, ...]]:
+    """A post-hook that drops what a node sends along the edges ``side`` does not mark."""
+
+    def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(g if w else None for g, w in zip(grad_inputs, side))
+
+    return hook
 
 
 class _Asking(torch.autograd.Function):

@@ -110,6 +110,13 @@ class PipelineStage(_TorchPipelineStage):
             backward splits into I and W (one log line names them). False leaves them: a split
             schedule then fails at the first input pass with an error that names
             ``customgrad.compile``.
+        run_functions_once: True (the default): a plain ``torch.autograd.Function`` of the
+            stage (Liger-Kernel's, unsloth's, flash-linear-attention's, a
+            ``torch.library.custom_op``) whose node has edges into the weight side runs its
+            backward once, in I, and W receives the weight gradients it returned, with the
+            model unchanged. False: W runs its backward again, as torch's stage does (its
+            kernels twice, and wrong gradients for a backward that writes its output gradient
+            in place, such as Liger's RMSNorm at its default ``in_place=True``).
 
     Example:
         Build stages as with torch and hand them to a torch schedule::
@@ -123,6 +130,7 @@ class PipelineStage(_TorchPipelineStage):
         *args: Any,
         queue: WeightGradQueue | None = None,
         split_compiled: bool = True,
+        run_functions_once: bool = True,
         **kwargs: Any,
     ) -> None:
         positional = bool(args)
@@ -148,6 +156,7 @@ class PipelineStage(_TorchPipelineStage):
                 )
             kwargs["dw_builder"] = self._build_dw
         self.queue = queue
+        self.run_functions_once = run_functions_once
         self._bwd_chunk: int | None = None
         super().__init__(*args, **kwargs)
 
@@ -270,6 +279,7 @@ class PipelineStage(_TorchPipelineStage):
                     bwd_kwargs["output_grads"],
                     bwd_kwargs["input_values"],
                     self.submod.parameters(),
+                    run_functions_once=self.run_functions_once,
                 )
             if backward_type == "weight":
                 grads = stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])

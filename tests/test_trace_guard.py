@@ -13,8 +13,11 @@ customgrad's split and the weight-gradient queue.
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
+import inspect
 import math
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import customgrad as cg
-from customgrad._autosplit import AutoSplitter, Fallback, TracedSplit
+from customgrad._autosplit import RECAPTURES, AutoSplitter, Fallback, TracedSplit
 from customgrad._torch.pipelining import torch_split
 from customgrad.pipelining import WeightGradQueue, stage_backward_input, stage_backward_weight
 
@@ -293,3 +296,128 @@ def test_state_changed_between_steps_gives_the_gradients_of_a_call(
             assert isinstance(auto.last, TracedSplit), auto.describe()
         else:
             assert isinstance(auto.last, Fallback) and auto.last.logged, auto.last
+
+
+# --------------------------------------------------------------------------------------------
+# What runs once, and why, in words a user can act on
+
+
+def undefined_name(ctx: Any, saved: Any, g: Tensor) -> dict[str, Any]:
+    x, w = saved
+    return {"x": _gelu_and_grad(g) @ w, "weight": g.mT @ x}  # type: ignore[name-defined]  # noqa: F821
+
+
+def prints(ctx: Any, saved: Any, g: Tensor) -> dict[str, Any]:
+    x, w = saved
+    print("backward")
+    return {"x": g @ w, "weight": g.mT @ x}
+
+
+LOG: list[int] = []
+
+
+def appends(ctx: Any, saved: Any, g: Tensor) -> dict[str, Any]:
+    x, w = saved
+    LOG.append(1)
+    return {"x": g @ w, "weight": g.mT @ x}
+
+
+def line_of(fn: Callable[..., Any], text: str) -> str:
+    """``file:line (`text`)`` of the line of ``fn`` that contains ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    (i,) = (i for i, line in enumerate(lines) if text in line)
+    return f"{inspect.getsourcefile(fn)}:{first + i} (`{lines[i].strip()}`)"
+
+
+def run_once_reason(backward: Callable[..., Any]) -> Fallback:
+    op = linear_with(backward)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(2, 3, dtype=DT, requires_grad=True)
+    with contextlib.suppress(NameError):  # run once, as written: it raises its own error
+        by_customgrad(op, x, w, torch.randn(4, 2, dtype=DT), lambda: None)
+    fallback = op.rules.auto.last  # type: ignore[union-attr]
+    assert isinstance(fallback, Fallback)
+    return fallback
+
+
+def test_an_undefined_name_is_said_as_a_name_error_first(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fallback = run_once_reason(undefined_name)
+    assert fallback.why == (
+        "NameError: name '_gelu_and_grad' is not defined at "
+        + line_of(undefined_name, "_gelu_and_grad(g)")
+    )
+    assert fallback.fix == "define or import '_gelu_and_grad' in the module of the backward"
+    # Run once, the backward raises the NameError itself.
+    op = linear_with(undefined_name)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    with pytest.raises(NameError, match=re.escape("name '_gelu_and_grad' is not defined")):
+        op(x, torch.randn(2, 3, dtype=DT)).sum().backward()
+
+
+def test_print_and_side_effects_run_once_with_the_line_or_what_changed(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    fallback = run_once_reason(prints)
+    assert fallback.why == (
+        "dynamo cannot capture it at " + line_of(prints, 'print("backward")') + ": Dynamo does "
+        "not know how to trace builtin operator `print` with argument types ['str'] "
+        "(has_kwargs False)"
+    )
+    assert capsys.readouterr().out == "backward\n"  # once: run as written
+    LOG.clear()
+    fallback = run_once_reason(appends)
+    assert fallback.why.startswith("it changes state outside itself (")
+    assert "LOG" in fallback.why
+    assert LOG == [1]  # appended once, by the one call
+
+
+def test_a_guard_failing_every_step_recaptures_up_to_the_limit_then_runs_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    op = linear_with(scaled(lambda ctx, x: OPTIMIZER.param_groups[0]["lr"]))
+    auto = op.rules.auto
+    assert isinstance(auto, AutoSplitter)
+    try:
+        for k in range(RECAPTURES + 2):
+            optimizer_lr(k)  # a new learning rate each step: a new capture each
+            x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+            w = torch.randn(2, 3, dtype=DT, requires_grad=True)
+            g = torch.randn(4, 2, dtype=DT)
+            want = reference(op, op.rules.backward, x, w, g)  # type: ignore[arg-type]
+            gx, gw = by_customgrad(op, x, w, g, lambda: None)
+            torch.testing.assert_close((gx, gw), want, rtol=0, atol=0)
+    finally:
+        optimizer_lr(0)
+    assert auto.traces == RECAPTURES
+    fallback = auto.last
+    assert isinstance(fallback, Fallback)
+    assert fallback.why == (
+        f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a global rebound, a "
+        f"flag flipped, an object's field set), and each change needs a new capture"
+    )
+    messages = [r.getMessage() for r in caplog.records if r.name == "customgrad"]
+    assert len(messages) == 1 and fallback.why in messages[0]
+
+
+def test_captures_are_apart_from_the_users_torch_compile() -> None:
+    """customgrad's captures have their own code objects: the user's compiled function of the
+    same backward compiles, guards and recompiles as without customgrad, and no
+    ``torch._dynamo.reset()`` is needed between them."""
+    backward = scaled(lambda ctx, x: OPTIMIZER.param_groups[0]["lr"])
+    op = linear_with(backward)
+    compiled = torch.compile(backward, backend="eager", fullgraph=True)
+    x, w = torch.randn(4, 3, dtype=DT), torch.randn(2, 3, dtype=DT)
+    g = torch.randn(4, 2, dtype=DT)
+    try:
+        for k in (0, 1, 0):
+            optimizer_lr(k)
+            mine = compiled(None, (x, w), g)
+            leaf = x.clone().requires_grad_()
+            gx, _ = by_customgrad(op, leaf, w.clone().requires_grad_(), g, lambda: None)
+            torch.testing.assert_close(mine["x"], g @ w * (k + 1))
+            torch.testing.assert_close(gx, mine["x"])
+    finally:
+        optimizer_lr(0)
+    assert op.rules.auto.traces == 2  # type: ignore[union-attr]

@@ -582,8 +582,9 @@ def _capture(
 
     def on_graph(captured: dynamo.Captured) -> Callable[..., Any]:
         if captured.side_effects:
+            changed = ", ".join(_in_words(source, fn) for source in captured.side_effects)
             raise _Refused(
-                f"it changes state outside itself ({', '.join(captured.side_effects)}), which "
+                f"it changes state outside itself ({changed}), which "
                 f"dynamo replays after the graph and a split pass would not",
                 "return what it computes instead of storing it (or keep it run once)",
             )
@@ -607,39 +608,58 @@ def _capture(
         return lambda *args: outs
 
     try:
-        with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
-            result = dynamo.capture(
-                wrapper, (frame["ctx"], frame["saved"], frame["grads"]), on_graph
+        try:
+            with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
+                result = dynamo.capture(
+                    wrapper, (frame["ctx"], frame["saved"], frame["grads"]), on_graph
+                )
+        except Exception as e:
+            why, fix, known = _refusal(e)
+            fallback = Fallback(why, fix)
+            fallback.retries = int(not known)
+            return fallback
+        if not got:
+            return Fallback(
+                "dynamo did not capture it (torch.compile is disabled here: "
+                "torch.compiler.set_stance, TORCHDYNAMO_DISABLE)",
+                "let torch.compile run",
             )
-    except Exception as e:
-        why, fix, known = _refusal(e)
-        fallback = Fallback(why, fix)
-        fallback.retries = int(not known)
-        return fallback
-    if not got:
-        return Fallback(
-            "dynamo did not capture it (torch.compile is disabled here: "
-            "torch.compiler.set_stance, TORCHDYNAMO_DISABLE)",
-            "let torch.compile run",
-        )
-    captured = got[0]
-    try:
-        gm, layout, tensor_idx = _lower(op, captured, markers, result, leaves, structure)
-        split = _split(op, gm, layout, tensor_idx, leaves, structure, requires, recompute)
-        if isinstance(split, Fallback):
-            return split
-        check = dynamo.guard_check(wrapper.__code__)
-        if check is None:
-            raise _Refused("dynamo kept no single guard set for it", "report it")
-        extra = _extra_checks(captured, wrapper.__globals__, frame)
-    except _Refused as e:
-        fallback = Fallback(e.why, e.fix)
-        fallback.retries = int(not e.known)
-        return fallback
-    except _Invalid:
-        # Called as written, the backward raises customgrad's own error, which says it all.
-        return Fallback("it returned what customgrad's validation refuses", "", logged=False)
-    return _Capture(split, check, wrapper.__globals__, *extra, captured.names)
+        captured = got[0]
+        try:
+            gm, layout, tensor_idx = _lower(op, captured, markers, result, leaves, structure)
+            split = _split(op, gm, layout, tensor_idx, leaves, structure, requires, recompute)
+            if isinstance(split, Fallback):
+                return split
+            check = dynamo.guard_check(wrapper.__code__)
+            if check is None:
+                raise _Refused("dynamo kept no single guard set for it", "report it")
+            extra = _extra_checks(captured, wrapper.__globals__, frame)
+        except _Refused as e:
+            fallback = Fallback(e.why, e.fix)
+            fallback.retries = int(not e.known)
+            return fallback
+        except _Invalid:
+            # Called as written, the backward raises customgrad's own error, which says it all.
+            return Fallback("it returned what customgrad's validation refuses", "", logged=False)
+        return _Capture(split, check, wrapper.__globals__, *extra, captured.names)
+
+    finally:
+        # dynamo's cache entry keeps the backend (and so these lists): keep no tensor of the
+        # call alive through them
+        got.clear()
+        markers.clear()
+
+
+def _in_words(source: str, fn: Callable[..., Any]) -> str:
+    """dynamo's name of what ``fn`` reads, with ``fn``'s closure cells named."""
+    import re
+
+    found = re.match(r"fn\.__closure__\[(\d+)\]\.cell_contents(.*)", source)
+    code = getattr(fn, "__code__", None)
+    if found is None or code is None or int(found.group(1)) >= len(code.co_freevars):
+        return source
+    var = code.co_freevars[int(found.group(1))]
+    return f"the closure variable {var!r} of {fn.__qualname__}{found.group(2)}"
 
 
 def _extra_checks(
@@ -797,18 +817,19 @@ def _refusal(e: BaseException) -> tuple[str, str, bool]:
     inner = dynamo.backend_error(e)
     if isinstance(inner, _Refused):
         return inner.why, inner.fix, True
+    refusal = dynamo.unsupported(e)
     launch = raw_launch(e) or (raw_launch(inner) if inner is not None else None)
-    if launch is not None or _mentions_triton(e):
-        kernel = f"the Triton kernel {launch.kernel}" if launch else "a Triton kernel"
-        at = f" ({launch.at})" if launch else ""
+    if launch is None and refusal is not None:
+        launch = _triton_frame(refusal.stack)
+    if launch is not None:
         return (
-            f"it launches {kernel} directly{at}, which dynamo cannot capture here",
+            f"it launches the Triton kernel {launch.kernel} directly ({launch.at}): a raw "
+            f"launch, which dynamo cannot capture here",
             "wrap the Triton launch in an op with a fake kernel (torch.library.triton_op, or "
             "a customgrad op with register_fake) and call the op from the backward: the "
             "capture keeps it as one opaque call",
             True,
         )
-    refusal = dynamo.unsupported(e)
     if refusal is None:
         first = (str(e).strip().splitlines() or [""])[0]
         if len(first) > 160:
@@ -828,7 +849,8 @@ def _refusal(e: BaseException) -> tuple[str, str, bool]:
             f"define or import {name!r} in the module of the backward",
             True,
         )
-    if "data-dependent" in kind.lower() or "Data dependent" in kind:
+    text = f"{kind} {refusal.explanation}".lower()
+    if "data-dependent" in text or "data dependent" in text:
         return (
             f"it branches on tensor values in Python{at}{line}",
             "compute with tensor ops instead (torch.where, masks), so the same ops run for "
@@ -842,9 +864,22 @@ def _refusal(e: BaseException) -> tuple[str, str, bool]:
     )
 
 
-def _mentions_triton(e: BaseException) -> bool:
-    text = str(e)
-    return "triton" in text.lower() and ("JITFunction" in text or "kernel" in text.lower())
+def _triton_frame(stack: Sequence[tuple[str, int, str]]) -> Any:
+    """The raw Triton launch in the frames dynamo was tracing (the first frame in Triton's
+    runtime, and the user's line that launched it), or None."""
+    import os
+    import re
+
+    from customgrad._triton import RawLaunch
+
+    runtime = f"{os.sep}triton{os.sep}runtime{os.sep}"
+    for i, (file, _, _) in enumerate(stack):
+        if runtime in file and i:
+            caller_file, lineno, line = stack[i - 1]
+            found = re.match(r"\s*(?:[\w.]+\s*=\s*)?([\w.]+)\s*\[", line)
+            kernel = found.group(1).rpartition(".")[2] if found else "(unknown)"
+            return RawLaunch(kernel, f"{caller_file}:{lineno}")
+    return None
 
 
 def _batched(grads: tuple[Any, ...]) -> bool:

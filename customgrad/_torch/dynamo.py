@@ -43,6 +43,7 @@ __all__ = [
     "capture",
     "guard_check",
     "backend_error",
+    "readable",
     "unsupported",
 ]
 
@@ -180,7 +181,7 @@ def capture(
         for node in gm.graph.find_nodes(op="placeholder"):
             arg = node.meta.get("grapharg")
             source = getattr(arg, "source", None)
-            inputs.append((arg.example if arg is not None else None, _name(source)))
+            inputs.append((arg.example if arg is not None else None, readable(_name(source))))
         (output,) = gm.graph.find_nodes(op="output")
         outs = output.args[0]
         outputs = [
@@ -189,7 +190,7 @@ def capture(
         ]
         effects = out.side_effects
         changed = [
-            _name(getattr(v, "source", None))
+            readable(_name(getattr(v, "source", None)))
             for v in effects.id_to_variable.values()
             if effects.is_modified(v) and getattr(v, "source", None) is not None
         ]
@@ -220,6 +221,19 @@ def _name(source: Any) -> str:
     return name if isinstance(name, str) else "(unknown)"
 
 
+def readable(source: str) -> str:
+    """dynamo's name of a value in words a user reads: ``G['__import___main__'].seen`` is
+    ``__main__.seen``, ``L['saved'][0]`` is ``saved[0]``."""
+    import re
+
+    def module(m: re.Match[str]) -> str:
+        return m.group(1).replace("_dot_", ".")
+
+    text = re.sub(r"G\['__import_(\w+?)'\]", module, source)
+    text = re.sub(r"G\['(\w+)'\]", r"\1", text)
+    return re.sub(r"L\['(\w+)'\]", r"\1", text)
+
+
 def guard_check(code: Any) -> Callable[[dict[str, Any]], bool] | None:
     """The C++ check of the guards dynamo keeps for ``code``'s one cache entry (its guard
     manager's root, called with the frame's locals), or None when there is not exactly one."""
@@ -241,12 +255,15 @@ class Refusal:
         explanation: its explanation, one line.
         at: ``file:line`` of the innermost user frame, or "".
         line: that line's source text, or "".
+        stack: the user frames dynamo was tracing, outermost first, as
+            ``(file, line number, source line)``.
     """
 
     kind: str
     explanation: str
     at: str
     line: str
+    stack: tuple[tuple[str, int, str], ...] = ()
 
 
 def unsupported(e: BaseException) -> Refusal | None:
@@ -268,7 +285,11 @@ def unsupported(e: BaseException) -> Refusal | None:
     frame = getattr(e, "innermost_user_frame_summary", None)
     at = f"{frame.filename}:{frame.lineno}" if frame is not None else ""
     text = (getattr(frame, "line", "") or "").strip() if frame is not None else ""
-    return Refusal(kind, explanation, at, text)
+    stack = tuple(
+        (f.filename, f.lineno or 0, (f.line or "").strip())
+        for f in getattr(e, "real_stack", None) or ()
+    )
+    return Refusal(kind, explanation, at, text, stack)
 
 
 def backend_error(e: BaseException) -> BaseException | None:

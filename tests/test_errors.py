@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
-import inspect
 import re
 from collections.abc import Callable
 from typing import Any

@@ -373,17 +373,18 @@ class AutoSplitter:
             found = self._cache.get(signature)
             ctx = make_ctx(requires)
             frame = {"ctx": ctx, "saved": saved, "grads": grads}
-            if type(found) is list:
-                for capture in found:
+            if isinstance(found, Fallback):
+                if found.retries:
+                    outcome = self._capture(signature, frame, leaves, structure, requires)
+                else:
+                    outcome = found
+            else:
+                for capture in found or ():
                     if capture.holds(frame):
                         outcome = capture.split
                         break
                 else:
                     outcome = self._capture(signature, frame, leaves, structure, requires)
-            elif found is None or found.retries:
-                outcome = self._capture(signature, frame, leaves, structure, requires)
-            else:
-                outcome = found
         self.last = outcome
         if isinstance(outcome, TracedSplit):
             return outcome
@@ -483,35 +484,40 @@ class _Capture:
     bits, and modules the backward read that gained an attribute its code names.
     """
 
-    __slots__ = ("_check", "_constants", "_globals", "_modules", "_names", "split")
+    __slots__ = ("_bits", "_check", "_globals", "_modules", "_names", "_read", "split")
 
     def __init__(
         self,
         split: TracedSplit,
         check: Callable[[dict[str, Any]], bool],
         scope: dict[str, Any],
-        constants: list[tuple[Any, Any]],
+        constants: tuple[Callable[..., tuple[Any, ...]] | None, tuple[Any, ...]],
         modules: list[list[Any]],
         names: frozenset[str],
     ) -> None:
         self.split = split
         self._check = check
         self._globals = scope
-        self._constants = constants
+        self._read, self._bits = constants
         self._modules = modules
         self._names = names
 
     def holds(self, frame: dict[str, Any]) -> bool:
-        if not self._check(frame):
-            return False
-        if self._constants:
-            scope = {"G": self._globals, "L": frame}
-            for code, bits in self._constants:
-                try:
-                    if _bits(eval(code, scope)) != bits:
-                        return False
-                except Exception:
+        if _dispatch_stack_len():
+            # A dispatch mode (a FLOP counter, a profiler's) adds the Python key to every
+            # tensor's dispatch keys, which dynamo's tensor guards compare: check as captured.
+            with _disable_current_modes():
+                if not self._check(frame):
                     return False
+        elif not self._check(frame):
+            return False
+        read = self._read
+        if read is not None:
+            try:
+                if tuple(map(_bits, read(self._globals, frame))) != self._bits:
+                    return False
+            except Exception:
+                return False
         for entry in self._modules:
             module, size, keys = entry
             now = module.__dict__
@@ -664,23 +670,25 @@ def _in_words(source: str, fn: Callable[..., Any]) -> str:
 
 def _extra_checks(
     captured: dynamo.Captured, scope: dict[str, Any], frame: dict[str, Any]
-) -> tuple[list[tuple[Any, Any]], list[list[Any]]]:
+) -> tuple[tuple[Any, tuple[Any, ...]], list[list[Any]]]:
     """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
     compares by ``==``, compared by its bits; each module it guards by identity, with its
     attributes as they are now."""
     names = {"G": scope, "L": frame}
-    constants: list[tuple[Any, Any]] = []
+    exact: list[str] = []
     for source in captured.constants:
         try:
-            code = compile(source, "<customgrad guard>", "eval")
-            value = eval(code, dict(names))
+            value = eval(source, dict(names))
         except Exception:
             raise _Refused(
                 f"dynamo guards {source} by ==, which customgrad cannot read again",
                 "pass it as an argument of the op",
             ) from None
         if type(value) in (float, complex):
-            constants.append((code, _bits(value)))
+            exact.append(source)
+    # One function reads them all per check: dynamo's names are expressions of G and L.
+    read: Any = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
+    constants = (read, tuple(map(_bits, read(scope, frame))) if read is not None else ())
     modules: list[list[Any]] = []
     for source in captured.modules:
         try:
@@ -729,7 +737,7 @@ def _lower(
         values = value if is_list and isinstance(value, (list, tuple)) else None
         if values is None and is_list and value is not None:
             raise _Invalid
-        slots = []
+        slots: list[tuple[str, int] | None] = []
         for t in values if values is not None else [value]:
             if t is None:
                 slots.append(None)

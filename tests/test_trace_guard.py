@@ -421,3 +421,19 @@ def test_captures_are_apart_from_the_users_torch_compile() -> None:
     finally:
         optimizer_lr(0)
     assert op.rules.auto.traces == 2  # type: ignore[union-attr]
+
+
+def test_a_capture_is_reused_under_a_flop_counter_or_another_dispatch_mode() -> None:
+    """A dispatch mode adds the Python key to every tensor's dispatch keys, which dynamo's
+    tensor guards compare: the check runs as the capture did, without the modes."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    op = linear_with(scaled(lambda ctx, x: 2.0))
+    for _ in range(3):
+        x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+        w = torch.randn(2, 3, dtype=DT, requires_grad=True)
+        out = op(x, w)
+        with FlopCounterMode(display=False) as counter:
+            out.backward(torch.ones(4, 2, dtype=DT))
+        assert counter.get_total_flops() == 2 * (2 * 4 * 2 * 3)
+    assert op.rules.auto.traces == 1  # type: ignore[union-attr]

@@ -330,7 +330,10 @@ class AutoSplitter:
         self.traces = 0
         self.last: TracedSplit | Fallback | None = None
         # signature -> the captures made for it (newest first), or why there is none
-        self._cache: dict[Any, list[_Capture] | Fallback] = {}
+        # signature -> its captures (any shapes: dynamo's guards select among them) and why
+        # there is none
+        self._cache: dict[Any, _Entry] = {}
+        self._ctx: dict[frozenset[str], Any] = {}  # read-only contexts, one per requires
         self._logged = False
         self.held_bytes: int | None = None
         """The bytes of gradients the latest run-once backward held from its first pass for
@@ -370,16 +373,15 @@ class AutoSplitter:
         if isinstance(signature, Fallback):
             outcome = signature
         else:
-            found = self._cache.get(signature)
-            ctx = make_ctx(requires)
+            entry = self._cache.get(signature)
+            ctx = self._ctx.get(requires)
+            if ctx is None:
+                ctx = self._ctx[requires] = make_ctx(requires)
             frame = {"ctx": ctx, "saved": saved, "grads": grads}
-            if isinstance(found, Fallback):
-                if found.retries:
-                    outcome = self._capture(signature, frame, leaves, structure, requires)
-                else:
-                    outcome = found
+            if entry is not None and entry.fallback is not None and not entry.fallback.retries:
+                outcome = entry.fallback
             else:
-                for capture in found or ():
+                for capture in entry.captures if entry is not None else ():
                     if capture.holds(frame):
                         outcome = capture.split
                         break
@@ -406,46 +408,46 @@ class AutoSplitter:
         requires: frozenset[str],
     ) -> TracedSplit | Fallback:
         with _TRACE_LOCK:
-            found = self._cache.get(signature)
-            captures = found if type(found) is list else []
-            for capture in captures:  # another thread captured it meanwhile
+            entry = self._cache.get(signature)
+            if entry is None:
+                entry = self._cache[signature] = _Entry()
+            for capture in entry.captures:  # another thread captured it meanwhile
                 if capture.holds(frame):
                     return capture.split
-            if isinstance(found, Fallback) and not found.retries:
+            found = entry.fallback
+            if found is not None and not found.retries:
                 return found
-            left = RETRIES if not isinstance(found, Fallback) else found.retries - 1
-            if found is None and len(self._cache) >= MAX_SIGNATURES:
+            shapes = _shapes(leaves)
+            tries = entry.tries.get(shapes, 0)
+            if not tries and len(entry.tries) >= MAX_SIGNATURES:
                 return Fallback(
                     f"it was captured for {MAX_SIGNATURES} input signatures already (shapes, "
                     f"dtypes or saved values change from call to call)",
                     "call the op with a few distinct shapes (pad to buckets)",
                 )
-            outcome: _Capture | Fallback
-            if len(captures) >= RECAPTURES:
-                outcome = Fallback(
+            if tries >= RECAPTURES:
+                return Fallback(
                     f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a "
                     f"global rebound, a flag flipped, an object's field set), and each change "
                     f"needs a new capture",
                     "pass what changes as an argument of the op (tensors and plain values "
                     "select the capture), or keep it fixed during training",
                 )
-            else:
-                self.traces += 1
-                outcome = _capture(
-                    self.op, self.fn, frame, leaves, structure, requires, self.recompute
-                )
+            entry.tries[shapes] = tries + 1
+            self.traces += 1
+            outcome = _capture(self.op, self.fn, frame, leaves, structure, requires, self.recompute)
             if isinstance(outcome, _Capture):
-                self._cache[signature] = [outcome, *captures]
+                entry.captures.insert(0, outcome)
+                entry.fallback = None
                 return outcome.split
-            if captures and len(captures) < RECAPTURES:
+            if entry.captures:
                 # What it reads now cannot be captured (a flag that sends it down a Python
-                # branch dynamo refuses): run once now; what it read before may come back, and
-                # each such try counts against the captures of the signature.
-                captures.append(_FAILED)
+                # branch dynamo refuses): run once now; what it read before may come back (each
+                # such try counts against the captures of the shapes).
                 return outcome
             if outcome.retries:
-                outcome.retries = left
-            self._cache[signature] = outcome
+                outcome.retries = RETRIES if found is None else found.retries - 1
+            entry.fallback = outcome
             return outcome
 
     def held(self, value: Any) -> None:
@@ -529,16 +531,26 @@ class _Capture:
         return True
 
 
-class _Failed:
-    """A capture tried for a signature that had one, which failed (it never holds)."""
+class _Entry:
+    """The captures of one signature (newest first), the captures tried per shapes, and why
+    there is none (a :class:`Fallback` cached for the signature)."""
 
-    split: Any = None
+    __slots__ = ("captures", "fallback", "tries")
 
-    def holds(self, frame: dict[str, Any]) -> bool:
-        return False
+    def __init__(self) -> None:
+        self.captures: list[_Capture] = []
+        self.tries: dict[Any, int] = {}
+        self.fallback: Fallback | None = None
 
 
-_FAILED: Any = _Failed()
+def _shapes(leaves: Sequence[Any]) -> Any:
+    """The tensors' shapes, strides, dtypes, devices and requires-grad (dynamo's guards check
+    them: here they only count captures per shapes)."""
+    return tuple(
+        (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+        for t in leaves
+        if isinstance(t, _Tensor)
+    )
 
 
 def _bits(value: Any) -> Any:
@@ -922,8 +934,9 @@ def _unflatten(structure: Any, values: list[Any]) -> tuple[Any, tuple[Any, ...]]
 
 
 def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
-    """What selects a capture besides dynamo's guards: shapes, strides, dtypes, devices,
-    requires-grad and is-leaf of the tensors, and the values of everything else.
+    """What selects the captures to check besides dynamo's guards (which check the tensors'
+    shapes, strides, dtypes, devices and requires-grad): the tensors' is-leaf, the values of
+    everything else.
 
     Returns the signature (a tuple), a :class:`Fallback` for leaves a trace can't take, or None
     when ``flat`` and a leaf is a container (flatten it first).
@@ -932,10 +945,7 @@ def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
     for leaf in leaves:
         kind = type(leaf)
         if kind is _Tensor or kind is torch.nn.Parameter:
-            key.append(
-                (leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad,
-                 leaf.is_leaf)  # dynamo does not guard is_leaf
-            )  # fmt: skip
+            key.append(leaf.is_leaf)  # dynamo guards the rest of a tensor, not is_leaf
         elif kind is float:
             key.append((float, leaf.hex()))  # exact, and nan equals nan
         elif kind in CONSTANTS:

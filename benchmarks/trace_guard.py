@@ -15,6 +15,8 @@ attributes). This script times, per call, on the same small backward (a linear's
 - the same backward through ``torch.compile(fullgraph=True)`` with a backend that runs dynamo's
   graph as it is (what running through the compiled frame would cost instead),
 - ``AutoSplitter.plan`` as a node's first backward calls it (signature, ambient state, check),
+- the check in place: forward + backward of the op with the check, less the same with the
+  check skipped (the first check after a forward runs cold, slower than a repeated one),
 
 as CPU time of this process, the minimum over rounds, with one thread.
 """
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 import customgrad as cg
-from customgrad._autosplit import AutoSplitter
+from customgrad._autosplit import AutoSplitter, _Capture
 from customgrad._pass import BackwardContext
 
 ROUNDS = 7
@@ -68,7 +70,7 @@ def main() -> None:
     linear(x, w).backward(g)  # the first backward captures it
     auto = linear.rules.auto
     assert isinstance(auto, AutoSplitter)
-    ((capture,),) = [c for c in auto._cache.values() if isinstance(c, list)]
+    ((capture,),) = [entry.captures for entry in auto._cache.values()]
     saved = (x, w)  # as the engine hands them: the inputs themselves
     requires = frozenset({"x", "weight"})
     ctx = BackwardContext(linear, "full", requires)
@@ -90,6 +92,17 @@ def main() -> None:
             ),
             "through the compiled frame": per_call(lambda: compiled(ctx, saved, g)),
         }
+    # In place: forward + backward of the op, with the check and with it skipped. The first
+    # check after a forward costs more than a repeated one (dynamo's guard manager runs cold).
+    step = lambda: linear(x, w).backward(g)  # noqa: E731
+    with_check = per_call(step)
+    holds = _Capture.holds
+    _Capture.holds = lambda self, frame: True  # type: ignore[method-assign]
+    try:
+        without = per_call(step)
+    finally:
+        _Capture.holds = holds  # type: ignore[method-assign]
+    times["the check in forward + backward"] = with_check - without
     floor = times["backward called directly"]
     print(f"CPU time per call, µs (process_time, min of {ROUNDS} x {CALLS}, 1 thread)")
     print(f"| {'what':<34} | {'µs':>7} | {'/ backward':>10} |")

@@ -387,6 +387,15 @@ def main() -> None:
                 f"{', '.join(f'{t / co:.2f}' for t in ours)} |"
             )
 
+    # The automatic split's cost: per node, the capture is selected by dynamo's guard manager
+    # (customgrad._autosplit), then the generated passes run as a pair's would.
+    print("\n| op | path | customgrad auto / customgrad pair [<= 1.20] |")
+    print("|---|---|---:|")
+    for case in cases:
+        for mode in MODES[1:]:
+            auto, pair = r[case, "customgrad auto", mode], r[case, "customgrad pair", mode]
+            print(f"| {case} | {mode} | {auto / pair:.2f} |")
+
     pipe = _time_passes(max(1, number // 5), repeat)
     print()
     print("A 4-layer MLP (width 16, batch 8): µs per microbatch and pass, forward excluded")

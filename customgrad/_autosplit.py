@@ -1,10 +1,12 @@
-"""The automatic split of a single backward: trace it once, cut the trace into I and W parts.
+"""The automatic split of a single backward: capture it with dynamo, cut the capture into I and W.
 
 One ``register_backward`` that returns every gradient is how people write a backward (as in
 ``torch.autograd.Function``), but under a pipeline's split backward such a function runs whole in
 the input pass (I) and again in the weight pass (W). With ``split="auto"`` (the default)
-customgrad traces it once per input signature with ``make_fx`` on fake tensors (other custom ops,
-customgrad ops among them, stay single opaque calls) and cuts the trace in two:
+customgrad captures it with torch's own frontend, dynamo
+(``torch.compile(..., fullgraph=True)`` with a backend that only keeps the graph), lowers the
+captured graph to aten ops with ``make_fx`` on fake tensors (other custom ops, customgrad ops
+among them, stay single opaque calls) and cuts it in two:
 
 - work that only input gradients need runs in I, work that only weight gradients need in W, and
   work that no requested gradient needs is dropped;
@@ -12,25 +14,35 @@ customgrad ops among them, stay single opaque calls) and cuts the trace in two:
   pass through the node's hand-off (``NodeRecord.handoff``, freed once W ran); with
   ``recompute="cheap"`` shared results that cost no FLOPs (views, elementwise ops) are
   recomputed in the later pass instead of kept;
-- a full backward runs the whole trace once.
+- random ops all run in the earlier pass, in the order the backward calls them, and what the
+  later pass needs of them is handed over: the draws are those of one call at the first pass;
+- a full backward runs the whole capture once.
 
 Each pass is a generated :class:`torch.fx.GraphModule` (straight-line Python calling aten ops),
 so a call costs about what a hand-written pair costs. The gradients go back to customgrad's
 validation as any backward's do.
 
-A trace gives what calling the backward would give, or there is none. It is reused only for
-calls with the same signature: the tensors' metadata (``requires_grad`` included: the fakes keep
-it), plain values, the arguments that require grad, ambient state and what the function reads
-from Python state (:mod:`customgrad._guards`). Tracing holds one process-wide lock (``make_fx``
-and fake modes keep global state) and changes no logger level or warning filter.
+**What selects a capture.** Dynamo guards what the backward read (globals, closures, modules'
+attributes, objects' fields, torch's global state, the arguments' metadata); customgrad checks
+those guards per node, in C++, through the guard manager dynamo keeps for the captured code
+(:func:`customgrad._torch.dynamo.guard_check`), and adds what dynamo's guards miss: each tensor
+argument's ``is_leaf``, floats and complex numbers compared by their exact bits (``0j`` and
+``-0j``), attributes added later to a module the backward read (``getattr(torch, name,
+default)``), the values of plain saved values and the ambient state (:func:`ambient`). Each
+capture has its own code object, so dynamo's caches, recompile limits and the user's own
+``torch.compile`` calls are not shared with it; a guard that fails captures again, up to
+:data:`RECAPTURES` times per signature, then the op runs once.
 
-A backward that cannot be traced (Python control flow on tensor values, kernels launched on raw
-data pointers, objects read from its closure or globals, anything ``make_fx`` refuses) falls back
-to ``split="phase"``: it is called in each
-pass with ``ctx.needs_input_grad`` set for the pass, and one log line on the ``customgrad``
-logger says why. Inside another trace (``torch.compile``'s AOTAutograd, ``make_fx``, functorch
-transforms) the backward is called as written, and the outer trace records it: correct
-gradients first.
+**What runs once.** A backward dynamo cannot capture whole (a graph break: Python control flow
+on tensor values, ``print``, a function dynamo skips such as ``torch.manual_seed``, a raw Triton
+launch on the CPU interpreter, a name that is not defined), one that changes state outside itself
+(a global rebound, a list appended to: dynamo would replay it in bytecode a split never runs),
+one that reads a tensor that is not an argument, or one ``make_fx`` cannot lower, runs once,
+whole (the run-once rule of :mod:`customgrad._codegen`), and one log line on the ``customgrad``
+logger says why, with dynamo's reason and the line. Inside another trace (``torch.compile``'s
+AOTAutograd, ``make_fx``, functorch transforms) the backward is called as written, and the outer
+trace records it. Capturing holds one process-wide lock and changes no logger level, warning
+filter or dynamo setting.
 """
 
 from __future__ import annotations
@@ -46,16 +58,20 @@ import torch
 import torch.fx as fx
 
 from customgrad._errors import CustomGradError, where
-from customgrad._guards import CONSTANTS, Impure, TraceGuard, ambient
 from customgrad._handoff import nbytes
 from customgrad._partition import ancestors, cut, extract, free
 from customgrad._rules import OpSpec
+from customgrad._torch import dynamo
 from customgrad._torch.dispatcher import (
     INFRA_MODES,
     OpOverload,
     TorchDispatchMode,
+    any_autocast_enabled,
     aten_callables,
+    deterministic,
+    deterministic_warn_only,
     dispatch_stack_len,
+    function_stack_len,
     get_dispatch_mode,
     overload_name,
     schema_of,
@@ -70,15 +86,28 @@ from customgrad._torch.fake import (
 )
 from customgrad._torch.transforms import functorch_active, legacy_batched
 
-__all__ = ["MAX_SIGNATURES", "AutoSplitter", "Fallback", "TracedSplit", "describe_node"]
+__all__ = [
+    "CONSTANTS",
+    "MAX_SIGNATURES",
+    "RECAPTURES",
+    "AutoSplitter",
+    "Fallback",
+    "TracedSplit",
+    "ambient",
+    "describe_node",
+]
 
 log = logging.getLogger("customgrad")
 
 MAX_SIGNATURES = 256
-"""Input signatures traced per op; calls with new ones beyond that fall back (one log line)."""
+"""Input signatures captured per op; calls with new ones beyond that fall back (one log line)."""
+
+RECAPTURES = 8
+"""Captures per input signature (the first, then one per failed guard: a global the backward
+reads rebound, a flag flipped); beyond that the op runs once (one log line)."""
 
 RETRIES = 2
-"""Traces tried again for a signature whose trace failed for a reason of an unknown kind."""
+"""Captures tried again for a signature whose capture failed for a reason of an unknown kind."""
 
 MSG_FALLBACK = (
     "{op}: the single backward cannot be split automatically: {why}. It runs once, whole, in "
@@ -90,6 +119,22 @@ MSG_FALLBACK = (
     "work, unsafe for kernels that write into their inputs). (backward defined at {loc})"
 )
 
+# Plain values compared by value (floats apart: by their exact bits). A saved value of one of
+# these kinds selects a capture by its value (the capture specializes on it).
+CONSTANTS = (
+    type(None),
+    bool,
+    int,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    torch.Size,
+)
+
 _Tensor = torch.Tensor
 _functorch_active = functorch_active
 _dispatch_stack_len = dispatch_stack_len
@@ -97,7 +142,38 @@ _get_mode = get_dispatch_mode
 _INFRA_MODES = INFRA_MODES  # fake, proxy, functional
 
 _TRACE_LOCK = threading.RLock()
-"""One trace at a time in the process: ``make_fx`` and fake tensor modes keep global state."""
+"""One capture at a time in the process: dynamo, ``make_fx`` and fake modes keep global state."""
+
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "privateuseone", "mtia", "maia")
+_any_autocast = any_autocast_enabled
+_function_modes = function_stack_len
+_deterministic = deterministic
+_warn_only = deterministic_warn_only
+_default_dtype: Any = torch.get_default_dtype
+
+
+def ambient() -> Any:
+    """The ambient state a capture depends on, as a hashable key (cheap: read per backward):
+    deterministic algorithms, the default dtype, autocast per device and the default device.
+
+    The grad mode is not in it: a captured backward runs only without grad (a ``create_graph``
+    backward calls the function as written).
+    """
+    det = _deterministic()
+    plain = (det and (_warn_only() or 2), _default_dtype())  # warn-only matters only when on
+    if not _any_autocast() and not _function_modes():
+        return plain
+    autocast: Any = None
+    if _any_autocast():
+        enabled = tuple(
+            (d, torch.get_autocast_dtype(d))
+            for d in _AUTOCAST_DEVICES
+            if torch.is_autocast_enabled(d)
+        )
+        autocast = (enabled, torch.is_autocast_cache_enabled())
+    # set_default_device works through a torch function mode
+    device = torch.get_default_device() if _function_modes() else None
+    return (plain, autocast, device)
 
 
 def _tracing_now() -> bool:
@@ -192,7 +268,7 @@ def _why(e: BaseException) -> tuple[str, str]:
             "customgrad op), which the trace keeps as one opaque call",
         )
     return (
-        f"tracing it with make_fx on fake tensors raised {type(e).__name__}: {first}",
+        f"lowering it to aten ops (make_fx on fake tensors) raised {type(e).__name__}: {first}",
         "make it run on fake tensors (no data access from Python; opaque kernels wrapped in "
         "custom ops with fake kernels)",
     )
@@ -227,12 +303,16 @@ def _quiet_tracing() -> Iterator[None]:
 # The splitter of one op's single backward
 
 
+# --------------------------------------------------------------------------------------------
+# The splitter of one op's single backward
+
+
 class AutoSplitter:
     """The automatic split of one op's single backward (``AutogradRules.auto``).
 
     :meth:`plan` is called at a node's first backward; it returns the node's
-    :class:`TracedSplit` (shared by every node with the same input signature), or None to call
-    the backward as written.
+    :class:`TracedSplit` (shared by every node whose call selects the same capture), or None to
+    call the backward as written.
 
     Args:
         op: the op.
@@ -240,7 +320,7 @@ class AutoSplitter:
         recompute: ``"cheap"`` recomputes shared results without FLOPs in the later pass.
 
     Attributes:
-        traces: how many times the backward was traced (once per input signature).
+        traces: how many times the backward was captured.
         last: what the latest node's :meth:`plan` found (a :class:`TracedSplit` or a
             :class:`Fallback`), or None before any backward.
     """
@@ -251,9 +331,12 @@ class AutoSplitter:
         self.recompute = recompute == "cheap"
         self.traces = 0
         self.last: TracedSplit | Fallback | None = None
-        self._cache: dict[Any, TracedSplit | Fallback] = {}
+        # signature -> the captures made for it (newest first), or why there is none
+        # signature -> its captures (any shapes: dynamo's guards select among them) and why
+        # there is none
+        self._cache: dict[Any, _Entry] = {}
+        self._ctx: dict[frozenset[str], Any] = {}  # read-only contexts, one per requires
         self._logged = False
-        self._guard = TraceGuard(fn)
         self.held_bytes: int | None = None
         """The bytes of gradients the latest run-once backward held from its first pass for
         the later one (None before any)."""
@@ -283,30 +366,29 @@ class AutoSplitter:
             leaves, structure = _flatten(saved, grads)
             signature = _signature(leaves, (structure, requires), flat=False)
         if not isinstance(signature, Fallback):
-            # A trace is reused only for a backward proven to read nothing but its arguments
-            # and immutable values (customgrad._guards); ambient state selects it too.
-            try:
-                reads = self._guard.check()
-            except Impure as e:
-                signature = Fallback(
-                    f"it reads {e.what}, which a trace would freeze",
-                    "pass what it reads as arguments of the op or save it in "
-                    "save_for_backward (tensors and plain values select the trace), or read "
-                    "immutable values only (numbers, strings, tuples, plain functions)",
-                )
-            else:
-                signature = (signature, ambient(), reads)
-        if not isinstance(signature, Fallback) and _batched(grads):
-            # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the backward
-            # on batched gradients: called as written, it batches each op it runs.
-            signature = _INSIDE_TRACE
+            signature = (signature, ambient())
+            if _batched(grads):
+                # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the
+                # backward on batched gradients: called as written, it batches each op it runs.
+                signature = _INSIDE_TRACE
+        outcome: TracedSplit | Fallback
         if isinstance(signature, Fallback):
-            outcome: TracedSplit | Fallback = signature
+            outcome = signature
         else:
-            found = self._cache.get(signature)
-            if found is None or (type(found) is Fallback and found.retries):
-                found = self._trace(signature, make_ctx, leaves, structure, requires)
-            outcome = found
+            entry = self._cache.get(signature)
+            ctx = self._ctx.get(requires)
+            if ctx is None:
+                ctx = self._ctx[requires] = make_ctx(requires)
+            frame = {"ctx": ctx, "saved": saved, "grads": grads}
+            if entry is not None and entry.fallback is not None and not entry.fallback.retries:
+                outcome = entry.fallback
+            else:
+                for capture in entry.captures if entry is not None else ():
+                    if capture.holds(frame):
+                        outcome = capture.split
+                        break
+                else:
+                    outcome = self._capture(signature, frame, leaves, structure, requires)
         self.last = outcome
         if isinstance(outcome, TracedSplit):
             return outcome
@@ -319,32 +401,55 @@ class AutoSplitter:
             )
         return None
 
-    def _trace(
+    def _capture(
         self,
         signature: Any,
-        make_ctx: Callable[[frozenset[str]], Any],
+        frame: dict[str, Any],
         leaves: Sequence[Any],
         structure: Any,
         requires: frozenset[str],
     ) -> TracedSplit | Fallback:
         with _TRACE_LOCK:
-            found = self._cache.get(signature)
-            if found is not None and not (isinstance(found, Fallback) and found.retries):
+            entry = self._cache.get(signature)
+            if entry is None:
+                entry = self._cache[signature] = _Entry()
+            for capture in entry.captures:  # another thread captured it meanwhile
+                if capture.holds(frame):
+                    return capture.split
+            found = entry.fallback
+            if found is not None and not found.retries:
                 return found
-            left = RETRIES if found is None else found.retries - 1
-            if found is None and len(self._cache) >= MAX_SIGNATURES:
+            shapes = _shapes(leaves)
+            tries = entry.tries.get(shapes, 0)
+            if not tries and len(entry.tries) >= MAX_SIGNATURES:
                 return Fallback(
-                    f"it was traced for {MAX_SIGNATURES} input signatures already (shapes, "
+                    f"it was captured for {MAX_SIGNATURES} input signatures already (shapes, "
                     f"dtypes or saved values change from call to call)",
                     "call the op with a few distinct shapes (pad to buckets)",
                 )
+            if tries >= RECAPTURES:
+                return Fallback(
+                    f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a "
+                    f"global rebound, a flag flipped, an object's field set), and each change "
+                    f"needs a new capture",
+                    "pass what changes as an argument of the op (tensors and plain values "
+                    "select the capture), or keep it fixed during training",
+                )
+            entry.tries[shapes] = tries + 1
             self.traces += 1
-            outcome = _trace(
-                self.op, self.fn, make_ctx, leaves, structure, requires, self.recompute
-            )
-            if isinstance(outcome, Fallback) and outcome.retries:
-                outcome.retries = left
-            self._cache[signature] = outcome
+            outcome = _capture(self.op, self.fn, frame, leaves, structure, requires, self.recompute)
+            if isinstance(outcome, _Capture):
+                entry.captures.insert(0, outcome)
+                entry.fallback = None
+                return outcome.split
+            if entry.captures:
+                # What it reads now cannot be captured (a flag that sends it down a Python
+                # branch dynamo refuses): run once now; what it read before may come back (each
+                # such try counts against the captures of the shapes).
+                return outcome
+            if outcome.retries:
+                outcome.retries = RETRIES if found is None else found.retries - 1
+            entry.fallback = outcome
             return outcome
 
     def held(self, value: Any) -> None:
@@ -369,6 +474,434 @@ class AutoSplitter:
         """The latest reason not to split, if the latest backward was not split."""
         last = self.last
         return last if isinstance(last, Fallback) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Capturing with dynamo
+
+
+class _Capture:
+    """One capture of a backward: its split and what must hold to reuse it.
+
+    ``holds(frame)`` is dynamo's guard check for the capture's code (C++), then customgrad's
+    checks of what those guards compare too loosely: floats and complex numbers read by exact
+    bits, and modules the backward read that gained an attribute its code names.
+    """
+
+    __slots__ = ("_bits", "_check", "_globals", "_modules", "_names", "_read", "split")
+
+    def __init__(
+        self,
+        split: TracedSplit,
+        check: Callable[[dict[str, Any]], bool],
+        scope: dict[str, Any],
+        constants: tuple[Callable[..., tuple[Any, ...]] | None, tuple[Any, ...]],
+        modules: list[list[Any]],
+        names: frozenset[str],
+    ) -> None:
+        self.split = split
+        self._check = check
+        self._globals = scope
+        self._read, self._bits = constants
+        self._modules = modules
+        self._names = names
+
+    def holds(self, frame: dict[str, Any]) -> bool:
+        if _dispatch_stack_len():
+            # A dispatch mode (a FLOP counter, a profiler's) adds the Python key to every
+            # tensor's dispatch keys, which dynamo's tensor guards compare: check as captured.
+            with _disable_current_modes():
+                if not self._check(frame):
+                    return False
+        elif not self._check(frame):
+            return False
+        read = self._read
+        if read is not None:
+            try:
+                if tuple(map(_bits, read(self._globals, frame))) != self._bits:
+                    return False
+            except Exception:
+                return False
+        for entry in self._modules:
+            module, size, keys = entry
+            now = module.__dict__
+            if len(now) != size:
+                added = now.keys() - keys
+                if added & self._names:
+                    return False  # getattr(module, name, default) reads something else now
+                entry[1], entry[2] = len(now), frozenset(now)  # unrelated (a lazy import)
+        return True
+
+
+class _Entry:
+    """The captures of one signature (newest first), the captures tried per shapes, and why
+    there is none (a :class:`Fallback` cached for the signature)."""
+
+    __slots__ = ("captures", "fallback", "tries")
+
+    def __init__(self) -> None:
+        self.captures: list[_Capture] = []
+        self.tries: dict[Any, int] = {}
+        self.fallback: Fallback | None = None
+
+
+def _shapes(leaves: Sequence[Any]) -> Any:
+    """The tensors' shapes, strides, dtypes, devices and requires-grad (dynamo's guards check
+    them: here they only count captures per shapes)."""
+    return tuple(
+        (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+        for t in leaves
+        if isinstance(t, _Tensor)
+    )
+
+
+def _bits(value: Any) -> Any:
+    """``value`` as compared exactly: floats by their bits (-0.0 != 0.0, nan == nan)."""
+    kind = type(value)
+    if kind is float:
+        return (float, value.hex())
+    if kind is complex:
+        return (complex, value.real.hex(), value.imag.hex())
+    return (kind, value)
+
+
+class _Refused(Exception):
+    """Why a capture cannot be used (raised in the capturing backend, or after it)."""
+
+    def __init__(self, why: str, fix: str, known: bool = True) -> None:
+        super().__init__(why)
+        self.why = why
+        self.fix = fix
+        self.known = known  # an unknown reason may come from outside the backward: try again
+
+
+_WRAPPER = "def backward(ctx, saved, grads):\n    return fn(ctx, saved, *grads)\n"
+
+
+def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
+    """A new function (with its own code object: dynamo's cache, guards and recompile count are
+    per code object) that calls ``fn``."""
+    scope: dict[str, Any] = {"fn": fn, "__name__": f"customgrad.capture.{op.name}"}
+    exec(compile(_WRAPPER, f"<customgrad capture of {op.name}>", "exec"), scope)
+    return scope["backward"]
+
+
+def _capture(
+    op: OpSpec,
+    fn: Callable[..., Any],
+    frame: dict[str, Any],
+    leaves: Sequence[Any],
+    structure: Any,
+    requires: frozenset[str],
+    recompute: bool,
+) -> _Capture | Fallback:
+    """Capture ``fn`` called on ``frame`` with dynamo, lower the graph to aten, split it."""
+    wrapper = _wrapper(op, fn)
+    got: list[dynamo.Captured] = []
+    markers: list[Any] = []
+
+    def on_graph(captured: dynamo.Captured) -> Callable[..., Any]:
+        if captured.side_effects:
+            changed = ", ".join(_in_words(source, fn) for source in captured.side_effects)
+            raise _Refused(
+                f"it changes state outside itself ({changed}), which "
+                f"dynamo replays after the graph and a split pass would not",
+                "return what it computes instead of storing it (or keep it run once)",
+            )
+        for value in captured.outputs:
+            if not isinstance(value, _Tensor) or any(
+                not isinstance(s, int) for s in (*value.shape, *value.stride())
+            ):
+                raise _Refused(
+                    "a gradient's shape depends on tensor values (.item(), nonzero)",
+                    "keep shapes fixed and compute with tensor ops (torch.where, masks)",
+                )
+            # Stand-ins: the capture call returns them in place of the gradients, so that the
+            # dict dynamo rebuilds says which graph output each gradient is.
+            markers.append(
+                torch.empty_strided(
+                    value.shape, value.stride(), dtype=value.dtype, device=value.device
+                )
+            )
+        got.append(captured)
+        outs = tuple(markers)
+        return lambda *args: outs
+
+    try:
+        try:
+            with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
+                result = dynamo.capture(
+                    wrapper, (frame["ctx"], frame["saved"], frame["grads"]), on_graph
+                )
+        except Exception as e:
+            why, fix, known = _refusal(e)
+            fallback = Fallback(why, fix)
+            fallback.retries = int(not known)
+            return fallback
+        if not got:
+            return Fallback(
+                "dynamo did not capture it (torch.compile is disabled here: "
+                "torch.compiler.set_stance, TORCHDYNAMO_DISABLE)",
+                "let torch.compile run",
+            )
+        captured = got[0]
+        try:
+            gm, layout, tensor_idx = _lower(op, captured, markers, result, leaves, structure)
+            split = _split(op, gm, layout, tensor_idx, leaves, structure, requires, recompute)
+            if isinstance(split, Fallback):
+                return split
+            check = dynamo.guard_check(wrapper.__code__)
+            if check is None:
+                raise _Refused("dynamo kept no single guard set for it", "report it")
+            extra = _extra_checks(captured, wrapper.__globals__, frame)
+        except _Refused as e:
+            fallback = Fallback(e.why, e.fix)
+            fallback.retries = int(not e.known)
+            return fallback
+        except _Invalid:
+            # Called as written, the backward raises customgrad's own error, which says it all.
+            return Fallback("it returned what customgrad's validation refuses", "", logged=False)
+        return _Capture(split, check, wrapper.__globals__, *extra, captured.names)
+
+    finally:
+        # dynamo's cache entry keeps the backend (and so these lists): keep no tensor of the
+        # call alive through them
+        got.clear()
+        markers.clear()
+
+
+def _in_words(source: str, fn: Callable[..., Any]) -> str:
+    """dynamo's name of what ``fn`` reads, with ``fn``'s closure cells named."""
+    import re
+
+    found = re.match(r"fn\.__closure__\[(\d+)\]\.cell_contents(.*)", source)
+    code = getattr(fn, "__code__", None)
+    if found is None or code is None or int(found.group(1)) >= len(code.co_freevars):
+        return source
+    var = code.co_freevars[int(found.group(1))]
+    return f"the closure variable {var!r} of {fn.__qualname__}{found.group(2)}"
+
+
+def _extra_checks(
+    captured: dynamo.Captured, scope: dict[str, Any], frame: dict[str, Any]
+) -> tuple[tuple[Any, tuple[Any, ...]], list[list[Any]]]:
+    """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
+    compares by ``==``, compared by its bits; each module it guards by identity, with its
+    attributes as they are now."""
+    names = {"G": scope, "L": frame}
+    exact: list[str] = []
+    for source in captured.constants:
+        try:
+            value = eval(source, dict(names))
+        except Exception:
+            raise _Refused(
+                f"dynamo guards {source} by ==, which customgrad cannot read again",
+                "pass it as an argument of the op",
+            ) from None
+        if type(value) in (float, complex):
+            exact.append(source)
+    # One function reads them all per check: dynamo's names are expressions of G and L.
+    read: Any = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
+    constants = (read, tuple(map(_bits, read(scope, frame))) if read is not None else ())
+    modules: list[list[Any]] = []
+    for source in captured.modules:
+        try:
+            module = eval(source, dict(names))
+        except Exception:
+            continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
+        held = vars(module)
+        modules.append([module, len(held), frozenset(held)])
+    return constants, modules
+
+
+def _lower(
+    op: OpSpec,
+    captured: dynamo.Captured,
+    markers: list[Any],
+    result: Any,
+    leaves: Sequence[Any],
+    structure: Any,
+) -> tuple[fx.GraphModule, list[tuple[str, Any]], list[int]]:
+    """The captured graph lowered to aten ops by ``make_fx`` on fake tensors, as
+    ``(*tensor leaves) -> gradients``, with where each gradient sits in its outputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
+    position = {id(leaves[i]): k for k, i in enumerate(tensor_idx)}
+    inputs: list[int] = []
+    for example, source in captured.inputs:
+        k = position.get(id(example))
+        if k is None:
+            raise _Refused(
+                f"it reads the tensor {source}, which is not one of its arguments (a trace "
+                f"would keep that tensor's value)",
+                "save it with save_for_backward, or pass it to the op as an argument",
+            )
+        inputs.append(k)
+    # Where each gradient is: graph output i, argument k, or None.
+    where_out = {id(m): i for i, m in enumerate(markers)}
+    sig = op.signature
+    if type(result) is not dict:
+        raise _Invalid
+    plan: list[tuple[str, Any]] = []
+    for name, value in result.items():
+        if not isinstance(name, str) or name not in sig.tensor_set:
+            raise _Invalid
+        is_list = sig.args[sig.index[name]].kind.value == "Tensor[]"
+        values = value if is_list and isinstance(value, (list, tuple)) else None
+        if values is None and is_list and value is not None:
+            raise _Invalid
+        slots: list[tuple[str, int] | None] = []
+        for t in values if values is not None else [value]:
+            if t is None:
+                slots.append(None)
+            elif not isinstance(t, _Tensor):
+                raise _Invalid
+            elif id(t) in where_out:
+                slots.append(("out", where_out[id(t)]))
+            elif id(t) in position:
+                slots.append(("in", position[id(t)]))
+            else:
+                raise _Refused(
+                    "it returns a tensor that it did not compute from its arguments (a global "
+                    "tensor, or one made outside what dynamo captured)",
+                    "compute every gradient from the saved values and output gradients",
+                )
+        plan.append((name, slots if values is not None else slots[0]))
+    graph = captured.graph
+    layouts: list[list[tuple[str, Any]]] = []
+
+    def body(*tensors: Any) -> list[Any]:
+        outs = graph(*(tensors[k] for k in inputs))
+        flat: list[Any] = []
+        layout: list[tuple[str, Any]] = []
+
+        def put(slot: Any) -> int | None:
+            if slot is None:
+                return None
+            flat.append(outs[slot[1]] if slot[0] == "out" else tensors[slot[1]])
+            return len(flat) - 1
+
+        for name, slot in plan:
+            layout.append((name, [put(s) for s in slot] if isinstance(slot, list) else put(slot)))
+        layouts.append(layout)
+        return flat
+
+    # Detached (copying a non-leaf's autograd metadata warns), with requires_grad as it is.
+    args = [_like(leaves[i]) for i in tensor_idx]
+    try:
+        # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
+        with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
+            gm = make_fx(body, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+            if _mutating(gm):
+                # In-place ops: lower again, functionalized, so that every node is a pure
+                # function of its inputs (the partition below relies on it).
+                layouts.clear()
+                functional = torch.func.functionalize(body)
+                gm = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    except (_Refused, _Invalid, CustomGradError):
+        raise
+    except Exception as e:
+        why, fix = _why(e)
+        raise _Refused(why, fix, known=not why.startswith("lowering it")) from None
+    return gm, layouts[-1], tensor_idx
+
+
+def _split(
+    op: OpSpec,
+    gm: fx.GraphModule,
+    layout: list[tuple[str, Any]],
+    tensor_idx: list[int],
+    leaves: Sequence[Any],
+    structure: Any,
+    requires: frozenset[str],
+    recompute: bool,
+) -> TracedSplit | Fallback:
+    mutated = _mutating(gm)
+    if mutated:
+        return Fallback(
+            f"it writes in place into a tensor it did not create ({mutated[0].target})",
+            "compute out of place into new tensors",
+        )
+    gm = _without_common_subexpressions(gm)
+    flat = isinstance(structure, int)
+    all_tensors = flat and len(tensor_idx) == len(leaves)
+    return TracedSplit(op, gm, layout, tensor_idx, all_tensors, flat, requires, recompute)
+
+
+def _refusal(e: BaseException) -> tuple[str, str, bool]:
+    """Why dynamo could not capture a backward, the fix, and whether the reason is known (an
+    unknown one may come from outside the backward, and is tried again)."""
+    from customgrad._triton import raw_launch
+
+    if isinstance(e, _Refused):
+        return e.why, e.fix, True
+    inner = dynamo.backend_error(e)
+    if isinstance(inner, _Refused):
+        return inner.why, inner.fix, True
+    refusal = dynamo.unsupported(e)
+    launch = raw_launch(e) or (raw_launch(inner) if inner is not None else None)
+    if launch is None and refusal is not None:
+        launch = _triton_frame(refusal.stack)
+    if launch is not None:
+        return (
+            f"it launches the Triton kernel {launch.kernel} directly ({launch.at}): a raw "
+            f"launch, which dynamo cannot capture here",
+            "wrap the Triton launch in an op with a fake kernel (torch.library.triton_op, or "
+            "a customgrad op with register_fake) and call the op from the backward: the "
+            "capture keeps it as one opaque call",
+            True,
+        )
+    if refusal is None:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if len(first) > 160:
+            first = first[:157] + "..."
+        return (
+            f"capturing it with dynamo raised {type(e).__name__}: {first}",
+            "make it run under torch.compile(fullgraph=True)",
+            False,
+        )
+    at = f" at {refusal.at}" if refusal.at else ""
+    line = f" (`{refusal.line}`)" if refusal.line else ""
+    kind = refusal.kind
+    if kind == "failed to find name in frame builtins" or "find name" in kind:
+        name = refusal.explanation.split("`")[1] if refusal.explanation.count("`") >= 2 else "?"
+        return (
+            f"NameError: name {name!r} is not defined{at}{line}",
+            f"define or import {name!r} in the module of the backward",
+            True,
+        )
+    text = f"{kind} {refusal.explanation}".lower()
+    if "data-dependent" in text or "data dependent" in text:
+        return (
+            f"it branches on tensor values in Python{at}{line}",
+            "compute with tensor ops instead (torch.where, masks), so the same ops run for "
+            "every value",
+            True,
+        )
+    return (
+        f"dynamo cannot capture it{at}{line}: {(refusal.explanation or kind).rstrip('.')}",
+        "rewrite that line with torch ops, or pass what it reads as an argument of the op",
+        True,
+    )
+
+
+def _triton_frame(stack: Sequence[tuple[str, int, str]]) -> Any:
+    """The raw Triton launch in the frames dynamo was tracing (the first frame in Triton's
+    runtime, and the user's line that launched it), or None."""
+    import os
+    import re
+
+    from customgrad._triton import RawLaunch
+
+    runtime = f"{os.sep}triton{os.sep}runtime{os.sep}"
+    for i, (file, _, _) in enumerate(stack):
+        if runtime in file and i:
+            caller_file, lineno, line = stack[i - 1]
+            found = re.match(r"\s*(?:[\w.]+\s*=\s*)?([\w.]+)\s*\[", line)
+            kernel = found.group(1).rpartition(".")[2] if found else "(unknown)"
+            return RawLaunch(kernel, f"{caller_file}:{lineno}")
+    return None
 
 
 def _batched(grads: tuple[Any, ...]) -> bool:
@@ -403,8 +936,9 @@ def _unflatten(structure: Any, values: list[Any]) -> tuple[Any, tuple[Any, ...]]
 
 
 def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
-    """What a trace depends on: shapes, strides, dtypes, devices and requires-grad of the
-    tensors, and the values of everything else.
+    """What selects the captures to check besides dynamo's guards (which check the tensors'
+    shapes, strides, dtypes, devices and requires-grad): the tensors' is-leaf, the values of
+    everything else.
 
     Returns the signature (a tuple), a :class:`Fallback` for leaves a trace can't take, or None
     when ``flat`` and a leaf is a container (flatten it first).
@@ -413,7 +947,7 @@ def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
     for leaf in leaves:
         kind = type(leaf)
         if kind is _Tensor or kind is torch.nn.Parameter:
-            key.append((leaf.shape, leaf.stride(), leaf.dtype, leaf.device, leaf.requires_grad))
+            key.append(leaf.is_leaf)  # dynamo guards the rest of a tensor, not is_leaf
         elif kind is float:
             key.append((float, leaf.hex()))  # exact, and nan equals nan
         elif kind in CONSTANTS:
@@ -573,66 +1107,6 @@ def _pure(node: fx.Node) -> bool:
     return True
 
 
-def _trace(
-    op: OpSpec,
-    fn: Callable[..., Any],
-    make_ctx: Callable[[frozenset[str]], Any],
-    leaves: Sequence[Any],
-    structure: Any,
-    requires: frozenset[str],
-    recompute: bool,
-) -> TracedSplit | Fallback:
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
-    template = [None if isinstance(leaf, _Tensor) else leaf for leaf in leaves]
-    layouts: list[list[tuple[str, Any]]] = []
-    sig = op.signature
-
-    def body(*tensors: Any) -> list[Any]:
-        values = list(template)
-        for i, t in zip(tensor_idx, tensors):
-            values[i] = t
-        saved, grads = _unflatten(structure, values)
-        flat, layout = _flatten_result(sig, fn(make_ctx(requires), saved, *grads))
-        layouts.append(layout)
-        return flat
-
-    # Detached (copying a non-leaf's autograd metadata warns), with requires_grad as it is: a
-    # backward may read it (t.requires_grad is in the signature).
-    args = [_like(leaves[i]) for i in tensor_idx]
-    try:
-        # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
-        with torch.no_grad(), _disable_current_modes(), _quiet_tracing():
-            gm = make_fx(body, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
-            if _mutating(gm):
-                # In-place ops: trace again, functionalized, so that every node is a pure
-                # function of its inputs (the partition below relies on it). The plain trace
-                # came first because functionalization hides data pointers behind a 0 instead
-                # of raising for them.
-                layouts.clear()
-                functional = torch.func.functionalize(body)
-                gm = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
-    except (_Invalid, CustomGradError):
-        # Called as written, the backward raises customgrad's own error, which says it all.
-        return Fallback("it returned what customgrad's validation refuses", "", logged=False)
-    except Exception as e:
-        why, fix = _why(e)
-        fallback = Fallback(why, fix)
-        fallback.retries = int(why.startswith("tracing it with make_fx"))  # of an unknown kind
-        return fallback
-    mutated = _mutating(gm)
-    if mutated:
-        return Fallback(
-            f"it writes in place into a tensor it did not create ({mutated[0].target})",
-            "compute out of place into new tensors",
-        )
-    gm = _without_common_subexpressions(gm)
-    flat = isinstance(structure, int)
-    all_tensors = flat and len(tensor_idx) == len(leaves)
-    return TracedSplit(op, gm, layouts[-1], tensor_idx, all_tensors, flat, requires, recompute)
-
-
 def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
     """``gm`` with each repeated pure aten op computed once (torch's ``CSEPass``), so that work a
     backward writes twice (unsloth's LoRA computes ``dY @ B.t()`` for dX and again for dA) is
@@ -655,6 +1129,12 @@ def _without_common_subexpressions(gm: fx.GraphModule) -> fx.GraphModule:
             banned.add(packet)
     result = CSEPass(banned_ops=banned)(gm)
     return result.graph_module if result is not None and result.modified else gm
+
+
+def _random(node: fx.Node) -> bool:
+    """Whether ``node`` draws from a random generator (an aten op tagged nondeterministic_seeded)."""
+    target = node.target
+    return isinstance(target, OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
 
 
 def _like(t: _Tensor) -> _Tensor:
@@ -794,6 +1274,10 @@ class TracedSplit:
                 vals = [None if i is None else self._outputs[i].meta.get("val") for i in slots]
                 if all(v is None or isinstance(v, _Tensor) for v in vals):
                     self._fakes[name] = vals[0] if isinstance(slot, int) else vals
+        # Random ops run in the first pass of a node, all of them, in the order the backward
+        # calls them: the generator draws what one call of the backward draws there, and what
+        # the later pass needs of them is handed over.
+        self._random = [n for n in self._nodes if _random(n)]
         self._passes: dict[Any, _Pass] = {}
         self._bindings: dict[fx.Node, Any] = {}
         self._kept: dict[frozenset[str], tuple[list[fx.Node], set[fx.Node]]] = {}
@@ -875,7 +1359,7 @@ class TracedSplit:
         found = self._kept.get(later)
         if found is None:
             outs = self._outputs
-            early = (outs[i] for i in self._slots(self.requires - later))
+            early = [*(outs[i] for i in self._slots(self.requires - later)), *self._random]
             c = cut(self.graph_module.graph, early, [outs[i] for i in self._slots(later)],
                     "cheap" if self._recompute else "none")  # fmt: skip
             found = self._kept[later] = (list(c.kept), set(c.recomputed))
@@ -914,7 +1398,10 @@ class TracedSplit:
                 entries.append((name, 2, [None if i is None else at(i) for i in slot]))
         n_out = len(results)
         results += kept_out
-        nodes = ancestors(results, kept_in)
+        drawn = self._random if kind != "late" else []
+        nodes = ancestors([*results, *drawn], kept_in)
+        if kind == "alone":
+            results += [n for n in drawn if n not in position]  # drawn, not used
 
         def fast(node: fx.Node, copy: fx.Node) -> None:
             target = self._bindings.get(node, node.target)

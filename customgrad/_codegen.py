@@ -44,6 +44,7 @@ from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._torch import dispatcher, functions
 from customgrad._torch.transforms import forward_ad_level
+from customgrad._triton import raise_if_raw_launch
 from customgrad._user_calls import (
     _NO_VERSION,
     _VERSION,
@@ -149,6 +150,7 @@ def write_runner(
         "_watched_values": _watched_values,
         "_raise_mutation": _raise_mutation,
         "_call_user": _call_user,
+        "_raise_if_raw_launch": raise_if_raw_launch,
         "_collect": collect_grads,
         "_OBSERVED": observed,
         "_slots_of": slots_of,
@@ -390,7 +392,11 @@ def call_lines(half: str, fn: str, nondifferentiable: bool) -> list[str]:
             f"_NONDIFF)"
         ]
     return [
-        f"r = {fn}(ctx, saved, *grads)",
+        "try:",
+        f"    r = {fn}(ctx, saved, *grads)",
+        "except Exception as e:  # a raw Triton launch on fake tensors (torch.compile)?",
+        f"    _raise_if_raw_launch(e, _SPEC.name, {HALF_NAMES[half]!r}, {fn})",
+        "    raise",
         "if [*_map(_getattr, values, _VERSION, _NO_VERSION)] != before:",
         f"    _raise_mutation(_SPEC, {half!r}, {fn}, values, before, len(grads))",
     ]

@@ -762,6 +762,9 @@ def from_function(
 
     n_args = len(names)
     label = f"{function.__qualname__}.backward"
+    # The function itself, called as a plain function: dynamo (which captures this backward
+    # for the automatic split) takes ``Function.backward(...)`` for compiled autograd's call.
+    user_backward = function.backward
 
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
         n_saved, specs, computed = layouts.layout(saved[0])
@@ -779,7 +782,7 @@ def from_function(
             attrs[attr] = value
             at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
-        result = function.backward(_BackwardContext(tensors, attrs, needs), *grads)
+        result = user_backward(_BackwardContext(tensors, attrs, needs), *grads)
         got = result if isinstance(result, tuple) else (result,)
         extra = got[n_args:]
         if len(got) < n_args or any(g is not None for g in extra):

@@ -111,6 +111,15 @@ MSG_NO_FLOAT64 = (
     'dtype="own" for the arguments\' own dtypes.'
 )
 
+MSG_FLOAT64_MISMATCH = (
+    "{check} ran in float64, check_op's default (gradcheck, gradgradcheck, split and flops run "
+    "on float64 copies of the arguments; opcheck and fake on the arguments as given), and the "
+    "op's arguments are {own}: a kernel that computes in float32 inside (Triton kernels "
+    "usually do; Liger-Kernel's have no float64) cannot match float64 finite differences. "
+    "Check it in its own dtype, with tolerances that fit it: check_op(op, ..., "
+    'dtype=torch.float32), or dtype="own".'
+)
+
 MSG_COARSE_DTYPE = (
     "finite differences in {dtype} are too coarse to check a gradient; run check_op(op, ..., "
     "dtype=torch.float32) (or float64) for this check"
@@ -701,8 +710,19 @@ class _Case:
         try:
             self._gradcheck(torch.autograd.gradcheck, fn, leaves, tolerances)
         except GradcheckError as e:
-            return "failed", f"the backward disagrees with finite differences: {self._explain(e)}"
+            return "failed", (
+                f"the backward disagrees with finite differences: {self._explain(e)}"
+                f"{self._float64_note('gradcheck')}"
+            )
         return "passed", ""
+
+    def _float64_note(self, check: str) -> str:
+        """Why a float64 mismatch may be the kernel's float32 arithmetic, for arguments that
+        are not float64 themselves (else "")."""
+        own = sorted({str(self.args.get(s).dtype).removeprefix("torch.") for s in self.args.diff})
+        if self.dtype != torch.float64 or own == ["float64"]:
+            return ""
+        return ". " + MSG_FLOAT64_MISMATCH.format(check=check, own=", ".join(own))
 
     def run_gradgradcheck(self) -> tuple[Status, str]:
         if not self.args.diff:
@@ -731,7 +751,8 @@ class _Case:
         except GradcheckError as e:
             return (
                 "failed",
-                f"double backward disagrees with finite differences: {self._explain(e)}",
+                f"double backward disagrees with finite differences: {self._explain(e)}"
+                f"{self._float64_note('gradgradcheck')}",
             )
         return "passed", ""
 

@@ -11,6 +11,7 @@ the trace cache; torch.compile, double backward, functorch; lists, several outpu
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import logging
 import re
@@ -443,19 +444,29 @@ def pointer(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
     return {"x": g @ w, "weight": g.mT @ x}
 
 
+def at_line(fn: Callable[..., Any], text: str) -> str:
+    """``file:line (`text`)`` of the line of ``fn`` that starts with ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    (i,) = (i for i, line in enumerate(lines) if line.strip().startswith(text))
+    return f"{inspect.getsourcefile(fn)}:{first + i} (`{lines[i].strip()}`)"
+
+
 @pytest.mark.parametrize(
     ("backward", "why"),
     [
-        (branchy, "it branches on tensor values in Python (if tensor:, bool(), .item() in a "
-                  "condition)"),
-        (pointer, "it launches a kernel on raw data pointers (Triton, ctypes), which fake "
-                  "tensors do not have"),
+        (branchy, lambda: "it branches on tensor values in Python at "
+                          + at_line(branchy, "if g.sum() > 0")),
+        (pointer, lambda: "dynamo cannot capture it at " + at_line(pointer, "if g.data_ptr()")
+                          + ": Dynamo can only trace data pointer comparisons when it can prove "
+                            "both operands have the same data pointer"),
     ],
     ids=["branch", "data_ptr"],
 )  # fmt: skip
 def test_untraceable_backward_falls_back_with_one_log_line(
-    backward: Callable[..., Any], why: str, caplog: pytest.LogCaptureFixture
+    backward: Callable[..., Any], why: Callable[[], str], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """What dynamo cannot capture runs once, and the log line gives dynamo's reason with the
+    line it could not trace."""
     op = make_linear()
     op.register_backward(backward)
     caplog.set_level(logging.WARNING, logger="customgrad")
@@ -471,6 +482,7 @@ def test_untraceable_backward_falls_back_with_one_log_line(
     assert len(records) == 1
     message = records[0].getMessage()
     assert message.startswith(f"{op.name}: the single backward cannot be split automatically: ")
+    why = why()
     assert why in message
     assert "register_backward(fn, split='phase')" in message
     fallback = auto_of(op).last
@@ -603,7 +615,7 @@ def test_opaque_kernels_stay_one_call_in_their_pass() -> None:
     x, w = randn(4, 3), randn(2, 3)
     op(x, w).sum().backward()
     assert calls == ["mm", "mm"]  # the trace ran the fake kernel, the full backward the real
-    graph = next(iter(auto_of(op)._cache.values()))
+    graph = auto_of(op).last
     assert isinstance(graph, TracedSplit)
     targets = [str(n.target) for n in graph.graph_module.graph.nodes if n.op == "call_function"]
     assert targets.count(f"{opaque_mm.name.replace('::', '.')}.default") == 2
@@ -766,7 +778,7 @@ def test_a_backward_reading_requires_grad_of_saved_tensors_gets_gradients() -> N
 CONFIG: dict[str, Any] = {"scale": 1.0, "clip": None}
 
 
-def test_a_backward_reading_a_global_dict_is_called_as_written() -> None:
+def test_a_backward_reading_a_global_dict_is_captured_and_guarded() -> None:
     op = make_linear()
 
     @op.register_backward
@@ -784,12 +796,11 @@ def test_a_backward_reading_a_global_dict_is_called_as_written() -> None:
             gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
             gx = gx * scale if clip is None else (gx * scale).clamp(-clip, clip)
             assert_grads(split_grads(op, x, w, g), (gx, gw))
+            assert isinstance(auto_of(op).last, TracedSplit)
     finally:
         CONFIG.update(scale=1.0, clip=None)
-    # A dict can change in place: no trace, the backward runs as written (once per backward).
-    assert auto_of(op).traces == 0
-    fallback = auto_of(op).last
-    assert isinstance(fallback, Fallback) and "the global 'CONFIG'" in fallback.why
+    # dynamo guards the dict's values: each new value captured once, the first one reused
+    assert auto_of(op).traces == 3
 
 
 def test_a_closure_rebound_or_a_list_it_reads_resized_gives_the_gradient_of_a_call() -> None:
@@ -824,10 +835,10 @@ def test_a_closure_rebound_or_a_list_it_reads_resized_gives_the_gradient_of_a_ca
         match=re.escape("returned 1 gradients for 'xs', but the input list has 2 items"),
     ):
         sum_all([randn(3), randn(2)]).backward()
-    assert auto_of(sum_all).traces == 0  # a list read from a closure: called as written
+    assert auto_of(sum_all).traces == 3  # the closure's value and the list's length guarded
 
 
-def test_a_backward_reading_an_object_is_not_traced(caplog: pytest.LogCaptureFixture) -> None:
+def test_a_backward_reading_an_object_is_captured_and_guarded() -> None:
     op = make_linear()
     scaler = torch.nn.Linear(1, 1)  # an object whose state a trace would freeze
 
@@ -836,25 +847,23 @@ def test_a_backward_reading_an_object_is_not_traced(caplog: pytest.LogCaptureFix
         x, w, _ = saved
         return {"x": g @ w * scaler.in_features, "weight": g.mT @ x}
 
-    x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
-    assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
-    fallback = auto_of(op).last
-    assert isinstance(fallback, Fallback)
-    assert fallback.why == (
-        f"it reads the closure variable 'scaler' of {bwd.__qualname__} (a Linear), which a "
-        f"trace would freeze"
-    )
-    assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
-        MSG_FALLBACK.format(op=op.name, why=fallback.why, fix=fallback.fix, loc=where(bwd))
-    ]
+    for features in (1, 3):
+        scaler.in_features = features
+        x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
+        gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
+        assert_grads(split_grads(op, x, w, g), (gx * features, gw))
+        assert isinstance(auto_of(op).last, TracedSplit)
+    assert auto_of(op).traces == 2
 
 
-def test_a_backward_changing_what_it_reads_is_called_as_written() -> None:
+def test_a_backward_with_a_side_effect_runs_once_and_keeps_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     op = make_linear()
     seen: list[str] = []
 
     @op.register_backward
-    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
+    def bwd(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
         seen.append(ctx.phase)  # a Python side effect: it happens on every call as written
         x, w, _ = saved
         return {"x": g @ w, "weight": g.mT @ x}
@@ -864,10 +873,13 @@ def test_a_backward_changing_what_it_reads_is_called_as_written() -> None:
         assert_grads(split_grads(op, x, w, g), torch.autograd.grad(ref_linear(x, w), [x, w], g))
     fallback = auto_of(op).last
     assert isinstance(fallback, Fallback) and fallback.why.startswith(
-        "it reads the closure variable 'seen'"
+        "it changes state outside itself ("
     )
-    assert auto_of(op).traces == 0  # never traced: its side effect happens once per backward
+    assert "which dynamo replays after the graph and a split pass would not" in fallback.why
     assert seen == ["full", "full", "full"]  # run once per backward, every gradient asked for
+    assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
+        MSG_FALLBACK.format(op=op.name, why=fallback.why, fix=fallback.fix, loc=where(bwd))
+    ]
 
 
 def test_ambient_state_selects_the_trace() -> None:
@@ -986,7 +998,8 @@ def test_tracing_leaves_warnings_filters_and_loggers_alone() -> None:
     with on_record(lambda: during.append((list(warnings.filters), fake_logger.level))):
         x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
         split_grads(hooked_linear(), x, w, g)
-    assert during == [before[:2]]  # what other threads see while this one traces
+    # what other threads see while this one captures (dynamo, then the lowering by make_fx)
+    assert during and during == [before[:2]] * len(during)
     assert (list(warnings.filters), fake_logger.level, fake_logger.filters) == before
 
 
@@ -1112,8 +1125,8 @@ def test_a_dataclass_config_read_by_the_backward_gives_the_gradient_of_a_call() 
         x, w, g = randn(4, 3), randn(2, 3), torch.randn(4, 2, dtype=DT)
         gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
         assert_grads(split_grads(op, x, w, g), (gx * scale, gw))
-    # A mutable object: never traced, called as written (once per backward).
-    assert isinstance(auto_of(op).last, Fallback) and auto_of(op).traces == 0
+    # dynamo guards the field it read: captured again for the new value
+    assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2
 
 
 def test_a_trace_failing_for_an_unknown_reason_is_tried_again(
@@ -1175,9 +1188,9 @@ def test_other_ways_to_read_python_state_give_the_gradient_of_a_call(
         monkeypatch.setattr(sys.modules[__name__], "SCALE", k)
         scaler.k = k
 
-    # A dict default and a call object can change in place: called as written. A helper that
-    # reads a global float is traced, and traced again when the global is rebound.
-    for backward, traced in [(with_default, False), (with_helper, True), (scaler, False)]:
+    # A dict default, a helper reading a global float, a call object's field: dynamo guards
+    # each, and the backward is captured again when it changes.
+    for backward, traced in [(with_default, True), (with_helper, True), (scaler, True)]:
         op = make_linear()
         op.register_backward(backward)
         for k in (1.0, 3.0):
@@ -1186,6 +1199,7 @@ def test_other_ways_to_read_python_state_give_the_gradient_of_a_call(
             gx, gw = torch.autograd.grad(ref_linear(x, w), [x, w], g)
             assert_grads(split_grads(op, x, w, g), (gx * k, gw))
         assert isinstance(auto_of(op).last, TracedSplit) is traced
+        assert auto_of(op).traces == 2
 
 
 class LoRA_W(torch.autograd.Function):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -46,7 +48,11 @@ def _run_page(page: str) -> dict[str, object]:
         .replace("torch.ops.mylib.", f"torch.ops.test_docs_{namespace}.")
     )
     assert code
-    scope: dict[str, object] = {"__name__": "docs_page"}
+    # A module of its own, importable as a user's module is (dynamo, which captures traced
+    # backwards, reads a function's globals through its module).
+    module = types.ModuleType(f"docs_page_{namespace}")
+    sys.modules[module.__name__] = module
+    scope: dict[str, object] = module.__dict__
     # dont_inherit: the page runs as written, without this module's __future__ imports.
     exec(compile(code, str(DOCS / page), "exec", dont_inherit=True), scope)
     return scope

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 import re
@@ -1369,9 +1370,11 @@ def test_untraceable_single_backward_log_line(caplog: pytest.LogCaptureFixture) 
     caplog.set_level("WARNING", logger="customgrad")
     run_backward(op)
     run_backward(op)
+    lines, first = inspect.getsourcelines(backward)
+    at = f"{inspect.getsourcefile(backward)}:{first + 2} (`{lines[2].strip()}`)"
     assert [r.getMessage() for r in caplog.records if r.name == "customgrad"] == [
         f"{op.name}: the single backward cannot be split automatically: it branches on tensor "
-        "values in Python (if tensor:, bool(), .item() in a condition). It runs once, whole, "
+        f"values in Python at {at}. It runs once, whole, "
         "in the first pass that needs any of its gradients, and hands the gradients a later "
         "pass needs to that pass: nothing is computed twice, but under a split backward the "
         "weight work is done in the input pass. To split it automatically, compute with tensor "
@@ -2125,23 +2128,16 @@ def test_the_fallback_reasons_of_a_backward_reading_python_state_are_pinned() ->
         auto = lin.rules.auto
         assert isinstance(auto, AutoSplitter)
         fallback = auto.fallback()
-        assert fallback is not None
-        whys.append((fallback.why, fallback.fix))
-    fix = (
-        "pass what it reads as arguments of the op or save it in save_for_backward (tensors "
-        "and plain values select the trace), or read immutable values only (numbers, strings, "
-        "tuples, plain functions)"
-    )
+        whys.append(None if fallback is None else (fallback.why, fallback.fix))
+    # A module's attribute is guarded by dynamo: captured. A list appended to is a side effect
+    # dynamo would replay outside the graph: run once, naming what it changes.
     assert whys == [
+        None,
         (
-            f"it reads the closure variable 'module' of {reads_a_module.__qualname__} (a "
-            f"Linear), which a trace would freeze",
-            fix,
-        ),
-        (
-            f"it reads the closure variable 'seen' of {appends.__qualname__} (a list), which a "
-            f"trace would freeze",
-            fix,
+            f"it changes state outside itself (the closure variable 'seen' of "
+            f"{appends.__qualname__}), which dynamo replays after the graph and a split pass "
+            f"would not",
+            "return what it computes instead of storing it (or keep it run once)",
         ),
     ]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -81,10 +82,12 @@ def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     row = _row("branching")
     assert row.split == "run once"
     assert row.calls == {"whole": {"full": 1}}
+    lines, first = inspect.getsourcelines(_branching)
+    at = f"{inspect.getsourcefile(_branching)}:{first + 2} (`{lines[2].strip()}`)"
     assert row.detail == (
-        "it branches on tensor values in Python (if tensor:, bool(), .item() in a condition); "
-        "runs once, whole, in the first pass that needs a gradient; fix: compute with tensor "
-        "ops instead (torch.where, masks), so the same ops run for every value"
+        f"it branches on tensor values in Python at {at}; runs once, whole, in the first pass "
+        "that needs a gradient; fix: compute with tensor ops instead (torch.where, masks), so "
+        "the same ops run for every value"
     )
 
 

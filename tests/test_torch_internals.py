@@ -425,6 +425,75 @@ def test_dynamo_backends_and_optimized_module() -> None:
     assert isinstance(module, dynamo.optimized_module_type())
 
 
+SCALE_FOR_CAPTURE = 2.0
+LOG_FOR_CAPTURE: list[int] = []
+
+
+def test_dynamo_capture_graph_inputs_side_effects_guards_and_the_guard_check() -> None:
+    x, w = torch.randn(3, 2), torch.randn(2)
+
+    def fn(saved: Any, g: torch.Tensor) -> Any:
+        return {"x": g * saved[0] * SCALE_FOR_CAPTURE * torch.nn.functional.relu(saved[1])}
+
+    seen: list[dynamo.Captured] = []
+
+    def on_graph(captured: dynamo.Captured) -> Any:
+        seen.append(captured)
+        return captured.graph.forward
+
+    out = dynamo.capture(fn, ((x, w), torch.ones(3, 2)), on_graph)
+    torch.testing.assert_close(out["x"], x * 2.0 * w.relu())
+    (c,) = seen
+    assert sorted(source for _, source in c.inputs) == ["g", "saved[0]", "saved[1]"]
+    examples = {source: example for example, source in c.inputs}
+    assert examples["saved[0]"] is x and examples["saved[1]"] is w  # the tensors passed
+    assert [v.shape for v in c.outputs] == [torch.Size([3, 2])]
+    assert c.side_effects == []
+    assert c.constants == ["G['SCALE_FOR_CAPTURE']"]  # compared by ==: an expression of G, L
+    assert "SCALE_FOR_CAPTURE" in c.names and "relu" in c.names
+    check = dynamo.guard_check(fn.__code__)
+    assert check is not None
+    frame = {"saved": (x, w), "g": torch.ones(3, 2)}
+    assert check(frame) is True
+    assert check({"saved": (x, w), "g": torch.ones(4, 2)}) is False  # another shape
+    assert dynamo.readable("G['__import___main__'].seen") == "__main__.seen"
+    assert dynamo.readable("G['__import_torch_dot_nn'].F") == "torch.nn.F"
+    assert dynamo.readable("L['saved'][0]") == "saved[0]"
+
+    def appends(g: torch.Tensor) -> torch.Tensor:
+        LOG_FOR_CAPTURE.append(1)
+        return g * 2
+
+    seen.clear()
+    dynamo.capture(appends, (torch.ones(2),), on_graph)
+    assert [s.endswith("LOG_FOR_CAPTURE") for s in seen[0].side_effects] == [True]
+
+
+def test_dynamo_unsupported_and_backend_error_read_why_it_refused() -> None:
+    def branches(g: torch.Tensor) -> torch.Tensor:
+        if g.sum() > 0:
+            return g
+        return -g
+
+    with pytest.raises(Exception) as info:
+        dynamo.capture(branches, (torch.ones(2),), lambda c: c.graph.forward)
+    refusal = dynamo.unsupported(info.value)
+    assert refusal is not None and refusal.kind == "Data-dependent branching"
+    assert refusal.line == "if g.sum() > 0:" and refusal.at.endswith(
+        f"test_torch_internals.py:{branches.__code__.co_firstlineno + 1}"
+    )
+    assert refusal.stack[-1][2] == "if g.sum() > 0:"
+    assert dynamo.unsupported(ValueError("not dynamo's")) is None
+
+    def fails(c: dynamo.Captured) -> Any:
+        raise KeyError("from the backend")
+
+    with pytest.raises(Exception) as info:
+        dynamo.capture(lambda g: g * 2, (torch.ones(2),), fails)
+    inner = dynamo.backend_error(info.value)
+    assert isinstance(inner, KeyError)
+
+
 def test_aot_is_tangent_tells_the_output_gradients_of_a_backward_graph() -> None:
     from torch.fx.experimental.proxy_tensor import make_fx
 

@@ -23,6 +23,7 @@ from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import (
     FIX_LAUNCHED_TWICE,
     MSG_COARSE_DTYPE,
+    MSG_FLOAT64_MISMATCH,
     MSG_NO_FLOAT64,
     CheckFailed,
     check_op,
@@ -351,7 +352,7 @@ def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> 
     auto = op.rules.auto
     assert isinstance(auto, cg._autosplit.AutoSplitter)
     fallback = auto.fallback()
-    assert fallback is not None and "triton" in fallback.describe()
+    assert fallback is not None and "_backward_kernel" in fallback.why
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
@@ -363,7 +364,14 @@ def test_automatic_split_fallback_names_the_raw_launch() -> None:
     assert isinstance(auto, cg._autosplit.AutoSplitter)
     fallback = auto.fallback()
     assert fallback is not None
-    assert "Triton kernel" in fallback.describe() and "raw" in fallback.describe()
+    assert re.fullmatch(
+        re.escape("it launches the Triton kernel _backward_kernel directly (")
+        + re.escape(rms_module.__file__)
+        + r":\d+"
+        + re.escape("): a raw launch, which dynamo cannot capture here"),
+        fallback.why,
+    ), fallback.why
+    assert fallback.fix.startswith("wrap the Triton launch in an op with a fake kernel")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -475,3 +483,84 @@ def test_a_kernel_writing_into_its_input_gradient_launches_once_and_is_exact(spl
     assert launches == {"_scale_backward_in_place": 1}  # once across I and W
     torch.testing.assert_close(gx, g * w.detach())
     torch.testing.assert_close(w.grad, (g * x.detach()).sum(0))
+
+
+# -- a float32-only kernel under check_op's float64, and a Function's raw launch compiled --------
+if HAS_TRITON:
+
+    @triton.jit
+    def _mul_f32_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(a_ptr + offs, mask=mask).to(tl.float32)  # float32 inside, as Liger's
+        b = tl.load(b_ptr + offs, mask=mask).to(tl.float32)
+        tl.store(out_ptr + offs, a * b, mask=mask)
+
+
+def _mul_f32(a: Tensor, b: Tensor) -> Tensor:
+    a, b = a.contiguous(), b.expand_as(a).contiguous()
+    out = torch.empty_like(a)
+    _mul_f32_kernel[(triton.cdiv(a.numel(), 64),)](a, b, out, a.numel(), BLOCK=64)
+    return out
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_check_op_says_a_float64_mismatch_may_be_a_float32_kernel_and_how_to_check_it() -> None:
+    @cg.op("test_triton::mul_f32", weights=("w",))
+    def mul(x: Tensor, w: Tensor) -> Tensor:
+        return _mul_f32(x, w)
+
+    mul.register_fake(lambda x, w: torch.empty_like(x))
+    mul.register_save_for_backward(lambda i, o: (i.x, i.w))
+
+    @mul.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
+        x, w = saved
+        return {"x": _mul_f32(grad, w), "w": _mul_f32(grad, x).sum(0)}
+
+    x, w = torch.randn(4, 8), torch.randn(8)
+    report = check_op(mul, x, w, checks=["gradcheck"], raise_on_failure=False)
+    detail = report["gradcheck"].detail
+    assert detail.startswith("the backward disagrees with finite differences: Jacobian mismatch")
+    assert detail.endswith(". " + MSG_FLOAT64_MISMATCH.format(check="gradcheck", own="float32"))
+    # The advice applied: in the op's own dtype, the checks pass.
+    assert check_op(mul, x, w, checks=["gradcheck", "split", "flops"], dtype=torch.float32).ok
+
+
+class _RawLaunchRMSNorm(torch.autograd.Function):
+    """A Liger-style Function: its backward launches the Triton kernel itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        y, rstd = rms_module._forward(x, weight)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        x, weight, rstd = ctx.saved_tensors
+        return rms_module._backward(grad, x, weight, rstd)  # the raw launch
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
+def test_a_functions_raw_launch_compiled_with_aot_eager_gives_customgrads_error() -> None:
+    op = cg.from_function(
+        _RawLaunchRMSNorm,
+        "test_triton::raw_function",
+        weights=("weight",),
+        schema="(Tensor x, Tensor weight) -> Tensor",
+    )
+    op.register_fake(lambda x, weight: torch.empty_like(x))
+    x, w = _args("cpu", 4, 8, seed=3)
+    fn = torch.compile(lambda a, b: op(a, b).sum(), backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception) as info:
+        fn(x, w).backward()
+    err = info.value
+    inner = getattr(err, "inner_exception", None)  # dynamo wraps it: BackendCompilerFailed
+    err = inner if isinstance(inner, BaseException) else err
+    assert isinstance(err, cg.UnsupportedError), repr(err)
+    assert str(err).startswith(
+        "test_triton::raw_function: backward launches the Triton kernel _backward_kernel "
+        f"directly ({rms_module.__file__}:"
+    )
+    assert "invalid python storage" not in str(err)

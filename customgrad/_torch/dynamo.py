@@ -17,12 +17,20 @@ Imported lazily (dynamo is large).
 - :func:`inductor_config`: the inductor config ``torch.compile(mode=, options=)`` gives
   (``torch._TorchCompileInductorWrapper``);
 - :func:`compiled_autograd_on`: whether compiled autograd is on (it runs AOTAutograd's
-  backward graphs itself).
+  backward graphs itself);
+- capturing a function (customgrad's automatic split): :func:`capture` runs
+  ``torch.compile(fn, backend=..., fullgraph=True, dynamic=False)`` once, handing the backend's
+  :class:`Captured` (the FX graph, its inputs' example values, the side effects dynamo would
+  replay, the guards on constants and modules) to a callback; :func:`guard_check` is the C++
+  check of the guards dynamo keeps for the captured code (its cache entry's guard manager);
+  :func:`unsupported` reads why dynamo refused (an ``Unsupported`` or a graph break).
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
@@ -37,6 +45,13 @@ __all__ = [
     "lookup_backend",
     "optimized_module_type",
     "set_compiled_call",
+    "Captured",
+    "Refusal",
+    "capture",
+    "guard_check",
+    "backend_error",
+    "readable",
+    "unsupported",
 ]
 
 
@@ -145,3 +160,171 @@ def inductor_config(mode: str | None, options: Any, dynamic: Any) -> dict[str, A
 
     config: dict[str, Any] = _TorchCompileInductorWrapper(mode, options, dynamic).config
     return config
+
+
+# -- capture ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Captured:
+    """What dynamo hands the capturing backend for one frame.
+
+    Attributes:
+        graph: the FX graph (torch-level calls), ``(*inputs) -> tuple of tensors``.
+        inputs: each graph input's example value (the real tensor passed) and dynamo's name for
+            where it came from (``"L['saved'][0]"``).
+        outputs: each graph output's example (fake) value.
+        side_effects: what the frame changes outside itself that dynamo would replay in its
+            bytecode (a global rebound, a list appended to, an attribute set), in words.
+        constants: dynamo's name (an expression of ``L``, the frame's locals, and ``G``, its
+            globals) of each value dynamo guards by ``==`` (0j == -0j: compared again exactly).
+        modules: the name of each module dynamo guards by identity only (an attribute added
+            to it later, read by ``getattr(module, name, default)``, goes unguarded).
+        names: the attribute names and string constants of the code dynamo traced (the
+            frame's and every function it inlined).
+    """
+
+    graph: Any
+    inputs: list[tuple[Any, str]]
+    outputs: list[Any]
+    side_effects: list[str]
+    constants: list[str]
+    modules: list[str]
+    names: frozenset[str]
+
+
+def capture(
+    fn: Callable[..., Any], args: tuple[Any, ...], on_graph: Callable[[Captured], Any]
+) -> Any:
+    """Run ``torch.compile(fn, fullgraph=True, dynamic=False)`` on ``args`` with a backend that
+    calls ``on_graph`` with what dynamo captured; what ``on_graph`` returns is run in place of the
+    graph. Raises what dynamo raises (see :func:`unsupported`), or what ``on_graph`` raised."""
+    import torch
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        out = InstructionTranslator.current_tx().output
+        inputs: list[tuple[Any, str]] = []
+        for node in gm.graph.find_nodes(op="placeholder"):
+            arg = node.meta.get("grapharg")
+            source = getattr(arg, "source", None)
+            inputs.append((arg.example if arg is not None else None, readable(_name(source))))
+        (output,) = gm.graph.find_nodes(op="output")
+        outs = output.args[0]
+        outputs = [
+            n.meta.get("example_value")
+            for n in (outs if isinstance(outs, (tuple, list)) else [outs])
+        ]
+        effects = out.side_effects
+        changed = [
+            readable(_name(getattr(v, "source", None)))
+            for v in effects.id_to_variable.values()
+            if effects.is_modified(v) and getattr(v, "source", None) is not None
+        ]
+        if effects.tensor_hooks:
+            changed.append("a tensor hook")
+        constants: list[str] = []
+        modules: list[str] = []
+        for guard in out.guards:
+            kind = guard.create_fn_name()
+            if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
+                constants.append(guard.name)
+            elif kind == "MODULE_MATCH":
+                modules.append(guard.name)
+        names: set[str] = set()
+        for code in getattr(out.tracing_context, "traced_code", None) or ():
+            names.update(code.co_names)
+            names.update(c for c in code.co_consts if isinstance(c, str))
+        found = Captured(gm, inputs, outputs, changed, constants, modules, frozenset(names))
+        return on_graph(found)
+
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+
+
+def _name(source: Any) -> str:
+    name = getattr(source, "name", None)
+    if callable(name):
+        name = name()
+    return name if isinstance(name, str) else "(unknown)"
+
+
+def readable(source: str) -> str:
+    """dynamo's name of a value in words a user reads: ``G['__import___main__'].seen`` is
+    ``__main__.seen``, ``L['saved'][0]`` is ``saved[0]``."""
+    import re
+
+    def module(m: re.Match[str]) -> str:
+        return m.group(1).replace("_dot_", ".")
+
+    text = re.sub(r"G\['__import_(\w+?)'\]", module, source)
+    text = re.sub(r"G\['(\w+)'\]", r"\1", text)
+    return re.sub(r"L\['(\w+)'\]", r"\1", text)
+
+
+def guard_check(code: Any) -> Callable[[dict[str, Any]], bool] | None:
+    """The C++ check of the guards dynamo keeps for ``code``'s one cache entry (its guard
+    manager's root, called with the frame's locals), or None when there is not exactly one."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    entries = _debug_get_cache_entry_list(code)
+    if len(entries) != 1:
+        return None
+    check: Callable[[dict[str, Any]], bool] = entries[0].guard_manager.root.check
+    return check
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why dynamo refused to capture a frame, read from its exception.
+
+    Attributes:
+        kind: dynamo's name for the graph break (``"Data-dependent branching"``).
+        explanation: its explanation, one line.
+        at: ``file:line`` of the innermost user frame, or "".
+        line: that line's source text, or "".
+        stack: the user frames dynamo was tracing, outermost first, as
+            ``(file, line number, source line)``.
+    """
+
+    kind: str
+    explanation: str
+    at: str
+    line: str
+    stack: tuple[tuple[str, int, str], ...] = ()
+
+
+def unsupported(e: BaseException) -> Refusal | None:
+    """Why dynamo refused, if ``e`` is dynamo's ``Unsupported`` (or another dynamo error)."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    if not isinstance(e, TorchDynamoException):
+        return None
+    kind = str(getattr(e, "gb_type", "") or type(e).__name__)
+    msg = str(getattr(e, "msg", "") or e)
+    explanation = ""
+    for line in msg.splitlines():
+        line = line.strip()
+        if line.startswith("Explanation:"):
+            explanation = line.removeprefix("Explanation:").strip()
+            break
+    if not explanation:
+        explanation = (msg.strip().splitlines() or [""])[0]
+    frame = getattr(e, "innermost_user_frame_summary", None)
+    at = f"{frame.filename}:{frame.lineno}" if frame is not None else ""
+    text = (getattr(frame, "line", "") or "").strip() if frame is not None else ""
+    stack = tuple(
+        (f.filename, f.lineno or 0, (f.line or "").strip())
+        for f in getattr(e, "real_stack", None) or ()
+    )
+    return Refusal(kind, explanation, at, text, stack)
+
+
+def backend_error(e: BaseException) -> BaseException | None:
+    """What the capturing backend raised, if ``e`` is dynamo's wrapper of it
+    (``BackendCompilerFailed``)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    if isinstance(e, BackendCompilerFailed):
+        inner = getattr(e, "inner_exception", None)
+        return inner if isinstance(inner, BaseException) else e.__cause__
+    return None

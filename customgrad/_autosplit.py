@@ -581,7 +581,9 @@ _WRAPPER = "def backward(ctx, saved, grads):\n    return fn(ctx, saved, *grads)\
 def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
     """A new function (with its own code object: dynamo's cache, guards and recompile count are
     per code object) that calls ``fn``."""
-    scope: dict[str, Any] = {"fn": fn, "__name__": f"customgrad.capture.{op.name}"}
+    # ``__name__``: an importable module (torch 2.11's dynamo keeps no cache entry, hence no
+    # guard manager, for a frame whose globals have none, and imports the one named).
+    scope: dict[str, Any] = {"fn": fn, "__name__": __name__}
     exec(compile(_WRAPPER, f"<customgrad capture of {op.name}>", "exec"), scope)
     return scope["backward"]
 
@@ -596,6 +598,14 @@ def _capture(
     recompute: bool,
 ) -> _Capture | Fallback:
     """Capture ``fn`` called on ``frame`` with dynamo, lower the graph to aten, split it."""
+    if not dynamo.guards_instance_attributes():
+        return Fallback(
+            f"torch {torch.__version__}'s dynamo does not guard every value a backward reads (an "
+            "enum member's attribute, a namedtuple's default, a monkeypatched library function), "
+            "so a capture could be reused stale",
+            "use torch 2.12 or later for the automatic split, or register the "
+            "register_backward_input/_weight pair",
+        )
     wrapper = _wrapper(op, fn)
     got: list[dynamo.Captured] = []
     markers: list[Any] = []

@@ -169,7 +169,8 @@ class _BackwardContext:
     def __init__(
         self, saved: tuple[Any, ...], attrs: dict[str, Any], needs_input_grad: tuple[bool, ...]
     ) -> None:
-        self.__dict__.update(attrs)
+        for name, value in attrs.items():  # dynamo traces setattr (torch 2.11: not update)
+            setattr(self, name, value)
         self.saved_tensors = saved
         self.needs_input_grad = needs_input_grad
 

@@ -28,6 +28,7 @@ Imported lazily (dynamo is large).
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ __all__ = [
     "backend_error",
     "readable",
     "unsupported",
+    "guards_instance_attributes",
 ]
 
 
@@ -328,3 +330,31 @@ def backend_error(e: BaseException) -> BaseException | None:
         inner = getattr(e, "inner_exception", None)
         return inner if isinstance(inner, BaseException) else e.__cause__
     return None
+
+
+@functools.cache
+def guards_instance_attributes() -> bool:
+    """Whether dynamo guards the values a captured function reads through objects it treats as
+    constants: an enum member's instance attribute set after the class was made (torch 2.12 and
+    later re-capture when it changes; torch 2.11's dynamo reuses the stale capture, and misses a
+    namedtuple's mutable default and a monkeypatched ``torch.nn.functional`` function alike).
+    Probed once, by that behaviour: a function reading ``Member.A.scale`` captured, the attribute
+    changed, the function called again."""
+    import enum
+    import types
+
+    import torch
+
+    member = enum.Enum("member", {"A": 1})
+    member.A.scale = 1.0  # type: ignore[attr-defined]
+
+    def read(x: Any) -> Any:
+        return x * probe.A.scale  # type: ignore[name-defined]  # noqa: F821
+
+    scope = {"probe": member, "__name__": __name__, "__builtins__": __builtins__}
+    fn = types.FunctionType(read.__code__, scope, "guard_probe")
+    compiled = torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
+    x = torch.ones(())
+    compiled(x)
+    member.A.scale = 2.0  # type: ignore[attr-defined]
+    return bool(compiled(x).item() == 2.0)

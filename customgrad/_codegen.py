@@ -610,16 +610,12 @@ def write_call(impl: AutogradImpl, kernels: Kernels) -> Callable[[tuple[Any, ...
         count = (
             f"    n = len(args)\n"
             f"    if n != {sig.nargs}:\n"
-            f"        if not _grad_enabled() or n < {n_min} or n > {sig.nargs}:\n"
+            f"        if n < {n_min} or n > {sig.nargs}:\n"
             f"            return _DECLINED\n"
             f"        args += _DEFAULTS[n - {n_min}:]\n"
-            f"    elif not _grad_enabled():\n"
-            f"        return _DECLINED\n"
         )
     else:
-        count = (
-            f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
-        )
+        count = f"    if len(args) != {sig.nargs}:\n        return _DECLINED\n"
     if not lists:
         return _Writer(impl, kernels, (), count).write()
 
@@ -774,14 +770,17 @@ class _Writer:
             f"{self.count}"
             f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
             f"        return _DECLINED\n"
-            f"    if not ({' or '.join(requires) or 'False'}):\n"
-            f"        return _DECLINED\n"
             f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
             f"        return _DECLINED\n"
             f"    kernel = _route({first}, True)\n"
             f"    if kernel is None or kernel is _DISPATCH:\n"
             f"        return _DECLINED\n"
-            f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
+            f"    if _grad_enabled() and ({' or '.join(requires) or 'False'}):\n"
+            f"        return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
+            f"    out = _kernel_run(kernel, args)  # nothing to record: CustomOp.run_call's last case\n"
+            f"    if type(out) is not _T or _alias(args, _EMPTY, (out,)):\n"
+            f"        out = _checked_output(args, out)[0]\n"
+            f"    return out\n"
         )
 
         # -- Function.forward and setup_context ------------------------------------------------
@@ -810,7 +809,7 @@ class _Writer:
             f"    try:\n"
             + read
             + f"    except RuntimeError:  # an inference tensor keeps no version\n"
-            f"        out = _run(kernel, args)\n"
+            f"        out = _run_any(kernel, args)\n"
             f"    else:\n"
             f"        out = kernel(*args)\n"
             f"        if {moved or 'False'}:\n"
@@ -944,7 +943,8 @@ class _Writer:
             **_runtime(),
             "_checked_output": self.kernels.checked_output,
             "_raise_if_mutated": self.kernels.raise_if_mutated,
-            "_run": self.kernels.run_any,
+            "_run_any": self.kernels.run_any,
+            "_kernel_run": self.kernels.run,
             "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,

@@ -517,9 +517,10 @@ def write_check(
 # backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
 # autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one
 # written call per layout of list lengths, written on first use (at most ``MAX_LAYOUTS``).
-# Calls must have plain tensors under grad mode, no forward-AD level or ``torch.compile`` trace,
-# and be ones that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision,
-# which the general call asks too) sends straight to a kernel. Any other call declines (returns
+# Calls must have plain tensors, no forward-AD level or ``torch.compile`` trace, and be ones
+# that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision,
+# which the general call asks too) sends straight to a kernel; one that records nothing (no grad
+# mode, nothing requiring grad) runs the kernel there and then. Any other call declines (returns
 # :data:`DECLINED`) and runs ``CustomOp.__call__``, which ends in ``CustomOp.run_call``.
 # Backwards that a split plans (a route on the record), changed registrations and a switched-off
 # split go to ``AutogradImpl.backward``. ``CUSTOMGRAD_FASTPATH=0`` turns the written call off (a

@@ -766,25 +766,6 @@ class _Writer:
         first = next((n for i, n, _ in self.slots if i == picker), None)
         if first is None:  # an empty list picks the kernel: the general path decides
             return _decline
-        call_src = (
-            f"def call(args):\n"
-            f"{self.count}"
-            f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
-            f"        return _DECLINED\n"
-            f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
-            f"        return _DECLINED\n"
-            f"    kernel = _route({first}, True)\n"
-            f"    if kernel is None or kernel is _DISPATCH:\n"
-            f"        return _DECLINED\n"
-            f"    if _grad_enabled() and ({' or '.join(requires) or 'False'}):\n"
-            f"        return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
-            f"    out = _kernel_run(kernel, args)  # nothing to record: CustomOp.run_call's last case\n"
-            f"    if type(out) is not _T or _alias(args, _EMPTY, (out,)):\n"
-            f"        out = _checked_output(args, out)[0]\n"
-            f"    return out\n"
-        )
-
-        # -- Function.forward and setup_context ------------------------------------------------
         regrouped = self._regrouped()
         alias = "type(out) is not _T or _alias(args, _EMPTY, (out,))"
         node_inputs = self._node_inputs()
@@ -804,21 +785,40 @@ class _Writer:
             for n, kind in tensors
         )
         before = ", ".join(f"v_{n}" for n, _ in tensors)
-        forward_src = (
-            f"def forward(impl, kernel, {node_inputs}):\n"
-            f"    args = {regrouped}\n"
-            f"    try:\n"
+        # The kernel's call with Kernels.run's check of its writes, unrolled: in the node's
+        # forward, and in the call itself when nothing is recorded.
+        kernel_lines = (
+            "    try:\n"
             + read
-            + f"    except RuntimeError:  # an inference tensor keeps no version\n"
-            f"        out = _run_any(kernel, args)\n"
-            f"    else:\n"
-            f"        out = kernel(*args)\n"
+            + "    except RuntimeError:  # an inference tensor keeps no version\n"
+            "        out = _run_any(kernel, args)\n"
+            "    else:\n"
+            "        out = kernel(*args)\n"
             f"        if {moved or 'False'}:\n"
             f"            _raise_if_mutated(args, [{before}])\n"
             f"    if {alias}:\n"
-            f"        out = _checked_output(args, out)[0]\n"
-            f"    return out\n"
-            f"\n"
+            "        out = _checked_output(args, out)[0]\n"
+            "    return out\n"
+        )
+        call_src = (
+            f"def call(args):\n"
+            f"{self.count}"
+            f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
+            f"        return _DECLINED\n"
+            f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
+            f"        return _DECLINED\n"
+            f"    kernel = _route({first}, True)\n"
+            f"    if kernel is None or kernel is _DISPATCH:\n"
+            f"        return _DECLINED\n"
+            f"    if _grad_enabled() and ({' or '.join(requires) or 'False'}):\n"
+            f"        return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
+            f"    # nothing to record: CustomOp.run_call's last case\n" + kernel_lines
+        )
+
+        # -- Function.forward and setup_context ------------------------------------------------
+        forward_src = (
+            f"def forward(impl, kernel, {node_inputs}):\n"
+            f"    args = {regrouped}\n" + kernel_lines + "\n"
             f"def setup_context(ctx, inputs, out):\n"
             f"    impl, kernel, {node_inputs}, = inputs\n"
             f"    record = _Record(_IMPL, [{self._all_metas()}], _LENS, _tag())\n"
@@ -945,7 +945,6 @@ class _Writer:
             "_checked_output": self.kernels.checked_output,
             "_raise_if_mutated": self.kernels.raise_if_mutated,
             "_run_any": self.kernels.run_any,
-            "_kernel_run": self.kernels.run,
             "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,

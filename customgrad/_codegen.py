@@ -539,9 +539,10 @@ def write_check(
 # backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
 # autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one
 # written call per layout of list lengths, written on first use (at most ``MAX_LAYOUTS``).
-# Calls must have plain tensors under grad mode, no forward-AD level or ``torch.compile`` trace,
-# and be ones that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision,
-# which the general call asks too) sends straight to a kernel. Any other call declines (returns
+# Calls must have plain tensors, no forward-AD level or ``torch.compile`` trace, and be ones
+# that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision,
+# which the general call asks too) sends straight to a kernel; one that records nothing (no grad
+# mode, nothing requiring grad) runs the kernel there and then. Any other call declines (returns
 # :data:`DECLINED`) and runs ``CustomOp.__call__``, which ends in ``CustomOp.run_call``.
 # Backwards that a split plans (a route on the record), changed registrations and a switched-off
 # split go to ``AutogradImpl.backward``. ``CUSTOMGRAD_FASTPATH=0`` turns the written call off (a
@@ -632,16 +633,12 @@ def write_call(impl: AutogradImpl, kernels: Kernels) -> Callable[[tuple[Any, ...
         count = (
             f"    n = len(args)\n"
             f"    if n != {sig.nargs}:\n"
-            f"        if not _grad_enabled() or n < {n_min} or n > {sig.nargs}:\n"
+            f"        if n < {n_min} or n > {sig.nargs}:\n"
             f"            return _DECLINED\n"
             f"        args += _DEFAULTS[n - {n_min}:]\n"
-            f"    elif not _grad_enabled():\n"
-            f"        return _DECLINED\n"
         )
     else:
-        count = (
-            f"    if not _grad_enabled() or len(args) != {sig.nargs}:\n        return _DECLINED\n"
-        )
+        count = f"    if len(args) != {sig.nargs}:\n        return _DECLINED\n"
     if not lists:
         return _Writer(impl, kernels, (), count).write()
 
@@ -791,22 +788,6 @@ class _Writer:
         first = next((n for i, n, _ in self.slots if i == picker), None)
         if first is None:  # an empty list picks the kernel: the general path decides
             return _decline
-        call_src = (
-            f"def call(args):\n"
-            f"{self.count}"
-            f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
-            f"        return _DECLINED\n"
-            f"    if not ({' or '.join(requires) or 'False'}):\n"
-            f"        return _DECLINED\n"
-            f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
-            f"        return _DECLINED\n"
-            f"    kernel = _route({first}, True)\n"
-            f"    if kernel is None or kernel is _DISPATCH:\n"
-            f"        return _DECLINED\n"
-            f"    return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
-        )
-
-        # -- Function.forward and setup_context ------------------------------------------------
         regrouped = self._regrouped()
         alias = "type(out) is not _T or _alias(args, _EMPTY, (out,))"
         node_inputs = self._node_inputs()
@@ -826,21 +807,40 @@ class _Writer:
             for n, kind in tensors
         )
         before = ", ".join(f"v_{n}" for n, _ in tensors)
-        forward_src = (
-            f"def forward(impl, kernel, {node_inputs}):\n"
-            f"    args = {regrouped}\n"
-            f"    try:\n"
+        # The kernel's call with Kernels.run's check of its writes, unrolled: in the node's
+        # forward, and in the call itself when nothing is recorded.
+        kernel_lines = (
+            "    try:\n"
             + read
-            + f"    except RuntimeError:  # an inference tensor keeps no version\n"
-            f"        out = _run(kernel, args)\n"
-            f"    else:\n"
-            f"        out = kernel(*args)\n"
+            + "    except RuntimeError:  # an inference tensor keeps no version\n"
+            "        out = _run_any(kernel, args)\n"
+            "    else:\n"
+            "        out = kernel(*args)\n"
             f"        if {moved or 'False'}:\n"
             f"            _raise_if_mutated(args, [{before}])\n"
             f"    if {alias}:\n"
-            f"        out = _checked_output(args, out)[0]\n"
-            f"    return out\n"
-            f"\n"
+            "        out = _checked_output(args, out)[0]\n"
+            "    return out\n"
+        )
+        call_src = (
+            f"def call(args):\n"
+            f"{self.count}"
+            f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
+            f"        return _DECLINED\n"
+            f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
+            f"        return _DECLINED\n"
+            f"    kernel = _route({first}, True)\n"
+            f"    if kernel is None or kernel is _DISPATCH:\n"
+            f"        return _DECLINED\n"
+            f"    if _grad_enabled() and ({' or '.join(requires) or 'False'}):\n"
+            f"        return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
+            f"    # nothing to record: CustomOp.run_call's last case\n" + kernel_lines
+        )
+
+        # -- Function.forward and setup_context ------------------------------------------------
+        forward_src = (
+            f"def forward(impl, kernel, {node_inputs}):\n"
+            f"    args = {regrouped}\n" + kernel_lines + "\n"
             f"def setup_context(ctx, inputs, out):\n"
             f"    impl, kernel, {node_inputs}, = inputs\n"
             f"    record = _Record(_IMPL, [{self._all_metas()}], _LENS, _tag())\n"
@@ -968,7 +968,7 @@ class _Writer:
             **_runtime(),
             "_checked_output": self.kernels.checked_output,
             "_raise_if_mutated": self.kernels.raise_if_mutated,
-            "_run": self.kernels.run_any,
+            "_run_any": self.kernels.run_any,
             "_route": self.kernels.route,
             "_SPEC": spec,
             "_SIG": sig,

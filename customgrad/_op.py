@@ -164,12 +164,11 @@ class CustomOp(OpRegistration, Generic[P, R]):
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         fast = self._fast_call
-        grad = _grad_enabled()
-        if fast is not None and grad and not kwargs and _SWITCHES.fastpath:
-            # (without grad mode the fast call declines: not called, one frame less)
+        if fast is not None and not kwargs and _SWITCHES.fastpath:
             out = fast(args)
             if out is not _DECLINED:
                 return out  # type: ignore[no-any-return]
+        grad = _grad_enabled()
         sig = self._sig
         if kwargs or len(args) != sig.nargs or sig.kwonly_names:
             args = sig.bind(args, kwargs)  # type: ignore[assignment]

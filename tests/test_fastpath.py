@@ -425,3 +425,24 @@ def test_show_switch_prints_the_generated_code_which_asks_the_one_dispatch_decis
     assert "_IMPLS" not in source and "_dispatch_len" not in source
     # the pass's runner goes through the same door
     assert f"# <customgrad pass of {op.name}: full ['weight', 'x']>\ndef run(" in printed
+
+
+def test_the_written_call_serves_calls_that_record_nothing() -> None:
+    """Under no_grad, and with grad on but nothing requiring grad, the written call runs the
+    kernel itself (the last case of ``CustomOp.run_call``), with the same output and the same
+    check of the kernel's writes; a forward-AD level declines to the general call."""
+    import torch.autograd.forward_ad as fwad
+
+    op = linear_op(f"test_fastpath::norecord{next(_names)}")
+    call = op._fast_call
+    assert call is not None
+    x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+    with torch.no_grad():
+        out = call((x, w))
+    assert out is not cg._codegen.DECLINED and out.grad_fn is None
+    torch.testing.assert_close(out, x @ w.mT)
+    out = call((x, w))  # grad mode on, nothing requires grad
+    assert out is not cg._codegen.DECLINED and out.grad_fn is None
+    torch.testing.assert_close(out, x @ w.mT)
+    with fwad.dual_level():
+        assert call((x, w)) is cg._codegen.DECLINED

@@ -185,8 +185,10 @@ def test_a_failing_rank_stops_the_others(tmp_path: Path) -> None:
 
 
 def test_a_hanging_run_is_stopped_at_its_timeout(tmp_path: Path) -> None:
-    with pytest.raises(TimeoutError, match="still running after 15 s"):
-        w.spawn(w.hang, (str(tmp_path),), world=2, timeout=15)
+    # 60 s: time for both processes to import torch and join the group on a busy 2-core
+    # machine (a CUDA build of torch imports slower), before they hang
+    with pytest.raises(TimeoutError, match="still running after 60 s"):
+        w.spawn(w.hang, (str(tmp_path),), world=2, timeout=60)
     assert len(_pids(tmp_path)) == 2
     assert not any(_alive(pid) for pid in _pids(tmp_path))
 

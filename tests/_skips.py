@@ -181,3 +181,30 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         )
         for line in _refused:
             terminalreporter.line(f"  {line}")
+
+
+# --- torch's own PipelineStage in the multi-process tests -------------------------------------
+
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+SPLIT_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble", "ScheduleDualPipeV")
+
+
+def torch_stage_lacks(stage: str, schedule: str, functions: bool) -> str | None:
+    """What this torch release lacks to run a pipeline case on torch's own ``PipelineStage``
+    (``stage`` "torch", or "queue": torch's stage with a queue's ``dw_builder``), or None.
+    ``functions``: the stages hold ``autograd.Function`` nodes (customgrad ops, plain Functions,
+    compiled blocks)."""
+    if stage not in ("torch", "queue"):
+        return None
+    if schedule in V_SHAPED and pipelining.torch_stage_inits_same_rank():
+        return release_lacks(
+            "V schedules on torch's own PipelineStage with neighbouring stages on one rank "
+            "(its init ops send to the rank itself)"
+        )
+    split = stage == "torch" and schedule in SPLIT_SCHEDULES
+    if split and functions and not TORCH_SPLIT_RUNS_FUNCTIONS:
+        return release_lacks(
+            "a split in torch's own PipelineStage that runs autograd.Function nodes "
+            "(customgrad refuses it with UnsupportedTorchError)"
+        )
+    return None

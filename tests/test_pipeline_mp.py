@@ -22,11 +22,10 @@ import pytest
 import torch
 from torch.multiprocessing import ProcessRaisedException
 
-from customgrad._torch import pipelining as torch_pipelining
 from customgrad.pipelining import stage_costs
 from tests import _mp_workers as w
 from tests._mp_workers import Case
-from tests._skips import NO_CUDA, TORCH_SPLIT_RUNS_FUNCTIONS, cuda_gpus, release_lacks
+from tests._skips import NO_CUDA, cuda_gpus, torch_stage_lacks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -36,23 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def lacks(case: Case) -> str | None:
     """What this torch release lacks to run ``case`` (a skip reason), or None."""
-    torch_stage = case.stage in ("torch", "queue")
-    if (
-        torch_stage
-        and case.schedule in w.V_SHAPED
-        and torch_pipelining.torch_stage_inits_same_rank()
-    ):
-        return release_lacks(
-            "V schedules on torch's own PipelineStage with neighbouring stages on one rank "
-            "(its init ops send to the rank itself)"
-        )
-    split = case.stage == "torch" and case.schedule in w.ZERO_BUBBLE and case.impl != "native"
-    if split and not TORCH_SPLIT_RUNS_FUNCTIONS:
-        return release_lacks(
-            "a split in torch's own PipelineStage that runs autograd.Function nodes (customgrad "
-            "refuses it with UnsupportedTorchError)"
-        )
-    return None
+    return torch_stage_lacks(case.stage, case.schedule, functions=case.impl != "native")
 
 
 RUNNABLE = [c for c in CASES if lacks(c) is None]

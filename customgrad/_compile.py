@@ -51,6 +51,7 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, PassRecord, record_pass, same_pass
 from customgrad._origin import ValueOrigin, origin_of
 from customgrad._origin import summary as origin_summary
+from customgrad._releases import refuse_torch_split
 from customgrad._switches import split_enabled
 from customgrad._torch.aot import (
     compiled_backward,
@@ -458,6 +459,7 @@ class _Backward:
         plan = cut.plan
         grads: list[Any] = [None] * self.n_outputs
         if mode == "input":
+            refuse_torch_split(f"customgrad.compile region {region.name}")  # torch 2.11, 2.12
             seen = record_pass([args[i] for i in plan.tangents if i < len(args)])
             out = list(cut.input_fn(args))
             n = len(plan.input_positions)

@@ -239,7 +239,8 @@ def batch(model: nn.Module, rows: int, gen: torch.Generator) -> tuple[Tensor, Te
     """Random tokens (the same on every rank, from ``gen``): inputs and next tokens."""
     vocab, seq = model.output.out_features, model.freqs_cis.shape[0]  # type: ignore[union-attr]
     tokens = torch.randint(vocab, (rows, seq + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
+    # contiguous: torch 2.11's stage checks a microbatch's strides against the ones it inferred
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def train(

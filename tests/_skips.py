@@ -88,6 +88,54 @@ TORCH_SPLIT_RUNS_FUNCTIONS = functions.handles_keep_nodes()
 (torch 2.13 and later); elsewhere customgrad refuses it (``UnsupportedTorchError``)."""
 
 
+# --- torch's own split on torch 2.11 and 2.12 --------------------------------------------------
+
+TORCH_SPLIT_REASON = release_lacks(
+    "a split in torch's own stage_backward_input/stage_backward_weight that runs "
+    "autograd.Function nodes (the test ran it; fixed in torch 2.13)"
+)
+
+
+def _from_torch_split(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:
+    """Whether a test failed because torch's own split cannot run what it was given on this
+    release: customgrad refused it (UnsupportedTorchError), or torch's split raised (a frame of
+    its stage_backward_input / stage_backward_weight in the traceback)."""
+    from customgrad import UnsupportedTorchError
+
+    codes = {f.__code__ for f in pipelining.torch_split()}
+    seen: BaseException | None = excinfo.value
+    for _ in range(8):
+        if seen is None:
+            return False
+        if isinstance(seen, UnsupportedTorchError):
+            return True
+        tb = seen.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code in codes:
+                return True
+            tb = tb.tb_next
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """On torch 2.11 and 2.12 a test that runs torch's own split over autograd.Function nodes
+    (customgrad ops, compiled regions, plain Functions) is reported skipped with
+    :data:`TORCH_SPLIT_REASON` (tests/test_releases.py pins the refusal itself)."""
+    outcome = yield
+    report = outcome.get_result()
+    if (
+        TORCH_SPLIT_RUNS_FUNCTIONS
+        or call.excinfo is None
+        or report.when != "call"
+        or not _from_torch_split(call.excinfo)
+    ):
+        return
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {TORCH_SPLIT_REASON}")
+
+
 # --- in CI, a skip is a result: reasons outside ALLOWED fail the run ---------------------------
 # Loaded as a pytest plugin (``-p tests._skips`` in pyproject.toml's addopts).
 
@@ -133,3 +181,30 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         )
         for line in _refused:
             terminalreporter.line(f"  {line}")
+
+
+# --- torch's own PipelineStage in the multi-process tests -------------------------------------
+
+V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+SPLIT_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleInterleavedZeroBubble", "ScheduleDualPipeV")
+
+
+def torch_stage_lacks(stage: str, schedule: str, functions: bool) -> str | None:
+    """What this torch release lacks to run a pipeline case on torch's own ``PipelineStage``
+    (``stage`` "torch", or "queue": torch's stage with a queue's ``dw_builder``), or None.
+    ``functions``: the stages hold ``autograd.Function`` nodes (customgrad ops, plain Functions,
+    compiled blocks)."""
+    if stage not in ("torch", "queue"):
+        return None
+    if schedule in V_SHAPED and pipelining.torch_stage_inits_same_rank():
+        return release_lacks(
+            "V schedules on torch's own PipelineStage with neighbouring stages on one rank "
+            "(its init ops send to the rank itself)"
+        )
+    split = stage == "torch" and schedule in SPLIT_SCHEDULES
+    if split and functions and not TORCH_SPLIT_RUNS_FUNCTIONS:
+        return release_lacks(
+            "a split in torch's own PipelineStage that runs autograd.Function nodes "
+            "(customgrad refuses it with UnsupportedTorchError)"
+        )
+    return None

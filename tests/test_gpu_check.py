@@ -15,6 +15,7 @@ import torch
 
 from benchmarks import gpu_check
 from benchmarks.gpu_check import StepResult
+from tests._skips import TORCH_SPLIT_RUNS_FUNCTIONS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -125,14 +126,19 @@ def test_a_hanging_step_is_stopped_at_its_limit() -> None:
 def test_split_step_on_cpu(tmp_path: Path) -> None:
     result = gpu_check.step_split("cpu", 240, tmp_path)
     assert result.status == "passed", result.detail
-    configurations = {r["configuration"]: r for r in result.rows}
-    assert len(configurations) == 6
+    rows = {r["configuration"].split(" (")[0]: r for r in result.rows}
+    assert len(rows) == 6
     # FLOP ratios: a customgrad op's backward is never repeated, under either split; a plain
-    # Function's whole backward runs in I and again in W
-    for split in ("torch", "customgrad"):
-        assert configurations[f"customgrad op, {split}'s split"]["flops"] == 1.0
-        assert configurations[f"autograd.Function, {split}'s split"]["flops"] == 2.0
-        assert configurations[f"nn.Linear, {split}'s split"]["flops"] == 1.0
+    # Function's whole backward runs in I and again in W. Before torch 2.13 torch's split
+    # cannot run autograd.Functions (customgrad ops among them): its rows say so.
+    for layers, ratio in (("customgrad op", 1.0), ("autograd.Function", 2.0), ("nn.Linear", 1.0)):
+        assert rows[f"{layers}, customgrad's split"]["flops"] == ratio
+        theirs = rows[f"{layers}, torch's split"]
+        if layers == "nn.Linear" or TORCH_SPLIT_RUNS_FUNCTIONS:
+            assert theirs["flops"] == ratio
+        else:
+            assert theirs["flops"] is None
+            assert "fails on this torch" in theirs["configuration"]
 
 
 @pytest.mark.slow

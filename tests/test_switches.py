@@ -22,6 +22,7 @@ import customgrad as cg
 from customgrad import _switches
 from customgrad._autograd import _node_apply
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests._skips import TORCH_SPLIT
 from tests.conftest import function_linear, linear_op
 
 DT = torch.float64
@@ -147,6 +148,7 @@ print(fi.get_total_flops(), fw.get_total_flops(), general)
     ],
     ids=["default", "split-off", "fastpath-off"],
 )
+@TORCH_SPLIT  # its subprocess runs torch's split
 def test_environment_variables(env: dict[str, str], want: str) -> None:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     environ = {k: v for k, v in os.environ.items() if not k.startswith("CUSTOMGRAD_")}

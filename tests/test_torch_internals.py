@@ -386,11 +386,14 @@ def test_pipelining_torch_split_running_sees_torch_s_input_pass_on_this_thread()
 
 def test_pipelining_torch_stage_inits_same_rank_where_it_warms_up_without_a_vote() -> None:
     # torch 2.11 batches every stage's init p2p ops; 2.12 and later vote between neighbours
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import PipelineStage, schedules
 
-    has_vote = hasattr(PipelineStage, "_warmup_forward_vote")
-    assert pipelining.torch_stage_inits_same_rank() is not has_vote
     assert hasattr(PipelineStage, "_get_init_p2p_neighbors_ops")  # what customgrad's stage filters
+    multi = inspect.getsource(schedules.PipelineScheduleMulti._initialize_stages)
+    if pipelining.torch_stage_inits_same_rank():  # every stage's init ops, batched
+        assert "_get_init_p2p_neighbors_ops()" in multi
+    else:  # PipelineStages vote with their neighbours instead
+        assert "stage._warmup_forward_vote(" in inspect.getsource(schedules)
 
 
 # -- dynamo and AOTAutograd --------------------------------------------------------------------

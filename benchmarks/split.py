@@ -98,7 +98,8 @@ def measure(kind: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         if name in failed:
             result[name] = {"error": failed[name]}
             continue
-        r = {f"flops_{k}": v for k, v in flops[name].items()}
+        # a pass that ran no counted op (a plain Function's W under customgrad's split) has no key
+        r = {f"flops_{k}": flops[name].get(k, 0.0) for k in ("I", "W")}
         r["flops_full"] = flops["full"]["full"]
         r.update({f"time_{k}": min(v) for k, v in times[name].items()})
         r["time_full"] = min(times["full"]["full"])

@@ -20,7 +20,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+
+from tests._skips import optional_package
+
+# the suite imports every module (doctests): without liger-kernel this one is skipped, named
+pytest.importorskip("liger_kernel", reason=optional_package("liger-kernel"))
+
 from liger_kernel.ops import cross_entropy as _ce
 from liger_kernel.ops import fused_linear_cross_entropy as _flce
 from liger_kernel.ops import rms_norm as _rms

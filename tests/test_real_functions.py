@@ -23,8 +23,9 @@ from torch import Tensor
 
 import customgrad as cg
 import customgrad.pipelining as cgp
+from tests._skips import optional_package
 
-L = pytest.importorskip("tests._liger_block", reason="liger-kernel is not installed")
+L = pytest.importorskip("tests._liger_block", reason=optional_package("liger-kernel"))
 
 
 def _launches_per_microbatch(run_backward: Any) -> tuple[dict[str, Tensor], list[Counter[str]]]:

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-L = pytest.importorskip("tests._liger_block", reason="liger-kernel is not installed")
+from tests._skips import optional_package
+
+L = pytest.importorskip("tests._liger_block", reason=optional_package("liger-kernel"))
 from tests import _mp_workers as w  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -187,6 +187,7 @@ def summary(namespace: str | None = None) -> Summary:
     Example:
         >>> import customgrad
         >>> print(customgrad.summary("no_such_namespace"))
+        Backward work done twice over the run: none (0 backward calls of customgrad ops).
         No customgrad ops are registered.
     """
     from customgrad._switches import split_enabled

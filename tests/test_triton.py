@@ -28,7 +28,7 @@ from customgrad.testing import (
     CheckFailed,
     check_op,
 )
-from tests._skips import NO_CUDA, TORCH_SPLIT, optional_package
+from tests._skips import CAPTURE, NO_CUDA, TORCH_SPLIT, optional_package
 from tests._triton_support import HAS_TRITON, INTERPRETED, count_launches, interpreter_shims
 
 pytestmark = pytest.mark.skipif(
@@ -374,6 +374,7 @@ def test_automatic_split_fallback_names_the_raw_launch() -> None:
     assert fallback.fix.startswith("wrap the Triton launch in an op with a fake kernel")
 
 
+@CAPTURE
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_traced_backward_calling_the_kernel_op_launches_it_once(device: str) -> None:
     """The other way: one register_backward calls the backward op once and returns both

@@ -353,8 +353,12 @@ def guards_instance_attributes() -> bool:
 
     scope = {"probe": member, "__name__": __name__, "__builtins__": __builtins__}
     fn = types.FunctionType(read.__code__, scope, "guard_probe")
+    from customgrad._torch.dispatcher import disable_current_modes
+
     compiled = torch.compile(fn, backend="eager", fullgraph=True, dynamic=False)
-    x = torch.ones(())
-    compiled(x)
-    member.A.scale = 2.0  # type: ignore[attr-defined]
-    return bool(compiled(x).item() == 2.0)
+    # asked from inside a backward: without the modes on the stack (a FLOP counter), no graph
+    with torch.no_grad(), disable_current_modes():
+        x = torch.ones(())
+        compiled(x)
+        member.A.scale = 2.0  # type: ignore[attr-defined]
+        return bool(compiled(x).item() == 2.0)

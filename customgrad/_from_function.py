@@ -519,7 +519,7 @@ def from_function(
     weights: Iterable[str] = (),
     schema: str | None = None,
     output_differentiability: Sequence[bool] | None = None,
-) -> CustomOp[..., Any]:
+) -> CustomOp[..., Any] | DeferredFunctionOp:
     """Wrap an existing ``torch.autograd.Function`` subclass into a customgrad op.
 
     The Function's ``forward`` becomes the op's kernel (for every device) and its fake kernel;
@@ -574,7 +574,42 @@ def from_function(
         )
     classic = not setup_context_defined(function)
     params, returns = _parameters(function, name, classic)
+    if schema is None and not _annotated(params, returns):
+        return DeferredFunctionOp(function, name, params, weights, output_differentiability)
     public = _public_schema(function, name, params, returns, schema)
+    diff = None if output_differentiability is None else tuple(output_differentiability)
+    return _define(function, name, params, public, weights, diff, _Calls())
+
+
+class _Calls:
+    """How the op's kernel calls the Function when its results are not a customgrad op's as
+    they are (learned from the first call, :class:`DeferredFunctionOp`): ``outputs`` is what the
+    forward returns (``"T"`` a tensor, ``None``, one tensor when ``single``), ``cloned`` the
+    positions of the arguments forward writes and returns (given a copy, so the op's outputs
+    are new tensors)."""
+
+    def __init__(
+        self,
+        outputs: tuple[str | None, ...] = (),
+        single: bool = True,
+        cloned: frozenset[int] = frozenset(),
+    ) -> None:
+        self.outputs = outputs
+        self.single = single
+        self.cloned = cloned
+
+
+def _define(
+    function: type[torch.autograd.Function],
+    name: str,
+    params: list[inspect.Parameter],
+    public: str,
+    weights: Iterable[str],
+    diff: tuple[bool, ...] | None,
+    calls: _Calls,
+) -> CustomOp[..., Any]:
+    """The op for ``function`` with the schema ``public``."""
+    classic = not setup_context_defined(function)
     args_part, rets = _split_returns(public)
     if rets == ["()"] or not rets or rets == [""]:
         raise DefinitionError(
@@ -586,17 +621,19 @@ def from_function(
     names = [p.name for p in params]
     forward = function.forward
     qualname = name
-    diff = None if output_differentiability is None else tuple(output_differentiability)
 
     def kernel(*args: Any) -> Any:
         needs = _needs(args)
         ctx = _ForwardContext(needs, qualname, forward)
+        given = tuple(a.clone() if i in calls.cloned else a for i, a in enumerate(args))
         if classic:
-            out = forward(ctx, *args)
+            out = forward(ctx, *given)
         else:
-            out = forward(*args)
-            function.setup_context(ctx, args, out)
+            out = forward(*given)
+            function.setup_context(ctx, given, out)
         outs = out if isinstance(out, tuple) else (out,)
+        if calls.outputs:
+            outs = _tensor_outputs(qualname, forward, outs, calls.outputs)
         residuals: list[_Tensor] = []
         sources = _sources(args, outs)
 
@@ -807,3 +844,296 @@ def from_function(
     backward.__wrapped__ = function.backward  # type: ignore[attr-defined]  # for file:line
     op.register_backward(backward, differentiable=not _once_differentiable(function.backward))
     return op
+
+
+# --------------------------------------------------------------------------------------------
+# A Function without annotations: the schema from its first call
+
+
+def _annotated(params: list[inspect.Parameter], returns: Any) -> bool:
+    """Whether ``forward`` is annotated enough to read the schema from (a return annotation, and
+    one on each parameter without a default)."""
+    empty = inspect.Parameter.empty
+    return returns is not empty and all(
+        p.annotation is not empty or p.default is not empty for p in params
+    )
+
+
+MSG_OUTPUTS_CHANGED = """\
+{op}: the Function's forward returned {got}, but on the call that defined the op it returned \
+{expected}. The op's outputs are fixed when it is defined. Wrap the Function once per way of \
+calling it (cg.from_function(..., schema="(...) -> (Tensor, Tensor)") with the outputs it \
+returns), or call it the same way. (forward defined at {loc})"""
+
+
+def _output_kinds(outs: Sequence[Any]) -> tuple[str | None, ...]:
+    return tuple(None if o is None else "T" if isinstance(o, _Tensor) else type(o).__name__ for o in outs)
+
+
+def _tensor_outputs(
+    qualname: str, forward: Any, outs: Sequence[Any], expected: tuple[str | None, ...]
+) -> tuple[Any, ...]:
+    """The tensor outputs among ``outs`` (the Function's ``None`` outputs dropped), checked
+    against what the defining call returned."""
+    got = _output_kinds(outs)
+    if got != expected:
+        show = lambda kinds: "(" + ", ".join("None" if k is None else "Tensor" if k == "T" else k for k in kinds) + ")"  # noqa: E731
+        raise KernelOutputError(
+            MSG_OUTPUTS_CHANGED.format(
+                op=qualname, got=show(got), expected=show(expected), loc=where(forward)
+            )
+        )
+    return tuple(o for o in outs if o is not None)
+
+
+def _kind(value: Any) -> str:
+    """The schema type a call's argument is read as."""
+    if isinstance(value, _Tensor):
+        return "Tensor"
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float, str)):
+        return type(value).__name__
+    if isinstance(value, torch.dtype):
+        return "ScalarType"
+    if isinstance(value, torch.device):
+        return "Device"
+    if isinstance(value, (list, tuple)) and value:
+        kinds = {_kind(v) for v in value}
+        if kinds == {"Tensor"} or kinds == {"int"} or kinds == {"float"} or kinds == {"bool"}:
+            return f"{kinds.pop()}[]"
+        if kinds == {"int", "float"}:
+            return "float[]"
+    return type(value).__qualname__
+
+
+_ANNOTATIONS: dict[str, Any] = {
+    "Tensor": _Tensor, "bool": bool, "int": int, "float": float, "str": str,
+    "ScalarType": torch.dtype, "Device": torch.device, "Tensor[]": list[_Tensor],
+    "int[]": list[int], "float[]": list[float], "bool[]": list[bool],
+}  # fmt: skip
+
+_ACCEPTS: dict[str, set[str]] = {
+    "Tensor": {"Tensor"},
+    "Tensor?": {"Tensor", "None"},
+    "float": {"float", "int"},
+    "float[]": {"float[]", "int[]"},
+}
+"""For a schema type, the kinds of argument it takes (by default, its own)."""
+
+
+def _accepts(schema_type: str, kind: str) -> bool:
+    return kind in _ACCEPTS.get(schema_type, {schema_type})
+
+
+def _infer_types(
+    qualname: str, function: Any, params: list[inspect.Parameter], values: Sequence[Any]
+) -> list[str]:
+    """One schema type per parameter, from the values of the first call: a tensor is
+    ``Tensor``, ``None`` (or a tensor given for a parameter that defaults to None) ``Tensor?``,
+    numbers, bools, strings and dtypes their type, a list of tensors ``Tensor[]``."""
+    types: list[str] = []
+    for p, v in zip(params, values):
+        kind = _kind(v)
+        if kind == "None" or (kind == "Tensor" and p.default is None):
+            types.append("Tensor?")
+        elif kind in _ANNOTATIONS:
+            types.append(kind)
+        else:
+            raise DefinitionError(
+                MSG_UNINFERABLE.format(
+                    op=qualname, arg=p.name, got=f"{type(v).__module__}.{type(v).__qualname__}",
+                    loc=where(function.forward),
+                )
+            )  # fmt: skip
+    return types
+
+
+MSG_UNINFERABLE = """\
+{op}: cannot infer a schema type for argument {arg!r} from the value of the first call, a \
+{got}: a customgrad op takes tensors (and lists and optional ones), numbers, bools, strings, \
+dtypes and devices, and Python objects only as opaque objects registered with torch. Give the \
+schema with the argument as one of these (cg.from_function(..., schema="(Tensor x, ...) -> \
+Tensor")), registering the object's type as an opaque type as docs/examples/real-ops.md shows \
+("Python objects as arguments"), or keep the Function out of from_function. (forward defined \
+at {loc})"""
+
+MSG_KIND_CHANGED = """\
+{op}: argument {arg!r} got {got}, but the op's schema, inferred from the first call, says \
+{expected} ({schema}). Give the schema that covers both calls: cg.from_function(..., \
+schema="{suggested}"). (forward defined at {loc})"""
+
+
+def _schema_text(
+    params: list[inspect.Parameter], types: list[str], returns: int
+) -> tuple[str, list[inspect.Parameter]]:
+    """The schema (without the name) for ``types``, and the parameters annotated with them,
+    defaults kept where torch's schema can write them (``float eps=1e-05``)."""
+    annotated: list[inspect.Parameter] = []
+    for p, t in zip(params, types):
+        ann: Any = _ANNOTATIONS.get(t, typing.Optional[_Tensor])  # noqa: UP045
+        default = p.default
+        if default is not inspect.Parameter.empty and not _accepts(t, _kind(default)):
+            default = inspect.Parameter.empty
+        annotated.append(p.replace(annotation=ann, default=default))
+    ret: Any = _Tensor if returns == 1 else tuple[(_Tensor,) * returns]  # type: ignore[misc]
+
+    def prototype(*args: Any, **kwargs: Any) -> Any:  # only its signature is read
+        return None
+
+    for keep_defaults in (True, False):
+        if not keep_defaults:  # a default torch cannot write (a tuple): left out
+            annotated = [p.replace(default=inspect.Parameter.empty) for p in annotated]
+        prototype.__signature__ = inspect.Signature(annotated, return_annotation=ret)  # type: ignore[attr-defined]
+        try:
+            return str(torch.library.infer_schema(prototype, mutates_args=())), annotated
+        except (ValueError, TypeError):
+            if not keep_defaults:
+                raise
+    raise AssertionError("unreachable")
+
+
+class DeferredFunctionOp:
+    """The op :func:`from_function` makes for a Function whose ``forward`` is not annotated:
+    defined (registered with ``torch.library``) at its first call, with the schema read from
+    that call's arguments, the outputs and ``output_differentiability`` from what the forward
+    returned and marked. Called as ``Function.apply`` is: by position, with the forward's
+    defaults. Later calls are checked against the schema.
+
+    Attributes:
+        op: the :class:`~customgrad.CustomOp`, ``None`` before the first call.
+    """
+
+    def __init__(
+        self,
+        function: type[torch.autograd.Function],
+        name: str,
+        params: list[inspect.Parameter],
+        weights: Iterable[str],
+        output_differentiability: Sequence[bool] | None,
+    ) -> None:
+        self.function = function
+        self.name = name
+        self._params = params
+        self._signature = inspect.Signature(params)
+        self._weights = tuple(weights)
+        self._diff = None if output_differentiability is None else tuple(output_differentiability)
+        self._types: list[str] = []
+        self._calls = _Calls()
+        self._lock = threading.Lock()
+        self.op: CustomOp[..., Any] | None = None
+        unknown = [w for w in self._weights if w not in {p.name for p in params}]
+        if unknown:
+            raise DefinitionError(
+                f"{name}: weights names {unknown}, which {function.__qualname__}.forward does "
+                f"not take (it takes {', '.join(p.name for p in params)}). (forward defined at "
+                f"{where(function.forward)})"
+            )
+
+    def __repr__(self) -> str:
+        state = "not called yet" if self.op is None else self.schema
+        return f"<customgrad op {self.name} from {self.function.__qualname__}: {state}>"
+
+    @property
+    def schema(self) -> str | None:
+        """The inferred schema (``None`` before the first call)."""
+        return None if self.op is None else str(self.op.schema)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{self.name}: {e}") from None
+        bound.apply_defaults()
+        values = list(bound.arguments.values())
+        op = self.op
+        if op is None:
+            with self._lock:
+                op = self.op if self.op is not None else self._define(values)
+        else:
+            self._check(values)
+        result = op(*values)
+        outs = result if isinstance(result, tuple) else (result,)
+        if not self._calls.outputs:
+            return result
+        it = iter(outs)
+        full = tuple(None if k is None else next(it) for k in self._calls.outputs)
+        return full[0] if self._calls.single else full
+
+    def _check(self, values: Sequence[Any]) -> None:
+        for p, t, v in zip(self._params, self._types, values):
+            kind = _kind(v)
+            if not _accepts(t, kind):
+                types = ["Tensor?" if x == t == "Tensor" else x for x in self._types]
+                suggested = ", ".join(f"{x} {q.name}" for x, q in zip(types, self._params))
+                schema = str(self.schema).split("(", 1)[1]
+                raise UnsupportedError(
+                    MSG_KIND_CHANGED.format(
+                        op=self.name, arg=p.name, got=kind,
+                        expected=t, schema="(" + schema,
+                        suggested=f"({suggested}) -> " + schema.rsplit(" -> ", 1)[1],
+                        loc=where(self.function.forward),
+                    )
+                )  # fmt: skip
+
+    def _define(self, values: list[Any]) -> CustomOp[..., Any]:
+        """Infer the schema and the outputs from this call, define the op."""
+        types = _infer_types(self.name, self.function, self._params, values)
+        out, nondiff, cloned = self._probe(values)
+        outs = out if isinstance(out, tuple) else (out,)
+        kinds = _output_kinds(outs)
+        bad = [k for k in kinds if k not in ("T", None)]
+        if bad or not any(k == "T" for k in kinds):
+            raise DefinitionError(
+                f"{self.name}: {self.function.__qualname__}.forward returned "
+                f"{', '.join(str(k) for k in kinds)}: a customgrad op returns tensors (None "
+                f"outputs are kept as None). (forward defined at {where(self.function.forward)})"
+            )
+        tensors = [o for o in outs if o is not None]
+        diff = self._diff
+        if diff is not None:
+            diff = tuple(d for d, k in zip(diff, kinds) if k is not None)
+        else:
+            marked = tuple(
+                not any(o is m for m in nondiff) and (o.is_floating_point() or o.is_complex())
+                for o in tensors
+            )
+            diff = None if all(marked) else marked
+        public, annotated = _schema_text(self._params, types, len(tensors))
+        calls = _Calls(kinds, not isinstance(out, tuple), cloned)
+        op = _define(self.function, self.name, annotated, public, self._weights, diff, calls)
+        self._types, self._calls = types, calls
+        self.op = op
+        return op
+
+    def _probe(self, values: Sequence[Any]) -> tuple[Any, list[Any], frozenset[int]]:
+        """Run the forward once on copies of this call's tensors (no gradient recorded): what it
+        returns, what it marks non-differentiable, which arguments it writes and returns."""
+
+        def copy(v: Any) -> Any:
+            if isinstance(v, _Tensor):
+                c = v.detach().clone()
+                return c.requires_grad_(v.requires_grad) if v.is_floating_point() else c
+            if isinstance(v, (list, tuple)) and any(isinstance(t, _Tensor) for t in v):
+                return type(v)(copy(t) for t in v)
+            return v
+
+        function, forward = self.function, self.function.forward
+        copies = [copy(v) for v in values]
+        ctx = _ForwardContext(_needs(values), self.name, forward)
+        with torch.no_grad():
+            if setup_context_defined(function):
+                out = forward(*copies)
+                function.setup_context(ctx, tuple(copies), out)
+            else:
+                out = forward(ctx, *copies)
+        outs = out if isinstance(out, tuple) else (out,)
+        cloned = frozenset(
+            i
+            for i, c in enumerate(copies)
+            if isinstance(c, _Tensor)
+            and any(isinstance(o, _Tensor) and _is_alias_of(o, c) for o in outs)
+        )
+        return out, list(ctx._cg_nondiff), cloned

@@ -22,7 +22,10 @@ ones (:class:`_SavedProbe`), and the user's outputs are checked against that run
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 import threading
+import types
 import typing
 import weakref
 from collections.abc import Iterable, Sequence
@@ -50,7 +53,7 @@ from customgrad._torch.fake import detect_fake_mode, functional_tensor_type, is_
 from customgrad._torch.functions import setup_context_defined
 from customgrad._triton import raw_launch
 
-__all__ = ["from_function"]
+__all__ = ["DeferredFunctionOp", "FunctionPatch", "from_function", "from_functions"]
 
 _Tensor = torch.Tensor
 _RESIDUAL = "saved"
@@ -819,6 +822,9 @@ def _define(
             attrs[attr] = value
             at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
+        if calls.outputs:  # the Function's None outputs get None, as autograd gives them
+            it = iter(grads)
+            grads = tuple(None if k is None else next(it) for k in calls.outputs)
         result = user_backward(_BackwardContext(tensors, attrs, needs), *grads)
         got = result if isinstance(result, tuple) else (result,)
         extra = got[n_args:]
@@ -1137,3 +1143,173 @@ class DeferredFunctionOp:
             and any(isinstance(o, _Tensor) and _is_alias_of(o, c) for o in outs)
         )
         return out, list(ctx._cg_nondiff), cloned
+
+
+# --------------------------------------------------------------------------------------------
+# A whole library: every call of Function.apply reaches the op
+
+_OPS: dict[Any, DeferredFunctionOp | CustomOp[..., Any]] = {}
+"""The op made for each (Function, weights, namespace): wrapping again reuses it (an op name
+is registered with torch.library once per process)."""
+
+
+def _functions_in(target: Any) -> list[type[torch.autograd.Function]]:
+    """The Functions ``target`` names: a Function class itself, or those a module (and its
+    imported submodules) defines."""
+    if isinstance(target, type) and issubclass(target, torch.autograd.Function):
+        return [target]
+    if isinstance(target, types.ModuleType):
+        prefix = target.__name__
+        found: dict[type[torch.autograd.Function], None] = {}
+        modules = [m for n, m in sorted(sys.modules.items()) if n == prefix or n.startswith(prefix + ".")]
+        for module in modules:
+            for value in vars(module).values():
+                if (
+                    isinstance(value, type)
+                    and issubclass(value, torch.autograd.Function)
+                    and value.__module__ == module.__name__
+                    and "forward" in vars(value)
+                ):
+                    found[value] = None
+        return list(found)
+    raise DefinitionError(
+        f"from_functions: needs torch.autograd.Function subclasses or modules, got {target!r}."
+    )
+
+
+class FunctionPatch:
+    """Functions whose ``apply`` goes through their customgrad op (:func:`from_functions`):
+    a context manager, or :meth:`restore` to undo.
+
+    Attributes:
+        ops: the op of each wrapped Function, by the Function's ``module.qualname``.
+    """
+
+    def __init__(
+        self, patched: dict[type[torch.autograd.Function], Any], ops: dict[str, Any]
+    ) -> None:
+        self._patched = patched
+        self.ops = ops
+
+    def __repr__(self) -> str:
+        return f"<FunctionPatch of {', '.join(self.ops) or 'nothing'}>"
+
+    def __enter__(self) -> FunctionPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Give each Function its own ``apply`` back (again: nothing)."""
+        for function, original in self._patched.items():
+            if original is None:
+                if "apply" in vars(function):
+                    delattr(function, "apply")
+            else:
+                function.apply = original  # type: ignore[method-assign]
+        self._patched = {}
+
+
+def _label(function: type) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def _op_name(namespace: str, function: type) -> str:
+    return f"{namespace}::" + re.sub(r"\W", "_", _label(function))
+
+
+def from_functions(
+    *functions: Any,
+    weights: dict[Any, Iterable[str]] | None = None,
+    namespace: str = "customgrad_fn",
+) -> FunctionPatch:
+    """Make every call of these Functions' ``apply`` go through a customgrad op, without editing
+    the code that calls them (a library's modules, its own registry of Functions).
+
+    Each Function is wrapped with :func:`from_function` (the schema read from its annotations,
+    or from its first call) and its ``apply`` replaced by the op until :meth:`FunctionPatch.restore`
+    or the end of the ``with`` block. Subclasses keep their own ``apply``.
+
+    Args:
+        *functions: ``torch.autograd.Function`` subclasses, or modules: the Functions each
+            module and its imported submodules define.
+        weights: for each Function (the class or its ``__name__``), the names of its forward's
+            weight parameters; a Function left out has none (all its gradients go to I).
+        namespace: the ``torch.library`` namespace of the ops, named ``namespace::module_Class``.
+
+    Returns:
+        A :class:`FunctionPatch`; its ``ops`` name every Function wrapped.
+
+    Raises:
+        DefinitionError: a key of ``weights`` names no Function wrapped, or a Function is
+            already patched.
+
+    Example:
+        >>> import torch, customgrad as cg
+        >>> class Scale(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x, w):
+        ...         ctx.save_for_backward(x, w)
+        ...         return x * w
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         x, w = ctx.saved_tensors
+        ...         return grad * w, (grad * x).sum(0)
+        >>> x, w = torch.ones(2, 3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+        >>> with cg.from_functions(Scale, weights={Scale: ("w",)}, namespace="doc_fns") as patch:
+        ...     Scale.apply(x, w).sum().backward()
+        >>> list(patch.ops)
+        ['customgrad._from_function.Scale']
+        >>> w.grad
+        tensor([2., 2., 2.])
+    """
+    found: dict[type[torch.autograd.Function], None] = {}
+    for target in functions:
+        found.update(dict.fromkeys(_functions_in(target)))
+    by_key = dict(weights or {})
+    unknown = [
+        k for k in by_key if not any(k is f or k == f.__name__ or k == _label(f) for f in found)
+    ]
+    if unknown:
+        raise DefinitionError(
+            f"from_functions: weights names {[getattr(k, '__name__', k) for k in unknown]}, "
+            f"which are not among the Functions wrapped "
+            f"({', '.join(f.__name__ for f in found) or 'none'}). Pass their classes or "
+            f"modules too, or check the names."
+        )
+    patched: dict[type[torch.autograd.Function], Any] = {}
+    ops: dict[str, Any] = {}
+    for function in found:
+        current = vars(function).get("apply")
+        if isinstance(current, _PatchedApply):
+            FunctionPatch(patched, {}).restore()  # undo this call's patches first
+            raise DefinitionError(
+                f"from_functions: {_label(function)} is already wrapped by another "
+                f"from_functions; restore that one first (or leave its with block)."
+            )
+        w = tuple(
+            next((v for k, v in by_key.items() if k is function or k in (function.__name__, _label(function))), ())
+        )
+        key = (function, w, namespace)
+        op = _OPS.get(key)
+        if op is None:
+            op = _OPS[key] = from_function(function, _op_name(namespace, function), weights=w)
+        patched[function] = current
+        ops[_label(function)] = op
+        function.apply = _PatchedApply(function, op)  # type: ignore[method-assign,assignment]
+    return FunctionPatch(patched, ops)
+
+
+class _PatchedApply:
+    """``Function.apply`` while patched: the op for the Function itself, the Function's own
+    ``apply`` for its subclasses."""
+
+    def __init__(self, function: type[torch.autograd.Function], op: Any) -> None:
+        self.function = function
+        self.op = op
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if owner is self.function:
+            return self.op
+        return torch.autograd.Function.apply.__func__.__get__(owner, owner)  # type: ignore[attr-defined]

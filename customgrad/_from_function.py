@@ -407,6 +407,55 @@ class _SavedProbe:
         return found
 
 
+class _Writes:
+    """Which saved tensors and output gradients a Function's backward writes in place (unsloth's
+    ``torch.matmul(..., out=X)`` into its saved input), learned per layout and plain attribute
+    values (``ctx.inplace``) by running the backward once on copies. Autograd lets a Function's
+    backward write into what it is handed; customgrad refuses it (another node, or the other
+    half of a split, may read it), so the backward is handed copies of those: the gradients
+    the raw Function computes, the memory of its out-of-place way. A write torch's version
+    counter does not see (a Triton store) is neither seen here nor refused."""
+
+    def __init__(self, backward: Any) -> None:
+        self.backward = backward
+        self._seen: dict[Any, frozenset[tuple[int, int]]] = {}
+
+    def find(
+        self,
+        layout: int,
+        tensors: tuple[Any, ...],
+        attrs: dict[str, Any],
+        grads: tuple[Any, ...],
+        needs: tuple[bool, ...],
+    ) -> frozenset[tuple[int, int]]:
+        key = (layout, needs, *(
+            (k, v if type(v) in _LEAVES and not isinstance(v, _Tensor) else type(v))
+            for k, v in attrs.items()
+        ))  # fmt: skip
+        found = self._seen.get(key)
+        if found is not None:
+            return found
+        if torch.compiler.is_compiling() or any(
+            isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
+        ):
+            return frozenset()  # a trace: learned on the next eager call
+
+        def copy(t: Any) -> Any:
+            return t.detach().clone() if isinstance(t, _Tensor) else t
+
+        parts = (tuple(map(copy, tensors)), tuple(map(copy, grads)))
+        watched = [
+            ((p, i), t) for p, ts in enumerate(parts) for i, t in enumerate(ts)
+            if isinstance(t, _Tensor)
+        ]  # fmt: skip
+        before = [t._version for _, t in watched]
+        with torch.no_grad():
+            self.backward(_BackwardContext(parts[0], dict(attrs), needs), *parts[1])
+        found = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
+        self._seen[key] = found
+        return found
+
+
 def _fake_like(meta: Any, device: Any) -> Any:
     shape, stride, dtype, _ = meta
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -801,6 +850,7 @@ def _define(
         return tuple(flat)
 
     n_args = len(names)
+    writes = _Writes(function.backward)
     label = f"{function.__qualname__}.backward"
     # The function itself, called as a plain function: dynamo (which captures this backward
     # for the automatic split) takes ``Function.backward(...)`` for compiled autograd's call.
@@ -825,6 +875,12 @@ def _define(
         if calls.outputs:  # the Function's None outputs get None, as autograd gives them
             it = iter(grads)
             grads = tuple(None if k is None else next(it) for k in calls.outputs)
+        written = writes.find(saved[0], tensors, attrs, grads, needs)
+        if written:  # copies of what the backward writes in place: see _Writes
+            tensors, grads = (
+                tuple(t.clone() if (part, i) in written else t for i, t in enumerate(ts))
+                for part, ts in ((0, tensors), (1, grads))
+            )
         result = user_backward(_BackwardContext(tensors, attrs, needs), *grads)
         got = result if isinstance(result, tuple) else (result,)
         extra = got[n_args:]

@@ -44,7 +44,6 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
-from customgrad._messages import schema_example
 from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
@@ -408,52 +407,58 @@ class _SavedProbe:
 
 
 class _Writes:
-    """Which saved tensors and output gradients a Function's backward writes in place (unsloth's
-    ``torch.matmul(..., out=X)`` into its saved input), learned per layout and plain attribute
-    values (``ctx.inplace``) by running the backward once on copies. Autograd lets a Function's
-    backward write into what it is handed; customgrad refuses it (another node, or the other
-    half of a split, may read it), so the backward is handed copies of those: the gradients
-    the raw Function computes, the memory of its out-of-place way. A write torch's version
-    counter does not see (a Triton store) is neither seen here nor refused."""
+    """Calls a Function's backward, handing it copies of the saved tensors and output gradients
+    it writes in place (unsloth's ``torch.matmul(..., out=X)`` into its saved input). Autograd
+    lets a Function's backward write into what it is handed; customgrad refuses it (another
+    node, or the other half of a split, may read it). Which ones it writes is learned per
+    layout and plain attribute values (``ctx.inplace``) at the first eager call, which is handed
+    copies of all of them: the gradients the raw Function computes, at the memory of its
+    out-of-place way. A write torch's version counter does not see (a Triton store) is neither
+    seen here nor refused."""
 
     def __init__(self, backward: Any) -> None:
         self.backward = backward
         self._seen: dict[Any, frozenset[tuple[int, int]]] = {}
 
-    def find(
+    def call(
         self,
         layout: int,
         tensors: tuple[Any, ...],
         attrs: dict[str, Any],
         grads: tuple[Any, ...],
         needs: tuple[bool, ...],
-    ) -> frozenset[tuple[int, int]]:
-        key = (layout, needs, *(
-            (k, v if type(v) in _LEAVES and not isinstance(v, _Tensor) else type(v))
-            for k, v in attrs.items()
-        ))  # fmt: skip
-        found = self._seen.get(key)
-        if found is not None:
-            return found
+    ) -> Any:
+        parts = (tensors, grads)
         if torch.compiler.is_compiling() or any(
             isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
-        ):
-            return frozenset()  # a trace: learned on the next eager call
+        ):  # a trace: a write there is the trace's business
+            return self.backward(_BackwardContext(tensors, attrs, needs), *grads)
+        key = (layout, needs, *(
+            (k, v if type(v) in _PLAIN else type(v)) for k, v in attrs.items()
+        ))  # fmt: skip
+        written = self._seen.get(key)
 
-        def copy(t: Any) -> Any:
-            return t.detach().clone() if isinstance(t, _Tensor) else t
+        def copy(at: tuple[int, int], t: Any) -> Any:
+            if not isinstance(t, _Tensor) or (written is not None and at not in written):
+                return t
+            return t.clone()
 
-        parts = (tuple(map(copy, tensors)), tuple(map(copy, grads)))
+        given = tuple(
+            tuple(copy((p, i), t) for i, t in enumerate(ts)) for p, ts in enumerate(parts)
+        )
+        if written is not None:
+            return self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
         watched = [
-            ((p, i), t) for p, ts in enumerate(parts) for i, t in enumerate(ts)
+            ((p, i), t) for p, ts in enumerate(given) for i, t in enumerate(ts)
             if isinstance(t, _Tensor)
         ]  # fmt: skip
         before = [t._version for _, t in watched]
-        with torch.no_grad():
-            self.backward(_BackwardContext(parts[0], dict(attrs), needs), *parts[1])
-        found = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
-        self._seen[key] = found
-        return found
+        result = self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+        self._seen[key] = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
+        return result
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype)
 
 
 def _fake_like(meta: Any, device: Any) -> Any:
@@ -531,16 +536,12 @@ def _parameters(
     return params, hints.get("return", inspect.signature(forward).return_annotation)
 
 
-def _public_schema(
-    function: type[torch.autograd.Function],
-    name: str,
-    params: list[inspect.Parameter],
-    returns: Any,
-    schema: str | None,
-) -> str:
-    forward = function.forward
-    if schema is not None:
-        return schema
+def _annotated_schema(params: list[inspect.Parameter], returns: Any) -> str | None:
+    """The schema ``forward``'s annotations give, or None (not annotated, or not in types a
+    schema has: a ``Literal``): then it is read from the first call."""
+    empty = inspect.Parameter.empty
+    if returns is empty or any(p.annotation is empty for p in params):
+        return None
 
     def prototype(*args: Any, **kwargs: Any) -> Any:  # only its signature is read
         return None
@@ -548,15 +549,8 @@ def _public_schema(
     prototype.__signature__ = inspect.Signature(params, return_annotation=returns)  # type: ignore[attr-defined]
     try:
         return str(torch.library.infer_schema(prototype, mutates_args=()))
-    except (ValueError, TypeError) as e:
-        annotated, written = schema_example(params)
-        raise DefinitionError(
-            f"{name}: cannot infer the op's schema from the annotations of "
-            f"{function.__qualname__}.forward: {e} Annotate its parameters and return (without "
-            f"ctx), e.g. def forward(ctx, {annotated}) -> torch.Tensor, or give the schema: "
-            f'cg.from_function(..., schema="({written}) -> Tensor"). '
-            f"(forward defined at {where(forward)})"
-        ) from None
+    except (ValueError, TypeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,9 +620,9 @@ def from_function(
         )
     classic = not setup_context_defined(function)
     params, returns = _parameters(function, name, classic)
-    if schema is None and not _annotated(params, returns):
+    public = schema if schema is not None else _annotated_schema(params, returns)
+    if public is None:  # read from the first call
         return DeferredFunctionOp(function, name, params, weights, output_differentiability)
-    public = _public_schema(function, name, params, returns, schema)
     diff = None if output_differentiability is None else tuple(output_differentiability)
     return _define(function, name, params, public, weights, diff, _Calls())
 
@@ -850,11 +844,11 @@ def _define(
         return tuple(flat)
 
     n_args = len(names)
-    writes = _Writes(function.backward)
     label = f"{function.__qualname__}.backward"
     # The function itself, called as a plain function: dynamo (which captures this backward
     # for the automatic split) takes ``Function.backward(...)`` for compiled autograd's call.
     user_backward = function.backward
+    writes = _Writes(user_backward)
 
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
         n_saved, specs, computed = layouts.layout(saved[0])
@@ -875,13 +869,7 @@ def _define(
         if calls.outputs:  # the Function's None outputs get None, as autograd gives them
             it = iter(grads)
             grads = tuple(None if k is None else next(it) for k in calls.outputs)
-        written = writes.find(saved[0], tensors, attrs, grads, needs)
-        if written:  # copies of what the backward writes in place: see _Writes
-            tensors, grads = (
-                tuple(t.clone() if (part, i) in written else t for i, t in enumerate(ts))
-                for part, ts in ((0, tensors), (1, grads))
-            )
-        result = user_backward(_BackwardContext(tensors, attrs, needs), *grads)
+        result = writes.call(saved[0], tensors, attrs, grads, needs)
         got = result if isinstance(result, tuple) else (result,)
         extra = got[n_args:]
         if len(got) < n_args or any(g is not None for g in extra):
@@ -910,15 +898,6 @@ def _define(
 
 # --------------------------------------------------------------------------------------------
 # A Function without annotations: the schema from its first call
-
-
-def _annotated(params: list[inspect.Parameter], returns: Any) -> bool:
-    """Whether ``forward`` is annotated enough to read the schema from (a return annotation, and
-    one on each parameter without a default)."""
-    empty = inspect.Parameter.empty
-    return returns is not empty and all(
-        p.annotation is not empty or p.default is not empty for p in params
-    )
 
 
 MSG_OUTPUTS_CHANGED = """\

@@ -908,7 +908,15 @@ returns), or call it the same way. (forward defined at {loc})"""
 
 
 def _output_kinds(outs: Sequence[Any]) -> tuple[str | None, ...]:
-    return tuple(None if o is None else "T" if isinstance(o, _Tensor) else type(o).__name__ for o in outs)
+    return tuple(
+        None if o is None else "T" if isinstance(o, _Tensor) else type(o).__name__ for o in outs
+    )
+
+
+def _show(kinds: Sequence[str | None]) -> str:
+    return (
+        "(" + ", ".join("None" if k is None else "Tensor" if k == "T" else k for k in kinds) + ")"
+    )
 
 
 def _tensor_outputs(
@@ -918,10 +926,9 @@ def _tensor_outputs(
     against what the defining call returned."""
     got = _output_kinds(outs)
     if got != expected:
-        show = lambda kinds: "(" + ", ".join("None" if k is None else "Tensor" if k == "T" else k for k in kinds) + ")"  # noqa: E731
         raise KernelOutputError(
             MSG_OUTPUTS_CHANGED.format(
-                op=qualname, got=show(got), expected=show(expected), loc=where(forward)
+                op=qualname, got=_show(got), expected=_show(expected), loc=where(forward)
             )
         )
     return tuple(o for o in outs if o is not None)
@@ -1196,7 +1203,9 @@ def _functions_in(target: Any) -> list[type[torch.autograd.Function]]:
     if isinstance(target, types.ModuleType):
         prefix = target.__name__
         found: dict[type[torch.autograd.Function], None] = {}
-        modules = [m for n, m in sorted(sys.modules.items()) if n == prefix or n.startswith(prefix + ".")]
+        modules = [
+            m for n, m in sorted(sys.modules.items()) if n == prefix or n.startswith(prefix + ".")
+        ]
         for module in modules:
             for value in vars(module).values():
                 if (
@@ -1324,7 +1333,14 @@ def from_functions(
                 f"from_functions; restore that one first (or leave its with block)."
             )
         w = tuple(
-            next((v for k, v in by_key.items() if k is function or k in (function.__name__, _label(function))), ())
+            next(
+                (
+                    v
+                    for k, v in by_key.items()
+                    if k is function or k in (function.__name__, _label(function))
+                ),
+                (),
+            )
         )
         key = (function, w, namespace)
         op = _OPS.get(key)

@@ -1439,7 +1439,7 @@ def test_from_function_outputs_that_change_between_calls() -> None:
         match=re.escape(
             f"{name}: the Function's forward returned (Tensor, Tensor), but on the call that "
             "defined the op it returned (Tensor, None). The op's outputs are fixed when it is "
-            'defined. Wrap the Function once per way of calling it (cg.from_function(..., '
+            "defined. Wrap the Function once per way of calling it (cg.from_function(..., "
             'schema="(...) -> (Tensor, Tensor)") with the outputs it returns), or call it the '
             f"same way. (forward defined at {where(forward)})"
         ),

@@ -78,7 +78,7 @@ def test_a_call_whose_argument_kinds_differ_from_the_inferred_schema_is_refused(
         cg.UnsupportedError,
         match=re.escape(
             f"{op.name}: argument 'mode' got int, but the op's schema, inferred from the first "
-            f'call, says str ((Tensor x, Tensor weight, float eps=1e-05, Tensor? bias=None, str '
+            f"call, says str ((Tensor x, Tensor weight, float eps=1e-05, Tensor? bias=None, str "
             f'mode="llama", bool in_place=False) -> Tensor). Give the schema that covers both '
             f'calls: cg.from_function(..., schema="(Tensor x, Tensor weight, float eps, Tensor? '
             f'bias, str mode, bool in_place) -> Tensor"). (forward defined at'
@@ -171,7 +171,9 @@ def test_outputs_written_into_inputs_become_new_tensors() -> None:
     want_q, want_k = Rotate.apply(ql * 1, kl * 1, c)
     torch.testing.assert_close((got_q, got_k), (want_q, want_k))
     loss = (got_q * 2 + got_k).sum()
-    torch.testing.assert_close(torch.autograd.grad(loss, (ql, kl)), (2 * c.expand(2, 3), c.expand(2, 3)))
+    torch.testing.assert_close(
+        torch.autograd.grad(loss, (ql, kl)), (2 * c.expand(2, 3), c.expand(2, 3))
+    )
     q_in = q.clone()
     op(q_in, k.clone(), c)
     torch.testing.assert_close(q_in, q)  # the op's input is left as it was (a copy is written)

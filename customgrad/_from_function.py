@@ -579,17 +579,23 @@ def from_function(
         function: the ``torch.autograd.Function`` subclass.
         name: ``"namespace::name"`` of the op.
         weights: names of ``forward``'s weight parameters (their gradients go to the W pass).
-        schema: the schema without the name, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``,
-            when ``forward``'s annotations can't give it.
-        output_differentiability: one bool per output; outputs the Function passes to
-            ``ctx.mark_non_differentiable`` must be declared False here.
+        schema: the schema without the name, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``.
+            Without it, the schema comes from ``forward``'s annotations or, when they don't
+            give one (no annotations, as in most libraries), from the first call.
+        output_differentiability: one bool per output (the Function's ``None`` outputs
+            included). Read from the first call when the schema is: False for integer outputs
+            and those ``forward`` passes to ``ctx.mark_non_differentiable``; with a schema from
+            annotations or ``schema=``, those must be declared False here.
 
     Returns:
-        A :class:`~customgrad.CustomOp` called with ``forward``'s parameters (without ``ctx``).
+        A :class:`~customgrad.CustomOp` called with ``forward``'s parameters (without ``ctx``);
+        for a ``forward`` without annotations or ``schema=``, a
+        :class:`~customgrad.DeferredFunctionOp`, called as ``Function.apply`` is, that defines
+        the op at its first call.
 
     Raises:
         DefinitionError: ``function`` is not an ``autograd.Function`` subclass, its forward
-            takes ``*args``, or no schema can be had from its annotations or ``schema=``.
+            takes ``*args``, or ``weights`` names a parameter it does not take.
 
     Example:
         >>> import torch, customgrad as cg

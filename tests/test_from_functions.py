@@ -298,3 +298,33 @@ def test_liger_block_through_from_functions_and_the_split() -> None:
     # their dW, and the first (on the stage's input, which needs no gradient) runs in W alone
     assert rms.calls == {"whole": {"full": 6}, "ran once": {"input": 4}, "handed": {"weight": 4}}
     assert not any("split off" in r.calls for r in rows.values())
+
+
+class SumScaled(torch.autograd.Function):
+    """``setup_context`` style; a list of tensors, and a tuple default torch's schema can't
+    write (left out of the schema; the call still gets it)."""
+
+    @staticmethod
+    def forward(x, scales, dims=(0,)):  # type: ignore[no-untyped-def]
+        return sum((x * s for s in scales), torch.zeros_like(x)).sum(dims)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # type: ignore[no-untyped-def]
+        x, scales, ctx.dims = inputs
+        ctx.save_for_backward(x, *scales)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, *scales = ctx.saved_tensors
+        g = grad.unsqueeze(ctx.dims[0]).expand_as(x)
+        return g * sum(scales), None, None  # a list is no tensor input to autograd
+
+
+def test_lists_of_tensors_and_setup_context() -> None:
+    op = cg.from_function(SumScaled, f"{unique()}::sum_scaled")
+    x = torch.randn(2, 3, requires_grad=True)
+    scales = [torch.randn(3) for _ in range(2)]
+    got = torch.autograd.grad(op(x, scales).pow(2).sum(), x)
+    want = torch.autograd.grad(SumScaled.apply(x, scales).pow(2).sum(), x)
+    torch.testing.assert_close(got, want)
+    assert op.schema == "(Tensor x, Tensor[] scales, SymInt[] dims) -> Tensor"

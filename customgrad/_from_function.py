@@ -1354,7 +1354,7 @@ def from_functions(
             op = _OPS[key] = from_function(function, _op_name(namespace, function), weights=w)
         patched[function] = current
         ops[_label(function)] = op
-        function.apply = _PatchedApply(function, op)  # type: ignore[method-assign,assignment]
+        function.apply = _PatchedApply(function, op, current)  # type: ignore[method-assign,assignment]
     return FunctionPatch(patched, ops)
 
 
@@ -1362,11 +1362,12 @@ class _PatchedApply:
     """``Function.apply`` while patched: the op for the Function itself, the Function's own
     ``apply`` for its subclasses."""
 
-    def __init__(self, function: type[torch.autograd.Function], op: Any) -> None:
+    def __init__(self, function: type[torch.autograd.Function], op: Any, original: Any) -> None:
         self.function = function
         self.op = op
+        self.original = original if original is not None else vars(torch.autograd.Function)["apply"]
 
     def __get__(self, instance: Any, owner: type) -> Any:
         if owner is self.function:
             return self.op
-        return torch.autograd.Function.apply.__func__.__get__(owner, owner)  # type: ignore[attr-defined]
+        return self.original.__get__(instance, owner)

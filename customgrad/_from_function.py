@@ -412,9 +412,10 @@ class _Writes:
     lets a Function's backward write into what it is handed; customgrad refuses it (another
     node, or the other half of a split, may read it). Which ones it writes is learned per
     layout and plain attribute values (``ctx.inplace``) at the first eager call, which is handed
-    copies of all of them: the gradients the raw Function computes, at the memory of its
-    out-of-place way. A write torch's version counter does not see (a Triton store) is neither
-    seen here nor refused."""
+    copies of all of them but leaves (weights, handed as themselves: a backward reads their
+    attributes, Megatron's ``main_grad``; one that writes into a weight is refused as before):
+    the gradients the raw Function computes, at the memory of its out-of-place way. A write
+    torch's version counter does not see (a Triton store) is neither seen here nor refused."""
 
     def __init__(self, backward: Any) -> None:
         self.backward = backward
@@ -440,6 +441,8 @@ class _Writes:
 
         def copy(at: tuple[int, int], t: Any) -> Any:
             if not isinstance(t, _Tensor) or (written is not None and at not in written):
+                return t
+            if at[0] == 0 and t.is_leaf:  # a weight: itself (its attributes: main_grad)
                 return t
             return t.clone()
 

@@ -328,3 +328,28 @@ def test_lists_of_tensors_and_setup_context() -> None:
     want = torch.autograd.grad(SumScaled.apply(x, scales).pow(2).sum(), x)
     torch.testing.assert_close(got, want)
     assert op.schema == "(Tensor x, Tensor[] scales, SymInt[] dims) -> Tensor"
+
+
+class MainGrad(torch.autograd.Function):
+    """As Megatron's linear: backward accumulates the weight gradient into ``w.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(x, w)
+        return x @ w.mT
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        x, w = ctx.saved_tensors
+        w.main_grad.add_(grad.mT @ x)
+        return grad @ w, None
+
+
+def test_a_saved_weight_is_handed_as_itself_with_its_attributes() -> None:
+    op = cg.from_function(MainGrad, f"{unique()}::main_grad")
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(5, 4))
+    w.main_grad = torch.zeros(5, 4)  # type: ignore[attr-defined]
+    for _ in range(2):  # the first backward (which learns what it writes) and the next
+        op(x, w).sum().backward()
+    torch.testing.assert_close(w.main_grad, 2 * torch.ones(3, 5).mT @ x.detach())  # type: ignore[attr-defined]

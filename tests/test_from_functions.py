@@ -353,3 +353,18 @@ def test_a_saved_weight_is_handed_as_itself_with_its_attributes() -> None:
     for _ in range(2):  # the first backward (which learns what it writes) and the next
         op(x, w).sum().backward()
     torch.testing.assert_close(w.main_grad, 2 * torch.ones(3, 5).mT @ x.detach())  # type: ignore[attr-defined]
+
+
+def test_a_backward_of_torch_ops_splits_through_from_functions() -> None:
+    ns = unique()
+    x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(RMSNorm.apply(x, w).pow(2).sum(), (x, w))
+    with cg.from_functions(RMSNorm, weights={RMSNorm: ("weight", "bias")}, namespace=ns):
+        out = RMSNorm.apply(x, w)
+        (dx,), groups = cgp.stage_backward_input([out.pow(2).sum()], None, [x], [w])
+        cgp.stage_backward_weight([w], groups)
+    torch.testing.assert_close((dx, w.grad), want)
+    (row,) = cg.summary(ns).ops
+    assert row.split == "traced"  # dx in I, dweight in W: nothing twice
+    assert row.calls == {"split": {"input": 1, "weight": 1}}

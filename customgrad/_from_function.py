@@ -652,6 +652,8 @@ class _Calls:
         self.outputs = outputs
         self.single = single
         self.cloned = cloned
+        self.plain = None not in outputs and (single or len(outputs) > 1)
+        """The op's result is the Function's as it is (no ``None`` output to put back)."""
 
 
 def _define(
@@ -943,6 +945,13 @@ def _tensor_outputs(
     return tuple(o for o in outs if o is not None)
 
 
+_KINDS: dict[type, str] = {
+    _Tensor: "Tensor", torch.nn.Parameter: "Tensor", type(None): "None", bool: "bool",
+    int: "int", float: "float", str: "str",
+}  # fmt: skip
+"""The kind of the common argument types, by type (:func:`_kind` for the others)."""
+
+
 def _kind(value: Any) -> str:
     """The schema type a call's argument is read as."""
     if isinstance(value, _Tensor):
@@ -1075,6 +1084,9 @@ class DeferredFunctionOp:
         self.name = name
         self._params = params
         self._signature = inspect.Signature(params)
+        self._defaults = tuple(p.default for p in params)
+        empty = inspect.Parameter.empty
+        self._required = max((i + 1 for i, d in enumerate(self._defaults) if d is empty), default=0)
         self._weights = tuple(weights)
         self._diff = None if output_differentiability is None else tuple(output_differentiability)
         self._types: list[str] = []
@@ -1099,12 +1111,17 @@ class DeferredFunctionOp:
         return None if self.op is None else str(self.op.schema)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            bound = self._signature.bind(*args, **kwargs)
-        except TypeError as e:
-            raise TypeError(f"{self.name}: {e}") from None
-        bound.apply_defaults()
-        values = list(bound.arguments.values())
+        n = len(args)
+        if not kwargs and n >= self._required and n < len(self._params):
+            args = (*args, *self._defaults[n:])  # positional, as Function.apply is called
+        elif kwargs or n != len(self._params):
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{self.name}: {e}") from None
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        values = args
         op = self.op
         if op is None:
             with self._lock:
@@ -1112,17 +1129,17 @@ class DeferredFunctionOp:
         else:
             self._check(values)
         result = op(*values)
-        outs = result if isinstance(result, tuple) else (result,)
-        if not self._calls.outputs:
+        if self._calls.plain:
             return result
+        outs = result if isinstance(result, tuple) else (result,)
         it = iter(outs)
         full = tuple(None if k is None else next(it) for k in self._calls.outputs)
         return full[0] if self._calls.single else full
 
     def _check(self, values: Sequence[Any]) -> None:
         for p, t, v in zip(self._params, self._types, values):
-            kind = _kind(v)
-            if not _accepts(t, kind):
+            kind = _KINDS.get(type(v)) or _kind(v)
+            if kind != t and not _accepts(t, kind):
                 types = ["Tensor?" if x == t == "Tensor" else x for x in self._types]
                 suggested = ", ".join(f"{x} {q.name}" for x, q in zip(types, self._params))
                 schema = str(self.schema).split("(", 1)[1]
@@ -1135,7 +1152,7 @@ class DeferredFunctionOp:
                     )
                 )  # fmt: skip
 
-    def _define(self, values: list[Any]) -> CustomOp[..., Any]:
+    def _define(self, values: Sequence[Any]) -> CustomOp[..., Any]:
         """Infer the schema and the outputs from this call, define the op."""
         types = _infer_types(self.name, self.function, self._params, values)
         out, nondiff, cloned = self._probe(values)

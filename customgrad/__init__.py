@@ -20,7 +20,10 @@ from customgrad._errors import MissingRegistrationError as MissingRegistrationEr
 from customgrad._errors import MutationError as MutationError
 from customgrad._errors import UnsupportedError as UnsupportedError
 from customgrad._errors import UnsupportedTorchError as UnsupportedTorchError
+from customgrad._from_function import DeferredFunctionOp as DeferredFunctionOp
+from customgrad._from_function import FunctionPatch as FunctionPatch
 from customgrad._from_function import from_function as from_function
+from customgrad._from_function import from_functions as from_functions
 from customgrad._op import BackwardFn as BackwardFn
 from customgrad._op import CustomOp as CustomOp
 from customgrad._op import JvpFn as JvpFn
@@ -68,8 +71,10 @@ __all__ = [
     "CustomGradError",
     "CustomOp",
     "DefinitionError",
+    "DeferredFunctionOp",
     "GradientTypeError",
     "GradientValueError",
+    "FunctionPatch",
     "JvpFn",
     "KernelOutputError",
     "MissingRegistrationError",
@@ -84,6 +89,7 @@ __all__ = [
     "compile",
     "explain_split",
     "from_function",
+    "from_functions",
     "no_split",
     "op",
     "summary",

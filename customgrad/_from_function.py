@@ -22,7 +22,10 @@ ones (:class:`_SavedProbe`), and the user's outputs are checked against that run
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 import threading
+import types
 import typing
 import weakref
 from collections.abc import Iterable, Sequence
@@ -41,7 +44,6 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
-from customgrad._messages import schema_example
 from customgrad._op import CustomOp
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
@@ -50,7 +52,7 @@ from customgrad._torch.fake import detect_fake_mode, functional_tensor_type, is_
 from customgrad._torch.functions import setup_context_defined
 from customgrad._triton import raw_launch
 
-__all__ = ["from_function"]
+__all__ = ["DeferredFunctionOp", "FunctionPatch", "from_function", "from_functions"]
 
 _Tensor = torch.Tensor
 _RESIDUAL = "saved"
@@ -405,6 +407,64 @@ class _SavedProbe:
         return found
 
 
+class _Writes:
+    """Calls a Function's backward, handing it copies of the saved tensors and output gradients
+    it writes in place (unsloth's ``torch.matmul(..., out=X)`` into its saved input). Autograd
+    lets a Function's backward write into what it is handed; customgrad refuses it (another
+    node, or the other half of a split, may read it). Which ones it writes is learned per
+    layout and plain attribute values (``ctx.inplace``) at the first eager call, which is handed
+    copies of all of them but leaves (weights, handed as themselves: a backward reads their
+    attributes, Megatron's ``main_grad``; one that writes into a weight is refused as before):
+    the gradients the raw Function computes, at the memory of its out-of-place way. A write
+    torch's version counter does not see (a Triton store) is neither seen here nor refused."""
+
+    def __init__(self, backward: Any) -> None:
+        self.backward = backward
+        self._seen: dict[Any, frozenset[tuple[int, int]]] = {}
+
+    def call(
+        self,
+        layout: int,
+        tensors: tuple[Any, ...],
+        attrs: dict[str, Any],
+        grads: tuple[Any, ...],
+        needs: tuple[bool, ...],
+    ) -> Any:
+        parts = (tensors, grads)
+        if torch.compiler.is_compiling() or any(
+            isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
+        ):  # a trace: a write there is the trace's business
+            return self.backward(_BackwardContext(tensors, attrs, needs), *grads)
+        key = (layout, needs, *(
+            (k, v if type(v) in _PLAIN else type(v)) for k, v in attrs.items()
+        ))  # fmt: skip
+        written = self._seen.get(key)
+
+        def copy(at: tuple[int, int], t: Any) -> Any:
+            if not isinstance(t, _Tensor) or (written is not None and at not in written):
+                return t
+            if at[0] == 0 and t.is_leaf:  # a weight: itself (its attributes: main_grad)
+                return t
+            return t.clone()
+
+        given = tuple(
+            tuple(copy((p, i), t) for i, t in enumerate(ts)) for p, ts in enumerate(parts)
+        )
+        if written is not None:
+            return self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+        watched = [
+            ((p, i), t) for p, ts in enumerate(given) for i, t in enumerate(ts)
+            if isinstance(t, _Tensor)
+        ]  # fmt: skip
+        before = [t._version for _, t in watched]
+        result = self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+        self._seen[key] = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
+        return result
+
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype)
+
+
 def _fake_like(meta: Any, device: Any) -> Any:
     shape, stride, dtype, _ = meta
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
@@ -480,16 +540,12 @@ def _parameters(
     return params, hints.get("return", inspect.signature(forward).return_annotation)
 
 
-def _public_schema(
-    function: type[torch.autograd.Function],
-    name: str,
-    params: list[inspect.Parameter],
-    returns: Any,
-    schema: str | None,
-) -> str:
-    forward = function.forward
-    if schema is not None:
-        return schema
+def _annotated_schema(params: list[inspect.Parameter], returns: Any) -> str | None:
+    """The schema ``forward``'s annotations give, or None (not annotated, or not in types a
+    schema has: a ``Literal``): then it is read from the first call."""
+    empty = inspect.Parameter.empty
+    if returns is empty or any(p.annotation is empty for p in params):
+        return None
 
     def prototype(*args: Any, **kwargs: Any) -> Any:  # only its signature is read
         return None
@@ -497,15 +553,8 @@ def _public_schema(
     prototype.__signature__ = inspect.Signature(params, return_annotation=returns)  # type: ignore[attr-defined]
     try:
         return str(torch.library.infer_schema(prototype, mutates_args=()))
-    except (ValueError, TypeError) as e:
-        annotated, written = schema_example(params)
-        raise DefinitionError(
-            f"{name}: cannot infer the op's schema from the annotations of "
-            f"{function.__qualname__}.forward: {e} Annotate its parameters and return (without "
-            f"ctx), e.g. def forward(ctx, {annotated}) -> torch.Tensor, or give the schema: "
-            f'cg.from_function(..., schema="({written}) -> Tensor"). '
-            f"(forward defined at {where(forward)})"
-        ) from None
+    except (ValueError, TypeError):
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -520,7 +569,7 @@ def from_function(
     weights: Iterable[str] = (),
     schema: str | None = None,
     output_differentiability: Sequence[bool] | None = None,
-) -> CustomOp[..., Any]:
+) -> CustomOp[..., Any] | DeferredFunctionOp:
     """Wrap an existing ``torch.autograd.Function`` subclass into a customgrad op.
 
     The Function's ``forward`` becomes the op's kernel (for every device) and its fake kernel;
@@ -534,17 +583,23 @@ def from_function(
         function: the ``torch.autograd.Function`` subclass.
         name: ``"namespace::name"`` of the op.
         weights: names of ``forward``'s weight parameters (their gradients go to the W pass).
-        schema: the schema without the name, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``,
-            when ``forward``'s annotations can't give it.
-        output_differentiability: one bool per output; outputs the Function passes to
-            ``ctx.mark_non_differentiable`` must be declared False here.
+        schema: the schema without the name, e.g. ``"(Tensor x, Tensor weight) -> Tensor"``.
+            Without it, the schema comes from ``forward``'s annotations or, when they don't
+            give one (no annotations, as in most libraries), from the first call.
+        output_differentiability: one bool per output (the Function's ``None`` outputs
+            included). Read from the first call when the schema is: False for integer outputs
+            and those ``forward`` passes to ``ctx.mark_non_differentiable``; with a schema from
+            annotations or ``schema=``, those must be declared False here.
 
     Returns:
-        A :class:`~customgrad.CustomOp` called with ``forward``'s parameters (without ``ctx``).
+        A :class:`~customgrad.CustomOp` called with ``forward``'s parameters (without ``ctx``);
+        for a ``forward`` without annotations or ``schema=``, a
+        :class:`~customgrad.DeferredFunctionOp`, called as ``Function.apply`` is, that defines
+        the op at its first call.
 
     Raises:
         DefinitionError: ``function`` is not an ``autograd.Function`` subclass, its forward
-            takes ``*args``, or no schema can be had from its annotations or ``schema=``.
+            takes ``*args``, or ``weights`` names a parameter it does not take.
 
     Example:
         >>> import torch, customgrad as cg
@@ -575,7 +630,44 @@ def from_function(
         )
     classic = not setup_context_defined(function)
     params, returns = _parameters(function, name, classic)
-    public = _public_schema(function, name, params, returns, schema)
+    public = schema if schema is not None else _annotated_schema(params, returns)
+    if public is None:  # read from the first call
+        return DeferredFunctionOp(function, name, params, weights, output_differentiability)
+    diff = None if output_differentiability is None else tuple(output_differentiability)
+    return _define(function, name, params, public, weights, diff, _Calls())
+
+
+class _Calls:
+    """How the op's kernel calls the Function when its results are not a customgrad op's as
+    they are (learned from the first call, :class:`DeferredFunctionOp`): ``outputs`` is what the
+    forward returns (``"T"`` a tensor, ``None``, one tensor when ``single``), ``cloned`` the
+    positions of the arguments forward writes and returns (given a copy, so the op's outputs
+    are new tensors)."""
+
+    def __init__(
+        self,
+        outputs: tuple[str | None, ...] = (),
+        single: bool = True,
+        cloned: frozenset[int] = frozenset(),
+    ) -> None:
+        self.outputs = outputs
+        self.single = single
+        self.cloned = cloned
+        self.plain = None not in outputs and (single or len(outputs) > 1)
+        """The op's result is the Function's as it is (no ``None`` output to put back)."""
+
+
+def _define(
+    function: type[torch.autograd.Function],
+    name: str,
+    params: list[inspect.Parameter],
+    public: str,
+    weights: Iterable[str],
+    diff: tuple[bool, ...] | None,
+    calls: _Calls,
+) -> CustomOp[..., Any]:
+    """The op for ``function`` with the schema ``public``."""
+    classic = not setup_context_defined(function)
     args_part, rets = _split_returns(public)
     if rets == ["()"] or not rets or rets == [""]:
         raise DefinitionError(
@@ -587,17 +679,19 @@ def from_function(
     names = [p.name for p in params]
     forward = function.forward
     qualname = name
-    diff = None if output_differentiability is None else tuple(output_differentiability)
 
     def kernel(*args: Any) -> Any:
         needs = _needs(args)
         ctx = _ForwardContext(needs, qualname, forward)
+        given = tuple(a.clone() if i in calls.cloned else a for i, a in enumerate(args))
         if classic:
-            out = forward(ctx, *args)
+            out = forward(ctx, *given)
         else:
-            out = forward(*args)
-            function.setup_context(ctx, args, out)
+            out = forward(*given)
+            function.setup_context(ctx, given, out)
         outs = out if isinstance(out, tuple) else (out,)
+        if calls.outputs:
+            outs = _tensor_outputs(qualname, forward, outs, calls.outputs)
         residuals: list[_Tensor] = []
         sources = _sources(args, outs)
 
@@ -766,6 +860,7 @@ def from_function(
     # The function itself, called as a plain function: dynamo (which captures this backward
     # for the automatic split) takes ``Function.backward(...)`` for compiled autograd's call.
     user_backward = function.backward
+    writes = _Writes(user_backward)
 
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
         n_saved, specs, computed = layouts.layout(saved[0])
@@ -783,7 +878,10 @@ def from_function(
             attrs[attr] = value
             at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
-        result = user_backward(_BackwardContext(tensors, attrs, needs), *grads)
+        if calls.outputs:  # the Function's None outputs get None, as autograd gives them
+            it = iter(grads)
+            grads = tuple(None if k is None else next(it) for k in calls.outputs)
+        result = writes.call(saved[0], tensors, attrs, grads, needs)
         got = result if isinstance(result, tuple) else (result,)
         extra = got[n_args:]
         if len(got) < n_args or any(g is not None for g in extra):
@@ -808,3 +906,489 @@ def from_function(
     backward.__wrapped__ = function.backward  # type: ignore[attr-defined]  # for file:line
     op.register_backward(backward, differentiable=not _once_differentiable(function.backward))
     return op
+
+
+# --------------------------------------------------------------------------------------------
+# A Function without annotations: the schema from its first call
+
+
+MSG_OUTPUTS_CHANGED = """\
+{op}: the Function's forward returned {got}, but on the call that defined the op it returned \
+{expected}. The op's outputs are fixed when it is defined. Wrap the Function once per way of \
+calling it (cg.from_function(..., schema="(...) -> (Tensor, Tensor)") with the outputs it \
+returns), or call it the same way. (forward defined at {loc})"""
+
+
+def _output_kinds(outs: Sequence[Any]) -> tuple[str | None, ...]:
+    return tuple(
+        None if o is None else "T" if isinstance(o, _Tensor) else type(o).__name__ for o in outs
+    )
+
+
+def _show(kinds: Sequence[str | None]) -> str:
+    return (
+        "(" + ", ".join("None" if k is None else "Tensor" if k == "T" else k for k in kinds) + ")"
+    )
+
+
+def _tensor_outputs(
+    qualname: str, forward: Any, outs: Sequence[Any], expected: tuple[str | None, ...]
+) -> tuple[Any, ...]:
+    """The tensor outputs among ``outs`` (the Function's ``None`` outputs dropped), checked
+    against what the defining call returned."""
+    got = _output_kinds(outs)
+    if got != expected:
+        raise KernelOutputError(
+            MSG_OUTPUTS_CHANGED.format(
+                op=qualname, got=_show(got), expected=_show(expected), loc=where(forward)
+            )
+        )
+    return tuple(o for o in outs if o is not None)
+
+
+_KINDS: dict[type, str] = {
+    _Tensor: "Tensor", torch.nn.Parameter: "Tensor", type(None): "None", bool: "bool",
+    int: "int", float: "float", str: "str",
+}  # fmt: skip
+"""The kind of the common argument types, by type (:func:`_kind` for the others)."""
+
+
+def _kind(value: Any) -> str:
+    """The schema type a call's argument is read as."""
+    if isinstance(value, _Tensor):
+        return "Tensor"
+    if value is None:
+        return "None"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float, str)):
+        return type(value).__name__
+    if isinstance(value, torch.dtype):
+        return "ScalarType"
+    if isinstance(value, torch.device):
+        return "Device"
+    if isinstance(value, (list, tuple)) and value:
+        kinds = {_kind(v) for v in value}
+        if kinds == {"Tensor"} or kinds == {"int"} or kinds == {"float"} or kinds == {"bool"}:
+            return f"{kinds.pop()}[]"
+        if kinds == {"int", "float"}:
+            return "float[]"
+    return type(value).__qualname__
+
+
+_ANNOTATIONS: dict[str, Any] = {
+    "Tensor": _Tensor, "bool": bool, "int": int, "float": float, "str": str,
+    "ScalarType": torch.dtype, "Device": torch.device, "Tensor[]": list[_Tensor],
+    "int[]": list[int], "float[]": list[float], "bool[]": list[bool],
+}  # fmt: skip
+
+_ACCEPTS: dict[str, set[str]] = {
+    "Tensor": {"Tensor"},
+    "Tensor?": {"Tensor", "None"},
+    "float": {"float", "int"},
+    "float[]": {"float[]", "int[]"},
+}
+"""For a schema type, the kinds of argument it takes (by default, its own)."""
+
+
+def _accepts(schema_type: str, kind: str) -> bool:
+    return kind in _ACCEPTS.get(schema_type, {schema_type})
+
+
+def _infer_types(
+    qualname: str, function: Any, params: list[inspect.Parameter], values: Sequence[Any]
+) -> list[str]:
+    """One schema type per parameter, from the values of the first call: a tensor is
+    ``Tensor``, ``None`` (or a tensor given for a parameter that defaults to None) ``Tensor?``,
+    numbers, bools, strings and dtypes their type, a list of tensors ``Tensor[]``."""
+    types: list[str] = []
+    for p, v in zip(params, values):
+        kind = _kind(v)
+        if kind == "None" or (kind == "Tensor" and p.default is None):
+            types.append("Tensor?")
+        elif kind in _ANNOTATIONS:
+            types.append(kind)
+        else:
+            raise DefinitionError(
+                MSG_UNINFERABLE.format(
+                    op=qualname, arg=p.name, got=f"{type(v).__module__}.{type(v).__qualname__}",
+                    loc=where(function.forward),
+                )
+            )  # fmt: skip
+    return types
+
+
+MSG_UNINFERABLE = """\
+{op}: cannot infer a schema type for argument {arg!r} from the value of the first call, a \
+{got}: a customgrad op takes tensors (and lists and optional ones), numbers, bools, strings, \
+dtypes and devices, and Python objects only as opaque objects registered with torch. Give the \
+schema with the argument as one of these (cg.from_function(..., schema="(Tensor x, ...) -> \
+Tensor")), registering the object's type as an opaque type as docs/examples/real-ops.md shows \
+("Python objects as arguments"), or keep the Function out of from_function. (forward defined \
+at {loc})"""
+
+MSG_KIND_CHANGED = """\
+{op}: argument {arg!r} got {got}, but the op's schema, inferred from the first call, says \
+{expected} ({schema}). Give the schema that covers both calls: cg.from_function(..., \
+schema="{suggested}"). (forward defined at {loc})"""
+
+
+def _schema_text(
+    params: list[inspect.Parameter], types: list[str], returns: int
+) -> tuple[str, list[inspect.Parameter]]:
+    """The schema (without the name) for ``types``, and the parameters annotated with them,
+    defaults kept where torch's schema can write them (``float eps=1e-05``)."""
+    annotated: list[inspect.Parameter] = []
+    for p, t in zip(params, types):
+        ann: Any = _ANNOTATIONS.get(t, typing.Optional[_Tensor])  # noqa: UP045
+        default = p.default
+        if default is not inspect.Parameter.empty and not _accepts(t, _kind(default)):
+            default = inspect.Parameter.empty
+        annotated.append(p.replace(annotation=ann, default=default))
+    ret: Any = _Tensor if returns == 1 else tuple[(_Tensor,) * returns]  # type: ignore[misc]
+
+    def prototype(*args: Any, **kwargs: Any) -> Any:  # only its signature is read
+        return None
+
+    for keep_defaults in (True, False):
+        if not keep_defaults:  # a default torch cannot write (a tuple): left out
+            annotated = [p.replace(default=inspect.Parameter.empty) for p in annotated]
+        prototype.__signature__ = inspect.Signature(annotated, return_annotation=ret)  # type: ignore[attr-defined]
+        try:
+            return str(torch.library.infer_schema(prototype, mutates_args=())), annotated
+        except (ValueError, TypeError):
+            if not keep_defaults:
+                raise
+    raise AssertionError("unreachable")
+
+
+class DeferredFunctionOp:
+    """The op :func:`from_function` makes for a Function whose ``forward`` is not annotated:
+    defined (registered with ``torch.library``) at its first call, with the schema read from
+    that call's arguments, the outputs and ``output_differentiability`` from what the forward
+    returned and marked. Called as ``Function.apply`` is: by position, with the forward's
+    defaults. Later calls are checked against the schema.
+
+    Attributes:
+        op: the :class:`~customgrad.CustomOp`, ``None`` before the first call.
+    """
+
+    def __init__(
+        self,
+        function: type[torch.autograd.Function],
+        name: str,
+        params: list[inspect.Parameter],
+        weights: Iterable[str],
+        output_differentiability: Sequence[bool] | None,
+    ) -> None:
+        self.function = function
+        self.name = name
+        self._params = params
+        self._signature = inspect.Signature(params)
+        self._defaults = tuple(p.default for p in params)
+        empty = inspect.Parameter.empty
+        self._required = max((i + 1 for i, d in enumerate(self._defaults) if d is empty), default=0)
+        self._weights = tuple(weights)
+        self._diff = None if output_differentiability is None else tuple(output_differentiability)
+        self._types: list[str] = []
+        self._calls = _Calls()
+        self._lock = threading.Lock()
+        self.op: CustomOp[..., Any] | None = None
+        unknown = [w for w in self._weights if w not in {p.name for p in params}]
+        if unknown:
+            raise DefinitionError(
+                f"{name}: weights names {unknown}, which {function.__qualname__}.forward does "
+                f"not take (it takes {', '.join(p.name for p in params)}). (forward defined at "
+                f"{where(function.forward)})"
+            )
+
+    def __repr__(self) -> str:
+        state = "not called yet" if self.op is None else self.schema
+        return f"<customgrad op {self.name} from {self.function.__qualname__}: {state}>"
+
+    @property
+    def schema(self) -> str | None:
+        """The inferred schema (``None`` before the first call)."""
+        return None if self.op is None else str(self.op.schema)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        n = len(args)
+        if not kwargs and n >= self._required and n < len(self._params):
+            args = (*args, *self._defaults[n:])  # positional, as Function.apply is called
+        elif kwargs or n != len(self._params):
+            try:
+                bound = self._signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{self.name}: {e}") from None
+            bound.apply_defaults()
+            args = tuple(bound.arguments.values())
+        values = args
+        op = self.op
+        if op is None:
+            with self._lock:
+                op = self.op if self.op is not None else self._define(values)
+        else:
+            self._check(values)
+        result = op(*values)
+        if self._calls.plain:
+            return result
+        outs = result if isinstance(result, tuple) else (result,)
+        it = iter(outs)
+        full = tuple(None if k is None else next(it) for k in self._calls.outputs)
+        return full[0] if self._calls.single else full
+
+    def _check(self, values: Sequence[Any]) -> None:
+        for p, t, v in zip(self._params, self._types, values):
+            kind = _KINDS.get(type(v)) or _kind(v)
+            if kind != t and not _accepts(t, kind):
+                types = ["Tensor?" if x == t == "Tensor" else x for x in self._types]
+                suggested = ", ".join(f"{x} {q.name}" for x, q in zip(types, self._params))
+                schema = str(self.schema).split("(", 1)[1]
+                raise UnsupportedError(
+                    MSG_KIND_CHANGED.format(
+                        op=self.name, arg=p.name, got=kind,
+                        expected=t, schema="(" + schema,
+                        suggested=f"({suggested}) -> " + schema.rsplit(" -> ", 1)[1],
+                        loc=where(self.function.forward),
+                    )
+                )  # fmt: skip
+
+    def _define(self, values: Sequence[Any]) -> CustomOp[..., Any]:
+        """Infer the schema and the outputs from this call, define the op."""
+        types = _infer_types(self.name, self.function, self._params, values)
+        out, nondiff, cloned = self._probe(values)
+        outs = out if isinstance(out, tuple) else (out,)
+        kinds = _output_kinds(outs)
+        bad = [k for k in kinds if k not in ("T", None)]
+        if bad or not any(k == "T" for k in kinds):
+            raise DefinitionError(
+                f"{self.name}: {self.function.__qualname__}.forward returned "
+                f"{', '.join(str(k) for k in kinds)}: a customgrad op returns tensors (None "
+                f"outputs are kept as None). (forward defined at {where(self.function.forward)})"
+            )
+        tensors = [o for o in outs if o is not None]
+        diff = self._diff
+        if diff is not None:
+            diff = tuple(d for d, k in zip(diff, kinds) if k is not None)
+        else:
+            marked = tuple(
+                not any(o is m for m in nondiff) and (o.is_floating_point() or o.is_complex())
+                for o in tensors
+            )
+            diff = None if all(marked) else marked
+        public, annotated = _schema_text(self._params, types, len(tensors))
+        calls = _Calls(kinds, not isinstance(out, tuple), cloned)
+        op = _define(self.function, self.name, annotated, public, self._weights, diff, calls)
+        self._types, self._calls = types, calls
+        self.op = op
+        return op
+
+    def _probe(self, values: Sequence[Any]) -> tuple[Any, list[Any], frozenset[int]]:
+        """Run the forward once on copies of this call's tensors (no gradient recorded): what it
+        returns, what it marks non-differentiable, which arguments it writes and returns."""
+
+        def copy(v: Any) -> Any:
+            if isinstance(v, _Tensor):
+                c = v.detach().clone()
+                return c.requires_grad_(v.requires_grad) if v.is_floating_point() else c
+            if isinstance(v, (list, tuple)) and any(isinstance(t, _Tensor) for t in v):
+                return type(v)(copy(t) for t in v)
+            return v
+
+        function, forward = self.function, self.function.forward
+        copies = [copy(v) for v in values]
+        ctx = _ForwardContext(_needs(values), self.name, forward)
+        with torch.no_grad():
+            if setup_context_defined(function):
+                out = forward(*copies)
+                function.setup_context(ctx, tuple(copies), out)
+            else:
+                out = forward(ctx, *copies)
+        outs = out if isinstance(out, tuple) else (out,)
+        cloned = frozenset(
+            i
+            for i, c in enumerate(copies)
+            if isinstance(c, _Tensor)
+            and any(isinstance(o, _Tensor) and _is_alias_of(o, c) for o in outs)
+        )
+        return out, list(ctx._cg_nondiff), cloned
+
+
+# --------------------------------------------------------------------------------------------
+# A whole library: every call of Function.apply reaches the op
+
+_OPS: dict[Any, DeferredFunctionOp | CustomOp[..., Any]] = {}
+"""The op made for each (Function, weights, namespace): wrapping again reuses it (an op name
+is registered with torch.library once per process)."""
+
+
+def _functions_in(target: Any) -> list[type[torch.autograd.Function]]:
+    """The Functions ``target`` names: a Function class itself, or those a module (and its
+    imported submodules) defines."""
+    if isinstance(target, type) and issubclass(target, torch.autograd.Function):
+        return [target]
+    if isinstance(target, types.ModuleType):
+        prefix = target.__name__
+        found: dict[type[torch.autograd.Function], None] = {}
+        modules = [
+            m for n, m in sorted(sys.modules.items()) if n == prefix or n.startswith(prefix + ".")
+        ]
+        for module in modules:
+            for value in vars(module).values():
+                if (
+                    isinstance(value, type)
+                    and issubclass(value, torch.autograd.Function)
+                    and value.__module__ == module.__name__
+                    and "forward" in vars(value)
+                ):
+                    found[value] = None
+        return list(found)
+    raise DefinitionError(
+        f"from_functions: needs torch.autograd.Function subclasses or modules, got {target!r}."
+    )
+
+
+class FunctionPatch:
+    """Functions whose ``apply`` goes through their customgrad op (:func:`from_functions`):
+    a context manager, or :meth:`restore` to undo.
+
+    Attributes:
+        ops: the op of each wrapped Function, by the Function's ``module.qualname``.
+    """
+
+    def __init__(
+        self, patched: dict[type[torch.autograd.Function], Any], ops: dict[str, Any]
+    ) -> None:
+        self._patched = patched
+        self.ops = ops
+
+    def __repr__(self) -> str:
+        return f"<FunctionPatch of {', '.join(self.ops) or 'nothing'}>"
+
+    def __enter__(self) -> FunctionPatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Give each Function its own ``apply`` back (again: nothing)."""
+        for function, original in self._patched.items():
+            if original is None:
+                if "apply" in vars(function):
+                    delattr(function, "apply")
+            else:
+                function.apply = original  # type: ignore[method-assign]
+        self._patched = {}
+
+
+def _label(function: type) -> str:
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def _op_name(namespace: str, function: type) -> str:
+    return f"{namespace}::" + re.sub(r"\W", "_", _label(function))
+
+
+def from_functions(
+    *functions: Any,
+    weights: dict[Any, Iterable[str]] | None = None,
+    namespace: str = "customgrad_fn",
+) -> FunctionPatch:
+    """Make every call of these Functions' ``apply`` go through a customgrad op, without editing
+    the code that calls them (a library's modules, its own registry of Functions).
+
+    Each Function is wrapped with :func:`from_function` (the schema read from its annotations,
+    or from its first call) and its ``apply`` replaced by the op until :meth:`FunctionPatch.restore`
+    or the end of the ``with`` block. Subclasses keep their own ``apply``.
+
+    Args:
+        *functions: ``torch.autograd.Function`` subclasses, or modules: the Functions each
+            module and its imported submodules define.
+        weights: for each Function (the class or its ``__name__``), the names of its forward's
+            weight parameters; a Function left out has none (all its gradients go to I).
+        namespace: the ``torch.library`` namespace of the ops, named ``namespace::module_Class``.
+
+    Returns:
+        A :class:`FunctionPatch`; its ``ops`` name every Function wrapped.
+
+    Raises:
+        DefinitionError: a key of ``weights`` names no Function wrapped, or a Function is
+            already patched.
+
+    Example:
+        >>> import torch, customgrad as cg
+        >>> class Scale(torch.autograd.Function):
+        ...     @staticmethod
+        ...     def forward(ctx, x, w):
+        ...         ctx.save_for_backward(x, w)
+        ...         return x * w
+        ...     @staticmethod
+        ...     def backward(ctx, grad):
+        ...         x, w = ctx.saved_tensors
+        ...         return grad * w, (grad * x).sum(0)
+        >>> x, w = torch.ones(2, 3, requires_grad=True), torch.full((3,), 2.0, requires_grad=True)
+        >>> with cg.from_functions(Scale, weights={Scale: ("w",)}, namespace="doc_fns") as patch:
+        ...     Scale.apply(x, w).sum().backward()
+        >>> list(patch.ops)
+        ['customgrad._from_function.Scale']
+        >>> w.grad
+        tensor([2., 2., 2.])
+    """
+    found: dict[type[torch.autograd.Function], None] = {}
+    for target in functions:
+        found.update(dict.fromkeys(_functions_in(target)))
+    by_key = dict(weights or {})
+    unknown = [
+        k for k in by_key if not any(k is f or k == f.__name__ or k == _label(f) for f in found)
+    ]
+    if unknown:
+        raise DefinitionError(
+            f"from_functions: weights names {[getattr(k, '__name__', k) for k in unknown]}, "
+            f"which are not among the Functions wrapped "
+            f"({', '.join(f.__name__ for f in found) or 'none'}). Pass their classes or "
+            f"modules too, or check the names."
+        )
+    patched: dict[type[torch.autograd.Function], Any] = {}
+    ops: dict[str, Any] = {}
+    for function in found:
+        current = vars(function).get("apply")
+        if isinstance(current, _PatchedApply):
+            FunctionPatch(patched, {}).restore()  # undo this call's patches first
+            raise DefinitionError(
+                f"from_functions: {_label(function)} is already wrapped by another "
+                f"from_functions; restore that one first (or leave its with block)."
+            )
+        w = tuple(
+            next(
+                (
+                    v
+                    for k, v in by_key.items()
+                    if k is function or k in (function.__name__, _label(function))
+                ),
+                (),
+            )
+        )
+        key = (function, w, namespace)
+        op = _OPS.get(key)
+        if op is None:
+            op = _OPS[key] = from_function(function, _op_name(namespace, function), weights=w)
+        patched[function] = current
+        ops[_label(function)] = op
+        function.apply = _PatchedApply(function, op, current)  # type: ignore[method-assign,assignment]
+    return FunctionPatch(patched, ops)
+
+
+class _PatchedApply:
+    """``Function.apply`` while patched: the op for the Function itself, the Function's own
+    ``apply`` for its subclasses."""
+
+    def __init__(self, function: type[torch.autograd.Function], op: Any, original: Any) -> None:
+        self.function = function
+        self.op = op
+        self.original = original if original is not None else vars(torch.autograd.Function)["apply"]
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if owner is self.function:
+            return self.op
+        return self.original.__get__(instance, owner)

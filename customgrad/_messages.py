@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +9,7 @@ from customgrad._errors import where
 from customgrad._rules import AutogradRules
 from customgrad._signature import ArgKind, Signature
 
-__all__ = ["missing_autograd_message", "schema_example"]
+__all__ = ["missing_autograd_message"]
 
 MSG_NO_AUTOGRAD = """\
 {name}: an input requires grad, but the op's autograd is not registered{missing}. Register a \
@@ -83,22 +82,3 @@ def missing_autograd_message(
         example=example,
         loc=where(fn),
     )
-
-
-_EXAMPLE_TYPES = {bool: ("bool", "bool"), int: ("int", "int"), float: ("float", "float")}
-
-
-def schema_example(params: list[inspect.Parameter]) -> tuple[str, str]:
-    """The forward's own parameters annotated, and the schema they make (for the message):
-    a parameter with a number default is that number's type, any other a Tensor (an
-    ``Optional`` one when it defaults to None)."""
-    annotated: list[str] = []
-    written: list[str] = []
-    for p in params:
-        has_default = p.default is not inspect.Parameter.empty
-        py, sch = _EXAMPLE_TYPES.get(type(p.default), ("torch.Tensor", "Tensor"))
-        if p.default is None:
-            py, sch = "torch.Tensor | None", "Tensor?"
-        annotated.append(f"{p.name}: {py}" + (f" = {p.default!r}" if has_default else ""))
-        written.append(f"{sch} {p.name}" + (f"={p.default!r}" if has_default else ""))
-    return ", ".join(annotated), ", ".join(written)

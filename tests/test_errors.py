@@ -1397,7 +1397,7 @@ def test_from_function_needs_a_function_class() -> None:
         cg.from_function(_function().apply, "mylib::f")  # type: ignore[arg-type]
 
 
-def test_from_function_without_annotations_or_schema() -> None:
+def test_from_function_without_annotations_reads_the_schema_from_the_first_call() -> None:
     def forward(ctx: Any, x, w, eps=1e-5):  # type: ignore[no-untyped-def]
         ctx.save_for_backward(x, w)
         return x @ w.mT + eps
@@ -1406,27 +1406,45 @@ def test_from_function_without_annotations_or_schema() -> None:
         x, w = ctx.saved_tensors
         return g @ w, g.mT @ x, None
 
-    fn = _function(forward, backward)
     name = unique("f")
-    with pytest.raises(
-        cg.DefinitionError,
-        match=re.escape(
-            f"{name}: cannot infer the op's schema from the annotations of Fn.forward: "
-            "infer_schema(func): Parameter x must have a type annotation. Got func with signature "
-            "(x, w, eps=1e-05)) Annotate its parameters and return (without ctx), "
-            "e.g. def forward(ctx, x: torch.Tensor, w: torch.Tensor, eps: float = 1e-05) -> "
-            'torch.Tensor, or give the schema: cg.from_function(..., schema="(Tensor x, Tensor '
-            f'w, float eps=1e-05) -> Tensor"). (forward defined at {where(forward)})'
-        ),
-    ):
-        cg.from_function(fn, name, weights=("w",))
-    # The schema the message gives, given: the op works, with torch's gradients.
-    op = cg.from_function(
-        fn, unique("f"), weights=("w",), schema="(Tensor x, Tensor w, float eps=1e-05) -> Tensor"
-    )
+    op = cg.from_function(_function(forward, backward), name, weights=("w",))
     x, w = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
     got = torch.autograd.grad(op(x, w).sum(), (x, w))
     torch.testing.assert_close(got, torch.autograd.grad((x @ w.mT + 1e-5).sum(), (x, w)))
+    assert op.schema == "(Tensor x, Tensor w, float eps=1e-05) -> Tensor"
+    with pytest.raises(
+        cg.UnsupportedError,
+        match=re.escape(
+            f"{name}: argument 'eps' got Tensor, but the op's schema, inferred from the first "
+            "call, says float ((Tensor x, Tensor w, float eps=1e-05) -> Tensor). Give the "
+            'schema that covers both calls: cg.from_function(..., schema="(Tensor x, Tensor w, '
+            f'float eps) -> Tensor"). (forward defined at {where(forward)})'
+        ),
+    ):
+        op(x, w, torch.ones(()))
+
+
+def test_from_function_outputs_that_change_between_calls() -> None:
+    def forward(ctx: Any, x, with_stats):  # type: ignore[no-untyped-def]
+        return x * 2, (x.sum() if with_stats else None)
+
+    def backward(ctx: Any, g: torch.Tensor, g_stats: Any) -> Any:
+        return g * 2, None
+
+    name = unique("f")
+    op = cg.from_function(_function(forward, backward), name)
+    op(torch.ones(2), False)
+    with pytest.raises(
+        cg.KernelOutputError,
+        match=re.escape(
+            f"{name}: the Function's forward returned (Tensor, Tensor), but on the call that "
+            "defined the op it returned (Tensor, None). The op's outputs are fixed when it is "
+            "defined. Wrap the Function once per way of calling it (cg.from_function(..., "
+            'schema="(...) -> (Tensor, Tensor)") with the outputs it returns), or call it the '
+            f"same way. (forward defined at {where(forward)})"
+        ),
+    ):
+        op(torch.ones(2), True)
 
 
 def test_from_function_with_varargs_forward() -> None:

@@ -11,6 +11,7 @@ from torch import Tensor
 import customgrad as cg
 from customgrad import OpRow
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests._skips import CAPTURE
 
 
 def _linear(name: str, **kwargs: Any) -> Any:
@@ -52,6 +53,7 @@ def _row(name: str) -> OpRow:
     return row
 
 
+@CAPTURE
 def test_a_single_backward_is_not_run_yet_then_traced() -> None:
     op = _linear("traced")
     op.register_backward(_backward)
@@ -75,6 +77,7 @@ def test_a_single_backward_is_not_run_yet_then_traced() -> None:
     assert row.calls == {"whole": {"full": 1}}  # a full backward: one call, every gradient
 
 
+@CAPTURE
 def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     op = _linear("branching")
     op.register_backward(_branching)
@@ -158,6 +161,7 @@ def _split_step(op: Any, x: Tensor, w: Tensor) -> None:
     stage_backward_weight([w], groups)
 
 
+@CAPTURE
 def test_every_call_over_the_run_is_counted_not_only_the_latest_trace() -> None:
     # Rank 0 of a ZBV run holds the first stage (its input does not require grad: nothing to
     # split) and the last (split into I and W). The latest trace is the first stage's; the
@@ -220,6 +224,7 @@ def test_the_first_line_says_which_op_repeated_work_with_the_split_off() -> None
     assert str(summary).splitlines()[0] == summary.repeated
 
 
+@CAPTURE
 def test_the_fallback_fix_applied_splits() -> None:
     # The row's fix for a branch on a tensor value: "compute with tensor ops instead
     # (torch.where, masks), so the same ops run for every value". Applied, the op is traced and

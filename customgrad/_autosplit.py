@@ -47,9 +47,11 @@ filter or dynamo setting.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import logging
 import threading
+import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -575,7 +577,9 @@ class _Refused(Exception):
         self.known = known  # an unknown reason may come from outside the backward: try again
 
 
-_WRAPPER = "def backward(ctx, saved, grads):\n    return fn(ctx, saved, *grads)\n"
+def _calls_fn(ctx: Any, saved: Any, grads: Any) -> Any:
+    """The code of every capture's wrapper: ``fn`` is the wrapper's own global (see below)."""
+    return fn(ctx, saved, *grads)  # type: ignore[name-defined]  # noqa: F821
 
 
 def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
@@ -583,9 +587,11 @@ def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
     per code object) that calls ``fn``."""
     # ``__name__``: an importable module (torch 2.11's dynamo keeps no cache entry, hence no
     # guard manager, for a frame whose globals have none, and imports the one named).
-    scope: dict[str, Any] = {"fn": fn, "__name__": __name__}
-    exec(compile(_WRAPPER, f"<customgrad capture of {op.name}>", "exec"), scope)
-    return scope["backward"]
+    scope: dict[str, Any] = {"fn": fn, "__name__": __name__, "__builtins__": builtins}
+    code = _calls_fn.__code__.replace(
+        co_name="backward", co_filename=f"<customgrad capture of {op.name}>"
+    )
+    return types.FunctionType(code, scope, "backward")
 
 
 def _capture(

@@ -26,6 +26,7 @@ from customgrad.pipelining import ActionTimer, ActionTimerError, StageCosts, sim
 from customgrad.pipelining._simulate import _StandInStage
 from customgrad.pipelining._stage import MSG_DDP_FIND_UNUSED, MSG_DDP_UNREDUCED
 from customgrad.pipelining._timing import MSG_NESTED_STEP
+from tests._skips import NO_CUDA
 
 UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
 
@@ -777,7 +778,7 @@ def test_validation_advice_applied_gives_torchs_gradients(advice: str) -> None:
     _same_as_torch(op)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device (CUDA)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)  # the second device
 def test_device_advice_applied_returns_it_on_the_inputs_device() -> None:
     # "Return it on the input's device": a CPU gradient for a CUDA input, then moved there.
     def bwd_in(ctx, saved, g):

@@ -15,7 +15,7 @@ from torch import Tensor
 
 import customgrad as cg
 import customgrad.pipelining as cgp
-from tests._skips import CAPTURE
+from tests._skips import CAPTURE, optional_package
 from tests._unsloth_port import LoRA_MLP, LoraMLP
 
 _ids = itertools.count()
@@ -248,7 +248,7 @@ def test_from_functions_leaves_subclasses_alone_and_refuses_bad_names() -> None:
 
 
 def test_liger_block_through_from_functions_and_the_split() -> None:
-    L = pytest.importorskip("tests._liger_block", reason="liger-kernel is not installed")
+    L = pytest.importorskip("tests._liger_block", reason=optional_package("liger-kernel"))
     import liger_kernel.ops
 
     weights = {

@@ -10,7 +10,7 @@ attributes). This script times, per call, on the same small backward (a linear's
 8x16 by 16x16 tensors, reading a global float and a torch function):
 
 - the backward called directly (the anchor),
-- customgrad's check of one capture (``_Capture.holds``: dynamo's guard manager and customgrad's
+- customgrad's check of one capture (``Capture.holds``: dynamo's guard manager and customgrad's
   checks), and dynamo's guard manager alone,
 - the same backward through ``torch.compile(fullgraph=True)`` with a backend that runs dynamo's
   graph as it is (what running through the compiled frame would cost instead),
@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 import customgrad as cg
-from customgrad._autosplit import AutoSplitter, _Capture
+from customgrad._autosplit import AutoSplitter
+from customgrad._capture import Capture
 from customgrad._pass import BackwardContext
 
 ROUNDS = 7
@@ -96,12 +97,12 @@ def main() -> None:
     # check after a forward costs more than a repeated one (dynamo's guard manager runs cold).
     step = lambda: linear(x, w).backward(g)  # noqa: E731
     with_check = per_call(step)
-    holds = _Capture.holds
-    _Capture.holds = lambda self, frame: True  # type: ignore[method-assign]
+    holds = Capture.holds
+    Capture.holds = lambda self, frame: True  # type: ignore[method-assign]
     try:
         without = per_call(step)
     finally:
-        _Capture.holds = holds  # type: ignore[method-assign]
+        Capture.holds = holds  # type: ignore[method-assign]
     times["the check in forward + backward"] = with_check - without
     floor = times["backward called directly"]
     print(f"CPU time per call, µs (process_time, min of {ROUNDS} x {CALLS}, 1 thread)")

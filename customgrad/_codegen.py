@@ -212,13 +212,13 @@ def write_runner(
                     [
                         "handoff = record.handoff",
                         "if handoff is not None:",
-                        "    handoff = _handed_over(record, grads, 'traced')",
+                        "    handoff = _handed_over(record, grads, 'kept')",
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
                         "if kept is None:",
                         "    _release(record, grads)",
                         "else:",
-                        "    _hand_over(record, grads, 'traced', kept)",
+                        "    _hand_over(record, grads, 'kept', kept)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
                         *check_source(

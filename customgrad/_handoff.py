@@ -1,17 +1,20 @@
 """The hand-off: what the earlier pass of a node's backward computed for its later pass.
 
-One type for every kind of hand-off between the input pass (I) and the weight pass (W): the work
-a pair's halves share (``register_backward_shared``), the values a traced backward's I part keeps
-for its W part, the weight gradients of a backward that is not split, run once in I (the run-once
-rule), and the values a compiled region's I graph keeps for its W graph. The same rules hold for
-each:
+One store and one type for every kind of hand-off between the input pass (I) and the weight pass
+(W), on customgrad nodes and compiled regions' nodes alike (a :class:`Holder`: a customgrad node's
+record, or the state :mod:`customgrad._compiled_backward` puts on a compiled region's node). What
+is handed over (:data:`HandOffValue`) is one of: the work a pair's halves share
+(``register_backward_shared``: :class:`SharedWork`); the values the input pass of a split program
+keeps for its weight pass, a traced backward's or a compiled region's (:class:`Kept`); or the
+weight gradients of a backward that is not split, run once in I (the run-once rule:
+:data:`HeldGradients`). The same rules hold for each:
 
 - it belongs to the pass that made it: only a pass with the same output gradients (the same
   tensors, not written to since) reads it, never a pass of another loss through the same node
   (:func:`record_pass` keeps weak references and version counters, so the record holds no
   gradient alive);
-- it lives on the node's record (a compiled region's: keyed by its node) until the later pass
-  takes it (:func:`release`), or the graph is freed with the node (nothing else refers to it:
+- it lives on the node's holder until the later pass takes it (:func:`release`), or the graph
+  is freed with the node (nothing else refers to it:
   no reference cycle). A node keeps up to :data:`MAX_PENDING` of them, one per pass whose
   later pass has not run yet: two losses through one node, run in torch's order I(loss 1),
   I(loss 2), W(loss 1), W(loss 2), each find their own;
@@ -24,17 +27,25 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import optree
 import torch
 
-from customgrad._record import NO_HANDOFF, NodeRecord
+from customgrad._record import NO_HANDOFF
+
+if TYPE_CHECKING:
+    from customgrad._split_program import ProgramCut
 
 __all__ = [
     "HandOff",
     "HandOffKind",
+    "HandOffValue",
+    "HeldGradients",
+    "Holder",
+    "Kept",
     "PassRecord",
+    "SharedWork",
     "hand_over",
     "handed_over",
     "nbytes",
@@ -47,7 +58,42 @@ MAX_PENDING = 4
 """The hand-offs a node keeps at most, one per pass whose later pass has not run (the oldest
 goes first: its later pass then computes for itself)."""
 
-HandOffKind = Literal["shared", "traced", "gradients", "compiled"]
+HandOffKind = Literal["shared", "kept", "gradients"]
+"""Which value a hand-off holds: :class:`SharedWork`, :class:`Kept` or :data:`HeldGradients`."""
+
+
+class Kept(NamedTuple):
+    """What the input pass of a split program (a traced backward, a compiled region's backward)
+    keeps for its weight pass: the cut whose input pass made them, and the values, in the order
+    the cut's weight pass takes them."""
+
+    cut: ProgramCut
+    values: tuple[torch.Tensor, ...]
+
+
+class SharedWork(NamedTuple):
+    """What ``register_backward_shared`` returned (read as ``ctx.shared`` in both halves)."""
+
+    value: object
+
+
+Gradient: TypeAlias = torch.Tensor | list[torch.Tensor | None] | None
+HeldGradients: TypeAlias = dict[str, Gradient]
+"""The gradients a run-once backward computed in its first pass for the later one, by name."""
+
+HandOffValue: TypeAlias = Kept | SharedWork | HeldGradients
+"""What a :class:`HandOff` holds."""
+
+
+class Holder(Protocol):
+    """What holds a node's hand-offs: a customgrad node's record, or a compiled region's node
+    state. ``differentiable``: per output, whether it is differentiable (None: all are)."""
+
+    handoff: HandOff[HandOffValue] | None
+
+    @property
+    def differentiable(self) -> Sequence[bool] | None: ...
+
 
 PassRecord = tuple[Any, ...]
 """The output gradients a pass was given, as :func:`record_pass` keeps them: per gradient a
@@ -110,15 +156,18 @@ def same_pass(made: PassRecord | None, grads: Sequence[Any] | None) -> bool:
     return True
 
 
-class HandOff:
-    """What one pass of a node computed for the node's later pass.
+V = TypeVar("V")
+
+
+class HandOff(Generic[V]):
+    """What one pass of a node computed for the node's later pass (a :data:`HandOffValue` in a
+    :class:`Holder`'s store).
 
     Attributes:
         made: the output gradients of the pass that made it (:func:`record_pass`): only a pass
             with the same ones, unchanged, reads it.
-        kind: ``"shared"`` (``ctx.shared``), ``"traced"`` (a traced backward's kept values),
-            ``"gradients"`` (gradients computed early by a backward that runs once) or
-            ``"compiled"`` (a compiled region's kept values).
+        kind: ``"shared"`` (``ctx.shared``), ``"kept"`` (a split program's kept values) or
+            ``"gradients"`` (gradients computed early by a backward that runs once).
         value: what is handed over.
         next: the hand-off of an earlier pass of the node whose later pass has not run yet
             (see :data:`MAX_PENDING`), or None.
@@ -126,11 +175,11 @@ class HandOff:
 
     __slots__ = ("kind", "made", "next", "value")
 
-    def __init__(self, made: PassRecord, kind: HandOffKind, value: Any) -> None:
+    def __init__(self, made: PassRecord, kind: HandOffKind, value: V) -> None:
         self.made = made
         self.kind = kind
         self.value = value
-        self.next: HandOff | None = None  # the node's hand-off of an earlier pass, if pending
+        self.next: HandOff[V] | None = None  # the node's hand-off of an earlier pass, if pending
 
     def made_by(self, grads: Sequence[Any] | None) -> bool:
         """Whether a pass with output gradients ``grads`` is the pass that made it."""
@@ -140,18 +189,19 @@ class HandOff:
         return f"<HandOff {self.kind}: {nbytes(self.value)} bytes>"
 
 
-def hand_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind, value: Any) -> None:
+def hand_over(record: Holder, grads: Sequence[Any], kind: HandOffKind, value: HandOffValue) -> None:
     """Keep ``value`` on ``record`` for the node's later pass (made by a pass with ``grads``),
     beside the pending hand-offs of other passes (what this pass made before is replaced)."""
-    made = record_pass(grads, record.op.signature.output_differentiability)
-    new = HandOff(made, kind, value)
+    made = record_pass(grads, record.differentiable)
+    new: HandOff[HandOffValue] = HandOff(made, kind, value)
     new.next = _without(record.handoff, grads, MAX_PENDING - 1)
     record.handoff = new
 
 
-def handed_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind) -> Any:
-    """What the node's earlier pass kept of ``kind`` for a pass with output gradients ``grads``
-    (:data:`NO_HANDOFF` when nothing, or when it was made by a pass of other gradients)."""
+def handed_over(record: Holder, grads: Sequence[Any], kind: HandOffKind) -> Any:
+    """What the node's earlier pass kept of ``kind`` (a :data:`HandOffValue`) for a pass with
+    output gradients ``grads`` (:data:`NO_HANDOFF` when nothing, or when it was made by a pass
+    of other gradients)."""
     handoff = record.handoff
     while handoff is not None:
         if handoff.kind == kind and handoff.made_by(grads):
@@ -160,20 +210,22 @@ def handed_over(record: NodeRecord, grads: tuple[Any, ...], kind: HandOffKind) -
     return NO_HANDOFF
 
 
-def release(record: NodeRecord, grads: tuple[Any, ...]) -> None:
+def release(record: Holder, grads: Sequence[Any]) -> None:
     """Free what the pass with output gradients ``grads`` kept (its later pass ran); the
     hand-offs of other passes stay."""
     record.handoff = _without(record.handoff, grads, MAX_PENDING)
 
 
-def _without(chain: HandOff | None, grads: tuple[Any, ...], keep: int) -> HandOff | None:
+def _without(
+    chain: HandOff[HandOffValue] | None, grads: Sequence[Any], keep: int
+) -> HandOff[HandOffValue] | None:
     """``chain`` less the hand-offs made by a pass with ``grads``, at most ``keep`` of them."""
-    kept: list[HandOff] = []
+    kept: list[HandOff[HandOffValue]] = []
     while chain is not None:
         if len(kept) < keep and not chain.made_by(grads):
             kept.append(chain)
         chain = chain.next
-    head: HandOff | None = None
+    head: HandOff[HandOffValue] | None = None
     for h in reversed(kept):
         h.next = head
         head = h

@@ -1,22 +1,21 @@
-"""The one partitioner: cutting a backward's FX graph into an earlier and a later pass.
+"""The one partitioner: cutting a backward's FX graph into an input pass and a weight pass.
 
-Both kinds of graph customgrad splits use it: a traced single backward
-(:mod:`customgrad._autosplit`) and a compiled region's AOTAutograd backward
-(:mod:`customgrad._compile`). Given the graph's outputs each pass must produce, :func:`cut`
-says which nodes each pass runs and what the earlier pass hands to the later one:
+The split program (:mod:`customgrad._split_program`) uses it for both kinds of graph customgrad
+splits: a traced single backward and a compiled region's AOTAutograd backward. Given the
+graph's outputs each pass must produce, :func:`cut` says which nodes each pass runs and what the
+input pass hands to the weight pass:
 
-- a node only the earlier outputs need runs in the earlier pass, one only the later outputs
-  need in the later pass, and one no output needs nowhere;
-- a node both need runs once, in the earlier pass, and is handed over (*kept*) where the later
+- a node only the input pass's outputs need runs in the input pass, one only the weight pass's
+  outputs need in the weight pass, and one no output needs nowhere;
+- a node both need runs once, in the input pass, and is handed over (*kept*) where the weight
   pass reads it; a shared node that costs no FLOPs by torch's formulas (views, elementwise ops,
-  reductions: :func:`cheap`, the one recompute rule) may be run again in the later pass instead
-  (:data:`Recompute` says which: a traced backward asks for it with ``recompute="cheap"``, a
-  compiled region recomputes what rebuilds from its inputs).
+  reductions: :func:`cheap`, the one recompute rule) may be run again in the weight pass
+  instead (:data:`Recompute` says which).
 
-So FLOPs(earlier) + FLOPs(later) == FLOPs(whole graph) by torch's FLOP formulas, always.
+So FLOPs(input) + FLOPs(weight) == FLOPs(whole graph) by torch's FLOP formulas, always.
 :func:`extract` builds a pass's graph from the original's nodes (as AOTAutograd's
 ``_extract_graph_with_inputs_outputs`` does for its forward and backward), the kept values as
-extra inputs of the later pass.
+extra inputs of the weight pass.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ __all__ = [
     "extract",
     "free",
     "rebuildable",
+    "written",
 ]
 
 _FREE_OPS = ("placeholder", "get_attr")
@@ -80,19 +80,26 @@ def ancestors(roots: Iterable[fx.Node], stop: Iterable[fx.Node] = ()) -> set[fx.
     return seen
 
 
+def written(t: torch.Tensor, writer: object) -> torch.Tensor:
+    """``t`` once ``writer`` wrote into it: in a graph, makes an opaque op's write an input of
+    the nodes that read ``t`` after it (see :mod:`customgrad._cleanup`); :func:`extract` drops
+    it again."""
+    return t
+
+
 @dataclass(frozen=True)
 class Cut:
     """Where :func:`cut` put each node.
 
     Attributes:
-        early: the nodes the earlier pass runs.
-        late: the nodes the later pass runs (recomputed ones included).
-        kept: what the earlier pass hands to the later one, in graph order.
-        recomputed: shared nodes the later pass runs again instead of receiving them.
+        input: the nodes the input pass runs.
+        weight: the nodes the weight pass runs (recomputed ones included).
+        kept: what the input pass hands to the weight pass, in graph order.
+        recomputed: shared nodes the weight pass runs again instead of receiving them.
     """
 
-    early: frozenset[fx.Node]
-    late: frozenset[fx.Node]
+    input: frozenset[fx.Node]
+    weight: frozenset[fx.Node]
     kept: tuple[fx.Node, ...]
     recomputed: frozenset[fx.Node]
 
@@ -115,19 +122,20 @@ def rebuildable(node: fx.Node, memo: dict[fx.Node, bool], depth: int = 0) -> boo
 
 
 Recompute = Literal["none", "cheap", "from_inputs"]
-"""Which shared nodes the later pass runs again instead of receiving them: none; every
-:func:`cheap` one (keeping what it reads that is not cheap); or only cheap chains that rebuild
-them from the graph's inputs (nothing new is kept for them: a compiled region's policy)."""
+"""Which shared nodes the weight pass runs again instead of receiving them: none; every
+:func:`cheap` one (keeping what it reads that is not cheap: ``recompute="cheap"`` of a traced
+backward); or only cheap chains that rebuild them from the graph's inputs (nothing new is kept
+for them: a compiled region's policy)."""
 
 
 def cut(
     graph: fx.Graph,
-    early_outputs: Iterable[fx.Node],
-    late_outputs: Iterable[fx.Node],
+    input_outputs: Iterable[fx.Node],
+    weight_outputs: Iterable[fx.Node],
     recompute: Recompute = "none",
 ) -> Cut:
-    """Cut ``graph`` into an earlier pass producing ``early_outputs`` and a later one producing
-    ``late_outputs`` (see the module's docstring and :data:`Recompute`)."""
+    """Cut ``graph`` into an input pass producing ``input_outputs`` and a weight pass producing
+    ``weight_outputs`` (see the module's docstring and :data:`Recompute`)."""
     rule: Callable[[fx.Node], bool] | None = None
     if recompute == "cheap":
         rule = cheap
@@ -137,13 +145,13 @@ def cut(
         def rule(node: fx.Node) -> bool:
             return rebuildable(node, memo)
 
-    late_outs = [n for n in late_outputs if not free(n)]
-    early = ancestors(early_outputs)
-    late = ancestors(late_outs)
-    shared = early & late
-    late_only = late - early
-    # Shared nodes the later pass reads: outputs of it, or inputs of its own nodes.
-    todo = [n for n in shared if n in late_outs or any(u in late_only for u in n.users)]
+    weight_outs = [n for n in weight_outputs if not free(n)]
+    in_input = ancestors(input_outputs)
+    in_weight = ancestors(weight_outs)
+    shared = in_input & in_weight
+    weight_only = in_weight - in_input
+    # Shared nodes the weight pass reads: outputs of it, or inputs of its own nodes.
+    todo = [n for n in shared if n in weight_outs or any(u in weight_only for u in n.users)]
     keep: set[fx.Node] = set()
     again: set[fx.Node] = set()
     while todo:
@@ -156,7 +164,7 @@ def cut(
         else:
             keep.add(node)
     kept = tuple(n for n in graph.nodes if n in keep)
-    return Cut(frozenset(early), frozenset(late_only | again), kept, frozenset(again))
+    return Cut(frozenset(in_input), frozenset(weight_only | again), kept, frozenset(again))
 
 
 def extract(
@@ -164,12 +172,11 @@ def extract(
     nodes: Iterable[fx.Node],
     outputs: Sequence[Any],
     kept: Sequence[fx.Node] = (),
-    map_node: Callable[[fx.Node, fx.Node], None] | None = None,
 ) -> fx.GraphModule:
     """A graph module of ``gm``'s placeholders, then ``kept`` as further inputs, running
     ``nodes`` (in ``gm``'s order; constants they read come along) and returning ``outputs``
-    (nodes of ``gm``, or constants such as None). ``map_node(original, copy)`` is called for
-    each copied op node (to swap its target, say)."""
+    (nodes of ``gm``, or constants such as None). :func:`written` markers are dropped (the
+    order of ``gm`` keeps each write before its readers)."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in gm.graph.nodes:
@@ -184,10 +191,10 @@ def extract(
     for n in gm.graph.nodes:
         if n in env or n.op in ("placeholder", "output"):
             continue
-        if n in run or (n.op == "get_attr" and (n in wanted or any(u in run for u in n.users))):
-            copy = env[n] = graph.node_copy(n, env.__getitem__)
-            if map_node is not None and n.op == "call_function":
-                map_node(n, copy)
+        if n.target is written and n in run:
+            env[n] = env[n.args[0]]
+        elif n in run or (n.op == "get_attr" and (n in wanted or any(u in run for u in n.users))):
+            env[n] = graph.node_copy(n, env.__getitem__)
     out = graph.output(tuple(env[o] if isinstance(o, fx.Node) else o for o in outputs))
     # Which outputs are tensors the caller sees (inductor reads it from a backward graph).
     out.meta["user_visible_output_idxs"] = [

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._handoff import hand_over, handed_over
+from customgrad._handoff import SharedWork, hand_over, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import OpSpec
 from customgrad._torch.engine import graph_kept, graph_task_id
@@ -59,7 +59,8 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        self.value: Any = handed_over(record, grads, "shared")
+        found = handed_over(record, grads, "shared")
+        self.value: Any = found.value if isinstance(found, SharedWork) else NO_HANDOFF
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> Any:
@@ -78,7 +79,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                hand_over(self.record, self.grads, "shared", self.value)
+                hand_over(self.record, self.grads, "shared", SharedWork(self.value))
         return self.value
 
 

@@ -17,7 +17,7 @@ from customgrad._signature import ArgKind
 if TYPE_CHECKING:
     from customgrad._autograd import AutogradImpl
     from customgrad._autosplit import TracedSplit
-    from customgrad._handoff import HandOff
+    from customgrad._handoff import HandOff, HandOffValue
     from customgrad._routing import Route
     from customgrad._rules import OpSpec
     from customgrad._validate import TensorMeta
@@ -45,7 +45,8 @@ class NodeRecord:
         kept: how the saved values are laid out (see ``customgrad._autograd``).
         tag: what the forward was tagged with (see :func:`customgrad._routing.tagging`).
         route: what a planned backward told this node (see :mod:`customgrad._routing`).
-        handoff: what the earlier pass of a split computed for the later one, or None.
+        handoff: the node's hand-offs (:mod:`customgrad._handoff`: what its input pass
+            computed for its weight pass), or None.
         split: the node's automatic-split plan once its first backward chose one (False: the
             backward is called as written), or None before.
         split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
@@ -60,7 +61,7 @@ class NodeRecord:
     out_lens: list[int | None] | None = None
     kept: object = None
     route: Route | None = None
-    handoff: HandOff | None = None
+    handoff: HandOff[HandOffValue] | None = None
     split: TracedSplit | Literal[False] | None = None
     split_grads: object = None
     forward_ad: tuple[object, object] | None = None
@@ -84,6 +85,16 @@ class NodeRecord:
         """The op this node belongs to."""
         spec: OpSpec = self.impl.spec
         return spec
+
+    @property
+    def label(self) -> str:
+        """What errors call the node: its op."""
+        return self.op.name
+
+    @property
+    def differentiable(self) -> tuple[bool, ...] | None:
+        """Per output of the op, whether it is differentiable (the hand-off's :class:`Holder`)."""
+        return self.op.signature.output_differentiability
 
     def edge_is_weight(self) -> tuple[bool, ...]:
         """For each of the node's input edges (``next_functions``), whether it carries a weight

@@ -19,7 +19,7 @@ import contextlib
 import contextvars
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from customgrad._errors import UnsupportedError
 from customgrad._torch.engine import graph_task_id
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DeferTarget",
     "Route",
+    "Routed",
     "current_tag",
     "install_for_task",
     "route_for",
@@ -39,6 +40,21 @@ __all__ = [
 ]
 
 _graph_task_id = graph_task_id
+
+
+class Routed(Protocol):
+    """What takes a route: a customgrad node's record, or a compiled region's node
+    (:class:`customgrad._compiled_backward.RegionNode`)."""
+
+    route: Route | None
+
+    @property
+    def label(self) -> str:
+        """What errors call the node."""
+        ...
+
+
+_R = TypeVar("_R", bound=Routed)
 
 
 class DeferTarget(Protocol):
@@ -66,7 +82,7 @@ class Route:
     task: int | None = None
 
 
-def route_for(record: NodeRecord) -> Route | None:
+def route_for(record: Routed) -> Route | None:
     """The route of the running backward for this node, or None when it was not planned."""
     route = record.route
     if route is None or (route.task is not None and route.task != _graph_task_id()):
@@ -75,20 +91,20 @@ def route_for(record: NodeRecord) -> Route | None:
 
 
 @contextlib.contextmanager
-def routing(routes: Mapping[NodeRecord, Route]) -> Iterator[None]:
+def routing(routes: Mapping[_R, Route]) -> Iterator[None]:
     """Install ``routes`` on their nodes' records for the duration of the block.
 
     Raises:
         UnsupportedError: a node already has a route from another open ``routing`` block (two
             planned backwards through one graph at the same time).
     """
-    installed: list[tuple[NodeRecord, Route]] = []
+    installed: list[tuple[Routed, Route]] = []
     try:
         for record, route in routes.items():
             current = record.route
             if current is not None and current.task is None:
                 raise UnsupportedError(
-                    f"{record.op.name}: two planned backwards run through the same autograd "
+                    f"{record.label}: two planned backwards run through the same autograd "
                     f"node at once (another thread's split of the same graph?). Run one "
                     f"backward per graph at a time."
                 )
@@ -96,12 +112,12 @@ def routing(routes: Mapping[NodeRecord, Route]) -> Iterator[None]:
             installed.append((record, route))
         yield
     finally:
-        for record, route in installed:
-            if record.route is route:
-                record.route = None
+        for holder, route in installed:
+            if holder.route is route:
+                holder.route = None
 
 
-def install_for_task(routes: Mapping[NodeRecord, Route]) -> None:
+def install_for_task(routes: Mapping[_R, Route]) -> None:
     """Install ``routes`` for the graph task running now (call from inside a backward)."""
     task = _graph_task_id()
     for record, route in routes.items():

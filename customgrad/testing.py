@@ -904,7 +904,7 @@ class _SplitCheck:
 def _quiet() -> Iterator[None]:
     """Silence what opcheck prints or warns about failures it reports anyway: fake tensors'
     error logs of this thread only (the logger's level is left alone), and warnings."""
-    from customgrad._autosplit import _ThisThread
+    from customgrad._capture import _ThisThread
 
     logger = logging.getLogger(FAKE_TENSOR_LOGGER)
     quiet = _ThisThread()

@@ -33,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import customgrad as cg
 from customgrad._autosplit import MSG_FALLBACK, AutoSplitter, Fallback, TracedSplit
 from customgrad._errors import where
+from customgrad._handoff import Kept
 from customgrad._record import record_of
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
@@ -285,10 +286,13 @@ def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
         assert record is not None
         (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
         handoff = record.handoff
-        assert handoff is not None and handoff.kind == "traced"
-        owner, later, values = handoff.value
+        assert handoff is not None and handoff.kind == "kept"
+        assert isinstance(handoff.value, Kept)
+        cut, values = handoff.value
         assert handoff.made_by((g,)) and not handoff.made_by((g.clone(),))
-        assert isinstance(owner, TracedSplit) and later == {"up", "down"}
+        split = auto_of(mlp).last
+        assert isinstance(split, TracedSplit) and cut.program is split.program
+        assert cut.weight == split._slots(frozenset({"up", "down"}))
         # recompute="cheap" keeps the two matmul results (h and dy @ down) and recomputes the
         # elementwise work; "none" also keeps dh, which the up gradient needs.
         assert len(values) == kept

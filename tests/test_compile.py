@@ -525,7 +525,7 @@ def test_cuda_graphs_and_compiled_autograd_fall_back(caplog: pytest.LogCaptureFi
     autograd engine (compiled autograd traces it whole) take the full graph, logged once."""
     from torch._inductor.utils import BoxedBool
 
-    from customgrad._compile import _SplitCompiler
+    from customgrad._compiled_backward import SplitCompiler
 
     def backward_graph() -> tuple[torch.fx.GraphModule, list[Tensor]]:
         def bw(x: Tensor, w: Tensor, g: Tensor) -> tuple[Tensor, Tensor, None]:
@@ -540,7 +540,7 @@ def test_cuda_graphs_and_compiled_autograd_fall_back(caplog: pytest.LogCaptureFi
     gm, ex = backward_graph()
     with caplog.at_level(logging.WARNING, logger="customgrad"):
         region = CompiledRegion(name="cudagraphs region")
-        fn = _SplitCompiler(region, [False, True, None], nop, None)(
+        fn = SplitCompiler(region, [False, True, None], nop, None)(
             gm, ex, cudagraphs=BoxedBool(True)
         )
         fn(list(ex))
@@ -549,7 +549,7 @@ def test_cuda_graphs_and_compiled_autograd_fall_back(caplog: pytest.LogCaptureFi
         assert region.reason == 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
 
         region = CompiledRegion(name="outside the engine")
-        fn = _SplitCompiler(region, [False, True, None], nop, None)(*backward_graph())
+        fn = SplitCompiler(region, [False, True, None], nop, None)(*backward_graph())
         assert region.status == "split"
         dx, dw, _ = fn(list(ex))  # no autograd node is running
         torch.testing.assert_close(dx, ex[2] @ ex[1])

@@ -409,10 +409,10 @@ def test_a_traced_backward_calling_the_kernel_op_launches_it_once(device: str) -
 
 @pytest.mark.skipif(not INTERPRETED, reason="the interpreter's launch on fake tensors")
 def test_a_trace_that_hits_a_raw_launch_is_explained_by_the_kernel() -> None:
-    """What the automatic split says when tracing reaches a raw launch (``_autosplit._why``)."""
+    """What the automatic split says when tracing reaches a raw launch (``_capture._why``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from customgrad._autosplit import _why
+    from customgrad._capture import _why
 
     with FakeTensorMode() as mode:
         x, w = mode.from_tensor(torch.randn(4, 8)), mode.from_tensor(torch.randn(8))

@@ -52,7 +52,7 @@ from torch.autograd.graph import GradientEdge, Node
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, record_pass
 from customgrad._record import NodeRecord
-from customgrad._routing import routing
+from customgrad._routing import Route, routing
 from customgrad._split_plan import (
     InputPassPlan,
     WeightCall,
@@ -143,8 +143,8 @@ class _SplitState:
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         # Function nodes run once: what each returned in I (None: a weight-side gradient was
         # missing), then, per W call, their hand-offs and the nodes W asks again.
-        self.ran: dict[Node, HandOff | None] = {}
-        self.once: dict[int, list[HandOff]] = {}
+        self.ran: dict[Node, HandOff[Any] | None] = {}
+        self.once: dict[int, list[HandOff[Any]]] = {}
         self.asked_once: dict[int, list[Node]] = {}
         self.once_ids: frozenset[int] = frozenset()
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
@@ -562,14 +562,15 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
     try:
         with contextlib.ExitStack() as regions:
             if clamp:
-                # Compiled regions among them compute only their weight side from the start.
-                from customgrad._compile import region_of
+                # Compiled regions among them compute only their weight side from the start:
+                # a route, as customgrad nodes take.
+                from customgrad._compiled_backward import region_node
 
                 for n in clamp:
-                    region = region_of(n)
-                    if region is not None:
-                        side = plan.weight_side_edges(n)
-                        regions.enter_context(region.dropping_input_side(n, side))
+                    holder = region_node(n)
+                    if holder is not None:
+                        route = Route(needed=plan.weight_side_edges(n))
+                        regions.enter_context(routing({holder: route}))
             send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:

@@ -1,0 +1,572 @@
+"""Capturing a single backward with dynamo and lowering it to an aten graph.
+
+:func:`capture` runs the backward under ``torch.compile(fullgraph=True)`` (through the adapter
+:mod:`customgrad._torch.dynamo`) with a backend that only keeps the graph, lowers the captured
+graph to aten ops with ``make_fx`` on fake tensors (other custom ops, customgrad ops among them,
+stay single opaque calls) and returns a :class:`Capture`: the :class:`TracedSplit` of the
+lowered graph and what must hold to reuse it (dynamo's guards, checked in C++, and the checks
+customgrad adds where they compare too loosely). What dynamo or ``make_fx`` cannot take gives a
+:class:`Fallback` with the reason in words a user can act on. The cache of captures per op is
+:class:`customgrad._autosplit.AutoSplitter`'s.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import threading
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from customgrad._cleanup import mutating
+from customgrad._errors import CustomGradError
+from customgrad._rules import OpSpec
+from customgrad._torch import dynamo
+from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
+from customgrad._torch.dispatcher import dispatch_stack_len
+from customgrad._torch.fake import FAKE_TENSOR_LOGGER, data_dependent_errors
+from customgrad._traced_split import TracedSplit
+
+__all__ = ["INSIDE_TRACE", "Capture", "Fallback", "bits", "capture_backward", "quiet_tracing"]
+
+_Tensor = torch.Tensor
+_dispatch_stack_len = dispatch_stack_len
+
+
+class Fallback:
+    """Why a backward is not split automatically: it runs once, whole (the run-once rule).
+
+    Attributes:
+        why: the reason, for reports.
+        fix: what would make it traceable.
+        logged: the reason is worth a log line (a backward that merely returned something
+            invalid raises customgrad's validation error when called, which says it all).
+    """
+
+    __slots__ = ("fix", "logged", "retries", "why")
+
+    def __init__(self, why: str, fix: str, logged: bool = True) -> None:
+        self.why = why
+        self.fix = fix
+        self.logged = logged
+        # Traces left to try: a failure of an unknown kind may come from outside the backward
+        # (another thread tracing with make_fx, torch.compile), so it is not final at once.
+        self.retries = 0
+
+    def describe(self) -> str:
+        return (
+            f"not split automatically ({self.why}): runs once, whole, in the first pass that "
+            f"needs a gradient, and hands the later pass its gradients"
+        )
+
+    def __repr__(self) -> str:
+        return f"Fallback({self.why!r})"
+
+
+INSIDE_TRACE = Fallback(
+    "called inside another trace: torch.compile, make_fx or a functorch transform",
+    "",
+    logged=False,
+)
+
+
+class _Invalid(Exception):
+    """The traced backward returned something customgrad's validation refuses."""
+
+
+def _why(e: BaseException) -> tuple[str, str]:
+    """The reason and fix for a backward that ``make_fx`` could not trace."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    from customgrad._triton import raw_launch
+
+    DataDependentOutputException, DynamicOutputShapeException = data_dependent_errors()
+
+    first = (str(e).strip().splitlines() or [""])[0]
+    if len(first) > 160:
+        first = first[:157] + "..."
+    if isinstance(e, (GuardOnDataDependentSymNode, DataDependentOutputException)):
+        return (
+            "it branches on tensor values in Python (if tensor:, bool(), .item() in a condition)",
+            "compute with tensor ops instead (torch.where, masks), so the same ops run for "
+            "every value",
+        )
+    if isinstance(e, DynamicOutputShapeException):
+        return (
+            "it calls an op whose output shape depends on tensor values (nonzero, "
+            "masked_select, unique)",
+            "keep shapes fixed (masks instead of selection)",
+        )
+    launch = raw_launch(e)
+    if launch is not None:
+        return (
+            f"it launches the Triton kernel {launch.kernel} directly ({launch.at}), which fake "
+            f"tensors cannot run",
+            "make the kernel an op with a fake kernel (a customgrad op, or "
+            "torch.library.triton_op) and call the op from the backward: the trace keeps it as "
+            "one opaque call",
+        )
+    if "data pointer" in first or "data_ptr" in first:
+        return (
+            "it launches a kernel on raw data pointers (Triton, ctypes), which fake tensors "
+            "do not have",
+            "wrap the kernel in a custom op with a fake kernel (torch.library.triton_op, or a "
+            "customgrad op), which the trace keeps as one opaque call",
+        )
+    return (
+        f"lowering it to aten ops (make_fx on fake tensors) raised {type(e).__name__}: {first}",
+        "make it run on fake tensors (no data access from Python; opaque kernels wrapped in "
+        "custom ops with fake kernels)",
+    )
+
+
+class _ThisThread(logging.Filter):
+    """Drops the records of one thread (the one tracing), lets every other thread's through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.thread = threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread != self.thread
+
+
+@contextlib.contextmanager
+def quiet_tracing() -> Iterator[None]:
+    """Fake tensors log an error with a traceback for every op that fails while tracing; the
+    fallback's log line says it once. Only this thread's records, only while it traces: the
+    logger's level and other threads' records are left alone. (Held under :data:`TRACE_LOCK`.)"""
+    logger = logging.getLogger(FAKE_TENSOR_LOGGER)
+    quiet = _ThisThread()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+class Capture:
+    """One capture of a backward: its split and what must hold to reuse it.
+
+    ``holds(frame)`` is dynamo's guard check for the capture's code (C++), then customgrad's
+    checks of what those guards compare too loosely: floats and complex numbers read by exact
+    bits, and modules the backward read that gained an attribute its code names.
+    """
+
+    __slots__ = ("_bits", "_check", "_globals", "_modules", "_names", "_read", "split")
+
+    def __init__(
+        self,
+        split: TracedSplit,
+        check: Callable[[dict[str, Any]], bool],
+        scope: dict[str, Any],
+        constants: tuple[Callable[..., tuple[Any, ...]] | None, tuple[Any, ...]],
+        modules: list[list[Any]],
+        names: frozenset[str],
+    ) -> None:
+        self.split = split
+        self._check = check
+        self._globals = scope
+        self._read, self._bits = constants
+        self._modules = modules
+        self._names = names
+
+    def holds(self, frame: dict[str, Any]) -> bool:
+        if _dispatch_stack_len():
+            # A dispatch mode (a FLOP counter, a profiler's) adds the Python key to every
+            # tensor's dispatch keys, which dynamo's tensor guards compare: check as captured.
+            with _disable_current_modes():
+                if not self._check(frame):
+                    return False
+        elif not self._check(frame):
+            return False
+        read = self._read
+        if read is not None:
+            try:
+                if tuple(map(bits, read(self._globals, frame))) != self._bits:
+                    return False
+            except Exception:
+                return False
+        for entry in self._modules:
+            module, size, keys = entry
+            now = module.__dict__
+            if len(now) != size:
+                added = now.keys() - keys
+                if added & self._names:
+                    return False  # getattr(module, name, default) reads something else now
+                entry[1], entry[2] = len(now), frozenset(now)  # unrelated (a lazy import)
+        return True
+
+
+def bits(value: Any) -> Any:
+    """``value`` as compared exactly: floats by their bits (-0.0 != 0.0, nan == nan)."""
+    kind = type(value)
+    if kind is float:
+        return (float, value.hex())
+    if kind is complex:
+        return (complex, value.real.hex(), value.imag.hex())
+    return (kind, value)
+
+
+class _Refused(Exception):
+    """Why a capture cannot be used (raised in the capturing backend, or after it)."""
+
+    def __init__(self, why: str, fix: str, known: bool = True) -> None:
+        super().__init__(why)
+        self.why = why
+        self.fix = fix
+        self.known = known  # an unknown reason may come from outside the backward: try again
+
+
+def _calls_fn(ctx: Any, saved: Any, grads: Any) -> Any:
+    """The code of every capture's wrapper: ``fn`` is the wrapper's own global (see below)."""
+    return fn(ctx, saved, *grads)  # type: ignore[name-defined]  # noqa: F821
+
+
+def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
+    """A new function (with its own code object: dynamo's cache, guards and recompile count are
+    per code object) that calls ``fn``."""
+    # ``__name__``: an importable module (torch 2.11's dynamo keeps no cache entry, hence no
+    # guard manager, for a frame whose globals have none, and imports the one named).
+    scope: dict[str, Any] = {"fn": fn, "__name__": __name__, "__builtins__": builtins}
+    code = _calls_fn.__code__.replace(
+        co_name="backward", co_filename=f"<customgrad capture of {op.name}>"
+    )
+    return types.FunctionType(code, scope, "backward")
+
+
+def capture_backward(
+    op: OpSpec,
+    fn: Callable[..., Any],
+    frame: dict[str, Any],
+    leaves: Sequence[Any],
+    structure: Any,
+    requires: frozenset[str],
+    recompute: bool,
+) -> Capture | Fallback:
+    """Capture ``fn`` called on ``frame`` with dynamo, lower the graph to aten, split it."""
+    if not dynamo.guards_instance_attributes():
+        return Fallback(
+            f"torch {torch.__version__}'s dynamo does not guard every value a backward reads (an "
+            "enum member's attribute, a namedtuple's default, a monkeypatched library function), "
+            "so a capture could be reused stale",
+            "use torch 2.12 or later for the automatic split, or register the "
+            "register_backward_input/_weight pair",
+        )
+    wrapper = _wrapper(op, fn)
+    got: list[dynamo.Captured] = []
+    markers: list[Any] = []
+
+    def on_graph(captured: dynamo.Captured) -> Callable[..., Any]:
+        if captured.side_effects:
+            changed = ", ".join(_in_words(source, fn) for source in captured.side_effects)
+            raise _Refused(
+                f"it changes state outside itself ({changed}), which "
+                f"dynamo replays after the graph and a split pass would not",
+                "return what it computes instead of storing it (or keep it run once)",
+            )
+        for value in captured.outputs:
+            if not isinstance(value, _Tensor) or any(
+                not isinstance(s, int) for s in (*value.shape, *value.stride())
+            ):
+                raise _Refused(
+                    "a gradient's shape depends on tensor values (.item(), nonzero)",
+                    "keep shapes fixed and compute with tensor ops (torch.where, masks)",
+                )
+            # Stand-ins: the capture call returns them in place of the gradients, so that the
+            # dict dynamo rebuilds says which graph output each gradient is.
+            markers.append(
+                torch.empty_strided(
+                    value.shape, value.stride(), dtype=value.dtype, device=value.device
+                )
+            )
+        got.append(captured)
+        outs = tuple(markers)
+        return lambda *args: outs
+
+    try:
+        try:
+            with torch.no_grad(), _disable_current_modes(), quiet_tracing():
+                result = dynamo.capture(
+                    wrapper, (frame["ctx"], frame["saved"], frame["grads"]), on_graph
+                )
+        except Exception as e:
+            why, fix, known = _refusal(e)
+            fallback = Fallback(why, fix)
+            fallback.retries = int(not known)
+            return fallback
+        if not got:
+            return Fallback(
+                "dynamo did not capture it (torch.compile is disabled here: "
+                "torch.compiler.set_stance, TORCHDYNAMO_DISABLE)",
+                "let torch.compile run",
+            )
+        captured = got[0]
+        try:
+            gm, layout, tensor_idx = _lower(op, captured, markers, result, leaves, structure)
+            split = _split(op, gm, layout, tensor_idx, leaves, structure, requires, recompute)
+            if isinstance(split, Fallback):
+                return split
+            check = dynamo.guard_check(wrapper.__code__)
+            if check is None:
+                raise _Refused("dynamo kept no single guard set for it", "report it")
+            extra = _extra_checks(captured, wrapper.__globals__, frame)
+        except _Refused as e:
+            fallback = Fallback(e.why, e.fix)
+            fallback.retries = int(not e.known)
+            return fallback
+        except _Invalid:
+            # Called as written, the backward raises customgrad's own error, which says it all.
+            return Fallback("it returned what customgrad's validation refuses", "", logged=False)
+        return Capture(split, check, wrapper.__globals__, *extra, captured.names)
+
+    finally:
+        # dynamo's cache entry keeps the backend (and so these lists): keep no tensor of the
+        # call alive through them
+        got.clear()
+        markers.clear()
+
+
+def _in_words(source: str, fn: Callable[..., Any]) -> str:
+    """dynamo's name of what ``fn`` reads, with ``fn``'s closure cells named."""
+    import re
+
+    found = re.match(r"fn\.__closure__\[(\d+)\]\.cell_contents(.*)", source)
+    code = getattr(fn, "__code__", None)
+    if found is None or code is None or int(found.group(1)) >= len(code.co_freevars):
+        return source
+    var = code.co_freevars[int(found.group(1))]
+    return f"the closure variable {var!r} of {fn.__qualname__}{found.group(2)}"
+
+
+def _extra_checks(
+    captured: dynamo.Captured, scope: dict[str, Any], frame: dict[str, Any]
+) -> tuple[tuple[Any, tuple[Any, ...]], list[list[Any]]]:
+    """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
+    compares by ``==``, compared by its bits; each module it guards by identity, with its
+    attributes as they are now."""
+    names = {"G": scope, "L": frame}
+    exact: list[str] = []
+    for source in captured.constants:
+        try:
+            value = eval(source, dict(names))
+        except Exception:
+            raise _Refused(
+                f"dynamo guards {source} by ==, which customgrad cannot read again",
+                "pass it as an argument of the op",
+            ) from None
+        if type(value) in (float, complex):
+            exact.append(source)
+    # One function reads them all per check: dynamo's names are expressions of G and L.
+    read: Any = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
+    constants = (read, tuple(map(bits, read(scope, frame))) if read is not None else ())
+    modules: list[list[Any]] = []
+    for source in captured.modules:
+        try:
+            module = eval(source, dict(names))
+        except Exception:
+            continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
+        held = vars(module)
+        modules.append([module, len(held), frozenset(held)])
+    return constants, modules
+
+
+def _lower(
+    op: OpSpec,
+    captured: dynamo.Captured,
+    markers: list[Any],
+    result: Any,
+    leaves: Sequence[Any],
+    structure: Any,
+) -> tuple[fx.GraphModule, list[tuple[str, Any]], list[int]]:
+    """The captured graph lowered to aten ops by ``make_fx`` on fake tensors, as
+    ``(*tensor leaves) -> gradients``, with where each gradient sits in its outputs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tensor_idx = [i for i, leaf in enumerate(leaves) if isinstance(leaf, _Tensor)]
+    position = {id(leaves[i]): k for k, i in enumerate(tensor_idx)}
+    inputs: list[int] = []
+    for example, source in captured.inputs:
+        k = position.get(id(example))
+        if k is None:
+            raise _Refused(
+                f"it reads the tensor {source}, which is not one of its arguments (a trace "
+                f"would keep that tensor's value)",
+                "save it with save_for_backward, or pass it to the op as an argument",
+            )
+        inputs.append(k)
+    # Where each gradient is: graph output i, argument k, or None.
+    where_out = {id(m): i for i, m in enumerate(markers)}
+    sig = op.signature
+    if type(result) is not dict:
+        raise _Invalid
+    plan: list[tuple[str, Any]] = []
+    for name, value in result.items():
+        if not isinstance(name, str) or name not in sig.tensor_set:
+            raise _Invalid
+        is_list = sig.args[sig.index[name]].kind.value == "Tensor[]"
+        values = value if is_list and isinstance(value, (list, tuple)) else None
+        if values is None and is_list and value is not None:
+            raise _Invalid
+        slots: list[tuple[str, int] | None] = []
+        for t in values if values is not None else [value]:
+            if t is None:
+                slots.append(None)
+            elif not isinstance(t, _Tensor):
+                raise _Invalid
+            elif id(t) in where_out:
+                slots.append(("out", where_out[id(t)]))
+            elif id(t) in position:
+                slots.append(("in", position[id(t)]))
+            else:
+                raise _Refused(
+                    "it returns a tensor that it did not compute from its arguments (a global "
+                    "tensor, or one made outside what dynamo captured)",
+                    "compute every gradient from the saved values and output gradients",
+                )
+        plan.append((name, slots if values is not None else slots[0]))
+    graph = captured.graph
+    layouts: list[list[tuple[str, Any]]] = []
+
+    def body(*tensors: Any) -> list[Any]:
+        outs = graph(*(tensors[k] for k in inputs))
+        flat: list[Any] = []
+        layout: list[tuple[str, Any]] = []
+
+        def put(slot: Any) -> int | None:
+            if slot is None:
+                return None
+            flat.append(outs[slot[1]] if slot[0] == "out" else tensors[slot[1]])
+            return len(flat) - 1
+
+        for name, slot in plan:
+            layout.append((name, [put(s) for s in slot] if isinstance(slot, list) else put(slot)))
+        layouts.append(layout)
+        return flat
+
+    # Detached (copying a non-leaf's autograd metadata warns), with requires_grad as it is.
+    args = [_like(leaves[i]) for i in tensor_idx]
+    try:
+        # Modes on the stack (a FLOP counter, a profiler's) must not see the fake ops.
+        with torch.no_grad(), _disable_current_modes(), quiet_tracing():
+            gm = make_fx(body, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+            if mutating(gm):
+                # In-place ops: lower again, functionalized, so that every node is a pure
+                # function of its inputs (the partition below relies on it).
+                layouts.clear()
+                functional = torch.func.functionalize(body)
+                gm = make_fx(functional, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    except (_Refused, _Invalid, CustomGradError):
+        raise
+    except Exception as e:
+        why, fix = _why(e)
+        raise _Refused(why, fix, known=not why.startswith("lowering it")) from None
+    return gm, layouts[-1], tensor_idx
+
+
+def _split(
+    op: OpSpec,
+    gm: fx.GraphModule,
+    layout: list[tuple[str, Any]],
+    tensor_idx: list[int],
+    leaves: Sequence[Any],
+    structure: Any,
+    requires: frozenset[str],
+    recompute: bool,
+) -> TracedSplit | Fallback:
+    flat = isinstance(structure, int)
+    all_tensors = flat and len(tensor_idx) == len(leaves)
+    split = TracedSplit(op, gm, layout, tensor_idx, all_tensors, flat, requires, recompute)
+    mutated = split.program.mutated
+    if mutated:
+        return Fallback(
+            f"it writes in place into a tensor it did not create ({mutated[0].target})",
+            "compute out of place into new tensors",
+        )
+    return split
+
+
+def _refusal(e: BaseException) -> tuple[str, str, bool]:
+    """Why dynamo could not capture a backward, the fix, and whether the reason is known (an
+    unknown one may come from outside the backward, and is tried again)."""
+    from customgrad._triton import raw_launch
+
+    if isinstance(e, _Refused):
+        return e.why, e.fix, True
+    inner = dynamo.backend_error(e)
+    if isinstance(inner, _Refused):
+        return inner.why, inner.fix, True
+    refusal = dynamo.unsupported(e)
+    launch = raw_launch(e) or (raw_launch(inner) if inner is not None else None)
+    if launch is None and refusal is not None:
+        launch = _triton_frame(refusal.stack)
+    if launch is not None:
+        return (
+            f"it launches the Triton kernel {launch.kernel} directly ({launch.at}): a raw "
+            f"launch, which dynamo cannot capture here",
+            "wrap the Triton launch in an op with a fake kernel (torch.library.triton_op, or "
+            "a customgrad op with register_fake) and call the op from the backward: the "
+            "capture keeps it as one opaque call",
+            True,
+        )
+    if refusal is None:
+        first = (str(e).strip().splitlines() or [""])[0]
+        if len(first) > 160:
+            first = first[:157] + "..."
+        return (
+            f"capturing it with dynamo raised {type(e).__name__}: {first}",
+            "make it run under torch.compile(fullgraph=True)",
+            False,
+        )
+    at = f" at {refusal.at}" if refusal.at else ""
+    line = f" (`{refusal.line}`)" if refusal.line else ""
+    kind = refusal.kind
+    if kind == "failed to find name in frame builtins" or "find name" in kind:
+        name = refusal.explanation.split("`")[1] if refusal.explanation.count("`") >= 2 else "?"
+        return (
+            f"NameError: name {name!r} is not defined{at}{line}",
+            f"define or import {name!r} in the module of the backward",
+            True,
+        )
+    text = f"{kind} {refusal.explanation}".lower()
+    if "data-dependent" in text or "data dependent" in text:
+        return (
+            f"it branches on tensor values in Python{at}{line}",
+            "compute with tensor ops instead (torch.where, masks), so the same ops run for "
+            "every value",
+            True,
+        )
+    return (
+        f"dynamo cannot capture it{at}{line}: {(refusal.explanation or kind).rstrip('.')}",
+        "rewrite that line with torch ops, or pass what it reads as an argument of the op",
+        True,
+    )
+
+
+def _triton_frame(stack: Sequence[tuple[str, int, str]]) -> Any:
+    """The raw Triton launch in the frames dynamo was tracing (the first frame in Triton's
+    runtime, and the user's line that launched it), or None."""
+    import os
+    import re
+
+    from customgrad._triton import RawLaunch
+
+    runtime = f"{os.sep}triton{os.sep}runtime{os.sep}"
+    for i, (file, _, _) in enumerate(stack):
+        if runtime in file and i:
+            caller_file, lineno, line = stack[i - 1]
+            found = re.match(r"\s*(?:[\w.]+\s*=\s*)?([\w.]+)\s*\[", line)
+            kernel = found.group(1).rpartition(".")[2] if found else "(unknown)"
+            return RawLaunch(kernel, f"{caller_file}:{lineno}")
+    return None
+
+
+def _like(t: _Tensor) -> _Tensor:
+    """``t`` detached, requiring grad as ``t`` does."""
+    d = t.detach()
+    return d.requires_grad_() if t.requires_grad else d

@@ -1,0 +1,525 @@
+"""A compiled region's backward, cut into an input pass (I) and a weight pass (W).
+
+``torch.compile`` turns a region into one autograd node whose backward is one compiled graph:
+under a split schedule that graph would run whole in I and again in W (twice the work), and
+with torch's default configuration it refuses to run twice at all (donated buffers). The
+backward graph AOTAutograd hands the backend becomes a split program
+(:class:`customgrad._split_program.SplitProgram`, the one a traced single backward uses: its
+gradient slots are the region's inputs), and :class:`_SplitCompiler` compiles, with the
+backend's own compiler:
+
+- **full**: the graph as it is, for a backward that needs every gradient (``loss.backward()``);
+- per cut, **I**: the input gradients, plus the values W needs from them (kept);
+- and **W**: the weight gradients, from the saved values, the output gradients and the kept
+  values. What W can rebuild from the backward's inputs without FLOPs (views, elementwise ops
+  of saved values) it recomputes rather than keep.
+
+Which gradients I computes follows the pass, as for customgrad ops: the route a planned
+backward put on the node (:mod:`customgrad._routing`), else the autograd engine's answer per
+edge (:func:`customgrad._autograd.engine_needs`); W computes the rest. Each such pattern is cut
+and compiled once, when first met (the program's pass cache); the pattern torch's split counts
+(parameters, and inputs made from parameters only outside the region: a cast, a transposed tied
+weight) is cut ahead, in the first backward. Blocks of one class share one compiled graph whose
+arguments may hold an activation in one block and a parameter-made tensor in another: each call
+gets its own cut.
+
+The kept values (a :class:`customgrad._handoff.Kept`) live on the node (a :class:`RegionNode`,
+the one hand-off store of :mod:`customgrad._handoff`) until W takes them, and go with the graph
+if W never runs. They belong to the pass that made them, by the one ownership rule: W reads
+them only when the engine gives the node the same output gradients as in I (recorded by the
+:class:`RegionNode`, a pre-hook the forward puts on the node; AOTAutograd's own copies of them,
+contiguous or zeros, are new in each pass), so a pass of another loss never reads them.
+
+What cannot split keeps the full backward, with one log line saying why: CUDA graphs
+(``mode="reduce-overhead"``), compiled autograd, tensor-subclass or mutated inputs that require
+grad, gradients that do not line up with the node's edges.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from customgrad._autograd import engine_needs
+from customgrad._compiled_region import LOCK, CompiledRegion, GraphInfo
+from customgrad._handoff import HandOff, HandOffValue, Kept, hand_over, handed_over, nbytes, release
+from customgrad._origin import origin_of
+from customgrad._releases import refuse_torch_split
+from customgrad._routing import Route, route_for
+from customgrad._split_program import ProgramCut, SplitProgram
+from customgrad._switches import split_enabled
+from customgrad._torch.aot import compiled_backward, is_tangent, tracing_metadata
+from customgrad._torch.dynamo import compiled_autograd_on
+from customgrad._torch.engine import current_node, graph_kept
+from customgrad._torch.functions import is_aot_node
+
+__all__ = [
+    "ATTR",
+    "RegionNode",
+    "SplitCompiler",
+    "no_donated_buffers",
+    "region_node",
+    "region_of",
+    "watching",
+]
+
+ATTR = "_cg_region"
+"""The attribute of a compiled region's autograd node that holds its :class:`RegionNode`."""
+
+
+class RegionNode:
+    """A compiled region's autograd node as customgrad sees it (set on the node as :data:`ATTR`).
+
+    It is the node's hand-off :class:`customgrad._handoff.Holder` and takes the route a planned
+    backward gives it, as a customgrad node's record does; as the node's pre-hook it records the
+    output gradients the engine passes to the node just before its backward runs (the pass the
+    backward belongs to). It holds nothing of the node: no reference cycle.
+
+    Attributes:
+        region: the region.
+        handoff: the hand-offs of passes whose weight pass has not run yet.
+        route: what a planned backward tells the node (see :mod:`customgrad._routing`).
+        grads: the output gradients of the backward about to run, or None.
+    """
+
+    __slots__ = ("__weakref__", "grads", "handoff", "region", "route")
+    differentiable = None  # every output's gradient is compared
+
+    def __init__(self, region: CompiledRegion) -> None:
+        self.region = region
+        self.handoff: HandOff[HandOffValue] | None = None
+        self.route: Route | None = None
+        self.grads: tuple[Any, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        """What errors call the node."""
+        return f"compiled region {self.region.name}"
+
+    def __call__(self, grads: tuple[Any, ...]) -> None:
+        self.grads = grads
+
+
+def region_node(node: Any, region: CompiledRegion | None = None) -> RegionNode | None:
+    """The :class:`RegionNode` of a compiled region's autograd node; with ``region``, made (and
+    registered as the node's pre-hook) when the node has none yet."""
+    found = getattr(node, ATTR, None)
+    if isinstance(found, RegionNode) or region is None:
+        return found if isinstance(found, RegionNode) else None
+    found = RegionNode(region)
+    setattr(node, ATTR, found)
+    node.register_prehook(found)
+    with LOCK:
+        region.nodes.add(found)
+    return found
+
+
+def region_of(node: Any) -> CompiledRegion | None:
+    r"""The compiled region whose backward ``node`` runs (a ``CompiledFunctionBackward`` of a
+    :func:`customgrad.compile`\ d module, once its backward was compiled), else None."""
+    fn = compiled_backward(node)
+    for _ in range(8):  # through wrappers (torch._dynamo.disable keeps __wrapped__)
+        if fn is None or isinstance(fn, _Backward):
+            break
+        fn = getattr(fn, "__wrapped__", None)
+    return fn.region if isinstance(fn, _Backward) else None
+
+
+def _pass_grads(state: RegionNode, tangents: list[Any]) -> Sequence[Any]:
+    """The output gradients of the running pass, for the ownership rule: the ones the autograd
+    engine passed to the node, as its :class:`RegionNode` recorded them; where they are unknown,
+    the ones the compiled backward got (AOTAutograd's copies: then a pass whose gradients
+    AOTAutograd copies does not match its own input pass, and computes again, logged).
+
+    The engine's are the same tensors in an input pass and in the weight pass it hands off to,
+    where AOTAutograd's copies for the compiled graph (``tangents``: a contiguous copy of an
+    expanded or transposed gradient, zeros for an output that got none) are new in each pass. A
+    pre-hook registered after the recorder could replace them: each tangent must be one of the
+    recorded gradients, or a copy AOTAutograd would make of one (of the same shape into other
+    strides, or zeros for a missing one); otherwise they are unknown.
+    """
+    seen, state.grads = state.grads, None
+    if seen is None:
+        return tangents
+    grads = [g if isinstance(g, torch.Tensor) else None for g in seen]
+    ids = {id(g) for g in grads if g is not None}
+    unmatched = [g for g in grads if g is None or id(g) not in {id(t) for t in tangents}]
+    for t in tangents:
+        if not isinstance(t, torch.Tensor) or id(t) in ids:
+            continue
+        # AOTAutograd copies a gradient only into other strides (the traced ones, which the copy
+        # has), and makes zeros for a missing one
+        k = next(
+            (
+                k
+                for k, g in enumerate(unmatched)
+                if g is None or (g.shape == t.shape and g.stride() != t.stride())
+            ),
+            None,
+        )
+        if k is None:
+            return tangents  # a tangent that is no recorded gradient nor a copy of one
+        del unmatched[k]
+    return grads
+
+
+_WALK = 4
+
+
+def _watch(region: CompiledRegion, outputs: Any, earlier: Sequence[Any]) -> None:
+    """Give the autograd node a compiled forward just made its :class:`RegionNode` (reached from
+    its outputs within a few view nodes; not an input's, ``earlier``, which an output that is an
+    input, or a view of one, leads to)."""
+    outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+    for o in outs:
+        fn = o.grad_fn if isinstance(o, torch.Tensor) else None
+        for _ in range(_WALK):
+            if fn is None or any(fn is e for e in earlier):
+                break
+            if is_aot_node(fn):
+                region_node(fn, region)
+                break
+            nexts = fn.next_functions
+            fn = nexts[0][0] if nexts else None
+
+
+def watching(region: CompiledRegion, compiled: Any) -> Any:
+    """``compiled`` (the callable dynamo runs for a graph) with its node watched per call."""
+
+    @functools.wraps(compiled)
+    def run(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return compiled(*args)
+        if compiled_autograd_on() and region.status == "split":
+            region.fall_back(
+                "compiled autograd runs its backward graph itself (whole, in each pass), "
+                "not customgrad's split"
+            )
+        flat = args[0] if len(args) == 1 and isinstance(args[0], list) else args  # boxed
+        earlier = [a.grad_fn for a in flat if isinstance(a, torch.Tensor) and a.grad_fn is not None]
+        out = compiled(*args)
+        _watch(region, out, earlier)
+        return out
+
+    return run
+
+
+_FULL: tuple[str, None, None, tuple[()], None] = ("full", None, None, (), None)
+
+
+class _Backward:
+    """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call.
+
+    A pass that needs every gradient that requires grad runs the full graph. A pass that needs
+    some runs the input pass of the cut "these now, the rest later" (compiled once per such
+    pattern, when first met) and keeps what its weight pass needs on the node; the next pass
+    through the node with the same output gradients that needs only what that cut left for
+    later runs its weight pass.
+    """
+
+    def __init__(
+        self,
+        region: CompiledRegion,
+        full: Callable[[list[Any]], Any],
+        positions: list[int],
+        n_outputs: int,
+        program: SplitProgram | None = None,
+        tangents: Sequence[int] = (),
+    ) -> None:
+        self._boxed_call = True  # in the instance's __dict__: wrappers (functools.wraps) keep it
+        self.region = region
+        self.full = full
+        self.positions = positions  # the slot (region input) of each of the node's edges
+        self.n_outputs = n_outputs
+        self.program = program
+        self.tangents = list(tangents)
+        self.failed: set[frozenset[int]] = set()  # cuts the backend could not compile
+
+    def __call__(self, args: list[Any]) -> Any:
+        region = self.region
+        node = current_node()
+        mode, state, cut, grads, found = self._mode(node, args)
+        if mode == "full":
+            with LOCK:
+                region.runs["full"] += 1
+            return self.full(args)
+        assert state is not None and cut is not None
+        out: list[Any] = [None] * self.n_outputs
+        if mode == "input":
+            refuse_torch_split(f"customgrad.compile region {region.name}")  # torch 2.11, 2.12
+            p = cut.input_pass
+            results = list(p.fn(args))
+            n = len(p.slots)
+            for j, g in zip(p.slots, results[:n]):
+                out[j] = g
+            if graph_kept():  # a later pass can come through this node
+                kept = Kept(cut, tuple(results[n:]))
+                hand_over(state, grads, "kept", kept)
+                region.handoff_bytes = nbytes(kept.values)
+            with LOCK:
+                region.runs["input"] += 1
+            return out
+        assert found is not None
+        release(state, grads)
+        with LOCK:
+            region.runs["weight"] += 1
+        args.extend(found.values)
+        del found
+        p = cut.weight_pass
+        for j, g in zip(p.slots, p.fn(args)):
+            out[j] = g
+        return out
+
+    def _mode(
+        self, node: Any, args: list[Any]
+    ) -> tuple[str, RegionNode | None, ProgramCut | None, Sequence[Any], Kept | None]:
+        """``(mode, node state, cut, the pass's output gradients, kept values)``: ``"input"``
+        or ``"weight"`` (with what its input pass kept) with the cut to run, or ``"full"``."""
+        program = self.program
+        if program is None or not split_enabled():
+            return _FULL
+        region = self.region
+        if node is None:
+            region.fall_back(
+                "no autograd node is running its backward (compiled autograd traces it whole)"
+            )
+            return _FULL
+        edges = node.next_functions
+        if len(edges) != len(self.positions):
+            region.fall_back(
+                f"its node has {len(edges)} edges for {len(self.positions)} tensor inputs"
+            )
+            return _FULL
+        state = region_node(node, region)
+        assert state is not None
+        grads = _pass_grads(state, [args[i] for i in self.tangents if i < len(args)])
+        # What the pass needs, by the one rule of customgrad nodes: the route, else the engine.
+        route = None if state.route is None else route_for(state)
+        flags = None if route is None else route.needed
+        requires: set[int] = set()
+        needed: set[int] = set()
+        for e, ((fn, _), slot) in enumerate(zip(edges, self.positions)):
+            if fn is None:
+                continue
+            requires.add(slot)
+            need = None if flags is None else flags[e]
+            if need if need is not None else engine_needs(fn):
+                needed.add(slot)
+        live = program.live
+        want = frozenset(needed) & live
+        if state.handoff is not None:
+            found = handed_over(state, grads, "kept")
+            if isinstance(found, Kept) and found.cut.serves(program, want):
+                return "weight", state, found.cut, grads, found
+            if want and _pending_serves(state.handoff, program, want):
+                region.note_repeat(
+                    "a pass needing only the gradients its input pass left for later came with "
+                    "other output gradients than that input pass (another loss, or gradients "
+                    "replaced by a hook), so it computes them from its own"
+                )
+        weight = frozenset(requires - needed) & live
+        if not needed or not weight:
+            return _FULL
+        cut = self._cut(weight)
+        return ("input", state, cut, grads, None) if cut is not None else _FULL
+
+    def _cut(self, weight: frozenset[int]) -> ProgramCut | None:
+        """The cut whose W computes the slots ``weight``, compiled when a pass first needs it
+        (blocks of one class share a graph whose inputs hold activations in one block and
+        weights made from parameters in another)."""
+        program = self.program
+        if program is None or weight in self.failed:
+            return None
+        try:
+            cut = program.cut(weight)
+        except Exception as e:  # the backend could not compile it here: run the full graph
+            self.failed.add(weight)
+            self.region.note_repeat(
+                f"the backend could not compile its cut for this pattern of gradients "
+                f"({type(e).__name__}: {e})"
+            )
+            return None
+        if self.region.input_pass is None:
+            _describe(self.region, cut)
+        return cut
+
+
+def _pending_serves(
+    chain: HandOff[HandOffValue] | None, program: SplitProgram, want: frozenset[int]
+) -> bool:
+    """Whether a pending hand-off (of another pass) was kept for a pass needing ``want``."""
+    while chain is not None:
+        value = chain.value
+        if isinstance(value, Kept) and value.cut.serves(program, want):
+            return True
+        chain = chain.next
+    return False
+
+
+def _describe(region: CompiledRegion, cut: ProgramCut) -> None:
+    """What explain_split and the summary say of the region: the cut it runs first."""
+    names = region.input_names
+    region.input_pass = GraphInfo(
+        tuple(names[j] for j in cut.input_pass.slots), cut.input_pass.n_ops
+    )
+    region.weight_pass = GraphInfo(
+        tuple(names[j] for j in cut.weight_pass.slots), cut.weight_pass.n_ops
+    )
+    region.handoff = tuple(h.name for h in cut.kept)
+    region.recomputed = tuple(n.name for n in cut.recomputed)
+    region.kept = tuple(origin_of(h) for h in cut.kept)
+    region.recomputed_origins = tuple(origin_of(n) for n in cut.recomputed)
+
+
+class SplitCompiler:
+    """Wraps a backend's backward compiler: compiles full, and each cut's I and W, with it.
+    ``names``: the region's inputs, for reports."""
+
+    def __init__(
+        self,
+        region: CompiledRegion,
+        kinds: list[bool | None],
+        compile_one: Callable[..., Any],
+        reason: str | None,
+        names: Sequence[str] = (),
+    ) -> None:
+        if len(names) != len(kinds):
+            names = [f"{'weight' if k else 'input'} {j}" for j, k in enumerate(kinds)]
+        region.input_names = tuple(names)
+        self.region = region
+        self.kinds = kinds
+        self.compile_one = compile_one
+        self.reason = reason
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        region = self.region
+        reason = self.reason
+        no_donated_buffers()
+        if reason is None:
+            cudagraphs = kwargs.get("cudagraphs")
+            if cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs)):
+                reason = 'CUDA graphs (mode="reduce-overhead") replay one recorded backward'
+            elif _mutated_grad_input():
+                reason = "it mutates an input that requires grad, or threads effect/RNG state"
+        outs = list(gm.graph.output_node().args[0])  # type: ignore[arg-type]
+        positions = [j for j, k in enumerate(self.kinds) if k is not None]
+        if reason is None and len(outs) != len(self.kinds):
+            reason = (
+                f"its backward has {len(outs)} outputs for {len(self.kinds)} inputs (AOTAutograd "
+                "deduplicated or regrouped them)"
+            )
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        tangents = [i for i, n in enumerate(placeholders) if is_tangent(n)]
+        full = _boxed(self.compile_one(gm, list(example_inputs), **kwargs))
+        program = None
+        if reason is None:
+            live = [j for j in positions if isinstance(outs[j], fx.Node)]
+
+            def compiler(g: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
+                return _boxed(self.compile_one(g, examples, **kwargs))
+
+            program = SplitProgram(gm, live, "from_inputs", compiler, example_inputs)
+            if program.mutated:
+                reason = "its backward graph mutates a tensor in place"
+                program = None
+        if program is None:
+            assert reason is not None
+            region.fall_back(reason)
+            return _Backward(region, full, positions, len(self.kinds))
+        # The cuts compiled ahead: weights by their history, then parameters only.
+        first = frozenset(j for j in program.live if _weights_by_history(self.kinds)[j])
+        _describe(region, program.cut(first))
+        params = frozenset(j for j in program.live if self.kinds[j])
+        if params != first:
+            program.cut(params)
+        return _Backward(region, full, positions, len(self.kinds), program, tangents)
+
+
+def no_donated_buffers() -> None:
+    """Record "no donated buffers" where AOTAutograd's backward checks it.
+
+    With ``donated_buffer=False`` while compiling, AOTAutograd leaves ``bw_donated_idxs`` at
+    None, and its backward (which reads the global flag, True by default) takes None for "some"
+    when the graph is retained (``retain_graph=True``, as the input pass does) after a first
+    backward that was not. The metadata it checks is the tracing context's, except with
+    tensor-subclass inputs (an outer one, out of reach: there a full backward before the first
+    split one still meets torch's donated-buffer error).
+    """
+    meta = tracing_metadata()
+    if meta is not None and meta.bw_donated_idxs is None:
+        meta.bw_donated_idxs = []
+
+
+def _mutated_grad_input() -> bool:
+    meta = tracing_metadata()
+    if meta is None:
+        return False
+    return any(
+        (info.mutates_data or info.mutates_metadata) and info.requires_grad
+        for info in meta.input_info
+    ) or bool(meta.tokens or meta.num_outputs_rng_offset)
+
+
+_HISTORY_NODES = 64
+
+
+def _weights_by_history(kinds: list[bool | None]) -> list[bool | None]:
+    """``kinds`` with the tensor inputs made from parameters only counted as weights.
+
+    A weight can reach a region as a plain tensor made from a parameter outside it (cast to
+    another dtype, transposed for a tied head, normalized): its gradient goes to parameters
+    only, so torch's split computes it in W. Told from the autograd history of the node whose
+    backward is being compiled (AOTAutograd compiles it lazily, inside the first backward):
+    an edge whose history reaches only ``nn.Parameter`` leaves, within a few nodes, is a
+    weight. This only picks the cut compiled ahead; a call whose pass needs another pattern
+    (the same graph serving a block where that input is an activation) gets its own.
+    """
+    node = current_node()
+    if node is None:
+        return kinds
+    edges = node.next_functions
+    tensor_positions = [j for j, k in enumerate(kinds) if k is not None]
+    if len(edges) != len(tensor_positions):
+        return kinds
+    out = list(kinds)
+    for j, (fn, _) in zip(tensor_positions, edges):
+        if out[j] is False and fn is not None and _only_parameters_behind(fn):
+            out[j] = True
+    return out
+
+
+def _only_parameters_behind(root: Any) -> bool:
+    seen: set[Any] = set()
+    stack = [root]
+    leaves = 0
+    while stack:
+        fn = stack.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > _HISTORY_NODES:
+            return False
+        variable = getattr(fn, "variable", None)
+        if variable is not None:  # AccumulateGrad: a leaf
+            if not isinstance(variable, nn.Parameter):
+                return False
+            leaves += 1
+            continue
+        stack.extend(f for f, _ in fn.next_functions if f is not None)
+    return leaves > 0
+
+
+def _boxed(fn: Any) -> Callable[[list[Any]], Any]:
+    if getattr(fn, "_boxed_call", False):
+        return fn  # type: ignore[no-any-return]
+
+    def call(args: list[Any]) -> Any:
+        values = list(args)
+        args.clear()
+        return fn(*values)
+
+    return call

@@ -1,0 +1,158 @@
+"""What customgrad knows of each compiled region's backward: split or not, what runs where.
+
+A :class:`CompiledRegion` is made per graph :func:`customgrad.compile`'s backend compiles; the
+compiled backward (:mod:`customgrad._compiled_backward`) fills it in and ``explain_split`` and
+``summary()`` read it. The hand-offs of its nodes are kept on the nodes themselves (the one
+hand-off store, :mod:`customgrad._handoff`), not here: the region only counts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from customgrad._origin import ValueOrigin
+from customgrad._origin import summary as origin_summary
+
+if TYPE_CHECKING:
+    from customgrad._compiled_backward import RegionNode
+
+__all__ = ["LOCK", "CompiledRegion", "GraphInfo", "register", "regions"]
+
+log = logging.getLogger("customgrad")
+
+
+@dataclass
+class GraphInfo:
+    """One piece of a split backward: which gradients it computes and what it keeps for W."""
+
+    computes: tuple[str, ...]
+    """The gradients the graph outputs, by the region's input names."""
+    nodes: int
+    """Number of operations in the graph."""
+
+
+@dataclass(eq=False)
+class CompiledRegion:
+    """One compiled backward customgrad has seen: split (I and W graphs) or fallen back (why)."""
+
+    name: str
+    """A readable label: the compiled module's class and the graph's number."""
+    status: str = "split"
+    """``"split"``, or ``"fallback"`` (the full backward runs in each pass that reaches it)."""
+    reason: str | None = None
+    """Why the region fell back, or None."""
+    input_pass: GraphInfo | None = None
+    """The graph run in I (input gradients and the hand-off)."""
+    weight_pass: GraphInfo | None = None
+    """The graph run in W (weight gradients)."""
+    handoff: tuple[str, ...] = ()
+    """The values I keeps for W (one set per microbatch between its I and its W), by FX name."""
+    recomputed: tuple[str, ...] = ()
+    """The values W recomputes (no FLOPs) rather than keeping them from I, by FX name."""
+    kept: tuple[ValueOrigin, ...] = ()
+    """:attr:`handoff` with where the user's code made each value (module, source line)."""
+    recomputed_origins: tuple[ValueOrigin, ...] = ()
+    """:attr:`recomputed` with where the user's code made each value."""
+    handoff_bytes: int = 0
+    """Bytes the last I pass kept for W."""
+    runs: dict[str, int] = field(default_factory=lambda: {"full": 0, "input": 0, "weight": 0})
+    """How many times each graph ran."""
+    repeated: str | None = None
+    """Why some pass computed again what an earlier pass through the same node computed (the
+    split ran, but not as one I and one W), or None."""
+    input_names: tuple[str, ...] = field(default=(), repr=False)
+    """The region's inputs by name (``fc1.weight``), one per gradient slot."""
+    nodes: weakref.WeakSet[RegionNode] = field(default_factory=weakref.WeakSet, repr=False)
+    """The live autograd nodes of the region (their hand-offs are on them)."""
+    _logged: bool = field(default=False, repr=False)
+    _logged_repeat: bool = field(default=False, repr=False)
+
+    def pending(self) -> int:
+        """Number of microbatches whose I ran and whose W has not yet (hand-offs held)."""
+        with LOCK:
+            nodes = list(self.nodes)
+        held = 0
+        for n in nodes:
+            h = n.handoff
+            while h is not None:
+                held += 1
+                h = h.next
+        return held
+
+    def fall_back(self, reason: str) -> None:
+        """Mark the region as running its full backward, logging why once."""
+        with LOCK:
+            self.status = "fallback"
+            self.reason = reason
+            first = not self._logged
+            self._logged = True
+        if first:
+            log.warning(
+                "customgrad.compile: compiled region %s runs its full backward in each pass "
+                "(no input/weight split): %s",
+                self.name,
+                reason,
+            )
+
+    def note_repeat(self, reason: str) -> None:
+        """Record (and log once) that a pass recomputes work of an earlier pass, and why."""
+        with LOCK:
+            self.repeated = reason
+            first = not self._logged_repeat
+            self._logged_repeat = True
+        if first:
+            log.warning(
+                "customgrad.compile: compiled region %s runs its full backward in a pass where "
+                "it would split: %s",
+                self.name,
+                reason,
+            )
+
+    def describe(self) -> str:
+        """One line: what runs in I and in W and what is kept, or why it fell back."""
+        if self.status == "fallback":
+            return f"fell back to its full backward in each pass: {self.reason}"
+        if self.input_pass is None or self.weight_pass is None:
+            return "split, not compiled yet (its backward has not run)"
+        kept = "nothing"
+        if self.kept:
+            kept = f"{len(self.kept)} value{'s' if len(self.kept) > 1 else ''}"
+        text = (
+            f"split: I runs a graph of {self.input_pass.nodes} ops for "
+            f"{', '.join(self.input_pass.computes) or 'no input'}; W runs a graph of "
+            f"{self.weight_pass.nodes} ops for {', '.join(self.weight_pass.computes) or 'no weight'}; "
+            f"I keeps {kept} for W ({self.handoff_bytes} bytes per microbatch)"
+        )
+        if self.kept:
+            text += f": {origin_summary(self.kept)}"
+        recomputed = self.recomputed_origins
+        if recomputed:
+            n = len(recomputed)
+            text += (
+                f"; W recomputes {n} value{'s' if n > 1 else ''} ({origin_summary(recomputed)}; "
+                "no FLOPs)"
+            )
+        if self.repeated:
+            text += f"; some pass ran the full backward: {self.repeated}"
+        return text
+
+
+LOCK = threading.Lock()
+_REGIONS: list[weakref.ref[CompiledRegion]] = []
+
+
+def register(region: CompiledRegion) -> None:
+    with LOCK:
+        _REGIONS[:] = [r for r in _REGIONS if r() is not None]
+        _REGIONS.append(weakref.ref(region))
+
+
+def regions() -> list[CompiledRegion]:
+    """Every compiled backward still alive that a :func:`compile`\\ d module produced."""
+    with LOCK:
+        live = [r() for r in _REGIONS]
+    return [r for r in live if r is not None]

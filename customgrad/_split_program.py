@@ -1,0 +1,208 @@
+"""The split program: one backward graph with gradient slots, cut into an input and a weight pass.
+
+A traced single backward (:class:`customgrad._autosplit.TracedSplit`) and a compiled region's
+AOTAutograd backward (:mod:`customgrad._compiled_backward`) are the same kind of thing: an aten
+graph whose outputs are gradient *slots*, to be cut, for a given choice of which slots the weight
+pass computes, into an input pass (the other slots, plus the values the weight pass needs from
+it: the *kept* values, handed over as :class:`customgrad._handoff.Kept`) and a weight pass (its
+slots, from the graph's inputs and the kept values). :class:`SplitProgram` is that, for both:
+
+- the graph is cleaned first (:func:`customgrad._cleanup.clean`: in-place rewrites, CSE);
+- each cut is made by the one partitioner (:func:`customgrad._partition.cut`), with the
+  program's recompute rule, and its two passes are built and compiled once, when first asked
+  for (the pass cache, :meth:`SplitProgram.cut`): a traced backward builds them as generated
+  Python over aten calls, a compiled region with its backend's compiler;
+- random ops run in the input pass, all of them, in the graph's order (the draws are those of
+  one call of the whole graph there), and what the weight pass needs of them is kept.
+
+Running the passes (who calls them, with which hand-off) is the callers' job: the program only
+builds them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
+
+import torch.fx as fx
+
+from customgrad._cleanup import clean, random
+from customgrad._partition import Recompute, ancestors, cut, extract
+
+__all__ = ["Compiler", "Pass", "ProgramCut", "SplitProgram"]
+
+Compiler = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+"""Compiles one pass's graph module, given example inputs (the graph's, then the kept values'
+fake tensors): a traced backward's generated call, or a compiled region's backend compiler."""
+
+
+class Pass(NamedTuple):
+    """One built pass: ``fn(*graph inputs[, *kept]) -> (*gradients, *kept)`` as its compiler
+    calls it."""
+
+    fn: Callable[..., Any]
+    slots: tuple[int, ...]
+    """The gradient slot of each of its first outputs."""
+    n_kept: int
+    """How many values it keeps for the weight pass (after the gradients), or takes."""
+    gm: fx.GraphModule
+    """The pass's graph, as cut (before compiling)."""
+
+    @property
+    def n_ops(self) -> int:
+        """Number of operations the pass runs."""
+        return sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
+
+
+class ProgramCut:
+    """One cut of a :class:`SplitProgram`: the slots its weight pass computes, and both passes.
+
+    Attributes:
+        program: the program it cuts.
+        weight: the slots the weight pass computes (the input pass computes the other live ones).
+        input_pass: computes the input slots, then returns the kept values.
+        weight_pass: takes the graph's inputs, then the kept values; computes ``weight``.
+        kept: the values handed over, as nodes of the program's graph.
+        recomputed: the nodes the weight pass runs again rather than receiving them.
+    """
+
+    __slots__ = ("input_pass", "kept", "program", "recomputed", "weight", "weight_pass")
+
+    def __init__(
+        self,
+        program: SplitProgram,
+        weight: frozenset[int],
+        input_pass: Pass,
+        weight_pass: Pass,
+        kept: tuple[fx.Node, ...],
+        recomputed: tuple[fx.Node, ...],
+    ) -> None:
+        self.program = program
+        self.weight = weight
+        self.input_pass = input_pass
+        self.weight_pass = weight_pass
+        self.kept = kept
+        self.recomputed = recomputed
+
+    def serves(self, program: SplitProgram, needed: frozenset[int]) -> bool:
+        """Whether this cut's weight pass computes every slot of ``needed`` (of ``program``)."""
+        return program is self.program and bool(needed) and needed <= self.weight
+
+    def __repr__(self) -> str:
+        return f"<cut: weight pass computes slots {sorted(self.weight)}, {len(self.kept)} kept>"
+
+
+class SplitProgram:
+    """A backward graph with gradient slots, cleaned, and its cuts (see the module's docstring).
+
+    Args:
+        gm: the graph: ``(*inputs) -> (*slots)`` (a slot may be a constant, such as None).
+        live: the slots a pass may compute (the others are never asked for).
+        recompute: the recompute rule of every cut (:data:`customgrad._partition.Recompute`).
+        compiler: builds each pass (:data:`Compiler`).
+        examples: example inputs of the graph, for the compiler (fake or real tensors).
+
+    Attributes:
+        graph_module: the cleaned graph.
+        mutated: nodes that still write in place after the clean-up (then nothing is cut: the
+            caller runs the graph whole).
+    """
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        live: Iterable[int],
+        recompute: Recompute,
+        compiler: Compiler,
+        examples: Sequence[Any] = (),
+    ) -> None:
+        self.graph_module, self.mutated = clean(gm)
+        self.live = frozenset(live)
+        self.recompute: Recompute = recompute
+        self.compiler = compiler
+        self.examples = list(examples)
+        nodes = list(self.graph_module.graph.nodes)
+        self.outputs: list[Any] = list(self.graph_module.graph.output_node().args[0])  # type: ignore[arg-type]
+        self.random = [n for n in nodes if random(n)]
+        self.n_ops = sum(1 for n in nodes if n.op == "call_function")
+        self._cuts: dict[frozenset[int], ProgramCut] = {}
+        self._passes: dict[tuple[frozenset[int], ...], Pass] = {}
+        self._lock = threading.RLock()
+
+    # -- the pass cache ----------------------------------------------------------------------
+    def cut(self, weight: frozenset[int]) -> ProgramCut:
+        """The cut whose weight pass computes the slots ``weight`` (built once, then cached)."""
+        found = self._cuts.get(weight)
+        if found is None:
+            with self._lock:
+                found = self._cuts.get(weight)
+                if found is None:
+                    found = self._cuts[weight] = self._cut(weight)
+        return found
+
+    def full(self, slots: frozenset[int]) -> Pass:
+        """The full pass for ``slots``: computes them, keeps nothing (random ops all drawn)."""
+        key = (slots,)
+        found = self._passes.get(key)
+        if found is None:
+            with self._lock:
+                found = self._passes.get(key)
+                if found is None:
+                    order = tuple(sorted(slots))
+                    results = self._nodes(order)
+                    nodes = ancestors([*results, *self.random])
+                    results += [n for n in self.random if n not in results]  # drawn, unused
+                    found = self._passes[key] = self._build(nodes, order, results, ())
+        return found
+
+    def weight_pass(self, cut: ProgramCut, slots: frozenset[int]) -> Pass:
+        """``cut``'s weight pass narrowed to ``slots`` (a subset of ``cut.weight``)."""
+        if slots == cut.weight:
+            return cut.weight_pass
+        key = (cut.weight, slots)
+        found = self._passes.get(key)
+        if found is None:
+            with self._lock:
+                found = self._passes.get(key)
+                if found is None:
+                    order = tuple(sorted(slots))
+                    results = self._nodes(order)
+                    nodes = ancestors(results, cut.kept)
+                    found = self._passes[key] = self._build(nodes, order, results, cut.kept)
+        return found
+
+    # -- building ------------------------------------------------------------------------------
+    def _nodes(self, slots: Sequence[int]) -> list[Any]:
+        return [self.outputs[i] for i in slots]
+
+    def _cut(self, weight: frozenset[int]) -> ProgramCut:
+        input_slots = tuple(sorted(self.live - weight))
+        weight_slots = tuple(sorted(weight))
+        input_outs = self._nodes(input_slots)
+        weight_outs = self._nodes(weight_slots)
+        c = cut(
+            self.graph_module.graph,
+            [*(n for n in input_outs if isinstance(n, fx.Node)), *self.random],
+            [n for n in weight_outs if isinstance(n, fx.Node)],
+            self.recompute,
+        )
+        kept = c.kept
+        nodes = ancestors([*(n for n in input_outs if isinstance(n, fx.Node)), *kept, *self.random])
+        input_pass = self._build(nodes, input_slots, [*input_outs, *kept], (), len(kept))
+        weight_pass = self._build(c.weight, weight_slots, weight_outs, kept)
+        recomputed = tuple(n for n in self.graph_module.graph.nodes if n in c.recomputed)
+        return ProgramCut(self, weight, input_pass, weight_pass, kept, recomputed)
+
+    def _build(
+        self,
+        nodes: Any,
+        slots: tuple[int, ...],
+        results: Sequence[Any],
+        kept: Sequence[fx.Node],
+        n_kept: int | None = None,
+    ) -> Pass:
+        gm = extract(self.graph_module, nodes, results, kept)
+        examples = [*self.examples, *(h.meta.get("val") for h in kept)]
+        fn = self.compiler(gm, examples)
+        return Pass(fn, slots, len(kept) if n_kept is None else n_kept, gm)

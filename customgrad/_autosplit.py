@@ -3,10 +3,7 @@
 One ``register_backward`` that returns every gradient is how people write a backward (as in
 ``torch.autograd.Function``), but under a pipeline's split backward such a function runs whole in
 the input pass (I) and again in the weight pass (W). With ``split="auto"`` (the default)
-customgrad captures it with torch's own frontend, dynamo
-(``torch.compile(..., fullgraph=True)`` with a backend that only keeps the graph), lowers the
-captured graph to aten ops with ``make_fx`` on fake tensors (other custom ops, customgrad ops
-among them, stay single opaque calls) and cuts it in two:
+customgrad captures it with dynamo (:mod:`customgrad._capture`) and cuts it in two:
 
 - work that only input gradients need runs in I, work that only weight gradients need in W, and
   work that no requested gradient needs is dropped;
@@ -18,33 +15,10 @@ among them, stay single opaque calls) and cuts it in two:
   weight pass needs of them is handed over: the draws are those of one call at the first pass;
 - a full backward runs the whole capture once.
 
-The capture is :mod:`customgrad._capture`'s, the cut and the passes are the split program's
-(:mod:`customgrad._split_program`, shared with compiled regions), run per node by
-:class:`customgrad._traced_split.TracedSplit`. This module keeps the captures of one op
-(:class:`AutoSplitter`) and selects one per call. The gradients go back to customgrad's
-validation as any backward's do.
-
-**What selects a capture.** Dynamo guards what the backward read (globals, closures, modules'
-attributes, objects' fields, torch's global state, the arguments' metadata); customgrad checks
-those guards per node, in C++, through the guard manager dynamo keeps for the captured code
-(:func:`customgrad._torch.dynamo.guard_check`), and adds what dynamo's guards miss: each tensor
-argument's ``is_leaf``, floats and complex numbers compared by their exact bits (``0j`` and
-``-0j``), attributes added later to a module the backward read (``getattr(torch, name,
-default)``), the values of plain saved values and the ambient state (:func:`ambient`). Each
-capture has its own code object, so dynamo's caches, recompile limits and the user's own
-``torch.compile`` calls are not shared with it; a guard that fails captures again, up to
-:data:`RECAPTURES` times per signature, then the op runs once.
-
-**What runs once.** A backward dynamo cannot capture whole (a graph break: Python control flow
-on tensor values, ``print``, a function dynamo skips such as ``torch.manual_seed``, a raw Triton
-launch on the CPU interpreter, a name that is not defined), one that changes state outside itself
-(a global rebound, a list appended to: dynamo would replay it in bytecode a split never runs),
-one that reads a tensor that is not an argument, or one ``make_fx`` cannot lower, runs once,
-whole (the run-once rule of :mod:`customgrad._codegen`), and one log line on the ``customgrad``
-logger says why, with dynamo's reason and the line. Inside another trace (``torch.compile``'s
-AOTAutograd, ``make_fx``, functorch transforms) the backward is called as written, and the outer
-trace records it. Capturing holds one process-wide lock and changes no logger level, warning
-filter or dynamo setting.
+The cut and the passes are the split program's (:mod:`customgrad._split_program`, shared with
+compiled regions), run per node by :class:`customgrad._traced_split.TracedSplit`. This module
+keeps the captures of one op (:class:`AutoSplitter`) and selects one per call; the gradients go
+back to customgrad's validation as any backward's do.
 """
 
 from __future__ import annotations

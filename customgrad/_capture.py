@@ -1,13 +1,32 @@
 """Capturing a single backward with dynamo and lowering it to an aten graph.
 
-:func:`capture` runs the backward under ``torch.compile(fullgraph=True)`` (through the adapter
-:mod:`customgrad._torch.dynamo`) with a backend that only keeps the graph, lowers the captured
-graph to aten ops with ``make_fx`` on fake tensors (other custom ops, customgrad ops among them,
-stay single opaque calls) and returns a :class:`Capture`: the :class:`TracedSplit` of the
-lowered graph and what must hold to reuse it (dynamo's guards, checked in C++, and the checks
-customgrad adds where they compare too loosely). What dynamo or ``make_fx`` cannot take gives a
-:class:`Fallback` with the reason in words a user can act on. The cache of captures per op is
-:class:`customgrad._autosplit.AutoSplitter`'s.
+:func:`capture_backward` runs the backward under ``torch.compile(fullgraph=True)`` (through
+:mod:`customgrad._torch.dynamo`) with a backend that only keeps the graph, lowers the graph to
+aten ops with ``make_fx`` on fake tensors (other custom ops, customgrad ops among them, stay
+opaque calls) and returns a :class:`Capture`: its :class:`TracedSplit` and what must hold to
+reuse it, or a :class:`Fallback` that says why not.
+
+**What selects a capture.** Dynamo guards what the backward read (globals, closures, modules'
+attributes, objects' fields, torch's global state, the arguments' metadata); customgrad checks
+those guards per node, in C++, through the guard manager dynamo keeps for the captured code
+(:func:`customgrad._torch.dynamo.guard_check`), and adds what dynamo's guards miss: each tensor
+argument's ``is_leaf``, floats and complex numbers compared by their exact bits (``0j`` and
+``-0j``), attributes added later to a module the backward read (``getattr(torch, name,
+default)``), the values of plain saved values and the ambient state (:func:`customgrad._autosplit.ambient`). Each
+capture has its own code object, so dynamo's caches, recompile limits and the user's own
+``torch.compile`` calls are not shared with it; a guard that fails captures again, up to
+:data:`customgrad._autosplit.RECAPTURES` times per signature, then the op runs once.
+
+**What runs once.** A backward dynamo cannot capture whole (a graph break: Python control flow
+on tensor values, ``print``, a function dynamo skips such as ``torch.manual_seed``, a raw Triton
+launch on the CPU interpreter, a name that is not defined), one that changes state outside itself
+(a global rebound, a list appended to: dynamo would replay it in bytecode a split never runs),
+one that reads a tensor that is not an argument, or one ``make_fx`` cannot lower, runs once,
+whole (the run-once rule of :mod:`customgrad._codegen`), and one log line on the ``customgrad``
+logger says why, with dynamo's reason and the line. Inside another trace (``torch.compile``'s
+AOTAutograd, ``make_fx``, functorch transforms) the backward is called as written, and the outer
+trace records it. Capturing holds one process-wide lock and changes no logger level, warning
+filter or dynamo setting.
 """
 
 from __future__ import annotations

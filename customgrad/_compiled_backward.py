@@ -1,34 +1,24 @@
 """A compiled region's backward, cut into an input pass (I) and a weight pass (W).
 
 ``torch.compile`` turns a region into one autograd node whose backward is one compiled graph:
-under a split schedule that graph would run whole in I and again in W (twice the work), and
-with torch's default configuration it refuses to run twice at all (donated buffers). The
-backward graph AOTAutograd hands the backend becomes a split program
-(:class:`customgrad._split_program.SplitProgram`, the one a traced single backward uses: its
-gradient slots are the region's inputs), and :class:`_SplitCompiler` compiles, with the
-backend's own compiler:
+under a split schedule it would run whole in I and again in W, and with torch's default
+configuration it refuses to run twice at all (donated buffers). Here the backward graph is a
+split program (:class:`customgrad._split_program.SplitProgram`, as a traced single backward
+is; its slots are the region's inputs) whose full graph and cuts :class:`SplitCompiler`
+compiles with the backend's own compiler. What W can rebuild from the backward's inputs without
+FLOPs it recomputes rather than keep.
 
-- **full**: the graph as it is, for a backward that needs every gradient (``loss.backward()``);
-- per cut, **I**: the input gradients, plus the values W needs from them (kept);
-- and **W**: the weight gradients, from the saved values, the output gradients and the kept
-  values. What W can rebuild from the backward's inputs without FLOPs (views, elementwise ops
-  of saved values) it recomputes rather than keep.
+Which gradients I computes follows the pass, by customgrad nodes' rule: the node's route
+(:mod:`customgrad._routing`), else the engine's answer per edge; W computes the rest. Each such
+pattern is cut once, when first met; the one torch's split counts (parameters, and inputs made
+from parameters only: a cast, a transposed tied weight) is cut ahead. Blocks of one class share
+one compiled graph whose inputs may hold an activation in one block and a parameter-made tensor
+in another: each call gets its own cut.
 
-Which gradients I computes follows the pass, as for customgrad ops: the route a planned
-backward put on the node (:mod:`customgrad._routing`), else the autograd engine's answer per
-edge (:func:`customgrad._autograd.engine_needs`); W computes the rest. Each such pattern is cut
-and compiled once, when first met (the program's pass cache); the pattern torch's split counts
-(parameters, and inputs made from parameters only outside the region: a cast, a transposed tied
-weight) is cut ahead, in the first backward. Blocks of one class share one compiled graph whose
-arguments may hold an activation in one block and a parameter-made tensor in another: each call
-gets its own cut.
-
-The kept values (a :class:`customgrad._handoff.Kept`) live on the node (a :class:`RegionNode`,
-the one hand-off store of :mod:`customgrad._handoff`) until W takes them, and go with the graph
-if W never runs. They belong to the pass that made them, by the one ownership rule: W reads
-them only when the engine gives the node the same output gradients as in I (recorded by the
-:class:`RegionNode`, a pre-hook the forward puts on the node; AOTAutograd's own copies of them,
-contiguous or zeros, are new in each pass), so a pass of another loss never reads them.
+The kept values (:class:`customgrad._handoff.Kept`) live on the node's :class:`RegionNode` (the
+one hand-off store) until W takes them, by the one ownership rule: only a pass with the output
+gradients the engine gave the node in I reads them (AOTAutograd's own copies of them are new in
+each pass).
 
 What cannot split keeps the full backward, with one log line saying why: CUDA graphs
 (``mode="reduce-overhead"``), compiled autograd, tensor-subclass or mutated inputs that require
@@ -52,7 +42,7 @@ from customgrad._releases import refuse_torch_split
 from customgrad._routing import Route, route_for
 from customgrad._split_program import ProgramCut, SplitProgram
 from customgrad._switches import split_enabled
-from customgrad._torch.aot import compiled_backward, is_tangent, tracing_metadata
+from customgrad._torch.aot import is_tangent, tracing_metadata
 from customgrad._torch.dynamo import compiled_autograd_on
 from customgrad._torch.engine import current_node, graph_kept
 from customgrad._torch.functions import is_aot_node
@@ -120,28 +110,17 @@ def region_node(node: Any, region: CompiledRegion | None = None) -> RegionNode |
 
 def region_of(node: Any) -> CompiledRegion | None:
     r"""The compiled region whose backward ``node`` runs (a ``CompiledFunctionBackward`` of a
-    :func:`customgrad.compile`\ d module, once its backward was compiled), else None."""
-    fn = compiled_backward(node)
-    for _ in range(8):  # through wrappers (torch._dynamo.disable keeps __wrapped__)
-        if fn is None or isinstance(fn, _Backward):
-            break
-        fn = getattr(fn, "__wrapped__", None)
-    return fn.region if isinstance(fn, _Backward) else None
+    :func:`customgrad.compile`\ d module), else None."""
+    found = region_node(node)
+    return None if found is None else found.region
 
 
 def _pass_grads(state: RegionNode, tangents: list[Any]) -> Sequence[Any]:
-    """The output gradients of the running pass, for the ownership rule: the ones the autograd
-    engine passed to the node, as its :class:`RegionNode` recorded them; where they are unknown,
-    the ones the compiled backward got (AOTAutograd's copies: then a pass whose gradients
-    AOTAutograd copies does not match its own input pass, and computes again, logged).
-
-    The engine's are the same tensors in an input pass and in the weight pass it hands off to,
-    where AOTAutograd's copies for the compiled graph (``tangents``: a contiguous copy of an
-    expanded or transposed gradient, zeros for an output that got none) are new in each pass. A
-    pre-hook registered after the recorder could replace them: each tangent must be one of the
-    recorded gradients, or a copy AOTAutograd would make of one (of the same shape into other
-    strides, or zeros for a missing one); otherwise they are unknown.
-    """
+    """The output gradients of the running pass, for the ownership rule: the ones the engine
+    passed to the node, as its :class:`RegionNode` recorded them, where each of AOTAutograd's
+    ``tangents`` is one of them or a copy AOTAutograd makes (into other strides, zeros for a
+    missing one; a later pre-hook could have replaced them); else ``tangents`` (new in each
+    pass: such a weight pass computes for itself, logged)."""
     seen, state.grads = state.grads, None
     if seen is None:
         return tangents
@@ -243,6 +222,10 @@ class _Backward:
         region = self.region
         node = current_node()
         mode, state, cut, grads, found = self._mode(node, args)
+        if node is not None and not graph_kept():
+            held = region_node(node)
+            if held is not None:
+                held.handoff = None  # no pass comes through the node after this one
         if mode == "full":
             with LOCK:
                 region.runs["full"] += 1

@@ -136,31 +136,24 @@ class SplitProgram:
         found = self._cuts.get(weight)
         if found is None:
             with self._lock:
-                found = self._cuts.get(weight)
-                if found is None:
-                    found = self._cuts[weight] = self._cut(weight)
+                found = self._cuts.get(weight) or self._cuts.setdefault(weight, self._cut(weight))
         return found
 
     def full(self, slots: frozenset[int]) -> Pass:
         """The full pass for ``slots``: computes them, keeps nothing (random ops all drawn)."""
-        key = (slots,)
-        found = self._passes.get(key)
-        if found is None:
-            with self._lock:
-                found = self._passes.get(key)
-                if found is None:
-                    order = tuple(sorted(slots))
-                    results = self._nodes(order)
-                    nodes = ancestors([*results, *self.random])
-                    results += [n for n in self.random if n not in results]  # drawn, unused
-                    found = self._passes[key] = self._build(nodes, order, results, ())
-        return found
+        return self._pass((slots,), slots, ())
 
     def weight_pass(self, cut: ProgramCut, slots: frozenset[int]) -> Pass:
         """``cut``'s weight pass narrowed to ``slots`` (a subset of ``cut.weight``)."""
-        if slots == cut.weight:
-            return cut.weight_pass
-        key = (cut.weight, slots)
+        return (
+            cut.weight_pass
+            if slots == cut.weight
+            else self._pass((cut.weight, slots), slots, cut.kept)
+        )
+
+    def _pass(
+        self, key: tuple[frozenset[int], ...], slots: frozenset[int], kept: tuple[fx.Node, ...]
+    ) -> Pass:
         found = self._passes.get(key)
         if found is None:
             with self._lock:
@@ -168,8 +161,10 @@ class SplitProgram:
                 if found is None:
                     order = tuple(sorted(slots))
                     results = self._nodes(order)
-                    nodes = ancestors(results, cut.kept)
-                    found = self._passes[key] = self._build(nodes, order, results, cut.kept)
+                    drawn = [] if kept else self.random
+                    nodes = ancestors([*results, *drawn], kept)
+                    results += [n for n in drawn if n not in results]  # drawn, unused
+                    found = self._passes[key] = self._build(nodes, order, results, kept)
         return found
 
     # -- building ------------------------------------------------------------------------------

@@ -47,39 +47,30 @@ def flatten(saved: Any, grads: tuple[Any, ...]) -> tuple[list[Any], Any]:
 
 
 class _Run:
-    """One pass as a node runs it: the pass's function and where each named gradient sits in
-    its outputs (``(name, 0, position)``, ``(name, 1, None)`` for None, ``(name, 2, positions)``
-    for a list)."""
+    """One pass as a node runs it: the pass's function and, per gradient it computes, where it
+    sits in the outputs (a position, None, or a list of those for a list argument)."""
 
-    __slots__ = ("cut", "entries", "fn", "n_out")
+    __slots__ = ("at", "cut", "fn", "n_out")
 
     def __init__(self, p: Pass, layout: list[tuple[str, Any]], needed: frozenset[str]) -> None:
         self.fn = p.fn
         self.n_out = len(p.slots)
         self.cut: ProgramCut | None = None
-        at = {slot: k for k, slot in enumerate(p.slots)}
-        entries: list[tuple[str, int, Any]] = []
-        for name, slot in layout:
-            if name not in needed:
-                continue
-            if slot is None:
-                entries.append((name, 1, None))
-            elif isinstance(slot, int):
-                entries.append((name, 0, at[slot]))
-            else:
-                entries.append((name, 2, [None if i is None else at[i] for i in slot]))
-        self.entries = tuple(entries)
+        pos: dict[int | None, int | None] = {slot: k for k, slot in enumerate(p.slots)}
+        pos[None] = None
+        self.at: tuple[tuple[str, Any], ...] = tuple(
+            (name, [pos[i] for i in slot] if isinstance(slot, list) else pos[slot])
+            for name, slot in layout
+            if name in needed
+        )
 
     def result(self, outs: Sequence[Any]) -> Gradients:
-        out: Gradients = {}
-        for name, kind, at in self.entries:
-            if kind == 0:
-                out[name] = outs[at]
-            elif kind == 1:
-                out[name] = None
-            else:
-                out[name] = [None if i is None else outs[i] for i in at]
-        return out
+        return {
+            name: outs[k]
+            if type(k) is int
+            else (None if k is None else [None if i is None else outs[i] for i in k])
+            for name, k in self.at
+        }
 
 
 _NOT_SERVED: Any = object()

@@ -42,9 +42,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from customgrad._cleanup import mutating
 from customgrad._errors import CustomGradError
 from customgrad._rules import OpSpec
+from customgrad._split_program import mutating
 from customgrad._torch import dynamo
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.dispatcher import dispatch_stack_len

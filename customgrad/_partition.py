@@ -82,7 +82,7 @@ def ancestors(roots: Iterable[fx.Node], stop: Iterable[fx.Node] = ()) -> set[fx.
 
 def written(t: torch.Tensor, writer: object) -> torch.Tensor:
     """``t`` once ``writer`` wrote into it: in a graph, makes an opaque op's write an input of
-    the nodes that read ``t`` after it (see :mod:`customgrad._cleanup`); :func:`extract` drops
+    the nodes that read ``t`` after it (see :func:`customgrad._split_program.clean`); :func:`extract` drops
     it again."""
     return t
 

@@ -155,7 +155,8 @@ def test_a_compiled_program_runs_work_written_twice_once() -> None:
 
 def test_a_compiled_region_takes_its_kept_values_only_from_its_own_pass() -> None:
     """The one ownership rule on a compiled region's node: a weight pass with other output
-    gradients than its input pass computes for itself (and frees nothing of the other)."""
+    gradients than its input pass computes for itself, and each pass's values stay for that
+    pass until a pass frees the graph."""
     torch.manual_seed(0)
     block = Block()
     cg.compile(block, backend="aot_eager")
@@ -173,7 +174,10 @@ def test_a_compiled_region_takes_its_kept_values_only_from_its_own_pass() -> Non
 
     other = g.clone()
     dw = torch.autograd.grad(out, list(block.parameters()), other, retain_graph=True)
-    assert node.handoff is not None  # the first pass's values stay for their own W
+    # the other pass split the other way (its W computes x's gradient) and kept its own values;
+    # the first pass's values stay for their own W
+    assert node.handoff is not None and node.handoff.next is not None
+    assert node.handoff.made_by((other,)) and node.handoff.next.made_by((g,))
     assert region.repeated is not None
     want = torch.autograd.grad(
         block.fc2(torch.relu(block.fc1(x))) + x, list(block.parameters()), other
@@ -183,5 +187,4 @@ def test_a_compiled_region_takes_its_kept_values_only_from_its_own_pass() -> Non
     assert ran() == {"full": 0, "input": 1, "weight": 0}  # it split the other way
     torch.autograd.grad(out, list(block.parameters()), g)  # its own W
     assert ran() == {"full": 0, "input": 1, "weight": 1}  # it read what its own I kept
-    left = node.handoff  # the other pass's, kept for that pass's own input gradients
-    assert left is not None and left.next is None and left.made_by((other,))
+    assert node.handoff is None  # and the graph is freed: no pass comes for the other's

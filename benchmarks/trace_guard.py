@@ -14,7 +14,7 @@ attributes). This script times, per call, on the same small backward (a linear's
   checks), and dynamo's guard manager alone,
 - the same backward through ``torch.compile(fullgraph=True)`` with a backend that runs dynamo's
   graph as it is (what running through the compiled frame would cost instead),
-- ``AutoSplitter.plan`` as a node's first backward calls it (signature, ambient state, check),
+- ``AutoSplitter.select`` as a node's first backward calls it (signature, ambient state, check),
 - the check in place: forward + backward of the op with the check, less the same with the
   check skipped (the first check after a forward runs cold, slower than a repeated one),
 
@@ -88,8 +88,8 @@ def main() -> None:
             "backward called directly": per_call(lambda: backward(ctx, saved, g)),
             "dynamo's guard manager (C++)": per_call(lambda: check(frame)),
             "customgrad's check of a capture": per_call(lambda: capture.holds(frame)),
-            "AutoSplitter.plan (per node)": per_call(
-                lambda: auto.plan(make_ctx, saved, (g,), requires)
+            "AutoSplitter.select (per node)": per_call(
+                lambda: auto.select(make_ctx, saved, (g,), requires)
             ),
             "through the compiled frame": per_call(lambda: compiled(ctx, saved, g)),
         }

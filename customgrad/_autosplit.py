@@ -149,7 +149,7 @@ def _trace_types() -> tuple[type, ...]:
 class AutoSplitter:
     """The automatic split of one op's single backward (``AutogradRules.auto``).
 
-    :meth:`plan` is called at a node's first backward; it returns the node's
+    :meth:`select` is called at a node's first backward; it returns the node's
     :class:`TracedSplit` (shared by every node whose call selects the same capture), or None to
     call the backward as written.
 
@@ -160,7 +160,7 @@ class AutoSplitter:
 
     Attributes:
         traces: how many times the backward was captured.
-        last: what the latest node's :meth:`plan` found (a :class:`TracedSplit` or a
+        last: what the latest node's :meth:`select` found (a :class:`TracedSplit` or a
             :class:`Fallback`), or None before any backward.
     """
 
@@ -180,7 +180,7 @@ class AutoSplitter:
         """The bytes of gradients the latest run-once backward held from its first pass for
         the later one (None before any)."""
 
-    def plan(
+    def select(
         self,
         make_ctx: Callable[[frozenset[str]], Any],
         saved: Any,

@@ -424,7 +424,7 @@ def _lower(
     sig = op.signature
     if type(result) is not dict:
         raise _Invalid
-    plan: list[tuple[str, Any]] = []
+    slots_of: list[tuple[str, Any]] = []
     for name, value in result.items():
         if not isinstance(name, str) or name not in sig.tensor_set:
             raise _Invalid
@@ -448,7 +448,7 @@ def _lower(
                     "tensor, or one made outside what dynamo captured)",
                     "compute every gradient from the saved values and output gradients",
                 )
-        plan.append((name, slots if values is not None else slots[0]))
+        slots_of.append((name, slots if values is not None else slots[0]))
     graph = captured.graph
     layouts: list[list[tuple[str, Any]]] = []
 
@@ -463,7 +463,7 @@ def _lower(
             flat.append(outs[slot[1]] if slot[0] == "out" else tensors[slot[1]])
             return len(flat) - 1
 
-        for name, slot in plan:
+        for name, slot in slots_of:
             layout.append((name, [put(s) for s in slot] if isinstance(slot, list) else put(slot)))
         layouts.append(layout)
         return flat

@@ -228,7 +228,7 @@ def auto_split(
     grads: tuple[Any, ...],
     requires: frozenset[str],
 ) -> TracedSplit | None:
-    """The node's automatic-split plan (``auto``: the op's ``AutoSplitter``), or None to call
+    """The node's traced split (``auto``: the op's ``AutoSplitter``), or None to call
     the single backward as it is. ``requires``: the arguments of the node that require grad."""
     if _grad_enabled() and _graph_task_id() != -1:
         # A create_graph backward (double backward): call the backward as written, so its
@@ -239,7 +239,7 @@ def auto_split(
     if split is None or layout != record.split_grads:
         # A node's first backward, or a backward of a retained graph with output gradients of
         # another layout (other strides select another trace).
-        split = auto.plan(make_ctx, saved, grads, requires)
+        split = auto.select(make_ctx, saved, grads, requires)
         record.split = split if split is not None else False
         record.split_grads = layout
     return split or None

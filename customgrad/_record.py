@@ -47,7 +47,7 @@ class NodeRecord:
         route: what a planned backward told this node (see :mod:`customgrad._routing`).
         handoff: the node's hand-offs (:mod:`customgrad._handoff`: what its input pass
             computed for its weight pass), or None.
-        split: the node's automatic-split plan once its first backward chose one (False: the
+        split: the node's traced split once its first backward chose one (False: the
             backward is called as written), or None before.
         split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
             strides, dtypes: a backward with others chooses again).

@@ -152,59 +152,40 @@ class _Backend:
         if _subclass_input(example_inputs):
             reason = "a tensor-subclass input (its gradient is flattened into inner tensors)"
         names = _dynamo_input_names(gm)
+
+        def split(compile_one: Callable[..., Any]) -> SplitCompiler:
+            """The backward compiler: ``compile_one`` (the backend's) compiling full, I and W."""
+            return SplitCompiler(region, kinds, compile_one, reason, names)
+
         with config_patch(donated_buffer=False, enable_autograd_cache=False):
-            if self.backend == "inductor":
-                compiled = self._inductor(gm, example_inputs, region, kinds, reason, names)
-            else:
-                compiled = self._aot(gm, example_inputs, region, kinds, reason, names)
+            compiled = self._compile(gm, example_inputs, split)
         no_donated_buffers()
         return watching(region, compiled)
 
-    def _inductor(
+    def _compile(
         self,
         gm: fx.GraphModule,
         example_inputs: list[Any],
-        region: CompiledRegion,
-        kinds: list[bool | None],
-        reason: str | None,
-        names: list[str],
+        split: Callable[[Callable[..., Any]], SplitCompiler],
     ) -> Any:
-        compile_fx, compile_fx_inner = inductor_compilers()
+        backend = self.backend
+        if backend == "inductor":
+            compile_fx, compile_fx_inner = inductor_compilers()
 
-        def inner(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> Any:
-            if not kw.get("is_backward"):
-                return compile_fx_inner(g, ex, **kw)
-            return SplitCompiler(region, kinds, compile_fx_inner, reason, names)(g, ex, **kw)
+            def inner(g: fx.GraphModule, ex: Sequence[Any], **kw: Any) -> Any:
+                if not kw.get("is_backward"):
+                    return compile_fx_inner(g, ex, **kw)
+                return split(compile_fx_inner)(g, ex, **kw)
 
-        return compile_fx(
-            gm, example_inputs, inner_compile=inner, config_patches=dict(self.inductor_config)
-        )
-
-    def _aot(
-        self,
-        gm: fx.GraphModule,
-        example_inputs: list[Any],
-        region: CompiledRegion,
-        kinds: list[bool | None],
-        reason: str | None,
-        names: list[str],
-    ) -> Any:
+            config = dict(self.inductor_config)
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config)
         AotAutograd = aot_autograd_type()
         aot_eager, boxed_nop = eager_backends()
-
-        backend = self.backend
         if backend == "aot_eager":
-            bw = boxed_nop
-        else:
-            assert isinstance(backend, AotAutograd)
-            bw = backend.kwargs.get("bw_compiler") or backend.kwargs["fw_compiler"]
-
-        def bw_compiler(g: fx.GraphModule, ex: Sequence[Any]) -> Any:
-            return SplitCompiler(region, kinds, bw, reason, names)(g, ex)
-
-        if backend == "aot_eager":
-            return aot_eager(gm, example_inputs, bw_compiler=bw_compiler)
-        return AotAutograd(**{**backend.kwargs, "bw_compiler": bw_compiler})(gm, example_inputs)
+            return aot_eager(gm, example_inputs, bw_compiler=split(boxed_nop))
+        assert isinstance(backend, AotAutograd)
+        bw = split(backend.kwargs.get("bw_compiler") or backend.kwargs["fw_compiler"])
+        return AotAutograd(**{**backend.kwargs, "bw_compiler": bw})(gm, example_inputs)
 
 
 def _user_forward(module: nn.Module) -> bool:

@@ -18,10 +18,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad._autosplit import AutoSplitter, TracedSplit
-from customgrad._compile import regions
 from customgrad._compiled_backward import region_node
 from customgrad._handoff import Kept
 from customgrad._record import record_of
+from customgrad._routing import Route, routing
 from customgrad._split_program import ProgramCut, SplitProgram
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
@@ -90,13 +90,15 @@ def test_one_hand_off_store_serves_an_op_and_a_compiled_region_in_one_stage() ->
     y, out = stage(block)
     record = record_of(y.grad_fn)
     assert record is not None
-    (region,) = [r for r in regions() if r.name.startswith("Block")]
+    node = out.grad_fn  # (the split detaches the stage's outputs)
     result: list[Any] = []
     f_i = flops(lambda: result.extend(stage_backward_input([out], [g], [x], iter(params))))  # I
     dx, param_groups = result
     torch.testing.assert_close(dx[0], want[0])
-    (region_node,) = list(region.nodes)
-    holders = {"op": record, "compiled region": region_node}
+    held = region_node(node)
+    assert held is not None
+    region = held.region
+    holders = {"op": record, "compiled region": held}
     for holder in holders.values():
         handoff = holder.handoff
         assert handoff is not None and handoff.kind == "kept" and handoff.next is None
@@ -110,7 +112,7 @@ def test_one_hand_off_store_serves_an_op_and_a_compiled_region_in_one_stage() ->
     assert region.pending() == 1
 
     f_w = flops(lambda: stage_backward_weight(iter(params), param_groups))  # W
-    assert record.handoff is None and region_node.handoff is None and region.pending() == 0
+    assert record.handoff is None and held.handoff is None and region.pending() == 0
     assert f_i + f_w == full  # nothing computed twice, across both kinds of node
     assert region.runs == {"full": 0, "input": 1, "weight": 1}
     for p, want_p in zip(params, want[1:]):
@@ -188,3 +190,35 @@ def test_a_compiled_region_takes_its_kept_values_only_from_its_own_pass() -> Non
     torch.autograd.grad(out, list(block.parameters()), g)  # its own W
     assert ran() == {"full": 0, "input": 1, "weight": 1}  # it read what its own I kept
     assert node.handoff is None  # and the graph is freed: no pass comes for the other's
+
+
+def test_a_compiled_region_takes_its_orders_through_a_route() -> None:
+    """A planned backward tells a compiled region's node which edges the pass uses with a route,
+    as it tells customgrad nodes: asked by the engine for every gradient, the node computes the
+    weight side only (its W, reading what I kept), and the input edge gets nothing."""
+    torch.manual_seed(0)
+    block = Block()
+    cg.compile(block, backend="aot_eager")
+    params = list(block.parameters())
+    x = torch.randn(4, 5, dtype=DT, requires_grad=True)
+    g = torch.randn(4, 5, dtype=DT)
+    out = block(x)
+    (dx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    node = region_node(out.grad_fn)
+    assert node is not None and out.grad_fn is not None
+    runs = dict(node.region.runs)
+    leaves = {id(p) for p in params}
+    side = tuple(
+        fn is not None and id(getattr(fn, "variable", None)) in leaves
+        for fn, _ in out.grad_fn.next_functions
+    )
+    assert side.count(True) == len(params) and not all(side)
+    with routing({node: Route(needed=side)}):
+        got = torch.autograd.grad(out, [x, *params], g, allow_unused=True)
+    assert got[0] is None  # the route, not the engine, said what the pass needs
+    assert node.region.runs["weight"] == runs["weight"] + 1 and node.handoff is None
+    xr = x.detach().requires_grad_()
+    want = torch.autograd.grad(block.fc2(torch.relu(block.fc1(xr))) + xr, [xr, *params], g)
+    torch.testing.assert_close(dx, want[0])
+    for a, b in zip(got[1:], want[1:]):
+        torch.testing.assert_close(a, b)

@@ -51,18 +51,19 @@ from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, record_pass
-from customgrad._record import NodeRecord
+from customgrad._record import NodeRecord, record_of
 from customgrad._routing import routing
 from customgrad._split_plan import (
     InputPassPlan,
     WeightCall,
     grad_node,
     is_leaf_accumulator,
+    is_native,
     plan_input_pass,
     reach,
 )
 from customgrad._torch.engine import input_shape
-from customgrad._torch.functions import forward_cls, keep_graphs
+from customgrad._torch.functions import forward_cls, keep_graphs, skipping
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -135,7 +136,7 @@ class _SplitState:
 
     __slots__ = (
         "asked_once", "captured", "deferred", "direct", "done", "keep", "once", "once_ids", "plan",
-        "ran",
+        "ran", "skip",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -145,7 +146,11 @@ class _SplitState:
         # missing), then, per W call, their hand-offs and the nodes W asks again.
         self.ran: dict[Node, HandOff | None] = {}
         self.once: dict[int, list[HandOff]] = {}
-        self.asked_once: dict[int, list[Node]] = {}
+        self.asked_once: dict[int, list[tuple[list[Node], list[Node]]]] = {}
+        # Per W call: the Function nodes I ran that its engine calls may reach with no gradient
+        # (below a node W runs again whose input edges lead to the call's weights): they
+        # compute nothing there (see _skipped_below).
+        self.skip: dict[int, list[Node]] = {}
         self.once_ids: frozenset[int] = frozenset()
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
@@ -162,6 +167,7 @@ class _SplitState:
         self.ran = {}
         self.once = {}
         self.asked_once = {}
+        self.skip = {}
         self.direct = {}
         self.plan = InputPassPlan()
         self.keep = []
@@ -358,7 +364,17 @@ def _stage_backward_input(
         if handed:
             state.once[c] = handed
         if again:
-            state.asked_once[c] = again
+            # Each group of them runs in an engine call of its own, where nothing else runs.
+            state.asked_once[c] = [
+                (group, _skipped_below(plan, group, set(group), input_nodes))
+                for group in _sharing_leaves(plan, again)
+            ]
+        # Below the intermediates run again through the engine: nothing but the call's roots
+        # (W calls the asked ones itself).
+        runs = [*call.clamp, *call.asked]
+        skip = _skipped_below(plan, runs, {*call.clamp, *call.intermediates}, input_nodes)
+        if skip:
+            state.skip[c] = skip
         call.once = []
     state.ran = {}
     plan.once = []
@@ -378,6 +394,39 @@ def _stage_backward_input(
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()
     return tuple(dinputs), [{_STATE_KEY: state}]
+
+
+def _skipped_below(
+    plan: InputPassPlan, runs: list[Node], own: set[Node], input_nodes: set[Node]
+) -> list[Node]:
+    """The Function nodes (plain, customgrad's, compiled regions') that an engine call of W
+    reaches with no gradient, below the nodes ``runs`` it runs again for their weight-side
+    edges, and that must compute nothing there: every node I ran below their input edges but
+    ``own`` (the call's roots, which run as planned).
+
+    W runs some nodes of I again through the engine, for their weight-side edges: Functions
+    whose backward asks the engine what the pass needs, and intermediates whose input edges
+    lead to the call's weights (a weight they share with a layer before them). The engine then
+    also runs every node between them and those weights, with no gradient (what they send
+    along their input edges is dropped): a native node computes nothing, but a Function's
+    backward would run whole, on zeros (Python backwards get missing gradients as zeros), and
+    a customgrad node its weight half. Those nodes ran in I already, and what they returned for
+    the weights was handed over, or runs in its own place.
+    """
+    if not runs:
+        return []
+    starts = [
+        fn
+        for node in runs
+        for (fn, _), w in zip(node.next_functions, plan.weight_side_edges(node))
+        if not w and fn is not None
+    ]
+    executed = plan.executed
+    return [
+        n
+        for n in reach(starts, input_nodes)
+        if n in executed and n not in own and forward_cls(n) is not None
+    ]
 
 
 def _keep_weight_gradients(
@@ -509,10 +558,10 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
-    again = state.asked_once.pop(index, [])
-    for group in _sharing_leaves(state.plan, again):
-        _run_again(state, group)
-    del again
+    for group, skip_again in state.asked_once.pop(index, []):
+        with skipping(skip_again):
+            _run_again(state, group)
+    skip = state.skip.pop(index, [])
     clamp = call.clamp
     if call.asked:
         asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
@@ -521,6 +570,7 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
                 state.captured[node] = grads
             call = dataclasses.replace(call, intermediates=[*call.asked, *call.intermediates])
             clamp = [*call.asked, *clamp]
+            skip = [n for n in skip if n not in clamp]
         del asked
     for node in call.intermediates:
         grads = state.captured.pop(node, ())
@@ -570,6 +620,7 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
                     if region is not None:
                         side = plan.weight_side_edges(n)
                         regions.enter_context(region.dropping_input_side(n, side))
+            regions.enter_context(skipping(skip))
             send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:
@@ -597,7 +648,10 @@ def _run_again(state: _SplitState, nodes: list[Node]) -> None:
     (it asks the engine what the pass needs, as a compiled region's does) again, from the
     output gradients that reached them in I, in an engine call of their own that accumulates
     only the leaves below their weight-side edges: they then compute those edges' gradients
-    only (W drops what they send along their other edges, which I sent already)."""
+    (W drops what they send along their other edges, which I sent already), and their input
+    gradient too only where their input edges lead to those leaves as well (a layer below
+    them uses the same weight: the engine cannot want one of two edges that lead to one leaf).
+    The Functions the call reaches below them compute nothing (the caller skips them)."""
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
     starts: list[Node] = []
@@ -671,7 +725,9 @@ def _ask_weight_sides(
     with what a node returns (a leaf's accumulator takes it as it is: the hand-over does).
     """
     wanted: dict[tuple[Node, int], torch.Size | None] = {}
-    for node, side, _ in asked:
+    for node, side, grads in asked:
+        if not is_native(node) and any(g is None for g in grads):
+            return False  # the engine would hand a Function's backward zeros there
         for (fn, nr), weight in zip(node.next_functions, side):
             if weight and fn is not None:
                 if is_leaf_accumulator(fn):
@@ -688,7 +744,13 @@ def _ask_weight_sides(
         for node, side, grads in asked:
             if not any(g is not None for g in grads):
                 continue
-            outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+            # A customgrad node computes what its W route says; a native one what the running
+            # engine call wants.
+            if is_native(node):
+                outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+            else:
+                apply = cast(Callable[..., Sequence[Any]], getattr(node, "apply"))  # noqa: B009
+                outputs = _edge_outputs(node, apply(*grads))
             for (fn, nr), weight in zip(node.next_functions, side):
                 g = outputs.pop(0)
                 if weight and fn is not None and g is not None:
@@ -710,6 +772,15 @@ def _ask_weight_sides(
         allow_unused=True,
     )
     return True
+
+
+def _edge_outputs(node: Node, outputs: Sequence[Any]) -> list[Any]:
+    """What a customgrad node's backward returned, one per edge (``next_functions``): its
+    backward returns one gradient per argument of its Function, the non-Tensor ones included
+    (the kernel and the call first, then the flattened arguments)."""
+    record = record_of(node)
+    assert record is not None
+    return [outputs[2 + i] for i, meta in enumerate(record.metas) if meta is not None]
 
 
 class _HandOver(torch.autograd.Function):

@@ -481,3 +481,52 @@ def test_input_pass_frees_what_only_the_output_side_saved(split: Any) -> None:
     gc.collect()
     assert saved_by_sin() is None
     split.stage_backward_weight(lin.parameters(), groups)
+
+
+class CountingLinear(torch.autograd.Function):
+    """``x @ w.mT`` as a plain Function that counts its backward calls."""
+
+    calls = 0
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w)
+        return x @ w.mT
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        CountingLinear.calls += 1
+        x, w = ctx.saved_tensors
+        return grad @ w, grad.mT @ x
+
+
+def _counting(x: Tensor, w: Tensor) -> Tensor:
+    out: Tensor = CountingLinear.apply(x, w)  # type: ignore[no-untyped-call]
+    return out
+
+
+@pytest.mark.parametrize("once", [True, False], ids=["run-once", "torch-way"])
+def test_functions_between_asking_layers_run_once_in_i(
+    monkeypatch: pytest.MonkeyPatch, once: bool
+) -> None:
+    # The found stack's plain Functions: each backward runs once, in I; W reaches them (the
+    # asking layers above share a weight with one below) and calls none of them. With
+    # run_functions_once=False each runs again in W, as torch's split would, still right.
+    monkeypatch.setitem(LINEARS, "fn", _counting)
+    model = Layers(FOUND)
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, WIDTH, dtype=DT, requires_grad=True)
+    xr = x.detach().requires_grad_()
+    out = model(x)
+    g = torch.randn_like(out)
+    ref(xr).backward(g)
+    CountingLinear.calls = 0
+    _, groups = cg_split.stage_backward_input(
+        [out], [g], [x], model.parameters(), run_functions_once=once
+    )
+    assert CountingLinear.calls == 2
+    cg_split.stage_backward_weight(model.parameters(), groups)
+    assert CountingLinear.calls == (2 if once else 4)
+    torch.testing.assert_close(x.grad, xr.grad)
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, r.grad)

@@ -136,7 +136,7 @@ class _SplitState:
 
     __slots__ = (
         "asked_once", "captured", "deferred", "direct", "done", "keep", "once", "once_ids", "plan",
-        "ran", "skip",
+        "ran", "skip", "watch",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -157,6 +157,8 @@ class _SplitState:
         self.done = False
         # On torch 2.11 and 2.12, what keeps the graph alive until W (see keep_graphs).
         self.keep: list[Any] = []
+        # What runs while W calls a node itself (explain_split counts its FLOPs to the node).
+        self.watch: Callable[[Node], contextlib.AbstractContextManager[Any]] | None = None
 
     def defer(self, record: NodeRecord, work: Any) -> None:
         self.deferred[record] = work
@@ -469,6 +471,19 @@ def ran_once(param_groups: object) -> set[int]:
     return set()
 
 
+def watch_direct_calls(
+    param_groups: object, watch: Callable[[Node], contextlib.AbstractContextManager[Any]]
+) -> None:
+    """Have W run ``watch(node)`` around each call it makes of a node itself (outside the
+    engine: no hook of the node fires), on :func:`stage_backward_input`'s ``param_groups``,
+    before W runs (nothing for anything else). For tools that watch W."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            state.watch = watch
+
+
 def deferred_nodes(param_groups: object) -> set[Node]:
     """The customgrad nodes whose weight half :func:`stage_backward_input` handed to W, read
     off its ``param_groups`` before W runs (empty for anything else, such as torch's)."""
@@ -565,7 +580,7 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
     clamp = call.clamp
     if call.asked:
         asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
-        if not _ask_weight_sides(asked, roots, values):  # the engine runs them, clamped
+        if not _ask_weight_sides(asked, roots, values, state.watch):  # else the engine, clamped
             for node, _, grads in asked:
                 state.captured[node] = grads
             call = dataclasses.replace(call, intermediates=[*call.asked, *call.intermediates])
@@ -705,8 +720,9 @@ def _ask_weight_sides(
     asked: list[tuple[Node, tuple[bool, ...], tuple[torch.Tensor | None, ...]]],
     roots: list[GradientEdge],
     values: list[torch.Tensor],
+    watch: Callable[[Node], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> bool:
-    """Call each native node of ``asked`` (node, which of its edges lead to the weight side,
+    """Call each node of ``asked`` (node, which of its edges lead to the weight side,
     the gradients that reached it in I) for its weight-side outputs only; append each to
     ``roots``/``values`` with its edge. False (nothing done) where torch does not say what
     shape a node on those edges takes (``_input_metadata``, read as torch's own
@@ -746,11 +762,12 @@ def _ask_weight_sides(
                 continue
             # A customgrad node computes what its W route says; a native one what the running
             # engine call wants.
-            if is_native(node):
-                outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
-            else:
-                apply = cast(Callable[..., Sequence[Any]], getattr(node, "apply"))  # noqa: B009
-                outputs = _edge_outputs(node, apply(*grads))
+            with contextlib.nullcontext() if watch is None else watch(node):
+                if is_native(node):
+                    outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+                else:
+                    apply = cast(Callable[..., Sequence[Any]], getattr(node, "apply"))  # noqa: B009
+                    outputs = _edge_outputs(node, apply(*grads))
             for (fn, nr), weight in zip(node.next_functions, side):
                 g = outputs.pop(0)
                 if weight and fn is not None and g is not None:

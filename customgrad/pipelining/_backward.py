@@ -23,8 +23,13 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   (:class:`customgrad._split_plan.WeightCall`): a native layer's input gradient is not computed
   again, as under torch's split, and also not where the layer shares its weight with a layer
   before it (one ``nn.Linear`` applied twice), where torch's W computes it again: W calls such a
-  layer itself, inside an engine call that wants only its weight-side edges. (A plain
-  Function's backward computes all it computes, under both.)
+  layer itself, inside an engine call that wants only its weight-side edges (a customgrad op
+  there too, with a route for its weight side). (A plain Function's backward computes all it
+  computes, under both.)
+- Where an engine call of W still reaches nodes I ran (below a Function whose backward asks the
+  engine what the pass needs, run again for its weights; below a compiled region or a plain
+  Function with ``run_functions_once=False``), the Functions among them compute nothing there
+  (:func:`customgrad._torch.functions.skipping`): their work was done, or handed over, in I.
 - Work whose weight sides meet (a shared weight) goes through the engine in one call, so
   ``.grad`` accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as
   in a full backward: one accumulation per weight, each hook once. (torch's own weight pass

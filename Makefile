@@ -11,6 +11,13 @@ TRITON_PIN ?= triton==3.9.0
 # Real libraries' autograd.Functions for tests/test_real_functions*.py (their kernels in
 # Triton's interpreter); --no-deps: they need only torch and triton here.
 LIGER_PIN ?= liger-kernel==0.8.5
+# A real Hugging Face Llama for tests/test_hf_llama.py, and every package it needs, pinned
+# exactly (with torch on the same line: pip never resolves torch); about a minute.
+TRANSFORMERS_PINS ?= transformers==5.24.0 huggingface_hub==2.4.0 regex==2026.11.19 \
+	safetensors==0.8.0 tokenizers==0.23.3 tqdm==4.70.1 typer==0.29.2 annotated-doc==0.0.7 \
+	hf-xet==1.8.0 httpx2==2.16.2 httpcore2==2.16.2 pydantic==2.14.4 pydantic_core==2.50.5 \
+	rich==15.0.0 shellingham==1.5.4 annotated-types==0.8.0 anyio==4.16.0 markdown-it-py==4.3.0 \
+	truststore==0.10.5 typing-inspection==0.4.5 h11==0.16.0 mdurl==0.1.2
 
 .PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean pictures
 
@@ -20,6 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TRITON_PIN)" "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TRANSFORMERS_PINS) "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)

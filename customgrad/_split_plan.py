@@ -141,10 +141,11 @@ class WeightCall:
 
     Attributes:
         intermediates: nodes the engine runs again from the gradients that reached them in I.
-        asked: native intermediates whose input edges lead to this call's leaves (a weight
-            shared with a layer before them, where torch's weight pass computes their input
-            gradient again): W calls each itself, from the gradients that reached it in I,
-            where only its weight-side edges are wanted (so it computes nothing else), and
+        asked: native and customgrad intermediates whose input edges lead to this call's
+            leaves (a weight shared with a layer before them, where torch's weight pass
+            computes their input gradient again): W calls each itself, from the gradients that
+            reached it in I, where only its weight-side edges are wanted (a native node computes
+            what the running engine call wants, a customgrad node what its route says), and
             sends what it returns on those edges into the call; the engine never runs them.
         deferred: records of the customgrad nodes whose handed-over weight halves go here.
         once: plain Function nodes that ran once in I: the weight-side gradients they returned
@@ -152,11 +153,12 @@ class WeightCall:
         direct: positions of the roots that lead only to weights.
         leaves: the leaf accumulators the call fills.
         clamp: intermediates the engine runs whose input edges do lead to this call's leaves
-            (plain ``autograd.Function``\\ s and customgrad nodes, which compute what they
-            compute whatever the engine wants); W drops what they send along those edges,
-            which I already sent. Other nodes in between run with no gradient (computing
-            nothing) and may run again in their own call, so every call but the last keeps the
-            graph.
+            (plain ``autograd.Function``\\ s run with ``run_once=False`` and compiled regions,
+            which compute what they compute whatever the engine wants); W drops what they send
+            along those edges, which I already sent. Other nodes in between run with no
+            gradient (natives compute nothing; W makes the Functions among them return nothing,
+            :func:`customgrad._torch.functions.skipping`) and may run again in their own call,
+            so every call but the last keeps the graph.
     """
 
     intermediates: list[Node] = field(default_factory=list)
@@ -512,7 +514,7 @@ def _weight_calls(
         call = calls[call_of[group[u]]]
         if not reaches[u] & masks[call_of[group[u]]][0]:
             call.intermediates.append(node)
-        elif is_native(node):
+        elif is_native(node) or node in records:
             call.asked.append(node)
         else:
             call.intermediates.append(node)

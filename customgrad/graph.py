@@ -26,8 +26,9 @@ formula) are named under the totals.
 from __future__ import annotations
 
 import collections
+import contextlib
 import html
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -490,6 +491,7 @@ def explain_split(
         handed_over = _deferred_nodes(param_groups)
         # The weight halves I deferred run outside any node in W: count them to their node.
         _count_deferred_to_nodes(param_groups, index, counters["weight"])
+        _count_direct_calls_to_nodes(param_groups, index, counters["weight"], ran["weight"])
         once_ids = _ran_once(param_groups)
         phase_of["phase"] = "weight"
         with counters["weight"]:
@@ -725,6 +727,31 @@ def _count_deferred_to_nodes(
         key = key_of.get(id(record))
         if key is not None:
             works[record] = _CountedWork(work, counter, key)
+
+
+def _count_direct_calls_to_nodes(
+    param_groups: Any, index: Mapping[Node, int], counter: FlopCounter, ran: set[int]
+) -> None:
+    """Make the nodes customgrad's W calls itself (for their weight side only, outside the
+    engine: their hooks do not fire) count as running in W, with their FLOPs."""
+    try:
+        from customgrad.pipelining._backward import watch_direct_calls
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return
+
+    @contextlib.contextmanager
+    def watch(node: Node) -> Iterator[None]:
+        key = index.get(node)
+        before = counter.key
+        if key is not None:
+            ran.add(key)
+            counter.key = key
+        try:
+            yield
+        finally:
+            counter.key = before
+
+    watch_direct_calls(param_groups, watch)
 
 
 def _deferred_nodes(param_groups: Any) -> set[Any]:

@@ -271,3 +271,22 @@ def test_report_names_ops_it_could_not_count() -> None:
         "Not counted (no FLOP formula; their FLOPs are missing above): "
         "test_explain::opaque_mm (3 calls)."
     ) in str(report)
+
+
+@pytest.mark.parametrize("layer", ["native", "customgrad"])
+def test_nodes_w_calls_itself_count_to_their_rows(layer: str) -> None:
+    # A layer sharing its weight with a layer before it: W calls it itself for its weight side
+    # (outside the engine, where no hook fires); it still shows I+W, its W FLOPs on its row.
+    from tests.test_split_parity import DT, MM, WIDTH, Layers
+
+    if layer == "native":
+        model = Layers([("native", 0), ("relu", 0), ("native", 0)])
+    else:  # a customgrad op whose "weight" argument is the activation (it cannot defer)
+        model = Layers([("pair", 0), ("relu", 0), ("swapped", 0)])
+    x = torch.randn(6, WIDTH, dtype=DT, requires_grad=True)
+    report = customgrad.explain_split(model(x), [x], dict(model.named_parameters()))
+    assert report.outside_flops == {"full": 0, "input": 0, "weight": 0}
+    top = next(n for n in report.nodes if n.flops["full"])
+    assert top.phases == frozenset({"input", "weight"})
+    assert (top.flops["input"], top.flops["weight"]) == (MM, MM)
+    assert report.repeated_flops == 0

@@ -12,6 +12,9 @@ class of a Function, and ``apply`` without its functorch wrapper.
   (``torch.autograd.function._is_setup_context_defined``);
 - :func:`custom_op_of`: the ``torch.library.custom_op`` whose backward a node runs (its Function
   is made in ``torch._library.autograd``, which holds the ``OpOverload`` in a closure);
+- :func:`skipping`: make Function backward nodes compute nothing while the engine runs them
+  (the engine calls a Function node's backward through the ``apply`` attribute it reads on the
+  node itself, ``PyNode::apply``, so an attribute set on one node holds for that node only);
 - :func:`handles_keep_nodes` and :func:`keep_graphs`: on torch 2.11 and 2.12 the Python handle
   of a Function's backward node (``tensor.grad_fn``, what ``next_functions`` returns) does not
   keep the node alive; what keeps a graph alive there until a weight pass reads it.
@@ -19,8 +22,9 @@ class of a Function, and ``apply`` without its functorch wrapper.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -35,6 +39,7 @@ __all__ = [
     "plain_apply",
     "set_backward_apply",
     "setup_context_defined",
+    "skipping",
 ]
 
 _CUSTOM_OP_MODULE = "torch._library.autograd"
@@ -50,6 +55,24 @@ def forward_cls(node: Any) -> type[Any] | None:
 def set_backward_apply(function: type[torch.autograd.Function], apply: Callable[..., Any]) -> None:
     """Make the backward nodes of ``function`` call ``apply(node, *grads)``."""
     function._backward_cls.apply = apply  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def skipping(nodes: Iterable[Any]) -> Iterator[None]:
+    """Inside the block, each Function backward node of ``nodes`` returns no gradient (None
+    along every edge) when the engine runs it, without calling its backward."""
+    done: list[Any] = []
+    try:
+        for node in nodes:
+            if forward_cls(node) is None or "apply" in vars(node):
+                continue  # a native node, or one whose ctx holds an ``apply`` of its own
+            nones = (None,) * len(node.needs_input_grad)  # one per argument of the forward
+            node.apply = lambda *grads, nones=nones: nones
+            done.append(node)
+        yield
+    finally:
+        for node in done:
+            del node.apply
 
 
 def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

@@ -23,8 +23,13 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   (:class:`customgrad._split_plan.WeightCall`): a native layer's input gradient is not computed
   again, as under torch's split, and also not where the layer shares its weight with a layer
   before it (one ``nn.Linear`` applied twice), where torch's W computes it again: W calls such a
-  layer itself, inside an engine call that wants only its weight-side edges. (A plain
-  Function's backward computes all it computes, under both.)
+  layer itself, inside an engine call that wants only its weight-side edges (a customgrad op
+  there too, with a route for its weight side). (A plain Function's backward computes all it
+  computes, under both.)
+- Where an engine call of W still reaches nodes I ran (below a Function whose backward asks the
+  engine what the pass needs, run again for its weights; below a compiled region or a plain
+  Function with ``run_functions_once=False``), the Functions among them compute nothing there
+  (:func:`customgrad._torch.functions.skipping`): their work was done, or handed over, in I.
 - Work whose weight sides meet (a shared weight) goes through the engine in one call, so
   ``.grad`` accumulation, tensor hooks and post-accumulate-grad hooks (DDP/FSDP-style) behave as
   in a full backward: one accumulation per weight, each hook once. (torch's own weight pass
@@ -51,18 +56,19 @@ from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._handoff import HandOff, record_pass
-from customgrad._record import NodeRecord
+from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Route, routing
 from customgrad._split_plan import (
     InputPassPlan,
     WeightCall,
     grad_node,
     is_leaf_accumulator,
+    is_native,
     plan_input_pass,
     reach,
 )
 from customgrad._torch.engine import input_shape
-from customgrad._torch.functions import forward_cls, keep_graphs
+from customgrad._torch.functions import forward_cls, keep_graphs, skipping
 from customgrad.pipelining._errors import SplitStateError
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -135,7 +141,7 @@ class _SplitState:
 
     __slots__ = (
         "asked_once", "captured", "deferred", "direct", "done", "keep", "once", "once_ids", "plan",
-        "ran",
+        "ran", "skip", "watch",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -145,13 +151,19 @@ class _SplitState:
         # missing), then, per W call, their hand-offs and the nodes W asks again.
         self.ran: dict[Node, HandOff[Any] | None] = {}
         self.once: dict[int, list[HandOff[Any]]] = {}
-        self.asked_once: dict[int, list[Node]] = {}
+        self.asked_once: dict[int, list[tuple[list[Node], list[Node]]]] = {}
+        # Per W call: the Function nodes I ran that its engine calls may reach with no gradient
+        # (below a node W runs again whose input edges lead to the call's weights): they
+        # compute nothing there (see _skipped_below).
+        self.skip: dict[int, list[Node]] = {}
         self.once_ids: frozenset[int] = frozenset()
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
         self.done = False
         # On torch 2.11 and 2.12, what keeps the graph alive until W (see keep_graphs).
         self.keep: list[Any] = []
+        # What runs while W calls a node itself (explain_split counts its FLOPs to the node).
+        self.watch: Callable[[Node], contextlib.AbstractContextManager[Any]] | None = None
 
     def defer(self, record: NodeRecord, work: Any) -> None:
         self.deferred[record] = work
@@ -162,6 +174,7 @@ class _SplitState:
         self.ran = {}
         self.once = {}
         self.asked_once = {}
+        self.skip = {}
         self.direct = {}
         self.plan = InputPassPlan()
         self.keep = []
@@ -358,7 +371,17 @@ def _stage_backward_input(
         if handed:
             state.once[c] = handed
         if again:
-            state.asked_once[c] = again
+            # Each group of them runs in an engine call of its own, where nothing else runs.
+            state.asked_once[c] = [
+                (group, _skipped_below(plan, group, set(group), input_nodes))
+                for group in _sharing_leaves(plan, again)
+            ]
+        # Below the intermediates run again through the engine: nothing but the call's roots
+        # (W calls the asked ones itself).
+        runs = [*call.clamp, *call.asked]
+        skip = _skipped_below(plan, runs, {*call.clamp, *call.intermediates}, input_nodes)
+        if skip:
+            state.skip[c] = skip
         call.once = []
     state.ran = {}
     plan.once = []
@@ -378,6 +401,39 @@ def _stage_backward_input(
         if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
             out.detach_()
     return tuple(dinputs), [{_STATE_KEY: state}]
+
+
+def _skipped_below(
+    plan: InputPassPlan, runs: list[Node], own: set[Node], input_nodes: set[Node]
+) -> list[Node]:
+    """The Function nodes (plain, customgrad's, compiled regions') that an engine call of W
+    reaches with no gradient, below the nodes ``runs`` it runs again for their weight-side
+    edges, and that must compute nothing there: every node I ran below their input edges but
+    ``own`` (the call's roots, which run as planned).
+
+    W runs some nodes of I again through the engine, for their weight-side edges: Functions
+    whose backward asks the engine what the pass needs, and intermediates whose input edges
+    lead to the call's weights (a weight they share with a layer before them). The engine then
+    also runs every node between them and those weights, with no gradient (what they send
+    along their input edges is dropped): a native node computes nothing, but a Function's
+    backward would run whole, on zeros (Python backwards get missing gradients as zeros), and
+    a customgrad node its weight half. Those nodes ran in I already, and what they returned for
+    the weights was handed over, or runs in its own place.
+    """
+    if not runs:
+        return []
+    starts = [
+        fn
+        for node in runs
+        for (fn, _), w in zip(node.next_functions, plan.weight_side_edges(node))
+        if not w and fn is not None
+    ]
+    executed = plan.executed
+    return [
+        n
+        for n in reach(starts, input_nodes)
+        if n in executed and n not in own and forward_cls(n) is not None
+    ]
 
 
 def _keep_weight_gradients(
@@ -418,6 +474,19 @@ def ran_once(param_groups: object) -> set[int]:
         if isinstance(state, _SplitState):
             return set(state.once_ids)
     return set()
+
+
+def watch_direct_calls(
+    param_groups: object, watch: Callable[[Node], contextlib.AbstractContextManager[Any]]
+) -> None:
+    """Have W run ``watch(node)`` around each call it makes of a node itself (outside the
+    engine: no hook of the node fires), on :func:`stage_backward_input`'s ``param_groups``,
+    before W runs (nothing for anything else). For tools that watch W."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            state.watch = watch
 
 
 def deferred_nodes(param_groups: object) -> set[Node]:
@@ -509,18 +578,19 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
     plan = state.plan
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
-    again = state.asked_once.pop(index, [])
-    for group in _sharing_leaves(state.plan, again):
-        _run_again(state, group)
-    del again
+    for group, skip_again in state.asked_once.pop(index, []):
+        with skipping(skip_again):
+            _run_again(state, group)
+    skip = state.skip.pop(index, [])
     clamp = call.clamp
     if call.asked:
         asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
-        if not _ask_weight_sides(asked, roots, values):  # the engine runs them, clamped
+        if not _ask_weight_sides(asked, roots, values, state.watch):  # else the engine, clamped
             for node, _, grads in asked:
                 state.captured[node] = grads
             call = dataclasses.replace(call, intermediates=[*call.asked, *call.intermediates])
             clamp = [*call.asked, *clamp]
+            skip = [n for n in skip if n not in clamp]
         del asked
     for node in call.intermediates:
         grads = state.captured.pop(node, ())
@@ -571,6 +641,7 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
                     if holder is not None:
                         route = Route(needed=plan.weight_side_edges(n))
                         regions.enter_context(routing({holder: route}))
+            regions.enter_context(skipping(skip))
             send_gradients(roots, values, inputs=leaves or None, retain_graph=retain_graph)
     finally:
         for h in handles:
@@ -598,7 +669,10 @@ def _run_again(state: _SplitState, nodes: list[Node]) -> None:
     (it asks the engine what the pass needs, as a compiled region's does) again, from the
     output gradients that reached them in I, in an engine call of their own that accumulates
     only the leaves below their weight-side edges: they then compute those edges' gradients
-    only (W drops what they send along their other edges, which I sent already)."""
+    (W drops what they send along their other edges, which I sent already), and their input
+    gradient too only where their input edges lead to those leaves as well (a layer below
+    them uses the same weight: the engine cannot want one of two edges that lead to one leaf).
+    The Functions the call reaches below them compute nothing (the caller skips them)."""
     roots: list[GradientEdge] = []
     values: list[torch.Tensor] = []
     starts: list[Node] = []
@@ -652,8 +726,9 @@ def _ask_weight_sides(
     asked: list[tuple[Node, tuple[bool, ...], tuple[torch.Tensor | None, ...]]],
     roots: list[GradientEdge],
     values: list[torch.Tensor],
+    watch: Callable[[Node], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> bool:
-    """Call each native node of ``asked`` (node, which of its edges lead to the weight side,
+    """Call each node of ``asked`` (node, which of its edges lead to the weight side,
     the gradients that reached it in I) for its weight-side outputs only; append each to
     ``roots``/``values`` with its edge. False (nothing done) where torch does not say what
     shape a node on those edges takes (``_input_metadata``, read as torch's own
@@ -672,7 +747,9 @@ def _ask_weight_sides(
     with what a node returns (a leaf's accumulator takes it as it is: the hand-over does).
     """
     wanted: dict[tuple[Node, int], torch.Size | None] = {}
-    for node, side, _ in asked:
+    for node, side, grads in asked:
+        if not is_native(node) and any(g is None for g in grads):
+            return False  # the engine would hand a Function's backward zeros there
         for (fn, nr), weight in zip(node.next_functions, side):
             if weight and fn is not None:
                 if is_leaf_accumulator(fn):
@@ -689,7 +766,14 @@ def _ask_weight_sides(
         for node, side, grads in asked:
             if not any(g is not None for g in grads):
                 continue
-            outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+            # A customgrad node computes what its W route says; a native one what the running
+            # engine call wants.
+            with contextlib.nullcontext() if watch is None else watch(node):
+                if is_native(node):
+                    outputs = list(cast(Callable[..., Sequence[Any]], node)(*grads))
+                else:
+                    apply = cast(Callable[..., Sequence[Any]], getattr(node, "apply"))  # noqa: B009
+                    outputs = _edge_outputs(node, apply(*grads))
             for (fn, nr), weight in zip(node.next_functions, side):
                 g = outputs.pop(0)
                 if weight and fn is not None and g is not None:
@@ -711,6 +795,15 @@ def _ask_weight_sides(
         allow_unused=True,
     )
     return True
+
+
+def _edge_outputs(node: Node, outputs: Sequence[Any]) -> list[Any]:
+    """What a customgrad node's backward returned, one per edge (``next_functions``): its
+    backward returns one gradient per argument of its Function, the non-Tensor ones included
+    (the kernel and the call first, then the flattened arguments)."""
+    record = record_of(node)
+    assert record is not None
+    return [outputs[2 + i] for i, meta in enumerate(record.metas) if meta is not None]
 
 
 class _HandOver(torch.autograd.Function):

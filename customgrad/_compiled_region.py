@@ -24,6 +24,15 @@ __all__ = ["LOCK", "CompiledRegion", "GraphInfo", "register", "regions"]
 
 log = logging.getLogger("customgrad")
 
+MSG_FALLBACK = (
+    "customgrad.compile: compiled region %s runs its full backward in each pass (no "
+    "input/weight split): %s"
+)
+MSG_REPEAT = (
+    "customgrad.compile: compiled region %s runs its full backward in a pass where it would "
+    "split: %s"
+)
+
 
 @dataclass
 class GraphInfo:
@@ -86,31 +95,18 @@ class CompiledRegion:
     def fall_back(self, reason: str) -> None:
         """Mark the region as running its full backward, logging why once."""
         with LOCK:
-            self.status = "fallback"
-            self.reason = reason
-            first = not self._logged
-            self._logged = True
+            self.status, self.reason = "fallback", reason
+            first, self._logged = not self._logged, True
         if first:
-            log.warning(
-                "customgrad.compile: compiled region %s runs its full backward in each pass "
-                "(no input/weight split): %s",
-                self.name,
-                reason,
-            )
+            log.warning(MSG_FALLBACK, self.name, reason)
 
     def note_repeat(self, reason: str) -> None:
         """Record (and log once) that a pass recomputes work of an earlier pass, and why."""
         with LOCK:
             self.repeated = reason
-            first = not self._logged_repeat
-            self._logged_repeat = True
+            first, self._logged_repeat = not self._logged_repeat, True
         if first:
-            log.warning(
-                "customgrad.compile: compiled region %s runs its full backward in a pass where "
-                "it would split: %s",
-                self.name,
-                reason,
-            )
+            log.warning(MSG_REPEAT, self.name, reason)
 
     def describe(self) -> str:
         """One line: what runs in I and in W and what is kept, or why it fell back."""

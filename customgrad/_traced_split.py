@@ -65,15 +65,13 @@ class _Run:
         )
 
     def result(self, outs: Sequence[Any]) -> Gradients:
-        return {
-            name: outs[k]
-            if type(k) is int
-            else (None if k is None else [None if i is None else outs[i] for i in k])
-            for name, k in self.at
-        }
-
-
-_NOT_SERVED: Any = object()
+        out: Gradients = {}
+        for name, k in self.at:
+            if type(k) is int:
+                out[name] = outs[k]
+            else:
+                out[name] = None if k is None else [None if i is None else outs[i] for i in k]
+        return out
 
 
 class TracedSplit:
@@ -141,22 +139,19 @@ class TracedSplit:
         leaves: Sequence[Any] = saved + grads if self._flat else flatten(saved, grads)[0]
         args = leaves if self._all_tensors else [leaves[i] for i in self._tensor_idx]
         kept: Kept | None = None
-        run = _NOT_SERVED
-        if handoff is not None:
-            run = self._weight_run(handoff.cut, needed)
-            if run is not _NOT_SERVED:
-                result = run.result(run.fn(*args, *handoff.values))
-        if run is _NOT_SERVED:
-            if keep:
-                run = self._input_run(needed)
-                outs = run.fn(*args)
-                result = run.result(outs)
-                if len(outs) > run.n_out:
-                    assert run.cut is not None
-                    kept = Kept(run.cut, tuple(outs[run.n_out :]))
-            else:
-                run = self._full_run(needed)
-                result = run.result(run.fn(*args))
+        run = None if handoff is None else self._weight_run(handoff.cut, needed)
+        if run is not None:
+            result = run.result(run.fn(*args, *handoff.values))  # type: ignore[union-attr]
+        elif keep:
+            run = self._input_run(needed)
+            outs = run.fn(*args)
+            result = run.result(outs)
+            if len(outs) > run.n_out:
+                assert run.cut is not None
+                kept = Kept(run.cut, tuple(outs[run.n_out :]))
+        else:
+            run = self._runs.get(("full", needed)) or self._full_run(needed)
+            result = run.result(run.fn(*args))
         if self._fakes:
             # The gradients no pass computes (of arguments that don't require grad), as the
             # capture's fake tensors: customgrad's validation sees every gradient the backward
@@ -166,15 +161,16 @@ class TracedSplit:
         return result, kept
 
     # -- the runs of the program's passes, per pattern -------------------------------------------
-    def _weight_run(self, cut: ProgramCut, needed: frozenset[str]) -> Any:
+    def _weight_run(self, cut: ProgramCut, needed: frozenset[str]) -> _Run | None:
+        """The run of ``cut``'s weight pass for ``needed``, or None where it does not serve."""
         if cut.program is not self.program:
-            return _NOT_SERVED  # kept by another capture's cut
+            return None  # kept by another capture's cut
         key = (cut.weight, needed)
         run = self._runs.get(key)
         if run is None:
             slots = self._slots(needed)
             if not slots <= cut.weight:
-                return _NOT_SERVED
+                return None
             run = self._remember(key, self.program.weight_pass(cut, slots), needed)
         return run
 

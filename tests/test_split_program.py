@@ -222,3 +222,30 @@ def test_a_compiled_region_takes_its_orders_through_a_route() -> None:
     torch.testing.assert_close(dx, want[0])
     for a, b in zip(got[1:], want[1:]):
         torch.testing.assert_close(a, b)
+
+
+def test_two_losses_through_one_compiled_node_each_find_their_own_values() -> None:
+    """torch's order I(loss 1), I(loss 2), W(loss 1), W(loss 2) through one compiled region's
+    node: the node keeps both passes' values (as a customgrad node does), each W reads its own
+    and computes nothing of its input pass again."""
+    torch.manual_seed(0)
+    block = Block()
+    cg.compile(block, backend="aot_eager")
+    params = list(block.parameters())
+    x = torch.randn(4, 5, dtype=DT, requires_grad=True)
+    g1, g2 = torch.randn(4, 5, dtype=DT), torch.randn(4, 5, dtype=DT)
+    out = block(x)
+    node = out.grad_fn
+    torch.autograd.grad(out, [x], g1, retain_graph=True)
+    torch.autograd.grad(out, [x], g2, retain_graph=True)
+    held = region_node(node)
+    assert held is not None and held.region.pending() >= 2
+    runs = dict(held.region.runs)
+    w1 = torch.autograd.grad(out, params, g1, retain_graph=True)
+    w2 = torch.autograd.grad(out, params, g2)
+    assert held.region.runs["weight"] == runs["weight"] + 2  # both read what their I kept
+    assert held.region.runs["input"] == runs["input"] and held.handoff is None
+    ref = block.fc2(torch.relu(block.fc1(x))) + x
+    for got, g in ((w1, g1), (w2, g2)):
+        for a, b in zip(got, torch.autograd.grad(ref, params, g, retain_graph=True)):
+            torch.testing.assert_close(a, b)

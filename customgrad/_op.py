@@ -21,7 +21,6 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
-from customgrad import _codegen
 from customgrad._autograd import AutogradImpl
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
@@ -38,7 +37,6 @@ from customgrad._rules import (
     SharedFn,
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
-from customgrad._switches import STATE as _SWITCHES
 from customgrad._torch import dispatcher
 from customgrad._torch.transforms import forward_ad_level as _forward_ad_level
 
@@ -59,8 +57,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDictionary()
 """The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
 its kernels) do, that is until it is replaced by a new definition of its name."""
-_DECLINED = _codegen.DECLINED
 _below_autograd = dispatcher.below_autograd
+_alias_check = dispatcher.alias_check
+_EMPTY: dict[str, Any] = {}
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -118,12 +117,12 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._var = opname
         self._kernels = Kernels(self._sig, opname, mutates)
+        self._one_output = not self._sig.kernel_output_is_tuple
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
         self.rules = AutogradRules()
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
-        self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
 
         old = _OPS.get(name)
         if old is not None:
@@ -142,7 +141,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
     def _retire(self, new: CustomOp[..., Any]) -> None:
         """Give the name to ``new``: remove this op's registrations; calling it raises."""
         self._library.destroy()
-        self._fast_call = None
         self._replaced_by = new
         self.__class__ = _ReplacedOp
 
@@ -156,6 +154,8 @@ class CustomOp(OpRegistration, Generic[P, R]):
                 out = self._sig.call(self._library.kernel_overload, args)
         else:
             out = self._kernels.run(kernel, args)
+            if type(out) is _Tensor and self._one_output and not _alias_check(args, _EMPTY, (out,)):
+                return out, ()  # checked_output's commonest case, inline
         return self._kernels.checked_output(args, out)
 
     def _missing_autograd_message(self) -> str:
@@ -163,11 +163,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        fast = self._fast_call
-        if fast is not None and not kwargs and _SWITCHES.fastpath:
-            out = fast(args)
-            if out is not _DECLINED:
-                return out  # type: ignore[no-any-return]
         grad = _grad_enabled()
         sig = self._sig
         if kwargs or len(args) != sig.nargs or sig.kwonly_names:
@@ -263,10 +258,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
                     f"{name}.detach() or a buffer that does not require grad. "
                     f"(op defined at {where(self._fn)})"
                 )
-
-    def _refresh_fast(self) -> None:
-        """Rebuild the fast path for the current registrations and kernels."""
-        self._fast_call = _codegen.write_call(self._impl, self._kernels)
 
     # -- identity --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> CustomOp[P, R]:

@@ -4,7 +4,7 @@ Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the one backward of
 every customgrad node (``customgrad._autograd._node_apply``), which asks the engine
-(``needed_edge``), picks the pass plan and runs the plan's runner (``customgrad/_codegen.py``
+(``_edge_query``), picks the pass plan and runs the plan's runner (``customgrad/_codegen.py``
 writes it). This script swaps
 one function the core calls (or that writes a runner's lines) for a variant without the check,
 one check at a time, rewrites the runners, and times forward + ``out.backward(g)`` of each
@@ -17,7 +17,7 @@ minimum over rounds):
 - ``no gradient validation``: the runner's ``check_source`` lines take the needed gradients
   from the returned dict (``r[name]``) without checking its keys or each gradient's type,
   shape, dtype and device;
-- ``no engine query``: the node's ``needed_edge`` answers "needed" for every edge autograd
+- ``no engine query``: the node's ``_edge_query`` answers "needed" for every edge autograd
   marks as requiring grad, and ``captured_by_caller`` reads no frame, so every
   required gradient is computed, as a plain ``autograd.Function`` does (the query is what makes
   the split backward possible: without it, I and W both compute everything).
@@ -96,7 +96,7 @@ def _variants() -> dict[str, Callable[[], Any]]:
             return [f"{into}[{n!r}] = r[{n!r}]" for n in names]
         return [f"{out} = {{{', '.join(f'{n!r}: r[{n!r}]' for n in names)}}}"]
 
-    def every_edge(fn: Any, captured: Any) -> bool:
+    def every_edge(fn: Any) -> bool:
         return True
 
     def no_frame(depth: int) -> frozenset[int]:
@@ -110,7 +110,7 @@ def _variants() -> dict[str, Callable[[], Any]]:
         ),
         "no gradient validation": lambda: _swapped(module, where, check_source=unchecked),
         "no engine query": lambda: _swapped(
-            vars(node), "customgrad._autograd", needed_edge=every_edge, captured_by_caller=no_frame
+            vars(node), "customgrad._autograd", _edge_query=every_edge, captured_by_caller=no_frame
         ),
     }
 

@@ -20,7 +20,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._calls import CallCounts
-from customgrad._codegen import Runners
+from customgrad._codegen import Runner, Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError
 from customgrad._forward_ad import jvp
 from customgrad._kernels import Kernel
@@ -45,6 +45,7 @@ from customgrad._rules import AutogradRules, OpSpec
 from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
+from customgrad._torch.dispatcher import alias_check
 from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
     captured_by_caller,
@@ -61,6 +62,7 @@ from customgrad._torch.transforms import (
 from customgrad._user_calls import _guard_residuals, _residual_slots
 from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
 from customgrad._user_calls import _requiring_grad as _requiring_grad
+from customgrad._validate import TensorMeta
 
 __all__ = [
     "AutogradImpl",
@@ -81,6 +83,9 @@ _functorch_active = functorch_active
 _unwrap_if_dead = unwrap_if_dead
 _graph_task_id = graph_task_id
 _fwd_level = forward_ad_level
+_alias_check = alias_check
+_EMPTY: dict[str, Any] = {}
+_new_record = object.__new__
 
 BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
 """Called as ``observer(label, phase, ctx, result)`` after each registered backward function
@@ -129,20 +134,6 @@ class CaptureMemo:
         return captured
 
 
-def needed_edge(fn: Node | None, captured: frozenset[int]) -> bool:
-    """Whether the running pass uses the gradient sent along an edge to ``fn``.
-
-    ``captured``: the leaves the running ``autograd.grad`` captures
-    (:meth:`CaptureMemo.captured_now`, read once per node backward).
-    """
-    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
-        return True  # a leaf that autograd.grad captures: needed, without asking the engine
-    try:
-        return _edge_query(fn)
-    except Exception:  # a captured leaf the caller's frame did not name: needed
-        return True
-
-
 def engine_needs(fn: Node | None) -> bool:
     """Whether the running graph task will use the gradient sent along an edge to ``fn``.
 
@@ -174,6 +165,9 @@ class AutogradImpl:
         self._ready_for: AutogradRules | None = None
         self.runners = Runners(spec, self, self.slots)
         """The runners of this op's plans (:class:`customgrad._codegen.Runners`)."""
+        self._flat_rules: AutogradRules | None = None
+        self._flat_runners: dict[tuple[int, int], Runner] = {}
+        """``runners.table(rules, None)`` for ``_flat_rules`` (the backward reads it first)."""
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -256,9 +250,21 @@ class AutogradImpl:
         """The node's forward (``Function.forward``; ``impl`` is ``self``)."""
         spec = self.spec
         sig = spec.signature
-        lens = call.lens
-        args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        outputs, residuals = spec._run_kernel(args, call.kernel)
+        kernel = call.kernel
+        args: Sequence[Any]
+        if kernel is not None and sig.simple:
+            # the node's inputs are the arguments, its output the kernel's: Kernels.run, then
+            # Kernels.checked_output only for what is not a fresh Tensor
+            kernels = spec._kernels
+            args = flat
+            outputs = kernels.run(kernel, flat)
+            residuals: tuple[Any, ...] = ()
+            if type(outputs) is not _Tensor or _alias_check(flat, _EMPTY, (outputs,)):
+                outputs, residuals = kernels.checked_output(flat, outputs)
+        else:
+            lens = call.lens
+            args = flat if lens is None else _unflatten_args(sig, lens, flat)
+            outputs, residuals = spec._run_kernel(args, kernel)
         save = spec.rules.save
         inputs = tuple.__new__(sig.inputs_type, args)
         if save is None:
@@ -290,12 +296,14 @@ class AutogradImpl:
         sig = self.spec.signature
         call: _Call = inputs[1]
         flat = inputs[2:]
-        record = NodeRecord(
-            self,
-            [(a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat],
-            call.lens,
-            current_tag(),
-        )
+        metas: list[TensorMeta] = []
+        for a in flat:  # a loop, not a comprehension: no frame of its own
+            metas.append((a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None)
+        record = _new_record(NodeRecord)  # NodeRecord's attributes, set without a call
+        record.impl = self
+        record.metas = metas
+        record.lens = call.lens
+        record.tag = current_tag()
         if not sig.plain_output:
             record.out_lens = call.out_lens
             _mark_outputs(ctx, sig, call.out_lens, output)
@@ -456,7 +464,15 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
                         next_fns = node.next_functions
                         # frames above: _node_apply
                         captured = self.captures.captured_now(1)
-                    need = needed_edge(next_fns[edge][0], captured)
+                    fn = next_fns[edge][0]
+                    # needed_edge, inline (a Python call per edge costs as much as its test)
+                    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
+                        need = True
+                    else:
+                        try:
+                            need = _edge_query(fn)
+                        except Exception:  # a captured leaf the caller's frame did not name
+                            need = True
                 if need:
                     needed_mask |= bit
                     if needed_items is not None:
@@ -490,9 +506,15 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
         found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
         result = {n: g for n, g in found.items() if n in plan.needed}
     else:
-        run = self.runners.table(self.spec.rules, lens).get(plan.key)
+        rules = self.spec.rules
+        run = None
+        if lens is None and rules is self._flat_rules:
+            run = self._flat_runners.get(plan.key)
         if run is None:
             run = self.runners.runner(plan, lens)
+            if lens is None:  # the op's runners without list arguments, read at once next time
+                self._flat_rules = rules
+                self._flat_runners = self.runners.table(rules, None)
         result = run(record, saved, out_grads, keep)
     if deferred and target is not None:
         target.defer(record, _deferred(self, node, record, plan, deferred, saved, out_grads))

@@ -58,11 +58,10 @@ _OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDi
 """The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
 its kernels) do, that is until it is replaced by a new definition of its name."""
 _below_autograd = dispatcher.below_autograd
-_alias_check = dispatcher.alias_check
-_EMPTY: dict[str, Any] = {}
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 _TENSOR = ArgKind.TENSOR
@@ -117,7 +116,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._var = opname
         self._kernels = Kernels(self._sig, opname, mutates)
-        self._one_output = not self._sig.kernel_output_is_tuple
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
         self.rules = AutogradRules()
@@ -154,8 +152,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
                 out = self._sig.call(self._library.kernel_overload, args)
         else:
             out = self._kernels.run(kernel, args)
-            if type(out) is _Tensor and self._one_output and not _alias_check(args, _EMPTY, (out,)):
-                return out, ()  # checked_output's commonest case, inline
         return self._kernels.checked_output(args, out)
 
     def _missing_autograd_message(self) -> str:
@@ -163,7 +159,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        grad = _grad_enabled()
         sig = self._sig
         if kwargs or len(args) != sig.nargs or sig.kwonly_names:
             args = sig.bind(args, kwargs)  # type: ignore[assignment]
@@ -176,6 +171,30 @@ class CustomOp(OpRegistration, Generic[P, R]):
         requires = False
         plain = True
         first: Any = None
+        if sig.tensors_only:  # the same checks, for Tensor and Optional[Tensor] arguments
+            for a in args:
+                if type(a) is _Tensor or type(a) is _Parameter:
+                    if first is None:
+                        first = a
+                    if a.requires_grad:
+                        requires = True
+                elif isinstance(a, _Tensor):
+                    plain = False
+                    if first is None:
+                        first = a
+                    if a.requires_grad:
+                        requires = True
+                elif a is not None:
+                    sig.check_args(args)  # raises, naming the argument
+            for i in sig.required_tensors:
+                if args[i] is None:
+                    sig.check_args(args)  # None only where the argument is Optional
+            requires = requires and _grad_enabled()
+            kernel = self._kernels.route(first, plain)
+            if kernel is _DISPATCH:
+                return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
+            return self.run_call(args, kernel, requires)  # type: ignore[no-any-return]
+        grad = _grad_enabled()
         for a, kind in zip(args, sig.kinds):
             if isinstance(a, _Tensor):
                 if kind is _OTHER or kind is _LIST:

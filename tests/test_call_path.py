@@ -259,7 +259,7 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
 ) -> None:
     """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
     leaf, so the node reads the inputs from the caller instead and asks only about the rest
-    (``customgrad._autograd.needed_edge``)."""
+    (``customgrad._autograd._node_apply``'s edge loop)."""
     from customgrad import _autograd
 
     op = _define("TT", (1,), "pair", "none")

@@ -33,6 +33,7 @@ from customgrad._layout import (
 )
 from customgrad._pass import (
     BackwardContext,
+    BackwardObserver,
     PassPlan,
     Phase,
     keeps_for_later,
@@ -86,12 +87,6 @@ _fwd_level = forward_ad_level
 _alias_check = alias_check
 _EMPTY: dict[str, Any] = {}
 _new_record = object.__new__
-
-BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
-"""Called as ``observer(label, phase, ctx, result)`` after each registered backward function
-runs (``label``: ``"backward"``, ``"backward_input"``, ``"backward_weight"``,
-``"backward_shared"``, or ``"backward (traced input part)"`` and the like for an automatic
-split)."""
 
 
 _ACCUMULATE = ACCUMULATE_GRAD
@@ -366,8 +361,8 @@ class AutogradImpl:
         self,
         record: NodeRecord,
         plan: PassPlan,
-        saved: Any,
-        grads: tuple[Any, ...],
+        saved: object,
+        grads: tuple[object, ...],
         keep: bool,
     ) -> dict[str, Any]:
         """Run ``plan``'s runner: the registered backward for the gradients ``plan.needed``,
@@ -465,7 +460,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
                         # frames above: _node_apply
                         captured = self.captures.captured_now(1)
                     fn = next_fns[edge][0]
-                    # needed_edge, inline (a Python call per edge costs as much as its test)
+                    # is the edge needed? (inline: a Python call per edge costs as much as the test)
                     if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
                         need = True
                     else:
@@ -576,8 +571,8 @@ class DeferredWork:
         record: NodeRecord,
         plan: PassPlan,
         weights: frozenset[str],
-        saved: Any,
-        grads: tuple[Any, ...],
+        saved: object,
+        grads: tuple[object, ...],
     ) -> None:
         self._impl = impl
         self._node = node

@@ -30,6 +30,7 @@ from customgrad._errors import MissingRegistrationError
 from customgrad._handoff import hand_over, handed_over, release
 from customgrad._pass import (
     BackwardContext,
+    BackwardObserver,
     PassPlan,
     _Shared,
     auto_split,
@@ -67,7 +68,7 @@ __all__ = [
 _Tensor = torch.Tensor
 
 
-def run_source(source: str, filename: str, ns: dict[str, Any]) -> None:
+def run_source(source: str, filename: str, ns: dict[str, object]) -> None:
     """Run generated ``source`` in ``ns``; with ``CUSTOMGRAD_SHOW_CODE=1``, print it first."""
     if SWITCHES.show_code:
         print(f"# {filename}\n{source}", file=sys.stderr)
@@ -78,14 +79,14 @@ class Observed(Protocol):
     """What holds the observers a runner calls after each registered function runs (the op's
     ``AutogradImpl``; read on every call, so observers added later are called)."""
 
-    observers: tuple[Callable[..., None], ...]
+    observers: tuple[BackwardObserver, ...]
     calls: CallCounts
 
 
 SlotsOf = Callable[[tuple[int, ...]], dict[str, tuple[int, int | None]]]
 """List lengths -> each argument's first flat position and list length (``AutogradImpl.slots``)."""
 
-Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
+Runner = Callable[[NodeRecord, object, tuple[object, ...], bool], dict[str, Any]]
 """``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
 
 ``keep``: a later pass of this node will compute the rest, so keep what the halves share

@@ -234,7 +234,7 @@ def auto_split(
     grads: tuple[Any, ...],
     requires: frozenset[str],
 ) -> TracedSplit | None:
-    """The node's automatic-split plan (``auto``: the op's ``AutoSplitter``), or None to call
+    """The node's traced split (``auto``: the op's ``AutoSplitter``), or None to call
     the single backward as it is. ``requires``: the arguments of the node that require grad."""
     if _grad_enabled() and _graph_task_id() != -1:
         # A create_graph backward (double backward): call the backward as written, so its
@@ -266,7 +266,3 @@ def _layout_of(grads: tuple[Any, ...]) -> Any:
         else g
         for g in grads
     )
-
-
-# --------------------------------------------------------------------------------------------
-# The runner of a plan

@@ -46,7 +46,7 @@ class NodeRecord:
         tag: what the forward was tagged with (see :func:`customgrad._routing.tagging`).
         route: what a planned backward told this node (see :mod:`customgrad._routing`).
         handoff: what the earlier pass of a split computed for the later one, or None.
-        split: the node's automatic-split plan once its first backward chose one (False: the
+        split: the node's traced split once its first backward chose one (False: the
             backward is called as written), or None before.
         split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
             strides, dtypes: a backward with others chooses again).

@@ -512,7 +512,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
                 self._flat_runners = self.runners.table(rules, None)
         result = run(record, saved, out_grads, keep)
     if deferred and target is not None:
-        target.defer(record, _deferred(self, node, record, plan, deferred, saved, out_grads))
+        target.defer(record, DeferredWork(self, node, record, plan, deferred, saved, out_grads))
     if lens is None:
         index = self.spec.signature.index
         for name, g in result.items():
@@ -632,19 +632,6 @@ class DeferredWork:
         roots, values = self.gradients()
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
-
-
-def _deferred(
-    impl: AutogradImpl,
-    node: NodeCtx,
-    record: NodeRecord,
-    plan: PassPlan,
-    weights: frozenset[str],
-    saved: Any,
-    grads: tuple[Any, ...],
-) -> DeferredWork:
-    """The weight half for later: compute it, then send it along the weight edges."""
-    return DeferredWork(impl, node, record, plan, weights, saved, grads)
 
 
 def _mask(sig: Signature, names: frozenset[str]) -> int:

@@ -2,7 +2,7 @@
 
 :class:`CustomOp` is the object ``cg.op`` returns. Its call (:meth:`CustomOp.__call__`) checks
 the arguments once and asks :meth:`~customgrad._kernels.Kernels.route` (the one dispatch
-decision, which the generated fast path asks too) how to run: through the dispatcher when
+decision) how to run: through the dispatcher when
 something else would run (a kernel or autocast rule registered through ``torch.library``), else
 the op's kernel directly (or below autograd under a mode, transform or profiler), through its
 autograd node when gradients are needed; under ``torch.compile`` the dispatcher runs it. The op's other parts live beside it: its ``torch.library`` definition
@@ -190,36 +190,33 @@ class CustomOp(OpRegistration, Generic[P, R]):
                 if args[i] is None:
                     sig.check_args(args)  # None only where the argument is Optional
             requires = requires and _grad_enabled()
-            kernel = self._kernels.route(first, plain)
-            if kernel is _DISPATCH:
-                return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
-            return self.run_call(args, kernel, requires)  # type: ignore[no-any-return]
-        grad = _grad_enabled()
-        for a, kind in zip(args, sig.kinds):
-            if isinstance(a, _Tensor):
-                if kind is _OTHER or kind is _LIST:
-                    sig.check_args(args)  # raises, naming the argument
-                if grad and a.requires_grad:
-                    requires = True
-                if first is None:
-                    first = a
-                if type(a) not in _PLAIN_TYPES:
-                    plain = False
-            elif kind is _OTHER:
-                continue
-            elif kind is _LIST and isinstance(a, (list, tuple)):
-                for t in a:
-                    if isinstance(t, _Tensor):
-                        if grad and t.requires_grad:
-                            requires = True
-                        if first is None:
-                            first = t
-                        if type(t) not in _PLAIN_TYPES:
-                            plain = False
-                    elif t is not None:
-                        sig.check_args(args)
-            elif not (kind is _OPTIONAL and a is None):
-                sig.check_args(args)
+        else:
+            grad = _grad_enabled()
+            for a, kind in zip(args, sig.kinds):
+                if isinstance(a, _Tensor):
+                    if kind is _OTHER or kind is _LIST:
+                        sig.check_args(args)  # raises, naming the argument
+                    if grad and a.requires_grad:
+                        requires = True
+                    if first is None:
+                        first = a
+                    if type(a) not in _PLAIN_TYPES:
+                        plain = False
+                elif kind is _OTHER:
+                    continue
+                elif kind is _LIST and isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, _Tensor):
+                            if grad and t.requires_grad:
+                                requires = True
+                            if first is None:
+                                first = t
+                            if type(t) not in _PLAIN_TYPES:
+                                plain = False
+                        elif t is not None:
+                            sig.check_args(args)
+                elif not (kind is _OPTIONAL and a is None):
+                    sig.check_args(args)
         kernel = self._kernels.route(first, plain)
         if kernel is _DISPATCH:
             # A kernel or autocast rule registered through torch.library would run: let the

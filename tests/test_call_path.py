@@ -432,3 +432,30 @@ def test_calls_that_record_nothing_run_the_kernel_with_its_write_check() -> None
         pytest.raises(cg.MutationError, match=re.escape("wrote into argument 'x' in place")),
     ):
         writes(torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("args", "arg", "want", "got"),
+    [
+        ((None, "w"), "x", "a Tensor", "None"),
+        ((1.5, "w"), "x", "a Tensor", "a float"),
+        (("x", "w", 3), "bias", "a Tensor or None", "a int"),
+    ],
+    ids=["None for a Tensor", "float for a Tensor", "int for an Optional"],
+)
+def test_an_argument_of_the_wrong_kind_is_refused_naming_it(
+    args: tuple[Any, ...], arg: str, want: str, got: str
+) -> None:
+    """The call's one loop over Tensor and Optional arguments refuses what the schema does not
+    take, with the signature's message (``Signature.check_args``)."""
+
+    @cg.op(f"test_call_path::kinds{next(_names)}", weights=("w", "bias"))
+    def lin(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x @ w.mT
+
+    values = {"x": torch.randn(2, 3, requires_grad=True), "w": torch.randn(4, 3)}
+    call = [values[a] if isinstance(a, str) else a for a in args]
+    with pytest.raises(
+        cg.ArgumentTypeError, match=re.escape(f"argument {arg!r} must be {want}, but got {got}")
+    ):
+        lin(*call)

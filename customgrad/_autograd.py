@@ -220,6 +220,7 @@ class AutogradImpl:
         flat: Sequence[Any] = args
         if sig.has_lists:
             call.lens, flat = _flatten_args(sig, args)
+            call.args = args
         if kernel is not None:
             # Kernels.route sent the call straight to a kernel: plain tensors, no functorch
             # transform active (nothing for Function.apply's functorch handling to do).
@@ -258,7 +259,12 @@ class AutogradImpl:
                 outputs, residuals = kernels.checked_output(flat, outputs)
         else:
             lens = call.lens
-            args = flat if lens is None else _unflatten_args(sig, lens, flat)
+            if lens is None:
+                args = flat
+            elif kernel is not None:  # the node's inputs are the call's tensors: its arguments
+                args = call.args
+            else:  # under a transform each level's forward sees its own tensors
+                args = _unflatten_args(sig, lens, flat)
             outputs, residuals = spec._run_kernel(args, kernel)
         save = spec.rules.save
         inputs = tuple.__new__(sig.inputs_type, args)
@@ -397,6 +403,8 @@ class _Call:
     class holds the defaults (no ``__init__``: a call sets only what differs)."""
 
     kernel: Kernel | None = None
+    args: tuple[Any, ...] = ()
+    """The op's arguments (set for an op with list arguments, whose node inputs are flat)."""
     lens: tuple[int, ...] | None = None
     out_lens: list[int | None] | None = None
     saved: Any = None
@@ -439,7 +447,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     flags = None if route is None else route.needed
     metas = record.metas
     lens = record.lens
-    arg_of = self._flat_arg_of if lens is None else self.arg_of(lens)
+    arg_of = self._flat_arg_of if lens is None else self._arg_of.get(lens) or self.arg_of(lens)
     req = node.needs_input_grad  # (impl, call, *flat)
     next_fns = None
     captured: frozenset[int] = _NOTHING
@@ -518,7 +526,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
         for name, g in result.items():
             out[index[name] + 2] = g
         return tuple(out)
-    slots = self.slots(lens)
+    slots = self._slots.get(lens) or self.slots(lens)
     for name, g in result.items():
         start, n = slots[name]
         if n is None:

@@ -2,9 +2,10 @@
 
 Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks`` (``--quick`` for a short run).
 
-The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the backward that
-``customgrad/_codegen.py`` (``write_call``) writes for its signature, which calls the general path's engine
-query (``needed_edge``), plan and the plan's runner (``customgrad/_codegen.py``). This script swaps
+The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the one backward of
+every customgrad node (``customgrad._autograd._node_apply``), which asks the engine
+(``_edge_query``), picks the pass plan and runs the plan's runner (``customgrad/_codegen.py``
+writes it). This script swaps
 one function the core calls (or that writes a runner's lines) for a variant without the check,
 one check at a time, rewrites the runners, and times forward + ``out.backward(g)`` of each
 variant against a plain ``torch.autograd.Function``, all in the same rounds (CPU time, 1 thread,
@@ -16,8 +17,8 @@ minimum over rounds):
 - ``no gradient validation``: the runner's ``check_source`` lines take the needed gradients
   from the returned dict (``r[name]``) without checking its keys or each gradient's type,
   shape, dtype and device;
-- ``no engine query``: the generated backward's ``_needed`` (``needed_edge``) answers "needed"
-  for every edge autograd marks as requiring grad, and ``_captured_now`` reads no frame, so every
+- ``no engine query``: the node's ``_edge_query`` answers "needed" for every edge autograd
+  marks as requiring grad, and ``captured_by_caller`` reads no frame, so every
   required gradient is computed, as a plain ``autograd.Function`` does (the query is what makes
   the split backward possible: without it, I and W both compute everything).
 
@@ -37,6 +38,7 @@ from typing import Any
 import torch
 
 import customgrad as cg
+import customgrad._autograd as node
 import customgrad._codegen as runners
 from benchmarks import overhead  # the op and the anchor, defined once
 from customgrad._codegen import call_lines
@@ -66,10 +68,10 @@ def _swapped(scope: MutableMapping[str, Any], where: str, **new: Any) -> Iterato
 
 def _forget_runners() -> None:
     for op in registered_ops():
-        op._impl.runners.forget()  # the same tables the fast path reads
+        op._impl.runners.forget()
 
 
-def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]:
+def _variants() -> dict[str, Callable[[], Any]]:
     """Variant name -> a context manager factory that takes one check out."""
     module = vars(runners)
 
@@ -94,10 +96,10 @@ def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]
             return [f"{into}[{n!r}] = r[{n!r}]" for n in names]
         return [f"{out} = {{{', '.join(f'{n!r}: r[{n!r}]' for n in names)}}}"]
 
-    def every_edge(fn: Any, captured: Any) -> bool:
+    def every_edge(fn: Any) -> bool:
         return True
 
-    def no_frame(above: int = 1) -> frozenset[int]:
+    def no_frame(depth: int) -> frozenset[int]:
         return frozenset()
 
     where = "customgrad._codegen"
@@ -108,12 +110,12 @@ def _variants(fast_ns: MutableMapping[str, Any]) -> dict[str, Callable[[], Any]]
         ),
         "no gradient validation": lambda: _swapped(module, where, check_source=unchecked),
         "no engine query": lambda: _swapped(
-            fast_ns, "the generated backward", _needed=every_edge, _captured_now=no_frame
+            vars(node), "customgrad._autograd", _edge_query=every_edge, captured_by_caller=no_frame
         ),
     }
 
 
-# --- proof that each variant takes its check out (on the fast path) ---------------------------
+# --- proof that each variant takes its check out ----------------------------------------------
 
 
 def _probe_ops() -> tuple[cg.CustomOp[..., torch.Tensor], cg.CustomOp[..., torch.Tensor]]:
@@ -148,7 +150,7 @@ def _raises(fn: Callable[[], Any]) -> bool:
 
 def _verify(variants: dict[str, Callable[[], Any]]) -> None:
     """Stop unless each variant changes exactly the behaviour its check is for, through the
-    generated backward of the timed op (engine query) or of ops like it (the other two)."""
+    backward of the timed op (engine query) or of ops like it (the other two)."""
     inplace, badshape = _probe_ops()
     x = torch.randn(3, requires_grad=True)
 
@@ -171,9 +173,6 @@ def _verify(variants: dict[str, Callable[[], Any]]) -> None:
     def observe(label: str, *_: Any) -> None:
         halves.append(label)
 
-    for probe in (inplace, badshape, op):
-        if probe._fast_call is None:
-            raise _fail(f"{probe.name} has no fast path")
     expected = {
         "all checks": (True, True, ["backward_input"]),
         "no in-place watch": (False, True, ["backward_input"]),
@@ -198,13 +197,8 @@ def main() -> None:
     number, repeat = (200, 3) if args.quick else (1500, 12)
 
     grad, _, impls = overhead._cases()["linear"]
-    op = overhead.CG["linear", "pair"]
     function, customgrad = impls["autograd.Function"], impls["customgrad pair"]
-    customgrad().backward(grad)  # builds the fast path
-    call = op._fast_call
-    if call is None:
-        raise _fail("the op did not take the fast path")
-    variants = _variants(call.__globals__)
+    variants = _variants()
     _verify(variants)
 
     def timed(fn: Callable[[], torch.Tensor]) -> float:

@@ -20,9 +20,9 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._calls import CallCounts
-from customgrad._codegen import Runners
+from customgrad._codegen import Runner, Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError
-from customgrad._forward_ad import forward_ad_active, jvp
+from customgrad._forward_ad import jvp
 from customgrad._kernels import Kernel
 from customgrad._layout import (
     _flatten_args,
@@ -33,6 +33,7 @@ from customgrad._layout import (
 )
 from customgrad._pass import (
     BackwardContext,
+    BackwardObserver,
     PassPlan,
     Phase,
     keeps_for_later,
@@ -42,9 +43,10 @@ from customgrad._record import NodeRecord
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, OpSpec
-from customgrad._saving import _SAVED_TENSORS, SaveError, _restore, _save
+from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
+from customgrad._torch.dispatcher import alias_check
 from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
     captured_by_caller,
@@ -52,10 +54,16 @@ from customgrad._torch.engine import (
     graph_task_id,
 )
 from customgrad._torch.functions import plain_apply, set_backward_apply
-from customgrad._torch.transforms import functorch_active, unwrap_if_dead
+from customgrad._torch.transforms import (
+    forward_ad_level,
+    functorch_active,
+    jvp_transform_active,
+    unwrap_if_dead,
+)
 from customgrad._user_calls import _guard_residuals, _residual_slots
 from customgrad._user_calls import _raises_if_differentiated as _raises_if_differentiated
 from customgrad._user_calls import _requiring_grad as _requiring_grad
+from customgrad._validate import TensorMeta
 
 __all__ = [
     "AutogradImpl",
@@ -75,12 +83,10 @@ _Tensor = torch.Tensor
 _functorch_active = functorch_active
 _unwrap_if_dead = unwrap_if_dead
 _graph_task_id = graph_task_id
-
-BackwardObserver = Callable[[str, "Phase", "BackwardContext", Any], None]
-"""Called as ``observer(label, phase, ctx, result)`` after each registered backward function
-runs (``label``: ``"backward"``, ``"backward_input"``, ``"backward_weight"``,
-``"backward_shared"``, or ``"backward (traced input part)"`` and the like for an automatic
-split)."""
+_fwd_level = forward_ad_level
+_alias_check = alias_check
+_EMPTY: dict[str, Any] = {}
+_new_record = object.__new__
 
 
 _ACCUMULATE = ACCUMULATE_GRAD
@@ -123,20 +129,6 @@ class CaptureMemo:
         return captured
 
 
-def needed_edge(fn: Node | None, captured: frozenset[int]) -> bool:
-    """Whether the running pass uses the gradient sent along an edge to ``fn``.
-
-    ``captured``: the leaves the running ``autograd.grad`` captures
-    (:meth:`CaptureMemo.captured_now`, read once per node backward).
-    """
-    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
-        return True  # a leaf that autograd.grad captures: needed, without asking the engine
-    try:
-        return _edge_query(fn)
-    except Exception:  # a captured leaf the caller's frame did not name: needed
-        return True
-
-
 def engine_needs(fn: Node | None) -> bool:
     """Whether the running graph task will use the gradient sent along an edge to ``fn``.
 
@@ -168,6 +160,9 @@ class AutogradImpl:
         self._ready_for: AutogradRules | None = None
         self.runners = Runners(spec, self, self.slots)
         """The runners of this op's plans (:class:`customgrad._codegen.Runners`)."""
+        self._flat_rules: AutogradRules | None = None
+        self._flat_runners: dict[tuple[int, int], Runner] = {}
+        """``runners.table(rules, None)`` for ``_flat_rules`` (the backward reads it first)."""
         self._has_inputs = bool(sig.input_names)
         self._has_weights = bool(sig.weights)
         self.observers: tuple[BackwardObserver, ...] = ()
@@ -220,11 +215,17 @@ class AutogradImpl:
         if backward and spec.rules is not self._ready_for and not self.ready():
             raise MissingRegistrationError(spec._missing_autograd_message())
         sig = spec.signature
-        call = _Call(kernel)
+        call = _Call()
+        call.kernel = kernel
         flat: Sequence[Any] = args
         if sig.has_lists:
             call.lens, flat = _flatten_args(sig, args)
-        if _unwrap_if_dead is None or _functorch_active():
+            call.args = args
+        if kernel is not None:
+            # Kernels.route sent the call straight to a kernel: plain tensors, no functorch
+            # transform active (nothing for Function.apply's functorch handling to do).
+            out = self._c_apply(self, call, *flat)
+        elif _unwrap_if_dead is None or _functorch_active():
             out = self._function_apply(self, call, *flat)
         else:
             # What Function.apply does without a functorch transform (unwrap dead wrappers,
@@ -245,9 +246,26 @@ class AutogradImpl:
         """The node's forward (``Function.forward``; ``impl`` is ``self``)."""
         spec = self.spec
         sig = spec.signature
-        lens = call.lens
-        args = flat if lens is None else _unflatten_args(sig, lens, flat)
-        outputs, residuals = spec._run_kernel(args, call.kernel)
+        kernel = call.kernel
+        args: Sequence[Any]
+        if kernel is not None and sig.simple:
+            # the node's inputs are the arguments, its output the kernel's: Kernels.run, then
+            # Kernels.checked_output only for what is not a fresh Tensor
+            kernels = spec._kernels
+            args = flat
+            outputs = kernels.run(kernel, flat)
+            residuals: tuple[Any, ...] = ()
+            if type(outputs) is not _Tensor or _alias_check(flat, _EMPTY, (outputs,)):
+                outputs, residuals = kernels.checked_output(flat, outputs)
+        else:
+            lens = call.lens
+            if lens is None:
+                args = flat
+            elif kernel is not None:  # the node's inputs are the call's tensors: its arguments
+                args = call.args
+            else:  # under a transform each level's forward sees its own tensors
+                args = _unflatten_args(sig, lens, flat)
+            outputs, residuals = spec._run_kernel(args, kernel)
         save = spec.rules.save
         inputs = tuple.__new__(sig.inputs_type, args)
         if save is None:
@@ -279,21 +297,28 @@ class AutogradImpl:
         sig = self.spec.signature
         call: _Call = inputs[1]
         flat = inputs[2:]
-        record = NodeRecord(
-            self,
-            [(a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None for a in flat],
-            call.lens,
-            current_tag(),
-        )
+        metas: list[TensorMeta] = []
+        for a in flat:  # a loop, not a comprehension: no frame of its own
+            metas.append((a.shape, a.dtype, a.device) if isinstance(a, _Tensor) else None)
+        record = _new_record(NodeRecord)  # NodeRecord's attributes, set without a call
+        record.impl = self
+        record.metas = metas
+        record.lens = call.lens
+        record.tag = current_tag()
         if not sig.plain_output:
             record.out_lens = call.out_lens
             _mark_outputs(ctx, sig, call.out_lens, output)
         # Under functorch transforms setup_context runs once per transform level, on the
         # same call: ``call.saved`` stays (the call dies with ``apply``).
-        _save(ctx, record, self.spec, call.saved)
+        saved = call.saved
+        if type(saved) is tuple and _TENSOR_OR_NONE.issuperset(map(type, saved)):
+            ctx.save_for_backward(*saved)  # _save's commonest case, inline
+            record.kept = _SAVED_TENSORS
+        else:
+            _save(ctx, record, self.spec, saved)
         if call.residuals:
             record.residual_slots = _residual_slots(call.saved, call.residuals, sig.residual_names)
-        if forward_ad_active():
+        if _fwd_level() >= 0 or (_functorch_active() and jvp_transform_active()):
             args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
             outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
             record.forward_ad = (tuple.__new__(sig.inputs_type, args), outputs)
@@ -342,8 +367,8 @@ class AutogradImpl:
         self,
         record: NodeRecord,
         plan: PassPlan,
-        saved: Any,
-        grads: tuple[Any, ...],
+        saved: object,
+        grads: tuple[object, ...],
         keep: bool,
     ) -> dict[str, Any]:
         """Run ``plan``'s runner: the registered backward for the gradients ``plan.needed``,
@@ -357,85 +382,6 @@ class AutogradImpl:
         if run is None:
             run = self.runners.runner(plan, lens)
         return run(record, saved, grads, keep)
-
-    def backward(self, node: NodeCtx, grads: tuple[Any, ...]) -> tuple[Any, ...]:
-        """The node's backward: compute what the pass needs, hand over what the route defers."""
-        record: NodeRecord = node._cg
-        route = None if record.route is None else route_for(record)
-        flags = None if route is None else route.needed
-        metas = record.metas
-        lens = record.lens
-        arg_of = self._flat_arg_of if lens is None else self.arg_of(lens)
-        req = node.needs_input_grad  # (impl, call, *flat)
-        next_fns = None
-        captured: frozenset[int] = _NOTHING
-        requires_mask = 0
-        needed_mask = 0
-        needed_items: set[int] | None = None if lens is None else set()
-        edge = 0
-        j = 2
-        for m in metas:
-            if m is not None:
-                if req[j]:
-                    bit = 1 << arg_of[j - 2]
-                    requires_mask |= bit
-                    need = None if flags is None else flags[edge]
-                    if need is None:
-                        if next_fns is None:
-                            next_fns = node.next_functions
-                            # frames above: AutogradImpl.backward, _node_apply
-                            captured = self.captures.captured_now(2)
-                        need = needed_edge(next_fns[edge][0], captured)
-                    if need:
-                        needed_mask |= bit
-                        if needed_items is not None:
-                            needed_items.add(j - 2)
-                edge += 1
-            j += 1
-        if route is None and needed_mask != requires_mask:  # a split not customgrad's
-            refuse_torch_split(self.spec.name)
-        plan = self._plans.get((requires_mask, needed_mask))
-        if plan is None:
-            plan = self.plan(requires_mask, needed_mask)
-        target = None if route is None else route.defer
-        deferred = plan.later_weight if target is not None else frozenset()
-        out: list[Any] = [None] * (len(metas) + 2)
-        if not plan.needed and not deferred:
-            return tuple(out)
-
-        saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)
-        if record.residual_slots is not None and torch.is_grad_enabled():  # create_graph=True
-            saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
-        out_lens = record.out_lens
-        out_grads = grads if out_lens is None else _regroup(out_lens, grads)
-        keep = keeps_for_later(plan, target)
-        if not plan.needed:
-            result: dict[str, Any] = {}
-        elif not SWITCHES.split:
-            # Split off: the whole backward, like a plain Function; the pass takes what it needs.
-            if plan.needed != plan.requires:
-                self.calls.add("split off", plan.phase)
-            found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
-            result = {n: g for n, g in found.items() if n in plan.needed}
-        else:
-            result = self.compute(record, plan, saved, out_grads, keep)
-        if deferred and target is not None:
-            target.defer(record, _deferred(self, node, record, plan, deferred, saved, out_grads))
-        if lens is None:
-            index = self.spec.signature.index
-            for name, g in result.items():
-                out[index[name] + 2] = g
-            return tuple(out)
-        slots = self.slots(lens)
-        for name, g in result.items():
-            start, n = slots[name]
-            if n is None:
-                out[start + 2] = g
-            elif g is not None:  # a list: only the items this pass needs
-                for i, gi in enumerate(g):
-                    if start + i in needed_items:  # type: ignore[operator]
-                        out[start + i + 2] = gi
-        return tuple(out)
 
 
 # --------------------------------------------------------------------------------------------
@@ -453,16 +399,16 @@ class NodeCtx(Protocol):
 
 
 class _Call:
-    """What one op call passes through ``Function.apply`` (the node's second input)."""
+    """What one op call passes through ``Function.apply`` (the node's second input). The
+    class holds the defaults (no ``__init__``: a call sets only what differs)."""
 
-    __slots__ = ("kernel", "lens", "out_lens", "residuals", "saved")
-
-    def __init__(self, kernel: Kernel | None) -> None:
-        self.kernel = kernel
-        self.lens: tuple[int, ...] | None = None
-        self.out_lens: list[int | None] | None = None
-        self.saved: Any = None
-        self.residuals: tuple[Any, ...] = ()
+    kernel: Kernel | None = None
+    args: tuple[Any, ...] = ()
+    """The op's arguments (set for an op with list arguments, whose node inputs are flat)."""
+    lens: tuple[int, ...] | None = None
+    out_lens: list[int | None] | None = None
+    saved: Any = None
+    residuals: tuple[Any, ...] = ()
 
 
 class _CustomGradNode(torch.autograd.Function):
@@ -472,8 +418,7 @@ class _CustomGradNode(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        impl: AutogradImpl = ctx._cg.impl
-        return impl.backward(ctx, grads)
+        return _node_apply(ctx, *grads)
 
     @staticmethod
     def jvp(ctx: Any, *tangents: Any) -> Any:
@@ -489,15 +434,108 @@ class _CustomGradNode(torch.autograd.Function):
         )
 
 
-def _node_apply(node: Any, *grads: Any) -> Any:
-    """What the engine calls to run a customgrad node (``BackwardCFunction.apply``, inlined)."""
-    impl: AutogradImpl = node._cg.impl
-    return impl.backward(node, grads)
+def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
+    """The node's backward: compute what the pass needs, hand over what the route defers.
 
+    The engine calls it as the node's ``apply`` (``BackwardCFunction.apply``, whose torch
+    version calls ``backward`` through two more Python frames): every backward of every
+    customgrad node runs here, planned by a route or not, split on or off.
+    """
+    record: NodeRecord = node._cg
+    self = record.impl
+    route = None if record.route is None else route_for(record)
+    flags = None if route is None else route.needed
+    metas = record.metas
+    lens = record.lens
+    arg_of = self._flat_arg_of if lens is None else self._arg_of.get(lens) or self.arg_of(lens)
+    req = node.needs_input_grad  # (impl, call, *flat)
+    next_fns = None
+    captured: frozenset[int] = _NOTHING
+    requires_mask = 0
+    needed_mask = 0
+    needed_items: set[int] | None = None if lens is None else set()
+    edge = 0
+    j = 2
+    for m in metas:
+        if m is not None:
+            if req[j]:
+                bit = 1 << arg_of[j - 2]
+                requires_mask |= bit
+                need = None if flags is None else flags[edge]
+                if need is None:
+                    if next_fns is None:
+                        next_fns = node.next_functions
+                        # frames above: _node_apply
+                        captured = self.captures.captured_now(1)
+                    fn = next_fns[edge][0]
+                    # is the edge needed? (inline: a Python call per edge costs as much as the test)
+                    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
+                        need = True
+                    else:
+                        try:
+                            need = _edge_query(fn)
+                        except Exception:  # a captured leaf the caller's frame did not name
+                            need = True
+                if need:
+                    needed_mask |= bit
+                    if needed_items is not None:
+                        needed_items.add(j - 2)
+            edge += 1
+        j += 1
+    if route is None and needed_mask != requires_mask:  # a split not customgrad's
+        refuse_torch_split(self.spec.name)
+    plan = self._plans.get((requires_mask, needed_mask))
+    if plan is None:
+        plan = self.plan(requires_mask, needed_mask)
+    target = None if route is None else route.defer
+    deferred = plan.later_weight if target is not None else frozenset()
+    out: list[Any] = [None] * (len(metas) + 2)
+    if not plan.needed and not deferred:
+        return tuple(out)
 
-# The engine runs a node by calling its ``apply``; torch's calls ``backward`` through two more
-# Python frames. Each op's Function subclass gets its own node class from torch's metaclass;
-# AutogradImpl points that class's ``apply`` here.
+    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)
+    if record.residual_slots is not None and torch.is_grad_enabled():  # create_graph=True
+        saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
+    out_lens = record.out_lens
+    out_grads = grads if out_lens is None else _regroup(out_lens, grads)
+    # only a pass that leaves gradients for later may keep what it computed
+    keep = bool(plan.later_weight or plan.later_input) and keeps_for_later(plan, target)
+    if not plan.needed:
+        result: dict[str, Any] = {}
+    elif not SWITCHES.split:
+        # Split off: the whole backward, like a plain Function; the pass takes what it needs.
+        if plan.needed != plan.requires:
+            self.calls.add("split off", plan.phase)
+        found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
+        result = {n: g for n, g in found.items() if n in plan.needed}
+    else:
+        rules = self.spec.rules
+        run = None
+        if lens is None and rules is self._flat_rules:
+            run = self._flat_runners.get(plan.key)
+        if run is None:
+            run = self.runners.runner(plan, lens)
+            if lens is None:  # the op's runners without list arguments, read at once next time
+                self._flat_rules = rules
+                self._flat_runners = self.runners.table(rules, None)
+        result = run(record, saved, out_grads, keep)
+    if deferred and target is not None:
+        target.defer(record, DeferredWork(self, node, record, plan, deferred, saved, out_grads))
+    if lens is None:
+        index = self.spec.signature.index
+        for name, g in result.items():
+            out[index[name] + 2] = g
+        return tuple(out)
+    slots = self._slots.get(lens) or self.slots(lens)
+    for name, g in result.items():
+        start, n = slots[name]
+        if n is None:
+            out[start + 2] = g
+        elif g is not None:  # a list: only the items this pass needs
+            for i, gi in enumerate(g):
+                if start + i in needed_items:  # type: ignore[operator]
+                    out[start + i + 2] = gi
+    return tuple(out)
 
 
 def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
@@ -541,8 +579,8 @@ class DeferredWork:
         record: NodeRecord,
         plan: PassPlan,
         weights: frozenset[str],
-        saved: Any,
-        grads: tuple[Any, ...],
+        saved: object,
+        grads: tuple[object, ...],
     ) -> None:
         self._impl = impl
         self._node = node
@@ -602,19 +640,6 @@ class DeferredWork:
         roots, values = self.gradients()
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
-
-
-def _deferred(
-    impl: AutogradImpl,
-    node: NodeCtx,
-    record: NodeRecord,
-    plan: PassPlan,
-    weights: frozenset[str],
-    saved: Any,
-    grads: tuple[Any, ...],
-) -> DeferredWork:
-    """The weight half for later: compute it, then send it along the weight edges."""
-    return DeferredWork(impl, node, record, plan, weights, saved, grads)
 
 
 def _mask(sig: Signature, names: frozenset[str]) -> int:

@@ -1,7 +1,7 @@
 """The code customgrad writes (the one module that writes code), and the one door it runs through.
 
-Two things are written, both from the op's pass plans and run through :func:`run_source`, which
-prints them first under ``CUSTOMGRAD_FASTPATH=show``:
+Two things are written, each once per op and run through :func:`run_source`, which prints them
+first under ``CUSTOMGRAD_SHOW_CODE=1``:
 
 - a pass plan's runner (:func:`write_runner`), written once per (registrations, plan, layout of
   list lengths) with every decision taken: which registered functions it calls, the
@@ -9,41 +9,36 @@ prints them first under ``CUSTOMGRAD_FASTPATH=show``:
   the validation of what they return (:func:`check_source`, whose complete, interpreted twin is
   :func:`customgrad._validate.collect_grads`: a property test runs both on the same results),
   the run-once rule and the hand-off;
-- the op's call and autograd node for one signature (:func:`write_call`: the fast path), the
-  argument handling of ``CustomOp.__call__`` and ``AutogradImpl`` unrolled. The generated code stays where ``benchmarks/overhead.py`` shows it
-buys at least 10% per call (fast path on against off: docs/concepts/performance.md).
+- the op's kernel call with the check of its writes (:func:`write_kernel_run`).
+
+Everything else of a call (the call's checks, the node's forward, ``setup_context`` and the edge
+loop of its backward) is plain Python in :mod:`customgrad._op` and :mod:`customgrad._autograd`
+that reads the op's signature and its plans: one implementation for every call.
 """
 
 from __future__ import annotations
 
 import functools
-import inspect
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from customgrad import _kernels
 from customgrad._calls import CallCounts, slot
 from customgrad._errors import MissingRegistrationError
 from customgrad._handoff import hand_over, handed_over, release
 from customgrad._pass import (
     BackwardContext,
+    BackwardObserver,
     PassPlan,
     _Shared,
     auto_split,
-    keeps_for_later,
 )
 from customgrad._record import NO_HANDOFF, NodeRecord
-from customgrad._releases import refuse_torch_split
-from customgrad._routing import current_tag
 from customgrad._rules import AutogradRules, OpSpec
-from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
-from customgrad._torch import dispatcher, functions
-from customgrad._torch.transforms import forward_ad_level
 from customgrad._triton import raise_if_raw_launch
 from customgrad._user_calls import (
     _NO_VERSION,
@@ -55,11 +50,9 @@ from customgrad._user_calls import (
 from customgrad._validate import _MISSING, HALF_NAMES, TensorMeta, collect_grads
 
 if TYPE_CHECKING:
-    from customgrad._autograd import AutogradImpl
     from customgrad._kernels import Kernels
 
 __all__ = [
-    "DECLINED",
     "MAX_LAYOUTS",
     "Runner",
     "Runners",
@@ -67,8 +60,6 @@ __all__ = [
     "check_source",
     "run_source",
     "watch_lines",
-    "eligible",
-    "write_call",
     "write_kernel_run",
     "write_check",
     "write_runner",
@@ -77,9 +68,9 @@ __all__ = [
 _Tensor = torch.Tensor
 
 
-def run_source(source: str, filename: str, ns: dict[str, Any]) -> None:
-    """Run generated ``source`` in ``ns``; with ``CUSTOMGRAD_FASTPATH=show``, print it first."""
-    if SWITCHES.show_fastpath:
+def run_source(source: str, filename: str, ns: dict[str, object]) -> None:
+    """Run generated ``source`` in ``ns``; with ``CUSTOMGRAD_SHOW_CODE=1``, print it first."""
+    if SWITCHES.show_code:
         print(f"# {filename}\n{source}", file=sys.stderr)
     exec(compile(source, filename, "exec"), ns)
 
@@ -88,14 +79,14 @@ class Observed(Protocol):
     """What holds the observers a runner calls after each registered function runs (the op's
     ``AutogradImpl``; read on every call, so observers added later are called)."""
 
-    observers: tuple[Callable[..., None], ...]
+    observers: tuple[BackwardObserver, ...]
     calls: CallCounts
 
 
 SlotsOf = Callable[[tuple[int, ...]], dict[str, tuple[int, int | None]]]
 """List lengths -> each argument's first flat position and list length (``AutogradImpl.slots``)."""
 
-Runner = Callable[[NodeRecord, Any, tuple[Any, ...], bool], dict[str, Any]]
+Runner = Callable[[NodeRecord, object, tuple[object, ...], bool], dict[str, Any]]
 """``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
 
 ``keep``: a later pass of this node will compute the rest, so keep what the halves share
@@ -521,490 +512,6 @@ def write_check(
     check: Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]
     check = ns["check"]
     return check
-
-
-# --------------------------------------------------------------------------------------------
-# The op's call and autograd node, written per signature (the fast path)
-#
-# Why: a customgrad op does more per call than a plain ``torch.autograd.Function`` (checks the
-# arguments, picks the kernel, keeps a record for the split backward, asks the engine which
-# gradients the pass needs, validates every gradient). Written generically, with loops over the
-# arguments and the registrations looked up on every call, that costs about 1.4x a Function on a
-# small op (``benchmarks/overhead.py``). :func:`write_call` writes, for one op, its call and the
-# node's forward, ``setup_context`` and backward with the argument loops unrolled and every
-# constant bound (as ``dataclasses`` and ``torch.fx`` do): the same decisions with a fraction of
-# the interpreter work.
-#
-# What it covers: ops without keyword-only arguments, mutated arguments, residuals, shared
-# backward work or lists of ``Optional[Tensor]``, with one differentiable Tensor output, whose
-# autograd is the input/weight pair or a single backward; ``list[Tensor]`` arguments get one
-# written call per layout of list lengths, written on first use (at most ``MAX_LAYOUTS``).
-# Calls must have plain tensors, no forward-AD level or ``torch.compile`` trace, and be ones
-# that :meth:`customgrad._kernels.Kernels.route` (the op's one dispatch decision,
-# which the general call asks too) sends straight to a kernel; one that records nothing (no grad
-# mode, nothing requiring grad) runs the kernel there and then. Any other call declines (returns
-# :data:`DECLINED`) and runs ``CustomOp.__call__``, which ends in ``CustomOp.run_call``.
-# Backwards that a split plans (a route on the record), changed registrations and a switched-off
-# split go to ``AutogradImpl.backward``. ``CUSTOMGRAD_FASTPATH=0`` turns the written call off (a
-# debugging switch); ``CUSTOMGRAD_FASTPATH=show`` prints each piece of code written (to stderr);
-# ``call.__customgrad_source__`` holds it too.
-#
-# What is written is argument handling only (unpacking, the per-argument checks of the call, the
-# edge loop and the placement of gradients, the version check around the kernel). Which edges a
-# pass needs (``needed_edge``), the pass plan (``AutogradImpl.plan``), the plan's runner above,
-# the saved-value layout (``_save`` / ``_restore``) and the observers are the general path's
-# own, called from here. ``tests/test_fastpath.py`` checks that both give the same gradients and
-# errors.
-
-DECLINED: Any = object()
-"""What a fast call returns when the general path must run the call."""
-
-_EMPTY: dict[str, Any] = {}
-_alias_check = dispatcher.alias_check
-
-
-def _trailing_defaults(pysig: inspect.Signature, nargs: int) -> tuple[Any, ...]:
-    """The defaults of the last positional parameters (all parameters are positional here)."""
-    params = list(pysig.parameters.values())
-    if len(params) != nargs or any(
-        p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params
-    ):
-        return ()
-    defaults: list[Any] = []
-    for p in reversed(params):
-        if p.default is p.empty:
-            break
-        defaults.append(p.default)
-    return tuple(reversed(defaults))
-
-
-def _kernel_picker(kinds: tuple[ArgKind, ...]) -> int | None:
-    """The argument whose (first) tensor picks the kernel, as in the general path: the first
-    Tensor or list argument, when that is not an Optional one."""
-    for i, kind in enumerate(kinds):
-        if kind is not ArgKind.OTHER:
-            return i if kind in (ArgKind.TENSOR, ArgKind.TENSOR_LIST) else None
-    return None
-
-
-def eligible(impl: AutogradImpl, rules: AutogradRules, mutates: bool) -> bool:
-    """Whether the fast path can serve this op with these registrations."""
-    sig = impl.spec.signature
-    if (
-        mutates
-        or sig.kwonly_names
-        or sig.residual_names
-        or not sig.plain_output
-        or _kernel_picker(sig.kinds) is None
-        or any(  # lists of Optional[Tensor]: items without edges
-            a.kind is ArgKind.TENSOR_LIST and "?" in a.type_str for a in sig.args
-        )
-    ):
-        return False
-    params = list(sig.pysig.parameters)
-    if params != list(sig.names):  # positional arguments must mean the schema's arguments
-        return False
-    if rules.backward_shared is not None or rules.nondifferentiable:
-        return False
-    return impl.ready()
-
-
-def write_call(impl: AutogradImpl, kernels: Kernels) -> Callable[[tuple[Any, ...]], Any] | None:
-    """The fast call of ``impl``'s op for its current registrations and kernels, or None.
-
-    Args:
-        impl: the op's autograd implementation (``impl.spec`` is the op).
-        kernels: the op's kernels: which one runs is :meth:`Kernels.route`'s decision, made on
-            each call (a call it does not send straight to a kernel declines); what a kernel
-            returns is checked by :meth:`Kernels.checked_output`.
-
-    Returns:
-        ``call(args) -> output or DECLINED``, for schema-ordered positional ``args``; None when
-        this op has no fast path (not :func:`eligible`, or a torch that keeps no
-        ``torch.library`` registrations, where every call goes through the dispatcher).
-    """
-    if _kernels.IMPLS is None or not eligible(impl, impl.spec.rules, kernels.mutates):
-        return None
-    sig = impl.spec.signature
-    lists = [i for i, k in enumerate(sig.kinds) if k is ArgKind.TENSOR_LIST]
-    defaults = _trailing_defaults(sig.pysig, sig.nargs)
-    n_min = sig.nargs - len(defaults)
-    if defaults:
-        count = (
-            f"    n = len(args)\n"
-            f"    if n != {sig.nargs}:\n"
-            f"        if n < {n_min} or n > {sig.nargs}:\n"
-            f"            return _DECLINED\n"
-            f"        args += _DEFAULTS[n - {n_min}:]\n"
-        )
-    else:
-        count = f"    if len(args) != {sig.nargs}:\n        return _DECLINED\n"
-    if not lists:
-        return _Writer(impl, kernels, (), count).write()
-
-    # List arguments: one fast path per list-length layout, written on first use.
-    layouts: dict[tuple[int, ...], Callable[[tuple[Any, ...]], Any]] = {}
-
-    def layout(lens: tuple[int, ...]) -> Callable[[tuple[Any, ...]], Any]:
-        if len(layouts) >= MAX_LAYOUTS:
-            return _decline
-        call = _Writer(impl, kernels, lens, "").write()
-        layouts[lens] = call
-        return call
-
-    lengths = ", ".join(
-        f"len(args[{i}]) if type(args[{i}]) is list or type(args[{i}]) is tuple else -1"
-        for i in lists
-    )
-    source = (
-        f"def call(args):\n"
-        f"{count}"
-        f"    lens = ({lengths},)\n"
-        f"    return (_LAYOUTS.get(lens) or _layout(lens))(args)\n"
-    )
-    ns: dict[str, Any] = {
-        "_grad_enabled": torch.is_grad_enabled,
-        "_DECLINED": DECLINED,
-        "_DEFAULTS": defaults,
-        "_LAYOUTS": layouts,
-        "_layout": layout,
-    }
-    run_source(source, f"<customgrad fast path of {impl.spec.name}>", ns)
-    dispatch: Callable[[tuple[Any, ...]], Any] = ns["call"]
-    dispatch.__customgrad_source__ = source  # type: ignore[attr-defined]
-    return dispatch
-
-
-def _runtime() -> dict[str, Any]:
-    """What every written call reads that is the same for every op (each gets its own copy)."""
-    from customgrad._autograd import needed_edge  # _autograd imports this module
-
-    return {**_RUNTIME, "_needed": needed_edge}
-
-
-_RUNTIME: dict[str, Any] = {
-    "_T": torch.Tensor,
-    "_P": torch.nn.Parameter,
-    "_DECLINED": DECLINED,
-    "_DISPATCH": _kernels.DISPATCH,
-    "_EMPTY": _EMPTY,
-    "_grad_enabled": torch.is_grad_enabled,
-    "_fwd_level": forward_ad_level,
-    "_compiling": torch.compiler.is_compiling,
-    "_alias": _alias_check,
-    "_Record": NodeRecord,
-    "_tag": current_tag,
-    "_keep": _save,
-    "_restore": _restore,
-    "_SAVED_TENSORS": _SAVED_TENSORS,
-    "_TENSOR_OR_NONE": _TENSOR_OR_NONE,
-    "_SWITCHES": SWITCHES,
-    "_keeps_for_later": keeps_for_later,
-}
-"""What every fast path reads that is the same for every op (each gets its own copy)."""
-
-
-def _decline(args: tuple[Any, ...]) -> Any:
-    return DECLINED
-
-
-class _Writer:
-    """Writes the fast path of one op for one layout of its list arguments' lengths.
-
-    Each Tensor argument is one *slot* (a flat input of the autograd node, named ``aI``); a
-    ``list[Tensor]`` argument of length ``n`` is ``n`` slots (``aI_0``...); other arguments are
-    passed through. The written code has one statement per slot where the general path loops.
-    """
-
-    def __init__(
-        self,
-        impl: AutogradImpl,
-        kernels: Kernels,
-        lens: tuple[int, ...],
-        count: str,
-    ) -> None:
-        self.impl = impl
-        self.kernels = kernels
-        self.lens = lens
-        self.count = count
-        sig = impl.spec.signature
-        self.sig = sig
-        self.rules = impl.spec.rules
-        it = iter(lens)
-        # per argument: its name and its slots (None for a non-tensor argument)
-        self.args: list[tuple[int, str, ArgKind, list[str] | None]] = []
-        self.slots: list[tuple[int, str, ArgKind]] = []  # (argument, slot name, argument kind)
-        for i, kind in enumerate(sig.kinds):
-            if kind is ArgKind.TENSOR_LIST:
-                names = [f"a{i}_{k}" for k in range(next(it))]
-            elif kind is ArgKind.OTHER:
-                names = None
-            else:
-                names = [f"a{i}"]
-            self.args.append((i, f"a{i}", kind, names))
-            for n in names or ():
-                self.slots.append((i, n, kind))
-
-    def _regrouped(self) -> str:
-        """The op's arguments, as a tuple expression of the slot names."""
-        parts = []
-        for _, name, kind, names in self.args:
-            parts.append(f"[{', '.join(names or ())}]" if kind is ArgKind.TENSOR_LIST else name)
-        return f"({', '.join(parts)},)"
-
-    def write(self) -> Callable[[tuple[Any, ...]], Any]:
-        sig = self.sig
-        arglist = ", ".join(name for _, name, _, _ in self.args)
-
-        # -- the call --------------------------------------------------------------------------
-        unpack: list[str] = []
-        checks: list[str] = []
-        requires: list[str] = []
-
-        def plain(n: str) -> str:
-            return f"(type({n}) is _T or type({n}) is _P)"
-
-        for _, name, kind, names in self.args:
-            if kind is ArgKind.TENSOR_LIST:
-                assert names is not None
-                n = len(names)
-                unpack.append(
-                    f"    if (type({name}) is not list and type({name}) is not tuple)"
-                    f" or len({name}) != {n}:\n        return _DECLINED\n"
-                )
-                if names:
-                    unpack.append(f"    {', '.join(names)}, = {name}\n")
-                checks += [f"not {plain(x)}" for x in names]
-                requires += [f"{x}.requires_grad" for x in names]
-            elif kind is ArgKind.TENSOR:
-                checks.append(f"not {plain(name)}")
-                requires.append(f"{name}.requires_grad")
-            elif kind is ArgKind.OPTIONAL_TENSOR:
-                checks.append(f"({name} is not None and not {plain(name)})")
-                requires.append(f"({name} is not None and {name}.requires_grad)")
-            else:
-                checks.append(f"isinstance({name}, _T)")
-        picker = _kernel_picker(sig.kinds)
-        first = next((n for i, n, _ in self.slots if i == picker), None)
-        if first is None:  # an empty list picks the kernel: the general path decides
-            return _decline
-        regrouped = self._regrouped()
-        alias = "type(out) is not _T or _alias(args, _EMPTY, (out,))"
-        node_inputs = self._node_inputs()
-        # The version counters of every tensor argument (none is in mutates_args here), read
-        # before and after the kernel: Kernels.run's check, unrolled.
-        tensors = [(n, kind) for _, n, kind, is_slot in self._flat() if is_slot]
-        read = "".join(
-            f"        v_{n} = None if {n} is None else {n}._version\n"
-            if kind is ArgKind.OPTIONAL_TENSOR
-            else f"        v_{n} = {n}._version\n"
-            for n, kind in tensors
-        )
-        moved = " or ".join(
-            f"({n} is not None and {n}._version != v_{n})"
-            if kind is ArgKind.OPTIONAL_TENSOR
-            else f"{n}._version != v_{n}"
-            for n, kind in tensors
-        )
-        before = ", ".join(f"v_{n}" for n, _ in tensors)
-        # The kernel's call with Kernels.run's check of its writes, unrolled: in the node's
-        # forward, and in the call itself when nothing is recorded.
-        kernel_lines = (
-            "    try:\n"
-            + read
-            + "    except RuntimeError:  # an inference tensor keeps no version\n"
-            "        out = _run_any(kernel, args)\n"
-            "    else:\n"
-            "        out = kernel(*args)\n"
-            f"        if {moved or 'False'}:\n"
-            f"            _raise_if_mutated(args, [{before}])\n"
-            f"    if {alias}:\n"
-            "        out = _checked_output(args, out)[0]\n"
-            "    return out\n"
-        )
-        call_src = (
-            f"def call(args):\n"
-            f"{self.count}"
-            f"    {arglist}, = args\n" + "".join(unpack) + f"    if {' or '.join(checks)}:\n"
-            f"        return _DECLINED\n"
-            f"    if _compiling() or _fwd_level() >= 0 or _SPEC.rules is not _RULES:\n"
-            f"        return _DECLINED\n"
-            f"    kernel = _route({first}, True)\n"
-            f"    if kernel is None or kernel is _DISPATCH:\n"
-            f"        return _DECLINED\n"
-            f"    if _grad_enabled() and ({' or '.join(requires) or 'False'}):\n"
-            f"        return _c_apply(_IMPL, kernel, {self._node_inputs()})\n"
-            f"    # nothing to record: CustomOp.run_call's last case\n" + kernel_lines
-        )
-
-        # -- Function.forward and setup_context ------------------------------------------------
-        forward_src = (
-            f"def forward(impl, kernel, {node_inputs}):\n"
-            f"    args = {regrouped}\n" + kernel_lines + "\n"
-            f"def setup_context(ctx, inputs, out):\n"
-            f"    impl, kernel, {node_inputs}, = inputs\n"
-            f"    record = _Record(_IMPL, [{self._all_metas()}], _LENS, _tag())\n"
-            f"    saved = _SAVE(_new(_Inputs, {regrouped}), out)\n"
-            f"    if type(saved) is tuple and _TENSOR_OR_NONE.issuperset(map(type, saved)):\n"
-            f"        ctx.save_for_backward(*saved)\n"
-            f"        record.kept = _SAVED_TENSORS\n"
-            f"    else:\n"
-            f"        _keep(ctx, record, _SPEC, saved)\n"
-            f"    ctx._cg = record\n"
-        )
-        source = call_src + "\n" + forward_src + "\n" + self._backward_source()
-        return self._compile(source)
-
-    def _node_inputs(self) -> str:
-        """The autograd node's inputs after ``(impl, kernel)``: every argument in order, list
-        items inline (the general path's flat layout, which ``needs_input_grad`` and the
-        record's ``metas`` follow)."""
-        return ", ".join(n for _, n, _, _ in self._flat())
-
-    def _flat(self) -> list[tuple[int, str, ArgKind, bool]]:
-        """Every node input in order: (argument, name, kind, is a tensor slot)."""
-        out: list[tuple[int, str, ArgKind, bool]] = []
-        for i, name, kind, names in self.args:
-            if names is None:
-                out.append((i, name, kind, False))
-            else:
-                out += [(i, n, kind, True) for n in names]
-        return out
-
-    def _all_metas(self) -> str:
-        parts = []
-        for _, n, kind, is_slot in self._flat():
-            if not is_slot:
-                parts.append("None")
-            elif kind is ArgKind.OPTIONAL_TENSOR:
-                parts.append(f"None if {n} is None else ({n}.shape, {n}.dtype, {n}.device)")
-            else:
-                parts.append(f"({n}.shape, {n}.dtype, {n}.device)")
-        return ", ".join(parts)
-
-    def _backward_source(self) -> str:
-        """The node's backward: the edge loop and the gradient placement unrolled for this
-        signature; what a pass computes, calls, validates and hands off is the general path's
-        (``needed_edge``, ``AutogradImpl.plan``, the plan's runner from :mod:`customgrad._codegen`)."""
-        sig = self.sig
-        flat = self._flat()
-        edges: list[str] = []
-        for p, (i, _, kind, is_slot) in enumerate(flat):
-            if not is_slot:
-                continue
-            bit = 1 << i
-            mark = f"nmask |= {bit}" + (f"; n{p} = True" if kind is ArgKind.TENSOR_LIST else "")
-            ask = (
-                f"        rmask |= {bit}\n"
-                f"        if _needed(nf[e][0], captured):\n"
-                f"            {mark}\n"
-            )
-            if kind is ArgKind.OPTIONAL_TENSOR:
-                ask = "".join("    " + line + "\n" for line in ask.splitlines())
-                edges.append(
-                    f"    if metas[{p}] is not None:\n        if req[{p + 2}]:\n{ask}        e += 1\n"
-                )
-            else:
-                edges.append(f"    if req[{p + 2}]:\n{ask}    e += 1\n")
-        positions: dict[int, list[int]] = {}  # argument -> its flat positions
-        for p, (i, _, _, is_slot) in enumerate(flat):
-            if is_slot:
-                positions.setdefault(i, []).append(p)
-        items = [p for p, (_, _, kind, _) in enumerate(flat) if kind is ArgKind.TENSOR_LIST]
-        place = ""
-        for i, ps in positions.items():
-            name = sig.names[i]
-            if sig.kinds[i] is ArgKind.TENSOR_LIST:
-                place += f"    g = got.get({name!r})\n    if g is not None:\n"
-                place += "".join(
-                    f"        if n{p}:\n            g{p} = g[{k}]\n" for k, p in enumerate(ps)
-                )
-            else:
-                (p,) = ps
-                place += f"    g{p} = got.get({name!r})\n"
-        outs = ", ".join(
-            f"g{p}" if is_slot else "None" for p, (_, _, _, is_slot) in enumerate(flat)
-        )
-        inits = "".join(
-            f"    g{p} = None\n"
-            for p, (_, _, kind, s) in enumerate(flat)
-            if s and kind is ArgKind.TENSOR_LIST
-        )
-        inits += "".join(f"    n{p} = False\n" for p in items)
-        return (
-            "def apply(node, *grads):\n"
-            "    record = node._cg\n"
-            "    if (record.route is not None or _SPEC.rules is not _RULES\n"
-            "            or not _SWITCHES.split):\n"
-            "        return _general(node, grads)\n"
-            "    metas = record.metas\n"
-            "    req = node.needs_input_grad\n"
-            "    nf = node.next_functions\n"
-            "    captured = _captured_now()\n"
-            "    rmask = nmask = e = 0\n"
-            + inits
-            + "".join(edges)
-            + "    if rmask != nmask:  # a split not customgrad's (see AutogradImpl.backward)\n"
-            "        _refuse_torch_split(_SPEC.name)\n"
-            "    plan = _PLANS.get((rmask, nmask))\n"
-            "    if plan is None:\n"
-            "        plan = _plan(rmask, nmask)\n"
-            "    if not plan.needed:\n"
-            "        return _NONES\n"
-            "    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)\n"
-            "    run = _RUNNERS.get(plan.key)\n"
-            "    if run is None:\n"
-            "        run = _runner(plan, _LENS)\n"
-            "    got = run(record, saved, grads, plan.splits and _keeps_for_later(plan, None))\n"
-            + place
-            + f"    return (None, None, {outs})\n"
-        )
-
-    def _compile(self, source: str) -> Callable[[tuple[Any, ...]], Any]:
-        impl, sig, rules = self.impl, self.sig, self.rules
-        spec = impl.spec
-        n_inputs = len(self._flat())
-        ns: dict[str, Any] = {
-            **_runtime(),
-            "_checked_output": self.kernels.checked_output,
-            "_raise_if_mutated": self.kernels.raise_if_mutated,
-            "_run_any": self.kernels.run_any,
-            "_route": self.kernels.route,
-            "_SPEC": spec,
-            "_SIG": sig,
-            "_RULES": rules,
-            "_IMPL": impl,
-            "_LENS": self.lens or None,
-            "_SAVE": rules.save,
-            "_Inputs": sig.inputs_type,
-            "_new": tuple.__new__,
-            "_PLANS": impl._plans,
-            "_plan": impl.plan,
-            "_general": impl.backward,
-            "_RUNNERS": impl.runners.table(rules, self.lens or None),
-            "_runner": impl.runners.runner,
-            "_captured_now": impl.captures.captured_now,
-            "_refuse_torch_split": refuse_torch_split,
-            "_NONES": (None,) * (n_inputs + 2),
-            "_DEFAULTS": _trailing_defaults(sig.pysig, sig.nargs),
-        }
-        where = f"{spec.name}" + (f", list lengths {self.lens}" if self.lens else "")
-        run_source(source, f"<customgrad fast path of {where}>", ns)
-        from customgrad._autograd import _CustomGradNode
-
-        function: Any = type(
-            f"CustomGrad[{spec.name}]",
-            (_CustomGradNode,),
-            {
-                "forward": staticmethod(ns["forward"]),
-                "setup_context": staticmethod(ns["setup_context"]),
-            },
-        )
-        functions.set_backward_apply(function, ns["apply"])
-        ns["_c_apply"] = functions.plain_apply(function)
-        call: Callable[[tuple[Any, ...]], Any] = ns["call"]
-        call.__customgrad_source__ = source  # type: ignore[attr-defined]
-        return call
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,7 +47,7 @@ _Tensor = torch.Tensor
 _intercepted = dispatcher.intercepted
 _alias_check = dispatcher.alias_check
 
-Kernel = Callable[..., Any]
+Kernel = Callable[..., object]
 """A kernel: the op's function for a device, called with the op's arguments."""
 
 
@@ -83,7 +83,7 @@ def version_of(t: object) -> int | None:
     return None
 
 
-def first_tensor(args: tuple[Any, ...]) -> torch.Tensor | None:
+def first_tensor(args: tuple[object, ...]) -> torch.Tensor | None:
     """The first tensor among ``args`` (list items included): its device picks the kernel."""
     for a in args:
         if isinstance(a, _Tensor):
@@ -171,16 +171,16 @@ class Kernels:
         (:meth:`raise_if_mutated`). Every call of a kernel goes through it (the written forward
         reads the same version counters inline). Written for the op's arguments
         (:func:`customgrad._codegen.write_kernel_run`); :meth:`run_any` is its interpreted twin."""
-        self.by_device: dict[str | None, Callable[..., Any]] = {}
+        self.by_device: dict[str | None, Kernel] = {}
         self.fake: Callable[..., Any] | None = None
         """The fake kernel (``register_fake``), or None."""
         self.foreign_keys = ForeignKeys(sig.qualname)
 
-    def for_device(self, device_type: str) -> Callable[..., Any] | None:
+    def for_device(self, device_type: str) -> Kernel | None:
         by = self.by_device
         return by.get(device_type) or by.get(None)
 
-    def kernel_for(self, first: torch.Tensor | None) -> Callable[..., Any]:
+    def kernel_for(self, first: torch.Tensor | None) -> Kernel:
         """The kernel for the device of ``first`` (the call's first tensor), or an error."""
         k = self.for_device(first.device.type) if first is not None else self.by_device.get(None)
         if k is None:
@@ -194,7 +194,7 @@ class Kernels:
             )
         return k
 
-    def versions(self, args: tuple[Any, ...]) -> list[int | None]:
+    def versions(self, args: tuple[object, ...]) -> list[int | None]:
         """The version counters of the watched arguments' tensors (list items inline)."""
         out: list[int | None] = []
         for i in self.watched:
@@ -205,7 +205,7 @@ class Kernels:
                 out.append(version_of(a))
         return out
 
-    def run_any(self, kernel: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def run_any(self, kernel: Kernel, args: tuple[Any, ...]) -> object:
         """:attr:`run`, interpreted: also for tensors without a version counter (inference
         tensors, which it skips)."""
         before = self.versions(args)
@@ -214,7 +214,7 @@ class Kernels:
             self.raise_if_mutated(args, before)
         return out
 
-    def raise_if_mutated(self, args: tuple[Any, ...], before: Sequence[int | None]) -> None:
+    def raise_if_mutated(self, args: tuple[object, ...], before: Sequence[int | None]) -> None:
         """Raise :class:`~customgrad.MutationError` for the first watched tensor whose version
         moved since ``before`` (:meth:`versions`, read before the kernel ran)."""
         names = self.sig.names
@@ -276,7 +276,7 @@ class Kernels:
             return by_device[None]
         return self.kernel_for(first)
 
-    def checked_output(self, args: tuple[Any, ...], out: Any) -> tuple[Any, tuple[Any, ...]]:
+    def checked_output(self, args: tuple[Any, ...], out: object) -> tuple[Any, tuple[Any, ...]]:
         """Check the kernel's return against the schema and refuse outputs that alias inputs:
         ``(outputs as the op returns them, residuals)``."""
         sig = self.sig
@@ -288,7 +288,12 @@ class Kernels:
             public, residuals = sig.split_outputs(out, args)
             if out is None:
                 return public, residuals
-            outs = tuple(out) if sig.kernel_output_is_tuple else (out,)
+            # split_outputs checked the kinds: a tuple or list when the kernel returns several
+            outs = (
+                tuple(out)
+                if isinstance(out, (tuple, list)) and sig.kernel_output_is_tuple
+                else (out,)
+            )
         if _alias_check(args, {}, outs):
             raise KernelOutputError(
                 f"{self.qualname}: the kernel returned a Tensor that is (a view of) one of its "

@@ -2,7 +2,7 @@
 
 :class:`CustomOp` is the object ``cg.op`` returns. Its call (:meth:`CustomOp.__call__`) checks
 the arguments once and asks :meth:`~customgrad._kernels.Kernels.route` (the one dispatch
-decision, which the generated fast path asks too) how to run: through the dispatcher when
+decision) how to run: through the dispatcher when
 something else would run (a kernel or autocast rule registered through ``torch.library``), else
 the op's kernel directly (or below autograd under a mode, transform or profiler), through its
 autograd node when gradients are needed; under ``torch.compile`` the dispatcher runs it. The op's other parts live beside it: its ``torch.library`` definition
@@ -21,7 +21,6 @@ from typing import Any, Generic, TypeVar, overload
 import torch
 from typing_extensions import ParamSpec
 
-from customgrad import _codegen
 from customgrad._autograd import AutogradImpl
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
@@ -38,7 +37,6 @@ from customgrad._rules import (
     SharedFn,
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
-from customgrad._switches import STATE as _SWITCHES
 from customgrad._torch import dispatcher
 from customgrad._torch.transforms import forward_ad_level as _forward_ad_level
 
@@ -59,11 +57,11 @@ F = TypeVar("F", bound=Callable[..., Any])
 _OPS: weakref.WeakValueDictionary[str, CustomOp[..., Any]] = weakref.WeakValueDictionary()
 """The live ops by name. Weak: an op stays alive while its dispatcher registrations (which hold
 its kernels) do, that is until it is replaced by a new definition of its name."""
-_DECLINED = _codegen.DECLINED
 _below_autograd = dispatcher.below_autograd
 _Tensor = torch.Tensor
 # Plain tensors a kernel may be called with directly (Parameter adds no torch_function/dispatch).
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_Parameter = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 _TENSOR = ArgKind.TENSOR
@@ -123,7 +121,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self.rules = AutogradRules()
         """The current autograd registrations (read-only: use the ``register_*`` methods)."""
         self._impl = AutogradImpl(self)
-        self._fast_call: Callable[[tuple[Any, ...]], Any] | None = None
 
         old = _OPS.get(name)
         if old is not None:
@@ -142,7 +139,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
     def _retire(self, new: CustomOp[..., Any]) -> None:
         """Give the name to ``new``: remove this op's registrations; calling it raises."""
         self._library.destroy()
-        self._fast_call = None
         self._replaced_by = new
         self.__class__ = _ReplacedOp
 
@@ -163,12 +159,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
 
     # -- calling ---------------------------------------------------------------------------
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        fast = self._fast_call
-        if fast is not None and not kwargs and _SWITCHES.fastpath:
-            out = fast(args)
-            if out is not _DECLINED:
-                return out  # type: ignore[no-any-return]
-        grad = _grad_enabled()
         sig = self._sig
         if kwargs or len(args) != sig.nargs or sig.kwonly_names:
             args = sig.bind(args, kwargs)  # type: ignore[assignment]
@@ -181,31 +171,52 @@ class CustomOp(OpRegistration, Generic[P, R]):
         requires = False
         plain = True
         first: Any = None
-        for a, kind in zip(args, sig.kinds):
-            if isinstance(a, _Tensor):
-                if kind is _OTHER or kind is _LIST:
-                    sig.check_args(args)  # raises, naming the argument
-                if grad and a.requires_grad:
-                    requires = True
-                if first is None:
-                    first = a
-                if type(a) not in _PLAIN_TYPES:
+        if sig.tensors_only:  # the same checks, for Tensor and Optional[Tensor] arguments
+            for a in args:
+                if type(a) is _Tensor or type(a) is _Parameter:
+                    if first is None:
+                        first = a
+                    if a.requires_grad:
+                        requires = True
+                elif isinstance(a, _Tensor):
                     plain = False
-            elif kind is _OTHER:
-                continue
-            elif kind is _LIST and isinstance(a, (list, tuple)):
-                for t in a:
-                    if isinstance(t, _Tensor):
-                        if grad and t.requires_grad:
-                            requires = True
-                        if first is None:
-                            first = t
-                        if type(t) not in _PLAIN_TYPES:
-                            plain = False
-                    elif t is not None:
-                        sig.check_args(args)
-            elif not (kind is _OPTIONAL and a is None):
-                sig.check_args(args)
+                    if first is None:
+                        first = a
+                    if a.requires_grad:
+                        requires = True
+                elif a is not None:
+                    sig.check_args(args)  # raises, naming the argument
+            for i in sig.required_tensors:
+                if args[i] is None:
+                    sig.check_args(args)  # None only where the argument is Optional
+            requires = requires and _grad_enabled()
+        else:
+            grad = _grad_enabled()
+            for a, kind in zip(args, sig.kinds):
+                if isinstance(a, _Tensor):
+                    if kind is _OTHER or kind is _LIST:
+                        sig.check_args(args)  # raises, naming the argument
+                    if grad and a.requires_grad:
+                        requires = True
+                    if first is None:
+                        first = a
+                    if type(a) not in _PLAIN_TYPES:
+                        plain = False
+                elif kind is _OTHER:
+                    continue
+                elif kind is _LIST and isinstance(a, (list, tuple)):
+                    for t in a:
+                        if isinstance(t, _Tensor):
+                            if grad and t.requires_grad:
+                                requires = True
+                            if first is None:
+                                first = t
+                            if type(t) not in _PLAIN_TYPES:
+                                plain = False
+                        elif t is not None:
+                            sig.check_args(args)
+                elif not (kind is _OPTIONAL and a is None):
+                    sig.check_args(args)
         kernel = self._kernels.route(first, plain)
         if kernel is _DISPATCH:
             # A kernel or autocast rule registered through torch.library would run: let the
@@ -263,10 +274,6 @@ class CustomOp(OpRegistration, Generic[P, R]):
                     f"{name}.detach() or a buffer that does not require grad. "
                     f"(op defined at {where(self._fn)})"
                 )
-
-    def _refresh_fast(self) -> None:
-        """Rebuild the fast path for the current registrations and kernels."""
-        self._fast_call = _codegen.write_call(self._impl, self._kernels)
 
     # -- identity --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> CustomOp[P, R]:

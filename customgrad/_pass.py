@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BackwardContext",
+    "BackwardObserver",
     "PassPlan",
     "Phase",
     "auto_split",
@@ -36,6 +37,12 @@ __all__ = [
 ]
 
 Phase = Literal["full", "input", "weight"]
+
+BackwardObserver = Callable[[str, Phase, "BackwardContext", object], None]
+"""Called as ``observer(label, phase, ctx, result)`` after each registered backward function
+runs (``label``: ``"backward"``, ``"backward_input"``, ``"backward_weight"``,
+``"backward_shared"``, or ``"backward (traced input part)"`` and the like for an automatic
+split; ``result``: what the function returned, as it returned it)."""
 
 
 _grad_enabled = torch.is_grad_enabled
@@ -260,7 +267,3 @@ def _layout_of(grads: tuple[Any, ...]) -> Any:
         else g
         for g in grads
     )
-
-
-# --------------------------------------------------------------------------------------------
-# The runner of a plan

@@ -56,8 +56,14 @@ class NodeRecord:
             the kernel returned it (guarded in double backward), or None.
     """
 
-    # Set at forward: impl, metas, lens, tag (and kept). The rest keep these class-level
-    # defaults until something sets them, which keeps creating a record cheap (one per op call).
+    # Set at forward, by the node's setup_context (``customgrad._autograd``), which makes the
+    # record with ``object.__new__`` and sets these four without a call:
+    impl: AutogradImpl
+    metas: list[TensorMeta]
+    lens: tuple[int, ...] | None
+    tag: object
+    # The rest keep these class-level defaults until something sets them, which keeps creating
+    # a record cheap (one per op call).
     out_lens: list[int | None] | None = None
     kept: object = None
     route: Route | None = None
@@ -67,18 +73,6 @@ class NodeRecord:
     forward_ad: tuple[object, object] | None = None
     residual_slots: tuple[tuple[int, str], ...] | None = None
     weight_edges: tuple[bool, ...] | None = None
-
-    def __init__(
-        self,
-        impl: AutogradImpl,
-        metas: list[TensorMeta],
-        lens: tuple[int, ...] | None,
-        tag: object,
-    ) -> None:
-        self.impl = impl
-        self.metas = metas
-        self.lens = lens
-        self.tag = tag
 
     @property
     def op(self) -> OpSpec:

@@ -89,20 +89,15 @@ class OpRegistration:
     _sig: Signature
     _var: str
     _kernels: Kernels
-    _refresh_fast: Callable[[], None]
-    """Rebuild the op's fast call for the current registrations and kernels (a method of
-    :class:`~customgrad.CustomOp`, whose call it is)."""
 
     def _set_rules(self, rules: AutogradRules) -> None:
         """Swap in new autograd registrations (whole, so a backward sees one consistent set)."""
         self.rules = rules
-        self._refresh_fast()
 
     def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
         """Put ``fn`` in the op's kernel table (the one backend kernel reads it by device)."""
         for dt in types or (None,):
             self._kernels.by_device[dt] = fn
-        self._refresh_fast()
 
     @overload
     def register_kernel(

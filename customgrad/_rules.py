@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from customgrad._autosplit import AutoSplitter
+    from customgrad._kernels import Kernels
     from customgrad._signature import Signature
 
 __all__ = [
@@ -145,6 +146,10 @@ class OpSpec(Protocol):
     @property
     def rules(self) -> AutogradRules:
         """The current autograd registrations."""
+
+    @property
+    def _kernels(self) -> Kernels:
+        """The op's kernels (the node's forward calls ``Kernels.run`` directly when it can)."""
 
     def _run_kernel(self, args: tuple[Any, ...], kernel: Callable[..., Any] | None) -> Any:
         """Run the forward below autograd on schema-ordered ``args``: everything the kernel

@@ -394,8 +394,15 @@ class Signature:
             and (output_differentiability is None or output_differentiability[0])
         )
         """One differentiable Tensor output: the autograd node returns it as it is."""
-        self.flat_node = not self.has_lists and self.plain_output
-        """No list argument and one differentiable Tensor output: the fast backward layout."""
+        self.simple = not self.has_lists and self.plain_output and not n_res and len(kinds) == 1
+        """No list argument, no residual, one differentiable Tensor output: the node's inputs
+        are the arguments and its output the kernel's (the node's forward reads this)."""
+        self.tensors_only = all(
+            k is ArgKind.TENSOR or k is ArgKind.OPTIONAL_TENSOR for k in self.kinds
+        )
+        """Every argument a Tensor or an Optional Tensor (the call's checks read this)."""
+        self.required_tensors = tuple(i for i, k in enumerate(self.kinds) if k is ArgKind.TENSOR)
+        """The positions of the Tensor arguments that are not Optional."""
 
     # -- arguments -----------------------------------------------------------------------------
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:

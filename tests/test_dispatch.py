@@ -39,11 +39,9 @@ def _both(op: cg.CustomOp[..., torch.Tensor], *args: Any) -> tuple[Any, Any]:
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)
-@pytest.mark.parametrize("fastpath", [True, False], ids=["fast", "general"])
 def test_a_kernel_registered_through_torch_library_runs_on_every_call_path(
-    backward: str, fastpath: bool, monkeypatch: pytest.MonkeyPatch
+    backward: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cg._switches.STATE, "fastpath", fastpath)
     op = scaled_linear(backward=backward)
     x = torch.randn(3, 4, dtype=torch.float64)
     w = torch.randn(5, 4, dtype=torch.float64)
@@ -71,11 +69,9 @@ def test_a_kernel_registered_through_torch_library_runs_on_every_call_path(
 
 
 @pytest.mark.parametrize("backward", BACKWARDS)
-@pytest.mark.parametrize("fastpath", [True, False], ids=["fast", "general"])
 def test_an_autocast_rule_registered_through_torch_library_applies_to_the_direct_call(
-    backward: str, fastpath: bool, monkeypatch: pytest.MonkeyPatch
+    backward: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cg._switches.STATE, "fastpath", fastpath)
     op = scaled_linear(backward=backward)
     lib = torch.library.Library(op.name.split("::")[0], "FRAGMENT")
     x = torch.randn(3, 4, requires_grad=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gc
 import itertools
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -80,16 +79,8 @@ def leaves() -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(*s, dtype=DT, requires_grad=True) for s in ((6, 4), (5, 4), (3, 5)))
 
 
-@pytest.fixture(params=[True, False], ids=["fast", "general"])
-def fastpath(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
-    monkeypatch.setattr(cg._switches.STATE, "fastpath", request.param)
-    yield request.param
-
-
 @pytest.mark.parametrize("style", STYLES)
-def test_a_weight_pass_of_another_loss_does_not_read_the_input_pass_hand_off(
-    style: str, fastpath: bool
-) -> None:
+def test_a_weight_pass_of_another_loss_does_not_read_the_input_pass_hand_off(style: str) -> None:
     op = mlp_op(style)
     x, up, down = leaves()
     out = op(x, up, down)
@@ -106,9 +97,7 @@ def test_a_weight_pass_of_another_loss_does_not_read_the_input_pass_hand_off(
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_the_weight_pass_of_the_same_gradients_reads_the_hand_off(
-    style: str, fastpath: bool
-) -> None:
+def test_the_weight_pass_of_the_same_gradients_reads_the_hand_off(style: str) -> None:
     op = mlp_op(style)
     x, up, down = leaves()
     out = op(x, up, down)
@@ -123,7 +112,7 @@ def test_the_weight_pass_of_the_same_gradients_reads_the_hand_off(
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_a_non_retaining_input_pass_frees_the_hand_off_at_once(style: str, fastpath: bool) -> None:
+def test_a_non_retaining_input_pass_frees_the_hand_off_at_once(style: str) -> None:
     op = mlp_op(style)
     x, up, down = leaves()
     out = op(x, up, down)  # kept alive: its node (and record) too
@@ -134,9 +123,7 @@ def test_a_non_retaining_input_pass_frees_the_hand_off_at_once(style: str, fastp
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_an_input_pass_without_its_weight_pass_leaves_no_reference_cycle(
-    style: str, fastpath: bool
-) -> None:
+def test_an_input_pass_without_its_weight_pass_leaves_no_reference_cycle(style: str) -> None:
     op = mlp_op(style)
     x, up, down = leaves()
     # the first backward traces (split="auto") and imports what tracing needs: warm up
@@ -157,7 +144,7 @@ def test_an_input_pass_without_its_weight_pass_leaves_no_reference_cycle(
         gc.enable()
 
 
-def test_a_non_differentiable_output_does_not_stop_the_hand_off(fastpath: bool) -> None:
+def test_a_non_differentiable_output_does_not_stop_the_hand_off() -> None:
     """Autograd gives a non-differentiable output a new tensor of zeros in each pass: the
     hand-off is still read by the weight pass of the same gradients (shared work done once)."""
     calls: list[str] = []
@@ -245,7 +232,7 @@ def _two_outputs(calls: list[str]) -> Any:
     return two
 
 
-def test_an_output_no_loss_uses_gets_zeros_each_pass_and_still_matches(fastpath: bool) -> None:
+def test_an_output_no_loss_uses_gets_zeros_each_pass_and_still_matches() -> None:
     # Autograd makes fresh zeros for the unused output in I and again in W: matched as zeros,
     # not by identity, so W reads I's shared work instead of computing it again.
     calls: list[str] = []
@@ -259,7 +246,7 @@ def test_an_output_no_loss_uses_gets_zeros_each_pass_and_still_matches(fastpath:
     torch.testing.assert_close((gx, gw), (g * w, g * x))
 
 
-def test_zeros_do_not_match_a_gradient_that_is_not_zero(fastpath: bool) -> None:
+def test_zeros_do_not_match_a_gradient_that_is_not_zero() -> None:
     calls: list[str] = []
     two = _two_outputs(calls)
     x, w = (torch.randn(4, dtype=DT, requires_grad=True) for _ in range(2))
@@ -273,7 +260,7 @@ def test_zeros_do_not_match_a_gradient_that_is_not_zero(fastpath: bool) -> None:
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_two_losses_in_torch_s_order_each_find_their_hand_off(style: str, fastpath: bool) -> None:
+def test_two_losses_in_torch_s_order_each_find_their_hand_off(style: str) -> None:
     # I(loss 1), I(loss 2), W(loss 1), W(loss 2): one hand-off per pending pass, not one slot
     # (with one, W(loss 1) found loss 2's and computed its shared work again).
     op = mlp_op(style)

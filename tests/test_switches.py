@@ -1,6 +1,6 @@
 """The debugging switches: ``cg.no_split()`` / ``CUSTOMGRAD_SPLIT=0`` make customgrad ops behave
 like plain ``autograd.Function``s (whole backward in each pass, same gradients);
-``CUSTOMGRAD_FASTPATH=0`` keeps calls off the generated fast path."""
+``CUSTOMGRAD_FASTPATH`` is retired (it warns); every call records the op's one node."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad import _switches
-from customgrad._autograd import _node_apply
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from tests._skips import TORCH_SPLIT
 from tests.conftest import function_linear, linear_op
@@ -73,16 +71,10 @@ SPLITS = {
 }
 
 
-@pytest.fixture(params=[True, False], ids=["fast", "general"])
-def fastpath(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
-    monkeypatch.setattr(_switches.STATE, "fastpath", request.param)
-    yield request.param
-
-
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("kind", LINEARS)
 def test_no_split_computes_the_whole_backward_in_each_pass_with_the_same_gradients(
-    kind: str, split: str, fastpath: bool
+    kind: str, split: str
 ) -> None:
     x = torch.randn(N, D, dtype=DT, requires_grad=True)
     g = torch.randn(N, D, dtype=DT)
@@ -130,23 +122,23 @@ op = linear_op("subprocess_switches::auto", backward="single")
 x = torch.randn(8, 16, requires_grad=True)
 w = torch.randn(16, 16, requires_grad=True)
 out = op(x, w)
-general = type(out.grad_fn).apply is _node_apply
+one_node = type(out.grad_fn).apply is _node_apply
 with FlopCounterMode(display=False) as fi:
     _, groups = tb.stage_backward_input([out], [torch.ones_like(out)], [x], [w])
 with FlopCounterMode(display=False) as fw:
     tb.stage_backward_weight([w], groups)
-print(fi.get_total_flops(), fw.get_total_flops(), general)
+print(fi.get_total_flops(), fw.get_total_flops(), one_node)
 """
 
 
 @pytest.mark.parametrize(
     ("env", "want"),
     [
-        ({}, "4096 4096 False"),  # one matmul per pass, fast path
-        ({"CUSTOMGRAD_SPLIT": "0"}, "8192 8192 False"),  # the whole backward in each pass
-        ({"CUSTOMGRAD_FASTPATH": "0"}, "4096 4096 True"),  # the general path's node
+        ({}, "4096 4096 True"),  # one matmul per pass
+        ({"CUSTOMGRAD_SPLIT": "0"}, "8192 8192 True"),  # the whole backward in each pass
+        ({"CUSTOMGRAD_FASTPATH": "0"}, "4096 4096 True"),  # retired: no effect (it warns)
     ],
-    ids=["default", "split-off", "fastpath-off"],
+    ids=["default", "split-off", "fastpath-retired"],
 )
 @TORCH_SPLIT  # its subprocess runs torch's split
 def test_environment_variables(env: dict[str, str], want: str) -> None:
@@ -163,12 +155,3 @@ def test_environment_variables(env: dict[str, str], want: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == want
-
-
-def test_fastpath_switch_takes_effect_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    op = LINEARS["pair"]
-    x = torch.randn(N, D, dtype=DT, requires_grad=True)
-    w = torch.randn(D, D, dtype=DT, requires_grad=True)
-    assert type(op(x, w).grad_fn).apply is not _node_apply  # the generated node
-    monkeypatch.setattr(_switches.STATE, "fastpath", False)
-    assert type(op(x, w).grad_fn).apply is _node_apply

@@ -1,9 +1,9 @@
-"""The fast path (generated per op, ``customgrad._codegen.write_call``) and the general path agree.
+"""The one call path: every call of every op runs ``CustomOp.__call__`` -> ``run_call`` ->
+``AutogradImpl`` and every backward ``customgrad._autograd._node_apply``, whatever the signature.
 
-Every op with a simple signature runs the generated call, forward and backward; an op whose fast
-path is switched off runs ``customgrad._autograd`` only. Random signatures, registrations,
-gradients (valid and invalid), requires-grad patterns and backward passes must give the same
-gradients and the same errors on both.
+Random signatures (Tensor, Optional, float and list arguments), registrations, requires-grad
+patterns and backward passes give the gradients torch's autograd computes for the kernel itself;
+a backward that returns a wrong gradient is refused with customgrad's error.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FAULTS = (
 )
 
 
-def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: bool) -> Any:
+def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str) -> Any:
     """An op ``a0 * 1 + a1 * 2 + ...`` (float args scale the first tensor) with ``fault``
     injected into what its backward returns."""
     trailing = len(kinds) - len(kinds.rstrip("O"))  # trailing Optionals default to None
@@ -56,7 +56,7 @@ def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: 
     scale = " * ".join([f"a{i}" for i, k in enumerate(kinds) if k == "F"] or ["1.0"])
     scope: dict[str, Any] = {"torch": torch}
     exec(f"def kernel({params}) -> torch.Tensor:\n    return ({terms}) * {scale}\n", scope)
-    name = f"test_fastpath::op{next(_names)}"
+    name = f"test_call_path::op{next(_names)}"
     op = cg.op(name, scope["kernel"], weights=tuple(f"a{i}" for i in weights))
     tensors = [f"a{i}" for i, k in enumerate(kinds) if k != "F"]
     floats = [f"a{i}" for i, k in enumerate(kinds) if k == "F"]
@@ -123,8 +123,7 @@ def _define(kinds: str, weights: tuple[int, ...], style: str, fault: str, fast: 
         def _(ctx: Any, saved: Any, g: torch.Tensor) -> Any:
             return grads(inputs | weight_names, saved, g)
 
-    if not fast:
-        op._fast_call = None
+    op.reference = scope["kernel"]  # the kernel, differentiated by torch: the reference
     return op
 
 
@@ -184,12 +183,19 @@ def _run(
         return (type(e).__name__, re.sub(r"op\d+", "op", str(e)))
 
 
+_ERRORS = {
+    cls.__name__
+    for cls in vars(cg).values()
+    if isinstance(cls, type) and issubclass(cls, cg.CustomGradError)
+}
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     kinds=st.text(alphabet="TOFL", min_size=1, max_size=4).filter(lambda s: "T" in s or "L" in s),
     data=st.data(),
 )
-def test_fast_and_general_paths_agree(kinds: str, data: st.DataObject) -> None:
+def test_every_signature_gives_the_kernels_own_gradients(kinds: str, data: st.DataObject) -> None:
     tensor_idx = [i for i, k in enumerate(kinds) if k != "F"]
     weights = tuple(data.draw(st.sets(st.sampled_from(tensor_idx))) if tensor_idx else ())
     style = data.draw(st.sampled_from(("pair", "phase", "auto")))
@@ -198,53 +204,39 @@ def test_fast_and_general_paths_agree(kinds: str, data: st.DataObject) -> None:
     present = tuple(data.draw(st.lists(st.booleans(), min_size=len(kinds), max_size=len(kinds))))
     how = data.draw(st.sampled_from(("backward", "grad_first", "split")))
     lengths = tuple(data.draw(st.integers(0, 3)) for k in kinds if k == "L")
-    results = []
-    for fast in (True, False):
-        op = _define(kinds, weights, style, fault, fast)
-        results.append(_run(op, kinds, weights, requires, present, how, lengths))
-    fast_result, general_result = results
-    if isinstance(fast_result, tuple) or isinstance(general_result, tuple):
-        assert fast_result == general_result
-    else:
-        assert len(fast_result) == len(general_result)
-        for a, b in zip(fast_result, general_result):
-            assert (a is None) == (b is None)
-            if a is not None:
+    op = _define(kinds, weights, style, fault)
+    got = _run(op, kinds, weights, requires, present, how, lengths)
+    want = _run(op.reference, kinds, weights, requires, present, how, lengths)
+    if isinstance(want, tuple):  # nothing requires grad: nothing to compare
+        assert got == want or (isinstance(got, tuple) and got[0] in _ERRORS)
+        return
+    if fault != "none" and isinstance(got, tuple):  # a wrong gradient: customgrad's error
+        assert got[0] in _ERRORS, got
+        return
+    assert isinstance(got, list), got
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        if fault == "none" or (a is not None and b is not None):
+            assert (a is None) == (b is None) or fault == "extra_none"
+            if a is not None and b is not None:
                 torch.testing.assert_close(a, b)
 
 
-def test_simple_ops_take_the_fast_path() -> None:
-    op = _define("TTO", (1, 2), "pair", "none", fast=True)
-    assert op._fast_call is not None
+def test_a_call_records_the_ops_own_node_run_by_the_one_backward() -> None:
+    from customgrad._autograd import _node_apply
+
+    op = _define("TTO", (1, 2), "pair", "none")
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = op(x, w)  # the trailing Optional takes its default
     assert type(out.grad_fn).__name__ == f"CustomGrad[{op.name}]Backward"
-    assert out.grad_fn.__class__ is not op._impl._function_apply.__self__._backward_cls
+    assert type(out.grad_fn).apply is _node_apply
     out.sum().backward()
     torch.testing.assert_close(x.grad, torch.ones(3, 4, dtype=torch.float64))
     torch.testing.assert_close(w.grad, torch.full((3, 4), 2.0, dtype=torch.float64))
 
 
-@pytest.mark.parametrize(
-    "kinds, weights, why",
-    [("OT", (), "an Optional Tensor first"), ("T", (), "mutated argument")],
-)
-def test_ops_the_fast_path_declines(kinds: str, weights: tuple[int, ...], why: str) -> None:
-    if why == "mutated argument":
-
-        @cg.op(f"test_fastpath::mut{next(_names)}", mutates_args=("a0",))
-        def op(a0: torch.Tensor) -> torch.Tensor:
-            return a0.clone()
-
-        op.register_save_for_backward(lambda i, o: None)
-        op.register_backward_input(lambda c, s, g: {"a0": g})
-    else:
-        op = _define(kinds, weights, "pair", "none", fast=True)
-    assert op._fast_call is None
-
-
 def test_rules_registered_after_the_first_call_are_used() -> None:
-    op = _define("TT", (1,), "pair", "none", fast=True)
+    op = _define("TT", (1,), "pair", "none")
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     op(x, w).sum().backward()
     op.register_backward_weight(lambda ctx, saved, g: {"a1": g * 10})
@@ -253,8 +245,8 @@ def test_rules_registered_after_the_first_call_are_used() -> None:
     torch.testing.assert_close(w.grad, torch.full((3, 4), 10.0, dtype=torch.float64))
 
 
-def test_a_node_created_fast_is_run_by_the_general_path_after_new_rules() -> None:
-    op = _define("TT", (1,), "pair", "none", fast=True)
+def test_a_node_recorded_before_new_rules_runs_the_new_rules() -> None:
+    op = _define("TT", (1,), "pair", "none")
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = op(x, w)
     op.register_backward_weight(lambda ctx, saved, g: {"a1": g * 10})
@@ -262,17 +254,15 @@ def test_a_node_created_fast_is_run_by_the_general_path_after_new_rules() -> Non
     torch.testing.assert_close(w.grad, torch.full((3, 4), 10.0, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
 def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
-    fast: bool, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
     leaf, so the node reads the inputs from the caller instead and asks only about the rest
-    (the same rule on both paths: ``customgrad._autograd.needed_edge``)."""
+    (``customgrad._autograd._node_apply``'s edge loop)."""
     from customgrad import _autograd
 
-    op = _define("TT", (1,), "pair", "none", fast=fast)
-    assert (op._fast_call is not None) == fast
+    op = _define("TT", (1,), "pair", "none")
     asked: list[object] = []
     will = _autograd._edge_query
 
@@ -297,44 +287,23 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
 
 
 def test_check_op_runs_the_path_a_user_call_runs() -> None:
-    from customgrad._autograd import _node_apply
-    from customgrad._op import autograd_impl
     from customgrad.testing import check_op
 
-    op = linear_op("test_fastpath_check::linear")
+    op = linear_op("test_call_path_check::linear")
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 3, generator=g), torch.randn(5, 3, generator=g)
-    fast = op._fast_call
-    assert fast is not None
-    served: list[bool] = []
-
-    def counting(args: tuple[Any, ...]) -> Any:
-        out = fast(args)
-        if out is not cg._codegen.DECLINED and autograd_impl(op).observers:  # check_op watches
-            assert type(out.grad_fn).apply is not _node_apply  # the generated node
-            served.append(True)
-        return out
-
-    op._fast_call = counting
-    try:
-        report = check_op(op, x, w)
-    finally:
-        op._fast_call = fast
-    # the split check ran the generated call, forward and backward (its node); the calls
-    # under opcheck's modes and fake tensors decline, as a user's do
-    assert served
+    report = check_op(op, x, w)
     assert report.calls["input"] == {"backward_input": 1}
     assert report.calls["weight"] == {"backward_weight": 1}
 
 
-@pytest.mark.parametrize("fast", [True, False], ids=["fast", "general"])
-def test_backward_context_is_read_only_and_kept_per_pass_plan(fast: bool) -> None:
+def test_backward_context_is_read_only_and_kept_per_pass_plan() -> None:
     """A backward without shared work gets one context per pass plan, reused by every call
     with that plan: it must not be writable, or one backward could change what the next sees."""
     attempts: list[str] = []
     contexts: list[Any] = []
 
-    @cg.op(f"test_fastpath::ctx{next(_names)}", weights=("w",))
+    @cg.op(f"test_call_path::ctx{next(_names)}", weights=("w",))
     def scale(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return x * w
 
@@ -352,8 +321,6 @@ def test_backward_context_is_read_only_and_kept_per_pass_plan(fast: bool) -> Non
         x, w = saved
         return {"x": g * w, "w": (g * x).sum(0)}
 
-    if not fast:
-        scale._fast_call = None
     x = torch.randn(3, 2, dtype=torch.float64, requires_grad=True)
     w = torch.randn(2, dtype=torch.float64, requires_grad=True)
     for _ in range(2):
@@ -369,12 +336,12 @@ def test_backward_context_is_read_only_and_kept_per_pass_plan(fast: bool) -> Non
 
 
 def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
-    """Each layout of list lengths gets its own fast path and runners (items checked one by
-    one) up to MAX_LAYOUTS; past it, calls share runners that read the layout from the node.
-    Both give the reference gradients and refuse a wrong item."""
+    """Each layout of list lengths gets its own runners (items checked one by one) up to
+    MAX_LAYOUTS; past it, calls share runners that read the layout from the node. Both give
+    the reference gradients and refuse a wrong item."""
     from customgrad._codegen import MAX_LAYOUTS
 
-    @cg.op("cg_fast::layouts", weights=("s",))
+    @cg.op("cg_call_path::layouts", weights=("s",))
     def wsum(xs: list[torch.Tensor], s: torch.Tensor) -> torch.Tensor:
         return sum((x * s for x in xs), torch.zeros_like(s))
 
@@ -407,42 +374,88 @@ def test_list_ops_past_the_layout_limit_keep_checking_every_item() -> None:
         bad["on"] = False
 
 
-def test_show_switch_prints_the_generated_code_which_asks_the_one_dispatch_decision(
+def test_show_code_prints_what_the_one_writer_writes(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from customgrad._switches import STATE
 
-    monkeypatch.setattr(STATE, "show_fastpath", True)
-    op = linear_op(f"test_fastpath::shown{next(_names)}")
+    monkeypatch.setattr(STATE, "show_code", True)
+    op = linear_op(f"test_call_path::shown{next(_names)}")
     x, w = torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
     op(x, w).sum().backward()
     printed = capsys.readouterr().err
-    assert f"# <customgrad fast path of {op.name}>\ndef call(args):" in printed
-    source = op._fast_call.__customgrad_source__  # type: ignore[union-attr]
-    assert source in printed
-    # which kernel runs is Kernels.route's decision, not a copy of it
-    assert "kernel = _route(a0, True)" in source
-    assert "_IMPLS" not in source and "_dispatch_len" not in source
-    # the pass's runner goes through the same door
+    assert f"# <customgrad kernel call of {op.name}>\ndef run(kernel, args):" in printed
     assert f"# <customgrad pass of {op.name}: full ['weight', 'x']>\ndef run(" in printed
+    assert "def call(" not in printed  # no call or node is written: one plain-Python path
 
 
-def test_the_written_call_serves_calls_that_record_nothing() -> None:
-    """Under no_grad, and with grad on but nothing requiring grad, the written call runs the
-    kernel itself (the last case of ``CustomOp.run_call``), with the same output and the same
-    check of the kernel's writes; a forward-AD level declines to the general call."""
-    import torch.autograd.forward_ad as fwad
+def test_a_retired_fastpath_switch_warns_once_naming_its_replacement() -> None:
+    import subprocess
+    import sys
 
-    op = linear_op(f"test_fastpath::norecord{next(_names)}")
-    call = op._fast_call
-    assert call is not None
+    from customgrad._switches import MSG_RETIRED
+
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import customgrad"],
+        env={**__import__("os").environ, "CUSTOMGRAD_FASTPATH": "0"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert MSG_RETIRED.splitlines()[0] in done.stderr
+    assert done.stderr.count("CUSTOMGRAD_FASTPATH is retired") == 1
+
+
+def test_calls_that_record_nothing_run_the_kernel_with_its_write_check() -> None:
+    """Under no_grad, and with grad on but nothing requiring grad, the call runs the kernel
+    itself (the last case of ``CustomOp.run_call``): the same output, no node, and the check of
+    the kernel's writes."""
+
+    op = linear_op(f"test_call_path::norecord{next(_names)}")
     x, w = torch.randn(3, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     with torch.no_grad():
-        out = call((x, w))
-    assert out is not cg._codegen.DECLINED and out.grad_fn is None
+        out = op(x, w)
+    assert out.grad_fn is None
     torch.testing.assert_close(out, x @ w.mT)
-    out = call((x, w))  # grad mode on, nothing requires grad
-    assert out is not cg._codegen.DECLINED and out.grad_fn is None
+    out = op(x, w)  # grad mode on, nothing requires grad
+    assert out.grad_fn is None
     torch.testing.assert_close(out, x @ w.mT)
-    with fwad.dual_level():
-        assert call((x, w)) is cg._codegen.DECLINED
+
+    @cg.op(f"test_call_path::writes{next(_names)}")
+    def writes(x: torch.Tensor) -> torch.Tensor:
+        x.add_(1)
+        return x * 2
+
+    with (
+        torch.no_grad(),
+        pytest.raises(cg.MutationError, match=re.escape("wrote into argument 'x' in place")),
+    ):
+        writes(torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    ("args", "arg", "want", "got"),
+    [
+        ((None, "w"), "x", "a Tensor", "None"),
+        ((1.5, "w"), "x", "a Tensor", "a float"),
+        (("x", "w", 3), "bias", "a Tensor or None", "a int"),
+    ],
+    ids=["None for a Tensor", "float for a Tensor", "int for an Optional"],
+)
+def test_an_argument_of_the_wrong_kind_is_refused_naming_it(
+    args: tuple[Any, ...], arg: str, want: str, got: str
+) -> None:
+    """The call's one loop over Tensor and Optional arguments refuses what the schema does not
+    take, with the signature's message (``Signature.check_args``)."""
+
+    @cg.op(f"test_call_path::kinds{next(_names)}", weights=("w", "bias"))
+    def lin(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return x @ w.mT
+
+    values = {"x": torch.randn(2, 3, requires_grad=True), "w": torch.randn(4, 3)}
+    call = [values[a] if isinstance(a, str) else a for a in args]
+    with pytest.raises(
+        cg.ArgumentTypeError, match=re.escape(f"argument {arg!r} must be {want}, but got {got}")
+    ):
+        lin(*call)

@@ -200,6 +200,8 @@ class SplitExplanation:
         ran_once: the labels of the plain ``autograd.Function`` / ``custom_op`` nodes whose
             backward ran once, in I, W receiving the weight gradients it returned
             (customgrad's split; see :attr:`functions`).
+        split_functions: the labels of the plain ``autograd.Function`` nodes whose backward
+            customgrad's split captured and split: input work in I, weight work in W.
         gradient_errors: per input or weight (by name) whose split gradient differs from the
             full backward's: the largest difference relative to the largest full gradient.
             Empty when the split's gradients equal the full backward's; None when they could
@@ -218,6 +220,7 @@ class SplitExplanation:
     weight_names: tuple[str, ...] = ()
     ran_once: frozenset[str] = frozenset()
     gradient_errors: dict[str, float] | None = field(default_factory=dict)
+    split_functions: frozenset[str] = frozenset()
 
     @property
     def functions(self) -> list[FunctionRun]:
@@ -493,6 +496,7 @@ def explain_split(
         _count_deferred_to_nodes(param_groups, index, counters["weight"])
         _count_direct_calls_to_nodes(param_groups, index, counters["weight"], ran["weight"])
         once_ids = _ran_once(param_groups)
+        split_ids = _split_functions(param_groups)
         phase_of["phase"] = "weight"
         with counters["weight"]:
             backward_weight(iter(weights), param_groups)
@@ -510,6 +514,7 @@ def explain_split(
     nodes: list[NodeInfo] = []
     seen: collections.Counter[str] = collections.Counter()
     once_labels: set[str] = set()
+    split_labels: set[str] = set()
     for i, node in enumerate(order):
         flops = {p: int(counters[p].by_key.get(i, 0)) for p in _PHASES}
         phases = frozenset(p for p in ("input", "weight") if i in ran[p])
@@ -528,7 +533,7 @@ def explain_split(
             both = phases == frozenset({"input", "weight"})
             repeated = flops["input"] + flops["weight"] > flops["full"]
             region = region_of(node) if kind == "compiled" else None
-            whole = kind in ("function", "custom_op") or (
+            whole = (kind in ("function", "custom_op") and id(node) not in split_ids) or (
                 region is not None and region.status == "fallback"
             )
             twice = both and (whole or repeated)
@@ -537,6 +542,8 @@ def explain_split(
             label = f"{label} #{seen[label]}"
         if id(node) in once_ids:
             once_labels.add(label)
+        if id(node) in split_ids:
+            split_labels.add(label)
         deferred = node in handed_over
         if deferred:
             phases = frozenset({"input", "weight"})
@@ -573,6 +580,7 @@ def explain_split(
         tuple(names.values()),
         frozenset(once_labels),
         errors,
+        frozenset(split_labels),
     )
 
 
@@ -775,7 +783,8 @@ class FunctionRun:
         module: the module whose forward made its nodes (see :attr:`NodeInfo.module`).
         calls: how many nodes of the graph it made.
         how: ``"once"`` (its backward ran once, in I; W received the weight gradients it
-            returned: customgrad's split), ``"twice"`` (it ran whole in I and again in W:
+            returned: customgrad's split), ``"split"`` (customgrad's split captured its
+            backward and split it: input work in I, weight work in W), ``"twice"`` (it ran whole in I and again in W:
             torch's split, or ``run_functions_once=False``), ``"I"`` or ``"W"`` (it ran in one
             pass only: it has no edge into the weight side, or lies wholly on it).
     """
@@ -794,6 +803,8 @@ def _function_runs(report: SplitExplanation) -> list[FunctionRun]:
         label = n.label.rsplit(" #", 1)[0]
         if n.label in report.ran_once:
             how = "once"
+        elif n.label in report.split_functions:
+            how = "split"
         elif n.computes_twice:
             how = "twice"
         else:
@@ -808,12 +819,13 @@ def _functions_section(report: SplitExplanation) -> str:
     lines: list[str] = []
     runs = report.functions
     if runs:
-        lines.append("Plain autograd.Functions (they cannot split):")
+        lines.append("Plain autograd.Functions:")
         for r in runs:
             where = f" in {r.module}" if r.module else ""
             what = {
                 "once": "backward ran once, in I; W received the weight gradients it returned",
                 "twice": "backward ran whole in I and again in W",
+                "split": "backward captured and split: input work in I, weight work in W",
             }.get(r.how, f"ran in {r.how} only")
             lines.append(f"  - {r.label}{where}, {r.calls} call(s): {what}")
         if any(r.how == "twice" for r in runs):
@@ -885,6 +897,15 @@ def _gradient_errors(
         scale = float(want.abs().max()) or 1.0
         errors[name] = float((got - want).abs().max()) / scale
     return errors
+
+
+def _split_functions(param_groups: Any) -> set[int]:
+    """The ids of the plain Function nodes customgrad's split split (none for torch's)."""
+    try:
+        from customgrad.pipelining._backward import split_functions_of
+    except ImportError:  # pragma: no cover - torch without pipelining
+        return set()
+    return split_functions_of(param_groups)
 
 
 def _ran_once(param_groups: Any) -> set[int]:

@@ -15,6 +15,11 @@ class of a Function, and ``apply`` without its functorch wrapper.
 - :func:`skipping`: make Function backward nodes compute nothing while the engine runs them
   (the engine calls a Function node's backward through the ``apply`` attribute it reads on the
   node itself, ``PyNode::apply``, so an attribute set on one node holds for that node only);
+- :func:`replacing`: make given Function backward nodes call a function of their own in place of
+  their backward (the same per-node ``apply`` attribute), and :func:`run_backward`: a node's
+  backward as the engine would run it (the class's ``apply``, which the attribute shadows);
+- :func:`edge_metadata`: the shape and dtype of the gradient a node takes at one of its inputs
+  (``node._input_metadata``: the engine sums and casts a gradient sent along an edge to them);
 - :func:`handles_keep_nodes` and :func:`keep_graphs`: on torch 2.11 and 2.12 the Python handle
   of a Function's backward node (``tensor.grad_fn``, what ``next_functions`` returns) does not
   keep the node alive; what keeps a graph alive there until a weight pass reads it.
@@ -32,11 +37,14 @@ from torch.autograd.graph import GradientEdge
 
 __all__ = [
     "custom_op_of",
+    "edge_metadata",
     "forward_cls",
     "handles_keep_nodes",
     "is_aot_node",
     "keep_graphs",
     "plain_apply",
+    "replacing",
+    "run_backward",
     "set_backward_apply",
     "setup_context_defined",
     "skipping",
@@ -73,6 +81,44 @@ def skipping(nodes: Iterable[Any]) -> Iterator[None]:
     finally:
         for node in done:
             del node.apply
+
+
+@contextlib.contextmanager
+def replacing(calls: Iterable[tuple[Any, Callable[..., Any]]]) -> Iterator[None]:
+    """Inside the block, each Function backward node of ``calls`` runs ``fn(*grads)`` (which
+    returns one gradient per argument of the forward, as a backward does) in place of its
+    backward when the engine runs it. A node whose ctx holds an ``apply`` of its own is left
+    alone."""
+    done: list[Any] = []
+    try:
+        for node, fn in calls:
+            if forward_cls(node) is None or "apply" in vars(node):
+                continue
+            node.apply = fn
+            done.append(node)
+        yield
+    finally:
+        for node in done:
+            del node.apply
+
+
+def run_backward(node: Any, grads: tuple[Any, ...]) -> Any:
+    """What the engine runs for a Function backward node given ``grads`` (its class's
+    ``apply``: the Function's ``backward`` with the node as ctx)."""
+    return type(node).apply(node, *grads)
+
+
+def edge_metadata(node: Any, nr: int) -> tuple[torch.Size, torch.dtype] | None:
+    """The shape and dtype of the gradient ``node`` takes at its input ``nr``
+    (``node._input_metadata``), or None when torch does not say."""
+    metadata = getattr(node, "_input_metadata", None)
+    if metadata is None:
+        return None
+    try:
+        meta = metadata[nr]
+        return torch.Size(meta.shape), meta.dtype
+    except (IndexError, AttributeError, TypeError):
+        return None
 
 
 def plain_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:

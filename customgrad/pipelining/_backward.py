@@ -16,7 +16,11 @@ written for customgrad. The plan comes from :func:`customgrad._split_plan.plan_i
   ``"gradients"``, the rule customgrad's own unsplittable ops follow). torch's split runs such
   a backward again in W: twice the kernels, and wrong gradients where the backward writes its
   output gradient in place (Liger's RMSNorm) or scales a gradient it keeps (a fused loss).
-  ``run_functions_once=False`` runs them as torch does.
+  ``run_functions_once=False`` runs them as torch does. With ``split_functions`` (the
+  default), I first tries to split such a backward as customgrad splits its own ops' single
+  backward (:mod:`customgrad.pipelining._function_split`): captured with dynamo and cut, its
+  input work runs in I and its weight work in W; one that cannot be captured (a Triton launch,
+  side effects) runs once, its reason logged once per class.
 - Other nodes with edges into the weight side (native ops, any opaque node) get the gradients
   that reached them in I recorded; W runs them again from those,
   in engine calls grouped so that the engine asks them for their weight-side outputs only
@@ -68,8 +72,15 @@ from customgrad._split_plan import (
     reach,
 )
 from customgrad._torch.engine import input_shape
-from customgrad._torch.functions import forward_cls, keep_graphs, skipping
+from customgrad._torch.functions import (
+    forward_cls,
+    keep_graphs,
+    replacing,
+    run_backward,
+    skipping,
+)
 from customgrad.pipelining._errors import SplitStateError
+from customgrad.pipelining._function_split import FunctionSplit, split_input
 
 __all__ = ["stage_backward", "stage_backward_input", "stage_backward_weight"]
 
@@ -94,6 +105,22 @@ def _tell_once(nodes: list[Node]) -> None:
                 cls.__module__,
                 cls.__qualname__,
             )
+
+
+def _tell_not_split(cls: type, why: str) -> None:
+    """Log, once per Function class, why its backward did not split and runs once in I."""
+    if cls not in _TOLD:
+        _TOLD.add(cls)
+        log.info(
+            "customgrad.pipelining: %s.%s is a plain autograd.Function whose backward cannot "
+            "split automatically (%s): it runs once, in the input pass, and the weight pass "
+            "receives the weight gradients it returned (torch's split runs it twice). Make it "
+            "a customgrad op (customgrad.from_function) to split it; "
+            "run_functions_once=False runs it as torch does.",
+            cls.__module__,
+            cls.__qualname__,
+            why,
+        )
 
 
 _STATE_KEY = "customgrad_split"
@@ -141,7 +168,7 @@ class _SplitState:
 
     __slots__ = (
         "asked_once", "captured", "deferred", "direct", "done", "keep", "once", "once_ids", "plan",
-        "ran", "skip", "watch",
+        "ran", "skip", "split", "split_ids", "watch",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -150,6 +177,9 @@ class _SplitState:
         # Function nodes run once: what each returned in I (None: a weight-side gradient was
         # missing), then, per W call, their hand-offs and the nodes W asks again.
         self.ran: dict[Node, HandOff[Any] | None] = {}
+        # Function nodes whose backward split in I: what their weight pass needs, until their
+        # post-hook makes it their hand-off.
+        self.split: dict[Node, FunctionSplit] = {}
         self.once: dict[int, list[HandOff[Any]]] = {}
         self.asked_once: dict[int, list[tuple[list[Node], list[Node]]]] = {}
         # Per W call: the Function nodes I ran that its engine calls may reach with no gradient
@@ -157,6 +187,7 @@ class _SplitState:
         # compute nothing there (see _skipped_below).
         self.skip: dict[int, list[Node]] = {}
         self.once_ids: frozenset[int] = frozenset()
+        self.split_ids: frozenset[int] = frozenset()  # the Function nodes that split
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
         self.done = False
@@ -172,6 +203,7 @@ class _SplitState:
         self.deferred = {}
         self.captured = {}
         self.ran = {}
+        self.split = {}
         self.once = {}
         self.asked_once = {}
         self.skip = {}
@@ -212,6 +244,7 @@ def stage_backward_input(
     weights: Iterator[torch.nn.Parameter] | Iterable[torch.Tensor],
     *,
     run_functions_once: bool = True,
+    split_functions: bool = True,
 ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
     """Compute the stage inputs' gradients (I) and set aside the weights' (W) work.
 
@@ -229,6 +262,11 @@ def stage_backward_input(
             the weight gradients it returned. False: W runs its backward again from the
             gradients that reached it, as torch's ``stage_backward_weight`` does (twice, and
             wrong for a backward that writes its output gradient in place).
+        split_functions: True (the default), with ``run_functions_once``: such a Function's
+            backward is first captured with dynamo and split as a customgrad op's single
+            backward is: its input work runs here, its weight work in W. One that cannot be
+            captured (a Triton launch, Python side effects) runs once, its reason logged once
+            per class. False: it runs once, here, without trying.
 
     Returns:
         ``(dinputs, param_groups)``: the input gradients (also accumulated into each input's
@@ -253,7 +291,11 @@ def stage_backward_input(
     """
     with _runtime_errors():
         return _stage_backward_input(
-            stage_outputs_or_loss, output_grads, input_values, run_functions_once
+            stage_outputs_or_loss,
+            output_grads,
+            input_values,
+            run_functions_once,
+            split_functions,
         )
 
 
@@ -302,7 +344,11 @@ def _pair_outputs(
 
 
 def _stage_backward_input(
-    stage_outputs_or_loss: Any, output_grads: Any, input_values: Any, run_once: bool
+    stage_outputs_or_loss: Any,
+    output_grads: Any,
+    input_values: Any,
+    run_once: bool,
+    split_functions: bool = True,
 ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]]]:
     input_values = _sequence(input_values, "input_values", "Pass the stage's inputs as a list.")
     outputs, grads, out_edges = _pair_outputs(stage_outputs_or_loss, output_grads)
@@ -322,7 +368,7 @@ def _stage_backward_input(
     )
     state.plan = plan
     state.direct = {i: (*out_edges[i], grads[i]) for i in plan.direct}
-    if plan.once:
+    if plan.once and not split_functions:
         _tell_once(plan.once)
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
@@ -339,11 +385,12 @@ def _stage_backward_input(
 
         handles = [n.register_prehook(capture(n)) for n in [*plan.intermediates, *plan.once]]
         handles += [n.register_hook(_keep_weight_gradients(state, plan, n)) for n in plan.once]
+        splits = [(n, _split_apply(state, plan, n)) for n in plan.once] if split_functions else []
         before = [v.grad for _, v in inputs]
         for _, v in inputs:
             v.grad = None
         try:
-            with routing(plan.input_routes):
+            with routing(plan.input_routes), replacing(splits):
                 torch.autograd.backward(
                     outputs,  # type: ignore[arg-type]
                     grad_tensors=grads,
@@ -364,7 +411,13 @@ def _stage_backward_input(
     # The Function nodes that ran once: their hand-offs go by W's call, so that nothing keeps
     # the nodes (and, through their edges, the activation side below them) alive until W.
     ran = state.ran
-    state.once_ids = frozenset(id(n) for n, h in ran.items() if h is not None)
+    split = {n for n, h in ran.items() if h is not None and isinstance(h.value, FunctionSplit)}
+    state.once_ids = frozenset(id(n) for n, h in ran.items() if h is not None and n not in split)
+    state.split_ids = frozenset(id(n) for n in split)
+    state.split = {}
+    if split_functions:  # the classes that did not split (those that did say nothing)
+        _tell_once([n for n in plan.once if n not in split])
+    del split
     for c, call in enumerate(plan.weight_calls):
         handed = [ho for n in call.once if (ho := ran.get(n)) is not None]
         again = [n for n in call.once if n in ran and ran[n] is None]
@@ -446,6 +499,11 @@ def _keep_weight_gradients(
     side = plan.weight_side_edges(node)
 
     def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+        work = state.split.pop(node, None)
+        if work is not None:  # split: its weight pass runs in W
+            state.captured.pop(node, None)
+            state.ran[node] = HandOff(record_pass(grad_outputs), "kept", work)
+            return
         kept = [
             (GradientEdge(fn, nr), g)
             for (fn, nr), g, w in zip(node.next_functions, grad_inputs, side)
@@ -462,6 +520,37 @@ def _keep_weight_gradients(
         state.ran[node] = HandOff(record_pass(grad_outputs), "gradients", kept)
 
     return hook
+
+
+def _split_apply(
+    state: _SplitState, plan: InputPassPlan, node: Node
+) -> Callable[..., tuple[Any, ...]]:
+    """What ``node`` runs in I in place of its backward: the input pass of its split backward,
+    leaving the weight pass for W (:mod:`customgrad.pipelining._function_split`), or the
+    backward as written where it does not split."""
+    side = plan.weight_side_edges(node)
+
+    def apply(*grads: Any) -> tuple[Any, ...]:
+        found = split_input(node, side, grads, _tell_not_split)
+        if found is None:
+            return run_backward(node, grads)  # type: ignore[no-any-return]
+        out, work = found
+        state.split[node] = work
+        return out
+
+    return apply
+
+
+def split_functions_of(param_groups: object) -> set[int]:
+    """The ``id``\\ s of the plain Function nodes whose backward :func:`stage_backward_input`
+    split (input work in I, weight work in W), read off its ``param_groups`` (empty for
+    anything else)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            return set(state.split_ids)
+    return set()
 
 
 def ran_once(param_groups: object) -> set[int]:
@@ -604,9 +693,24 @@ def _run_weight_call(state: _SplitState, index: int, call: WeightCall, retain_gr
         roots.append(GradientEdge(node, nr))
         values.append(g)
     for handoff in state.once.pop(index, ()):
-        roots.extend(edge for edge, _ in handoff.value)
-        values.extend(grad for _, grad in handoff.value)
-        handoff.value = None  # send_gradients must hold the only references (see there)
+        value, handoff.value = handoff.value, None
+        if isinstance(value, FunctionSplit):
+            owner = value.node()
+            watching = (
+                state.watch(owner)
+                if state.watch is not None and owner is not None
+                else contextlib.nullcontext()
+            )
+            del owner
+            with watching, torch.no_grad():  # its weight pass, as inside the engine
+                split_edges, split_grads = value.gradients()
+            roots.extend(split_edges)
+            values.extend(split_grads)
+            del split_edges, split_grads
+        else:
+            roots.extend(edge for edge, _ in value)
+            values.extend(grad for _, grad in value)
+        del value  # send_gradients must hold the only references (see there)
     deferred = state.deferred
     if len(state.plan.weight_calls) == 1:  # all of it belongs to this call
         works = [*deferred.values()]

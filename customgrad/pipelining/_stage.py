@@ -117,6 +117,11 @@ class PipelineStage(_TorchPipelineStage):
             model unchanged. False: W runs its backward again, as torch's stage does (its
             kernels twice, and wrong gradients for a backward that writes its output gradient
             in place, such as Liger's RMSNorm at its default ``in_place=True``).
+        split_functions: True (the default), with ``run_functions_once``: such a Function's
+            backward is first captured with dynamo and split as a customgrad op's single
+            backward is (its input work in I, its weight work in W); one that cannot be
+            captured (a Triton launch, Python side effects, a graph break) runs once, its
+            reason logged once per class. False: every such Function runs once, in I.
 
     Example:
         Build stages as with torch and hand them to a torch schedule::
@@ -131,6 +136,7 @@ class PipelineStage(_TorchPipelineStage):
         queue: WeightGradQueue | None = None,
         split_compiled: bool = True,
         run_functions_once: bool = True,
+        split_functions: bool = True,
         **kwargs: Any,
     ) -> None:
         positional = bool(args)
@@ -157,6 +163,7 @@ class PipelineStage(_TorchPipelineStage):
             kwargs["dw_builder"] = self._build_dw
         self.queue = queue
         self.run_functions_once = run_functions_once
+        self.split_functions = split_functions
         self._bwd_chunk: int | None = None
         super().__init__(*args, **kwargs)
 
@@ -280,6 +287,7 @@ class PipelineStage(_TorchPipelineStage):
                     bwd_kwargs["input_values"],
                     self.submod.parameters(),
                     run_functions_once=self.run_functions_once,
+                    split_functions=self.split_functions,
                 )
             if backward_type == "weight":
                 grads = stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])

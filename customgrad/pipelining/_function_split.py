@@ -1,0 +1,286 @@
+"""The automatic split of a plain ``torch.autograd.Function``'s backward in a stage's split backward.
+
+A Function node with edges into the weight side runs once in the input pass (I) and hands W the
+weight gradients it returned (:mod:`customgrad.pipelining._backward`). With ``split_functions``
+(the default), I first tries to split it as customgrad splits its own ops' single backward
+(:mod:`customgrad._autosplit`): ``Function.backward(ctx, *grads)`` is captured with dynamo
+(:mod:`customgrad._capture`), with one gradient slot per tensor argument of the forward (the
+weight slots: the node's weight-side edges), and cut by the split program. I runs the input
+pass and keeps what the weight pass shares with it (a :class:`~customgrad._handoff.Kept`); W runs
+the weight pass and sends its gradients along the weight-side edges, summed and cast to each
+edge's shape and dtype as the engine does.
+
+The ctx the capture sees is a plain object made from the node at each backward: its saved
+tensors, the attributes its forward set, ``needs_input_grad``. dynamo's guards on it (the
+attributes' values, the saved tensors' shapes, dtypes and strides, the globals the backward
+reads) select the capture per call; a change captures again. A backward that cannot be captured
+(a Triton launch, Python side effects, a graph break, a write into a tensor it did not create, a
+tensor kept on ctx rather than saved) runs once as before, with its reason logged once per class.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch.autograd.graph import GradientEdge, Node
+
+from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _tracing_now, ambient
+from customgrad._capture import Capture, Fallback, capture_backward
+from customgrad._from_function import _BackwardContext
+from customgrad._handoff import Kept
+from customgrad._rules import OpSpec
+from customgrad._signature import Signature
+from customgrad._torch.functions import edge_metadata, forward_cls
+from customgrad._traced_split import TRACE_LOCK, TracedSplit
+
+__all__ = ["FunctionSplit", "split_input"]
+
+log = logging.getLogger("customgrad")
+
+NOT_TENSOR_POSITIONS = Fallback(
+    "its forward takes arguments that are not tensors besides tensors that need no gradient, so "
+    "its node does not tell which gradient it returns goes along which edge",
+    "give the tensors that need no gradient after the others, or make it a customgrad op "
+    "(customgrad.from_function)",
+)
+
+
+class _FunctionOp:
+    """What the capture and the split program read of an op, for a Function's backward with its
+    tensor arguments named ``arg<position>``."""
+
+    __slots__ = ("name", "signature")
+
+    def __init__(self, cls: type, names: tuple[str, ...], weights: tuple[str, ...]) -> None:
+        self.name = f"{cls.__module__}.{cls.__qualname__}"
+
+        def named(*args: Any) -> None:  # only its signature is read
+            raise NotImplementedError
+
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        named.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(n, kind) for n in names]
+        )
+        named.__wrapped__ = cls.backward  # type: ignore[attr-defined]  # for file:line
+        schema = f"({', '.join(f'Tensor {n}' for n in names)}) -> Tensor"
+        self.signature = Signature(self.name, schema, named, weights)
+
+
+def _calling(backward: Callable[..., Any], names: tuple[str | None, ...]) -> Callable[..., Any]:
+    """``backward`` as a single backward of customgrad's form, ``fn(ctx, saved, *grads) ->
+    {name: gradient}``, for the forward's arguments named ``names`` (None: not a tensor). A
+    gradient for a non-tensor, or too few gradients, raise (torch raises its own error for
+    those): the capture refuses it and the Function runs as written."""
+    n_args = len(names)
+
+    def fn(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
+        got = backward(ctx, *grads)
+        if not isinstance(got, tuple):
+            got = (got,)
+        if len(got) < n_args:
+            raise ValueError("too few gradients")
+        out: dict[str, Any] = {}
+        for i, g in enumerate(got):
+            name = names[i] if i < n_args else None
+            if name is not None:
+                out[name] = g
+            elif g is not None:
+                raise ValueError("a gradient for an argument that is not a tensor")
+        return out
+
+    return fn
+
+
+class _Entry:
+    __slots__ = ("captures", "fallback", "tries")
+
+    def __init__(self) -> None:
+        self.captures: list[Capture] = []
+        self.tries = 0
+        self.fallback: Fallback | None = None
+
+
+class _Splitter:
+    """The captures of one Function class's backward, per layout of its arguments.
+
+    The backward is called as a plain function (``cls.backward``): dynamo takes
+    ``Function.backward(...)`` for compiled autograd's call.
+    """
+
+    def __init__(self, cls: type[torch.autograd.Function]) -> None:
+        self.cls = cls
+        self._ops: dict[tuple[Any, ...], tuple[_FunctionOp, Callable[..., Any]]] = {}
+        self._cache: dict[Any, _Entry] = {}
+
+    def select(
+        self,
+        ctx: Any,
+        saved: tuple[Any, ...],
+        grads: tuple[Any, ...],
+        names: tuple[str | None, ...],
+        weights: tuple[str, ...],
+        requires: frozenset[str],
+    ) -> TracedSplit | Fallback:
+        layout = (names, weights)
+        made = self._ops.get(layout)
+        if made is None:
+            tensors = tuple(n for n in names if n is not None)
+            made = self._ops[layout] = (
+                _FunctionOp(self.cls, tensors, weights),
+                _calling(self.cls.backward, names),
+            )
+        op, fn = made
+        leaves = saved + grads
+        signature = _signature(leaves, (len(saved), layout, requires), flat=False)
+        if isinstance(signature, Fallback):
+            return signature
+        key = (signature, ambient())
+        frame = {"ctx": ctx, "saved": saved, "grads": grads}
+        with TRACE_LOCK:
+            entry = self._cache.get(key)
+            if entry is None:
+                if len(self._cache) >= MAX_SIGNATURES:
+                    return Fallback(
+                        f"it was captured for {MAX_SIGNATURES} input signatures already "
+                        f"(shapes, dtypes or saved values change from call to call)",
+                        "call it with a few distinct shapes (pad to buckets)",
+                    )
+                entry = self._cache[key] = _Entry()
+            for capture in entry.captures:
+                if capture.holds(frame):
+                    return capture.split
+            if entry.fallback is not None:
+                return entry.fallback
+            if entry.tries >= RECAPTURES:
+                return Fallback(
+                    f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a ctx "
+                    f"attribute, a global), and each change needs a new capture",
+                    "pass what changes as a tensor, or keep it fixed during training",
+                )
+            entry.tries += 1
+            # The capture and the split program read an op's name and signature only.
+            spec = cast(OpSpec, op)
+            outcome = capture_backward(spec, fn, frame, leaves, len(saved), requires, False)
+            if isinstance(outcome, Capture):
+                entry.captures.insert(0, outcome)
+                return outcome.split
+            if not entry.captures and not outcome.retries:
+                entry.fallback = outcome
+            return outcome
+
+
+_SPLITTERS: dict[type, _Splitter] = {}
+"""The splitter of each Function class seen."""
+
+
+class FunctionSplit:
+    """What a Function node's input pass left for its weight pass: the weight-side edges, and
+    what the weight pass of its split program takes."""
+
+    __slots__ = ("_edges", "_grads", "_kept", "_saved", "_split", "_weights", "node")
+
+    def __init__(
+        self,
+        node: Node,
+        split: TracedSplit,
+        saved: tuple[Any, ...],
+        grads: tuple[Any, ...],
+        kept: Kept | None,
+        edges: list[tuple[str, Node, int]],
+    ) -> None:
+        self.node = weakref.ref(node)  # for tools that watch W: not kept alive for it
+        self._split = split
+        self._saved = saved
+        self._grads = grads
+        self._kept = kept
+        self._edges = edges
+        self._weights = frozenset(name for name, _, _ in edges)
+
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """Run the weight pass (once): the weight-side edges and their gradients."""
+        split, saved, grads, kept = self._split, self._saved, self._grads, self._kept
+        self._saved = self._grads = ()
+        self._kept = None
+        result, _ = split.run(saved, grads, self._weights, kept, False)
+        del saved, grads, kept
+        edges: list[GradientEdge] = []
+        values: list[torch.Tensor] = []
+        for name, fn, nr in self._edges:
+            g = result.get(name)
+            if not isinstance(g, torch.Tensor):
+                continue  # the backward returned None for it: the engine sends nothing either
+            meta = edge_metadata(fn, nr)
+            if meta is not None:  # as the engine's validation of a node's outputs
+                shape, dtype = meta
+                if g.shape != shape:
+                    g = g.sum_to_size(shape)
+                if g.dtype != dtype:
+                    g = g.to(dtype)
+            edges.append(GradientEdge(fn, nr))
+            values.append(g)
+        self._edges = []
+        return edges, values
+
+
+def _positions(node: Node) -> tuple[int, ...] | None:
+    """The forward's argument positions of the node's edges (its tensor arguments), or None
+    when the node does not tell them."""
+    needs = node.needs_input_grad  # type: ignore[attr-defined]
+    edges = node.next_functions
+    if len(edges) == len(needs):
+        return tuple(range(len(needs)))
+    wanted = tuple(i for i, n in enumerate(needs) if n)
+    if len(wanted) == len(edges) and all(fn is not None for fn, _ in edges):
+        return wanted
+    return None
+
+
+def split_input(
+    node: Node, side: tuple[bool, ...], grads: tuple[Any, ...], tell: Callable[[type, str], None]
+) -> tuple[tuple[Any, ...], FunctionSplit] | None:
+    """Run the input pass of ``node``'s split backward on ``grads``: the gradients to return
+    (one per argument of the forward; None for the weight-side ones) and what W needs, or None
+    when it does not split (``tell(cls, why)`` is called with the reason; the caller runs the
+    backward as written)."""
+    cls = forward_cls(node)
+    if cls is None or torch.is_grad_enabled() or _tracing_now():
+        return None  # a create_graph backward, or one inside a trace: as written
+    positions = _positions(node)
+    if positions is None:
+        tell(cls, NOT_TENSOR_POSITIONS.why)
+        return None
+    needs = node.needs_input_grad  # type: ignore[attr-defined]
+    n_args = len(needs)
+    by_pos: list[str | None] = [None] * n_args
+    for p in positions:
+        by_pos[p] = f"arg{p}"
+    names = tuple(by_pos)
+    edges: list[tuple[str, Node, int]] = []
+    for p, (fn, nr), w in zip(positions, node.next_functions, side):
+        if w and needs[p] and fn is not None:
+            edges.append((f"arg{p}", fn, nr))
+    weights = tuple(name for name, _, _ in edges)
+    requires = frozenset(f"arg{p}" for p in positions if needs[p])
+    try:
+        saved = tuple(node.saved_tensors)  # type: ignore[attr-defined]
+    except RuntimeError:
+        return None  # freed: the backward as written raises torch's error
+    attrs = {k: v for k, v in vars(node).items() if k != "apply"}
+    ctx = _BackwardContext(saved, attrs, needs)
+    splitter = _SPLITTERS.get(cls)
+    if splitter is None:
+        splitter = _SPLITTERS[cls] = _Splitter(cls)
+    outcome = splitter.select(ctx, saved, grads, names, weights, requires)
+    if isinstance(outcome, Fallback):
+        if outcome.logged:
+            tell(cls, outcome.why)
+        return None
+    needed = requires - frozenset(weights)
+    result, kept = outcome.run(saved, grads, needed, None, True)
+    out = tuple(result.get(n) if n is not None and n in needed else None for n in names)
+    return out, FunctionSplit(node, outcome, saved, grads, kept, edges)

@@ -110,12 +110,15 @@ class Summary:
         functions: the plain ``torch.autograd.Function`` classes (``module.QualName``) whose
             backward customgrad's split ran once in this process (a Liger-Kernel or unsloth
             kernel): they cannot split, so their weight work stays in the input pass.
+        split_functions: the plain Function classes whose backward customgrad's split split
+            (captured by dynamo: input work in the input pass, weight work in the weight pass).
     """
 
     ops: tuple[OpRow, ...]
     compiled_regions: tuple[CompiledRegionRow, ...]
     split_enabled: bool
     functions: tuple[str, ...] = ()
+    split_functions: tuple[str, ...] = ()
 
     @property
     def repeated(self) -> str:
@@ -167,7 +170,7 @@ class Summary:
                     ],
                 )
             )
-        lines.extend(_function_lines(self.functions))
+        lines.extend(_function_lines(self.functions, self.split_functions))
         return "\n".join(lines)
 
 
@@ -202,6 +205,7 @@ def summary(namespace: str | None = None) -> Summary:
         compiled_regions=tuple(_compiled_region_rows()) if namespace is None else (),
         split_enabled=split_enabled(),
         functions=_functions_run_once() if namespace is None else (),
+        split_functions=_functions_split() if namespace is None else (),
     )
 
 
@@ -249,16 +253,32 @@ def _functions_run_once() -> tuple[str, ...]:
     return tuple(sorted(f"{c.__module__}.{c.__qualname__}" for c in backward._TOLD))
 
 
-def _function_lines(functions: Sequence[str]) -> list[str]:
-    if not functions:
-        return []
-    return [
-        "",
-        "Plain autograd.Functions customgrad's split ran once (their backward whole, in the "
-        "input pass; the weight pass received the weight gradients they returned; torch's "
-        "split runs them twice). customgrad.from_function makes one an op that splits:",
-        *(f"  {name}" for name in functions),
-    ]
+def _functions_split() -> tuple[str, ...]:
+    """The plain Function classes customgrad's split split (none before it ran)."""
+    split = sys.modules.get("customgrad.pipelining._function_split")
+    if split is None:
+        return ()
+    return tuple(sorted(f"{c.__module__}.{c.__qualname__}" for c in split.SPLIT))
+
+
+def _function_lines(functions: Sequence[str], split: Sequence[str]) -> list[str]:
+    lines = []
+    if split:
+        lines += [
+            "",
+            "Plain autograd.Functions customgrad's split split (their backward captured by "
+            "dynamo: input work in the input pass, weight work in the weight pass):",
+            *(f"  {name}" for name in split),
+        ]
+    if functions:
+        lines += [
+            "",
+            "Plain autograd.Functions customgrad's split ran once (their backward whole, in the "
+            "input pass; the weight pass received the weight gradients they returned; torch's "
+            "split runs them twice; the log gave each one's reason once):",
+            *(f"  {name}" for name in functions),
+        ]
+    return lines
 
 
 def _registered_ops() -> Iterable[CustomOp[..., Any]]:

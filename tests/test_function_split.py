@@ -23,7 +23,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 import customgrad.pipelining as cgp
-from customgrad.pipelining import _backward, stage_backward_input, stage_backward_weight
+from customgrad.pipelining import (
+    _backward,
+    _function_split,
+    stage_backward_input,
+    stage_backward_weight,
+)
 
 DT = torch.float64
 CALLS: Counter[str] = Counter()
@@ -333,6 +338,7 @@ def test_pipeline_stage_splits_functions_unless_told_not_to(group: None, split: 
     schedule = ScheduleZBVZeroBubble(stages, n_microbatches=2, loss_fn=_loss)
     x, y = torch.randn(4, 6), torch.randn(4, 6)
     _backward._TOLD.discard(ScaledLinear)
+    _function_split.SPLIT.discard(ScaledLinear)
     schedule.step(x, target=y)
     for xi, yi in zip(x.chunk(2), y.chunk(2)):
         (_loss(ref(xi), yi) / 2).backward()
@@ -341,3 +347,10 @@ def test_pipeline_stage_splits_functions_unless_told_not_to(group: None, split: 
         torch.testing.assert_close(m.w.grad, r.w.grad)
     # split: nothing said; run once: one line, which names the class (summary lists it)
     assert (ScaledLinear in _backward._TOLD) is not split
+    name = f"{__name__}.ScaledLinear"
+    report = cg.summary()
+    assert (name in report.split_functions, name in report.functions) == (split, not split)
+    heading = "customgrad's split split" if split else "customgrad's split ran once"
+    assert re.search(
+        re.escape(heading) + r"[^\n]*:\n(  .*\n)*" + re.escape(f"  {name}"), str(report)
+    )

@@ -177,6 +177,9 @@ class _Splitter:
 _SPLITTERS: dict[type, _Splitter] = {}
 """The splitter of each Function class seen."""
 
+SPLIT: set[type] = set()
+"""The Function classes whose backward split at least once (for :func:`customgrad.summary`)."""
+
 
 class FunctionSplit:
     """What a Function node's input pass left for its weight pass: the weight-side edges, and
@@ -282,5 +285,6 @@ def split_input(
         return None
     needed = requires - frozenset(weights)
     result, kept = outcome.run(saved, grads, needed, None, True)
+    SPLIT.add(cls)
     out = tuple(result.get(n) if n is not None and n in needed else None for n in names)
     return out, FunctionSplit(node, outcome, saved, grads, kept, edges)

@@ -23,6 +23,7 @@ import customgrad as cg
 import customgrad.pipelining as cg_split
 from customgrad._compile import regions
 from customgrad.graph import explain_split
+from tests._skips import FREEZE_RECOMPILES
 
 SPLITS = {
     "torch": (torch_split.stage_backward_input, torch_split.stage_backward_weight),
@@ -672,6 +673,7 @@ def test_stage_compiled_over_blocks_compiled_on_their_own(how: str) -> None:
     assert f_i + f_w == full
 
 
+@FREEZE_RECOMPILES
 @HOW
 def test_freezing_a_weight_between_steps_recompiles_and_splits(
     block: tuple[nn.Module, nn.Module], how: str

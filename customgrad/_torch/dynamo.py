@@ -54,6 +54,7 @@ __all__ = [
     "readable",
     "unsupported",
     "guards_instance_attributes",
+    "guards_parameter_requires_grad",
 ]
 
 
@@ -362,3 +363,31 @@ def guards_instance_attributes() -> bool:
         compiled(x)
         member.A.scale = 2.0  # type: ignore[attr-defined]
         return bool(compiled(x).item() == 2.0)
+
+
+@functools.cache
+def guards_parameter_requires_grad() -> bool:
+    """Whether a compiled module recompiles when one of its parameters is frozen or unfrozen
+    (``requires_grad_``) between calls (torch 2.12 and later). torch 2.11's dynamo keeps the
+    graph traced with the old flag: a weight frozen after the first compile still has its
+    gradient computed by the backward graph (and dropped by autograd), under ``torch.compile``
+    and ``customgrad.compile`` alike. Probed once, by that behaviour: a compiled ``nn.Linear``
+    called, its weight frozen, called again, the backend's compiles counted."""
+    import torch
+
+    from customgrad._torch.dispatcher import disable_current_modes
+
+    compiles = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        compiles.append(gm)
+        return gm.forward
+
+    linear = torch.nn.Linear(1, 1)
+    compiled = torch.compile(linear, backend=backend, fullgraph=True, dynamic=False)
+    with torch.enable_grad(), disable_current_modes():
+        x = torch.ones(1, 1)
+        compiled(x)
+        linear.weight.requires_grad_(False)
+        compiled(x)
+    return len(compiles) == 2

@@ -27,6 +27,7 @@ import customgrad as cg
 from customgrad._autosplit import AutoSplitter, Fallback
 from customgrad._record import record_of
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests._skips import TORCH_SPLIT
 
 DT = torch.float64
 _ids = itertools.count()
@@ -98,7 +99,7 @@ def run(how: str, f: Callable[[Tensor, Tensor], Tensor], x: Tensor, w: Tensor, g
     return gx, w.grad
 
 
-@pytest.mark.parametrize("how", ["customgrad", "torch"])
+@pytest.mark.parametrize("how", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 def test_a_kernel_writing_into_the_output_gradient_runs_once_and_is_exact(how: str) -> None:
     op = cg.from_function(InPlaceNorm, unique("norm"), weights=("w",))
     x, w = inputs()
@@ -112,7 +113,7 @@ def test_a_kernel_writing_into_the_output_gradient_runs_once_and_is_exact(how: s
     assert isinstance(op.rules.auto.last, Fallback)  # reads .data: not traced
 
 
-@pytest.mark.parametrize("how", ["customgrad", "torch", "full"])
+@pytest.mark.parametrize("how", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT), "full"])
 def test_a_precomputed_gradient_is_scaled_once(how: str) -> None:
     op = cg.from_function(PrecomputedLoss, unique("loss"), weights=("w",))
     x, _ = inputs()
@@ -145,6 +146,7 @@ def test_the_weight_gradient_queue_runs_it_once() -> None:
     torch.testing.assert_close(w.grad, want[1])
 
 
+@TORCH_SPLIT
 def test_what_runs_once_hands_its_weight_gradients_to_w_and_frees_them() -> None:
     op = cg.from_function(InPlaceNorm, unique("norm"), weights=("w",))
     x, w = inputs()

@@ -61,8 +61,9 @@ TORCH_SPLIT = pytest.mark.skipif(
     not functions.handles_keep_nodes(),
     reason=release_lacks(
         "a split in torch's own stage_backward_input/stage_backward_weight that runs "
-        "autograd.Function nodes (fixed in torch 2.13; there customgrad refuses it with "
-        "UnsupportedTorchError, pinned in tests/test_releases.py)"
+        "autograd.Function nodes (fixed in torch 2.13; on this release customgrad refuses it "
+        "for its ops and compiled regions with UnsupportedTorchError, pinned in "
+        "tests/test_releases.py)"
     ),
 )
 """For tests of torch's own split (its stage, its ``_backward`` functions)."""

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from customgrad.graph import SplitExplanation, explain_split
+from tests._skips import TORCH_SPLIT
 from tests.conftest import linear_op
 
 linear = linear_op("test_graph::linear")
@@ -102,6 +103,7 @@ def test_grads_are_restored() -> None:
     assert all(w.grad is None for w in ws.values())
 
 
+@TORCH_SPLIT
 def test_shared_weights_torch_split_repeats_customgrad_split_does_not() -> None:
     def run(splitter: Any) -> SplitExplanation:
         x = torch.randn(4, 3, requires_grad=True)

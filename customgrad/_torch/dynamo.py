@@ -55,6 +55,7 @@ __all__ = [
     "unsupported",
     "guards_instance_attributes",
     "guards_parameter_requires_grad",
+    "refuses_data_pointer_comparisons",
 ]
 
 
@@ -391,3 +392,24 @@ def guards_parameter_requires_grad() -> bool:
         linear.weight.requires_grad_(False)
         compiled(x)
     return len(compiles) == 2
+
+
+@functools.cache
+def refuses_data_pointer_comparisons() -> bool:
+    """Whether dynamo refuses (a graph break) to trace a comparison of a tensor's
+    ``data_ptr()`` it cannot decide (torch 2.13 and later). torch 2.11's and 2.12's dynamo
+    evaluate ``t.data_ptr() == 0`` to False at trace time whatever the tensor, and capture the
+    rest. Probed once, by that behaviour, on an empty tensor (whose data pointer is 0)."""
+    import torch
+
+    from customgrad._torch.dispatcher import disable_current_modes
+
+    def compare(t: Any) -> Any:
+        return t.data_ptr() == 0
+
+    compiled = torch.compile(compare, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad(), disable_current_modes():
+        try:
+            return bool(compiled(torch.empty(0))) is not False
+        except Exception:  # dynamo's Unsupported: it refuses, as it should
+            return True

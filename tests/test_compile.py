@@ -472,6 +472,7 @@ def _no_leftover_handoffs() -> Iterator[None]:
 # 7. explain_split
 
 
+@TORCH_SPLIT
 def test_explain_split_reports_a_split_compiled_region(block: tuple[nn.Module, nn.Module]) -> None:
     from customgrad.graph import explain_split
 
@@ -514,7 +515,13 @@ def test_explain_split_reports_a_fallen_back_region() -> None:
 # 9. The docs' code runs
 
 
-@pytest.mark.parametrize("page", ["models/torch-compile.md", "pipelines/compiled-stages.md"])
+@pytest.mark.parametrize(  # both pages run torch's own split over compiled regions
+    "page",
+    [
+        pytest.param("models/torch-compile.md", marks=TORCH_SPLIT),
+        pytest.param("pipelines/compiled-stages.md", marks=TORCH_SPLIT),
+    ],
+)
 def test_compile_docs_code_runs(page: str) -> None:
     from tests.test_docs import _run_page
 

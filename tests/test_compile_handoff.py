@@ -419,6 +419,7 @@ class CompiledAutogradBlock(HookedBlock):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
+@TORCH_SPLIT
 def test_compiled_autograd_is_said_to_run_the_backward_whole(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -579,7 +579,7 @@ class CalledTwice(nn.Module):
 @pytest.mark.parametrize(
     ("cls", "how"),
     [
-        (TiedAcrossRegions, "torch"),
+        pytest.param(TiedAcrossRegions, "torch", marks=TORCH_SPLIT),
         (TiedAcrossRegions, "customgrad"),
         # torch's split raises on a module called twice, eager alike (its W frees the graph)
         (CalledTwice, "customgrad"),

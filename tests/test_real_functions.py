@@ -25,6 +25,9 @@ import customgrad as cg
 import customgrad.pipelining as cgp
 from tests._skips import TORCH_SPLIT, optional_package
 
+# liger_kernel first: a failed import of tests._liger_block can stay half-made in
+# sys.modules (the doctest collection imports it too)
+pytest.importorskip("liger_kernel", reason=optional_package("liger-kernel"))
 L = pytest.importorskip("tests._liger_block", reason=optional_package("liger-kernel"))
 
 

@@ -27,7 +27,7 @@ import customgrad as cg
 from customgrad._autosplit import AutoSplitter, Fallback
 from customgrad._record import record_of
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import TORCH_SPLIT
+from tests._skips import CAPTURE, GRAPH_FREED_AFTER_I, TORCH_SPLIT
 
 DT = torch.float64
 _ids = itertools.count()
@@ -305,7 +305,7 @@ def test_summary_and_explain_split_say_it_runs_once_and_what_it_held() -> None:
     assert node.auto_split.endswith("(24 bytes held between the passes at the latest split)")
 
 
-@pytest.mark.parametrize("kind", ["traced", "run_once"])
+@pytest.mark.parametrize("kind", [pytest.param("traced", marks=CAPTURE), "run_once"])
 def test_a_gradient_written_to_between_the_passes_is_another_pass(kind: str) -> None:
     @cg.op(unique("lin"), weights=("weight",))
     def lin(x: Tensor, weight: Tensor) -> Tensor:
@@ -378,7 +378,7 @@ def _lin_op(kind: str) -> Any:
     return lin
 
 
-KINDS = ["shared", "traced", "gradients"]
+KINDS = ["shared", pytest.param("traced", marks=CAPTURE), "gradients"]  # traced: a capture
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -456,6 +456,7 @@ def _tensors(value: Any) -> list[Tensor]:
     return [t for t in optree.tree_leaves(value) if isinstance(t, Tensor)]
 
 
+@GRAPH_FREED_AFTER_I
 def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     # customgrad's split: a plain Function's weight-side gradients go from I to W in a
     # HandOff of kind "gradients"; W takes them, and nothing of the node outlives I.

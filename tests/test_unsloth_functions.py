@@ -83,6 +83,7 @@ def test_lora_mlp_under_torch_s_split_is_wrong_out_of_place(
     assert {"gate_A", "gate_B", "up_A", "up_B"} <= wrong
 
 
+@TORCH_SPLIT
 def test_lora_mlp_under_torch_s_split_fails_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _run(True, "torch", monkeypatch)

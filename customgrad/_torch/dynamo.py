@@ -305,6 +305,10 @@ def unsupported(e: BaseException) -> Refusal | None:
         return None
     kind = str(getattr(e, "gb_type", "") or type(e).__name__)
     msg = str(getattr(e, "msg", "") or e)
+    name = _observed_name_error(e)
+    if name is not None:  # torch 2.14 and later: an undefined name is an "Observed exception"
+        kind = "failed to find name in frame builtins"  # what torch 2.13 and earlier say
+        msg = f"Explanation: Failed to find name `{name}` in the frame's globals or builtins."
     explanation = ""
     for line in msg.splitlines():
         line = line.strip()
@@ -321,6 +325,23 @@ def unsupported(e: BaseException) -> Refusal | None:
         for f in getattr(e, "real_stack", None) or ()
     )
     return Refusal(kind, explanation, at, text, stack)
+
+
+def _observed_name_error(e: BaseException) -> str | None:
+    """The undefined name, where dynamo reports a ``NameError`` of the traced code as an
+    observed exception (torch 2.14 and later: ``Unsupported`` caused by
+    ``ObservedNameError``); else None."""
+    import re
+
+    seen: BaseException | None = e.__cause__
+    for _ in range(4):
+        if seen is None:
+            return None
+        if type(seen).__name__.startswith("ObservedNameError"):
+            found = re.search(r"name '([^']+)' is not defined", str(seen))
+            return found.group(1) if found else None
+        seen = seen.__cause__
+    return None
 
 
 def backend_error(e: BaseException) -> BaseException | None:

@@ -19,6 +19,8 @@ from customgrad._torch import dynamo, functions, pipelining
 __all__ = [
     "ALLOWED",
     "CAPTURE",
+    "FREEZE_RECOMPILES",
+    "DATA_POINTERS",
     "GRAPH_FREED_AFTER_I",
     "NO_CUDA",
     "TORCH_SPLIT",
@@ -60,8 +62,9 @@ TORCH_SPLIT = pytest.mark.skipif(
     not functions.handles_keep_nodes(),
     reason=release_lacks(
         "a split in torch's own stage_backward_input/stage_backward_weight that runs "
-        "autograd.Function nodes (fixed in torch 2.13; there customgrad refuses it with "
-        "UnsupportedTorchError, pinned in tests/test_releases.py)"
+        "autograd.Function nodes (fixed in torch 2.13; on this release customgrad refuses it "
+        "for its ops and compiled regions with UnsupportedTorchError, pinned in "
+        "tests/test_releases.py)"
     ),
 )
 """For tests of torch's own split (its stage, its ``_backward`` functions)."""
@@ -87,54 +90,6 @@ GRAPH_FREED_AFTER_I = pytest.mark.skipif(
 TORCH_SPLIT_RUNS_FUNCTIONS = functions.handles_keep_nodes()
 """Whether torch's own split can run ``autograd.Function`` nodes, customgrad ops among them
 (torch 2.13 and later); elsewhere customgrad refuses it (``UnsupportedTorchError``)."""
-
-
-# --- torch's own split on torch 2.11 and 2.12 --------------------------------------------------
-
-TORCH_SPLIT_REASON = release_lacks(
-    "a split in torch's own stage_backward_input/stage_backward_weight that runs "
-    "autograd.Function nodes (the test ran it; fixed in torch 2.13)"
-)
-
-
-def _from_torch_split(excinfo: pytest.ExceptionInfo[BaseException]) -> bool:
-    """Whether a test failed because torch's own split cannot run what it was given on this
-    release: customgrad refused it (UnsupportedTorchError), or torch's split raised (a frame of
-    its stage_backward_input / stage_backward_weight in the traceback)."""
-    from customgrad import UnsupportedTorchError
-
-    codes = {f.__code__ for f in pipelining.torch_split()}
-    seen: BaseException | None = excinfo.value
-    for _ in range(8):
-        if seen is None:
-            return False
-        if isinstance(seen, UnsupportedTorchError):
-            return True
-        tb = seen.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code in codes:
-                return True
-            tb = tb.tb_next
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    """On torch 2.11 and 2.12 a test that runs torch's own split over autograd.Function nodes
-    (customgrad ops, compiled regions, plain Functions) is reported skipped with
-    :data:`TORCH_SPLIT_REASON` (tests/test_releases.py pins the refusal itself)."""
-    outcome = yield
-    report = outcome.get_result()
-    if (
-        TORCH_SPLIT_RUNS_FUNCTIONS
-        or call.excinfo is None
-        or report.when != "call"
-        or not _from_torch_split(call.excinfo)
-    ):
-        return
-    report.outcome = "skipped"
-    report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: {TORCH_SPLIT_REASON}")
 
 
 # --- in CI, a skip is a result: reasons outside ALLOWED fail the run ---------------------------
@@ -220,3 +175,24 @@ CAPTURE = pytest.mark.skipif(
     ),
 )
 """For tests that check that a backward is captured and split automatically."""
+
+
+FREEZE_RECOMPILES = pytest.mark.skipif(
+    not dynamo.guards_parameter_requires_grad(),
+    reason=release_lacks(
+        "a recompile when a compiled module's weight is frozen between calls: dynamo keeps the "
+        "graph traced with the old requires_grad, whose backward computes the frozen weight's "
+        "gradient (torch.compile alike; customgrad._torch.dynamo.guards_parameter_requires_grad)"
+    ),
+)
+"""For tests that check what a compiled module's backward computes after a weight is frozen."""
+
+
+DATA_POINTERS = pytest.mark.skipif(
+    not dynamo.refuses_data_pointer_comparisons(),
+    reason=release_lacks(
+        "a graph break on a data_ptr() comparison dynamo cannot decide (it evaluates it to False "
+        "and captures the rest; customgrad._torch.dynamo.refuses_data_pointer_comparisons)"
+    ),
+)
+"""For tests that check that a backward comparing data pointers is not captured."""

@@ -38,7 +38,7 @@ from customgrad._record import record_of
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
-from tests._skips import CAPTURE, TORCH_SPLIT
+from tests._skips import CAPTURE, DATA_POINTERS, TORCH_SPLIT
 
 _ids = itertools.count()
 DT = torch.float64
@@ -468,9 +468,12 @@ def at_line(fn: Callable[..., Any], text: str) -> str:
     [
         (branchy, lambda: "it branches on tensor values in Python at "
                           + at_line(branchy, "if g.sum() > 0")),
-        (pointer, lambda: "dynamo cannot capture it at " + at_line(pointer, "if g.data_ptr()")
-                          + ": Dynamo can only trace data pointer comparisons when it can prove "
-                            "both operands have the same data pointer"),
+        pytest.param(
+            pointer, lambda: "dynamo cannot capture it at " + at_line(pointer, "if g.data_ptr()")
+                             + ": Dynamo can only trace data pointer comparisons when it can "
+                               "prove both operands have the same data pointer",
+            marks=DATA_POINTERS,
+        ),
     ],
     ids=["branch", "data_ptr"],
 )  # fmt: skip

@@ -23,7 +23,10 @@ from torch.utils.flop_counter import FlopCounterMode
 import customgrad as cg
 import customgrad.pipelining as cg_split
 from customgrad._compile import CompiledRegion, regions
+from tests._skips import TORCH_SPLIT
 from tests.conftest import linear_op
+
+HOW = pytest.mark.parametrize("how", [pytest.param("torch", marks=TORCH_SPLIT), "customgrad"])
 
 Split = tuple[Callable[..., Any], Callable[..., Any]]
 SPLITS: dict[str, Split] = {
@@ -163,17 +166,16 @@ def split_once(
     return f_i, f_w, result["i"][0]
 
 
-def assert_splits_exactly(ref: nn.Module, m: nn.Module, x: Tensor, dy: Tensor) -> None:
-    """Under torch's and customgrad's split: eager's gradients, I computes the input gradients
-    only, and I + W does the full backward's FLOPs."""
+def assert_splits_exactly(ref: nn.Module, m: nn.Module, x: Tensor, dy: Tensor, how: str) -> None:
+    """Under torch's or customgrad's split (``how``): eager's gradients, I computes the input
+    gradients only, and I + W does the full backward's FLOPs."""
     dx_ref, dw_ref, full, only_input = eager_reference(ref, x, dy)
-    for how in ("torch", "customgrad"):
-        zero(m)
-        xi = x.detach().clone().requires_grad_()
-        f_i, f_w, dinputs = split_once(m, xi, dy, how)
-        torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
-        assert_same(grads(m), dw_ref)
-        assert (f_i, f_i + f_w) == (only_input, full)
+    zero(m)
+    xi = x.detach().clone().requires_grad_()
+    f_i, f_w, dinputs = split_once(m, xi, dy, how)
+    torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
+    assert_same(grads(m), dw_ref)
+    assert (f_i, f_i + f_w) == (only_input, full)
 
 
 # --------------------------------------------------------------------------------------------
@@ -216,7 +218,7 @@ def test_compile_a_function() -> None:
 # 2. Split under torch's and customgrad's functions
 
 
-@pytest.mark.parametrize("how", ["torch", "customgrad"])
+@HOW
 def test_split_gradients_and_flops_equal_eager(
     block: tuple[nn.Module, nn.Module], how: str
 ) -> None:
@@ -233,6 +235,7 @@ def test_split_gradients_and_flops_equal_eager(
     assert region.pending() == 0  # freed after W
 
 
+@TORCH_SPLIT
 def test_split_under_default_config_has_no_donated_buffer_error(
     block: tuple[nn.Module, nn.Module],
 ) -> None:
@@ -245,11 +248,15 @@ def test_split_under_default_config_has_no_donated_buffer_error(
     assert functorch_config.donated_buffer
 
 
-def test_inductor_region_splits_under_both(block_inductor: tuple[nn.Module, nn.Module]) -> None:
+@HOW
+def test_inductor_region_splits_under_both(
+    block_inductor: tuple[nn.Module, nn.Module], how: str
+) -> None:
     ref, m = block_inductor
-    assert_splits_exactly(ref, m, *inputs(seed=3))
+    assert_splits_exactly(ref, m, *inputs(seed=3), how)
 
 
+@TORCH_SPLIT
 def test_handoff_is_no_more_than_eager_split_holds(block: tuple[nn.Module, nn.Module]) -> None:
     ref, m = block
     x, dy = inputs(seed=4)
@@ -276,6 +283,7 @@ def test_handoff_is_no_more_than_eager_split_holds(block: tuple[nn.Module, nn.Mo
     assert region.handoff_bytes == 4 * 16 * 8  # one (batch, hidden) float64 tensor
 
 
+@TORCH_SPLIT
 def test_views_of_saved_values_are_recomputed_not_kept() -> None:
     # W needs x.t() (a view of a saved value) and tanh(x) (elementwise): both cost no FLOPs.
     w = nn.Parameter(torch.randn(6, 5, dtype=torch.float64))
@@ -300,15 +308,17 @@ def test_views_of_saved_values_are_recomputed_not_kept() -> None:
     torch.testing.assert_close(m.w.grad, torch.tanh(x).reshape(4, 6).T @ dy)
 
 
-def test_customgrad_ops_inside_a_compiled_block_split() -> None:
+@HOW
+def test_customgrad_ops_inside_a_compiled_block_split(how: str) -> None:
     ref, m = pair(OpBlock(), backend="aot_eager")
-    assert_splits_exactly(ref, m, *inputs(seed=6))
+    assert_splits_exactly(ref, m, *inputs(seed=6), how)
 
 
 # --------------------------------------------------------------------------------------------
 # 3. Full backward, any order
 
 
+@TORCH_SPLIT
 def test_full_backward_in_any_order_with_split_ones(block: tuple[nn.Module, nn.Module]) -> None:
     ref, m = block
     (x1, d1), (x2, d2), (x3, d3) = inputs(seed=7), inputs(seed=8), inputs(seed=9)
@@ -335,6 +345,7 @@ def test_full_backward_in_any_order_with_split_ones(block: tuple[nn.Module, nn.M
     torch.testing.assert_close(xb.grad, want[1][0], rtol=1e-10, atol=1e-12)
 
 
+@TORCH_SPLIT
 def test_input_pass_alone_then_graph_freed_keeps_nothing(
     block: tuple[nn.Module, nn.Module],
 ) -> None:
@@ -353,6 +364,7 @@ def test_input_pass_alone_then_graph_freed_keeps_nothing(
 # 5. Fallbacks, graph breaks, dynamic shapes, caches
 
 
+@TORCH_SPLIT
 def test_no_split_runs_the_full_backward_in_each_pass(block: tuple[nn.Module, nn.Module]) -> None:
     ref, m = block
     x, dy = inputs(seed=11)
@@ -367,26 +379,26 @@ def test_no_split_runs_the_full_backward_in_each_pass(block: tuple[nn.Module, nn
 
 # dynamo reads .grad of the resumed piece's non-leaf input while tracing (its own warning)
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_graph_breaks_each_piece_splits() -> None:
-    before = {id(r) for r in regions()}
+@HOW
+def test_graph_breaks_each_piece_splits(how: str) -> None:
     ref, m = pair(NormBlock(), backend="aot_eager")
     x, dy = inputs(seed=12)
     dx_ref, dw_ref, full, only_input = eager_reference(ref, x, dy)
-    for how in ("torch", "customgrad"):
-        zero(ref)
-        eager_i, eager_w, _ = split_once(ref, x.detach().clone().requires_grad_(), dy, how)
-        zero(m)
-        xi = x.detach().clone().requires_grad_()
-        f_i, f_w, dinputs = split_once(m, xi, dy, how)
-        torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
-        assert_same(grads(m), dw_ref)
-        assert f_i == only_input
-        assert f_i + f_w == full  # each piece runs its own W: nothing computed twice
-        assert f_i + f_w <= eager_i + eager_w
-    new = [r for r in regions() if id(r) not in before]
-    assert len(new) == 2 and all(r.status == "split" for r in new)
+    zero(ref)
+    eager_i, eager_w, _ = split_once(ref, x.detach().clone().requires_grad_(), dy, how)
+    zero(m)
+    xi = x.detach().clone().requires_grad_()
+    f_i, f_w, dinputs = split_once(m, xi, dy, how)
+    torch.testing.assert_close(dinputs[0], dx_ref, rtol=1e-10, atol=1e-12)
+    assert_same(grads(m), dw_ref)
+    assert f_i == only_input
+    assert f_i + f_w == full  # each piece runs its own W: nothing computed twice
+    assert f_i + f_w <= eager_i + eager_w
+    pieces = [r for r in regions() if r.name.startswith("NormBlock")]  # made by the first run
+    assert len(pieces) == 2 and all(r.status == "split" for r in pieces), pieces
 
 
+@TORCH_SPLIT
 def test_dynamic_shapes_and_recompiles_split() -> None:
     ref, m = pair(Block(), backend="aot_eager", dynamic=True)
     for batch in (3, 5, 7):
@@ -399,6 +411,7 @@ def test_dynamic_shapes_and_recompiles_split() -> None:
         assert (f_i, f_i + f_w) == (only_input, full)
 
 
+@TORCH_SPLIT
 def test_aot_autograd_cache_never_mixes_split_and_plain_backwards() -> None:
     torch.manual_seed(0)
     plain_before = torch.compile(Block().double(), backend="inductor")
@@ -416,6 +429,7 @@ def test_aot_autograd_cache_never_mixes_split_and_plain_backwards() -> None:
     assert [dict(r.runs) for r in regions()] == runs  # plain torch.compile never runs ours
 
 
+@TORCH_SPLIT
 def test_tensor_subclass_input_falls_back_with_one_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -458,6 +472,7 @@ def _no_leftover_handoffs() -> Iterator[None]:
 # 7. explain_split
 
 
+@TORCH_SPLIT
 def test_explain_split_reports_a_split_compiled_region(block: tuple[nn.Module, nn.Module]) -> None:
     from customgrad.graph import explain_split
 
@@ -500,7 +515,13 @@ def test_explain_split_reports_a_fallen_back_region() -> None:
 # 9. The docs' code runs
 
 
-@pytest.mark.parametrize("page", ["models/torch-compile.md", "pipelines/compiled-stages.md"])
+@pytest.mark.parametrize(  # both pages run torch's own split over compiled regions
+    "page",
+    [
+        pytest.param("models/torch-compile.md", marks=TORCH_SPLIT),
+        pytest.param("pipelines/compiled-stages.md", marks=TORCH_SPLIT),
+    ],
+)
 def test_compile_docs_code_runs(page: str) -> None:
     from tests.test_docs import _run_page
 

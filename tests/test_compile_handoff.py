@@ -23,9 +23,10 @@ from torch import Tensor, nn
 import customgrad as cg
 from customgrad._compile import regions
 from customgrad._compiled_backward import region_node
+from tests._skips import TORCH_SPLIT
 from tests.test_compile_probe import SPLITS, flops, x_
 
-HOW = pytest.mark.parametrize("how", ["torch", "customgrad"])
+HOW = pytest.mark.parametrize("how", [pytest.param("torch", marks=TORCH_SPLIT), "customgrad"])
 
 
 def close(got: Sequence[Tensor | None], want: Sequence[Tensor | None]) -> None:
@@ -395,7 +396,8 @@ class MixInductor(nn.Module):
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
-def test_a_cut_compiled_in_a_later_backward_by_inductor_splits_exactly() -> None:
+@HOW
+def test_a_cut_compiled_in_a_later_backward_by_inductor_splits_exactly(how: str) -> None:
     """The cut for the activation block's graph is compiled when the weight block's pass first
     needs another pattern, inside that backward, by inductor."""
     torch.manual_seed(0)
@@ -406,12 +408,11 @@ def test_a_cut_compiled_in_a_later_backward_by_inductor_splits_exactly() -> None
     m(x_(shape=(8, 8))).sum().backward()
     loss: Loss = lambda y: ([y], [_g((8, 8))])  # noqa: E731
     full, dx, dw = eager(ref, loss, x_(shape=(8, 8)))
-    for how in SPLITS:
-        m.zero_grad(set_to_none=True)
-        f_i, f_w, (got_dx,) = split(m, loss, x_(shape=(8, 8)), how)
-        close([got_dx], [dx])
-        close([p.grad for p in m.parameters()], dw)
-        assert f_i + f_w == full
+    m.zero_grad(set_to_none=True)
+    f_i, f_w, (got_dx,) = split(m, loss, x_(shape=(8, 8)), how)
+    close([got_dx], [dx])
+    close([p.grad for p in m.parameters()], dw)
+    assert f_i + f_w == full
 
 
 class CompiledAutogradBlock(HookedBlock):
@@ -421,6 +422,7 @@ class CompiledAutogradBlock(HookedBlock):
         return x + self.fc2(torch.relu(self.fc1(x)))
 
 
+@TORCH_SPLIT
 def test_compiled_autograd_is_said_to_run_the_backward_whole(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

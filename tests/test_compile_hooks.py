@@ -18,6 +18,7 @@ import customgrad as cg
 from customgrad._compile import region_of, regions
 from customgrad._torch.dynamo import compile_options, compiled_autograd_on, compiling_locals
 from customgrad._torch.functions import is_aot_node
+from tests._skips import TORCH_SPLIT
 
 
 class Block(nn.Module):
@@ -39,6 +40,7 @@ def untraceable_pre_hook(module: nn.Module, args: Any) -> None:
     CALLS.append(type(module).__name__)
 
 
+@TORCH_SPLIT
 @pytest.mark.parametrize("order", ["hook, then compile", "compile, then hook"])
 def test_fullgraph_with_a_dynamo_disabled_pre_hook_splits(order: str) -> None:
     torch.manual_seed(0)

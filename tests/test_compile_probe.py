@@ -23,12 +23,13 @@ import customgrad as cg
 import customgrad.pipelining as cg_split
 from customgrad._compile import regions
 from customgrad.graph import explain_split
+from tests._skips import FREEZE_RECOMPILES, TORCH_SPLIT
 
 SPLITS = {
     "torch": (torch_split.stage_backward_input, torch_split.stage_backward_weight),
     "customgrad": (cg_split.stage_backward_input, cg_split.stage_backward_weight),
 }
-HOW = pytest.mark.parametrize("how", ["torch", "customgrad"])
+HOW = pytest.mark.parametrize("how", [pytest.param("torch", marks=TORCH_SPLIT), "customgrad"])
 # dynamo itself reads .grad of a non-leaf tensor argument (torch.compile alike)
 NON_LEAF = pytest.mark.filterwarnings(
     "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning"
@@ -578,7 +579,7 @@ class CalledTwice(nn.Module):
 @pytest.mark.parametrize(
     ("cls", "how"),
     [
-        (TiedAcrossRegions, "torch"),
+        pytest.param(TiedAcrossRegions, "torch", marks=TORCH_SPLIT),
         (TiedAcrossRegions, "customgrad"),
         # torch's split raises on a module called twice, eager alike (its W frees the graph)
         (CalledTwice, "customgrad"),
@@ -599,23 +600,24 @@ def test_weight_shared_by_two_regions_costs_no_more_than_the_eager_split(
     assert compiled[0] + compiled[1] <= eager[0] + eager[1]
 
 
-def test_inductor_dropout_split_equals_its_full_backward_with_the_same_seed() -> None:
+@HOW
+def test_inductor_dropout_split_equals_its_full_backward_with_the_same_seed(how: str) -> None:
     """Inductor draws its own masks (not eager's): I and W read the one the forward saved."""
     torch.manual_seed(0)
     m = cg.compile(DropoutBlock().double(), backend="inductor")
     m(x_()).sum().backward()
 
-    def step(how: str | None) -> tuple[list[Tensor], Tensor]:
+    def step(split: str | None) -> tuple[list[Tensor], Tensor]:
         m.zero_grad(set_to_none=True)
         x = x_()
         torch.manual_seed(7)
         out = m(x)
         dy = torch.ones_like(out)
-        if how is None:
+        if split is None:
             out.backward(dy)
             dx = x.grad
         else:
-            backward_input, backward_weight = SPLITS[how]
+            backward_input, backward_weight = SPLITS[split]
             params = list(m.parameters())
             (dx,), groups = backward_input([out], [dy], [x], iter(params))
             backward_weight(iter(params), groups)
@@ -623,10 +625,9 @@ def test_inductor_dropout_split_equals_its_full_backward_with_the_same_seed() ->
         return [p.grad for p in m.parameters() if p.grad is not None] + [dx], out.detach()
 
     full, out = step(None)
-    for how in SPLITS:
-        got, out_split = step(how)
-        torch.testing.assert_close(out_split, out, rtol=0, atol=0)
-        close(got, full)
+    got, out_split = step(how)
+    torch.testing.assert_close(out_split, out, rtol=0, atol=0)
+    close(got, full)
 
 
 def test_state_dict_load_and_deepcopy_of_a_compiled_module(
@@ -672,6 +673,7 @@ def test_stage_compiled_over_blocks_compiled_on_their_own(how: str) -> None:
     assert f_i + f_w == full
 
 
+@FREEZE_RECOMPILES
 @HOW
 def test_freezing_a_weight_between_steps_recompiles_and_splits(
     block: tuple[nn.Module, nn.Module], how: str

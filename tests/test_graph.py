@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from customgrad.graph import SplitExplanation, explain_split
+from tests._skips import TORCH_SPLIT
 from tests.conftest import linear_op
 
 linear = linear_op("test_graph::linear")
@@ -63,6 +64,7 @@ def _stage(splitter: Any = "torch") -> tuple[SplitExplanation, dict[str, Tensor]
     return explain_split(h, [x], ws, splitter=splitter), ws
 
 
+@TORCH_SPLIT
 def test_names_plain_function_and_custom_op_among_customgrad_ops() -> None:
     report, _ = _stage()
     twice = {n.label: n for n in report.computes_twice}
@@ -79,6 +81,7 @@ def test_names_plain_function_and_custom_op_among_customgrad_ops() -> None:
     assert report.flops == {"full": 576, "input": 432, "weight": 432}
 
 
+@TORCH_SPLIT
 def test_str_lists_nodes_and_the_offenders() -> None:
     report, _ = _stage()
     text = str(report)
@@ -96,12 +99,14 @@ def test_str_lists_nodes_and_the_offenders() -> None:
     assert {n.label for n in report.weight_only} >= {"w0", "w1", "w2", "w3"}
 
 
+@TORCH_SPLIT
 def test_grads_are_restored() -> None:
     report, ws = _stage()
     assert report.nodes
     assert all(w.grad is None for w in ws.values())
 
 
+@TORCH_SPLIT
 def test_shared_weights_torch_split_repeats_customgrad_split_does_not() -> None:
     def run(splitter: Any) -> SplitExplanation:
         x = torch.randn(4, 3, requires_grad=True)
@@ -122,6 +127,7 @@ def test_shared_weights_torch_split_repeats_customgrad_split_does_not() -> None:
     assert "(outside nodes)" not in str(ours)
 
 
+@TORCH_SPLIT
 def test_to_dot() -> None:
     report, _ = _stage()
     dot = report.to_dot()
@@ -133,6 +139,7 @@ def test_to_dot() -> None:
     assert dot.count("->") == len(report.edges)
 
 
+@TORCH_SPLIT
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_draw(tmp_path: Path, suffix: str) -> None:
     report, _ = _stage()
@@ -144,6 +151,7 @@ def test_draw(tmp_path: Path, suffix: str) -> None:
         assert b"<svg" in data[:1000]
 
 
+@TORCH_SPLIT
 def test_errors() -> None:
     report, _ = _stage()
     with pytest.raises(

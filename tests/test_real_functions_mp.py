@@ -11,6 +11,9 @@ import pytest
 
 from tests._skips import optional_package
 
+# liger_kernel first: a failed import of tests._liger_block can stay half-made in
+# sys.modules (the doctest collection imports it too)
+pytest.importorskip("liger_kernel", reason=optional_package("liger-kernel"))
 L = pytest.importorskip("tests._liger_block", reason=optional_package("liger-kernel"))
 from tests import _mp_workers as w  # noqa: E402
 

@@ -15,7 +15,7 @@ from torch.distributed.pipelining import _backward as torch_split
 
 import customgrad as cg
 from customgrad._releases import MSG_TORCH_SPLIT
-from customgrad._torch import functions
+from customgrad._torch import dynamo, functions
 from customgrad.pipelining import WeightGradQueue, stage_backward_input, stage_backward_weight
 from tests._skips import release_lacks
 from tests.conftest import linear_op
@@ -122,3 +122,42 @@ def test_a_partial_backward_outside_a_split_is_not_refused() -> None:
     x = torch.randn(2, 3, requires_grad=True)
     (dx,) = torch.autograd.grad(linear(x, w).sum(), [x])
     torch.testing.assert_close(dx, w.detach().sum(0).expand(2, 3))
+
+
+class _TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16, dtype=torch.float64)
+        self.fc2 = torch.nn.Linear(16, 8, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_freeze_probe_matches_what_a_compiled_module_computes_after_freezing() -> None:
+    """A weight frozen after the first compile: right gradients on every release; the backward
+    computes what eager computes where dynamo recompiles, one (4 x 8 x 16) matmul more (the
+    frozen weight's gradient, dropped) where it does not (torch 2.11)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    ref = _TwoLinears()
+    m = cg.compile(_TwoLinears(), backend="aot_eager")
+    m.load_state_dict(ref.state_dict())
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    m(x).sum().backward()
+    m.zero_grad(set_to_none=True)
+    counts, dxs = [], []
+    for module in (ref, m):
+        module.fc1.weight.requires_grad_(False)
+        xi = x.detach().clone().requires_grad_()
+        out = module(xi)
+        with FlopCounterMode(display=False) as counter:
+            out.sum().backward()
+        counts.append(counter.get_total_flops())
+        dxs.append(xi.grad)
+        assert module.fc1.weight.grad is None
+    torch.testing.assert_close([p.grad for p in m.parameters()], [p.grad for p in ref.parameters()])
+    torch.testing.assert_close(dxs[1], dxs[0])
+    extra = 0 if dynamo.guards_parameter_requires_grad() else 2 * 4 * 8 * 16
+    assert counts[1] == counts[0] + extra

@@ -27,6 +27,7 @@ import customgrad as cg
 from customgrad._autosplit import AutoSplitter, Fallback
 from customgrad._record import record_of
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from tests._skips import CAPTURE, GRAPH_FREED_AFTER_I, TORCH_SPLIT
 
 DT = torch.float64
 _ids = itertools.count()
@@ -98,7 +99,7 @@ def run(how: str, f: Callable[[Tensor, Tensor], Tensor], x: Tensor, w: Tensor, g
     return gx, w.grad
 
 
-@pytest.mark.parametrize("how", ["customgrad", "torch"])
+@pytest.mark.parametrize("how", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 def test_a_kernel_writing_into_the_output_gradient_runs_once_and_is_exact(how: str) -> None:
     op = cg.from_function(InPlaceNorm, unique("norm"), weights=("w",))
     x, w = inputs()
@@ -112,7 +113,7 @@ def test_a_kernel_writing_into_the_output_gradient_runs_once_and_is_exact(how: s
     assert isinstance(op.rules.auto.last, Fallback)  # reads .data: not traced
 
 
-@pytest.mark.parametrize("how", ["customgrad", "torch", "full"])
+@pytest.mark.parametrize("how", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT), "full"])
 def test_a_precomputed_gradient_is_scaled_once(how: str) -> None:
     op = cg.from_function(PrecomputedLoss, unique("loss"), weights=("w",))
     x, _ = inputs()
@@ -145,6 +146,7 @@ def test_the_weight_gradient_queue_runs_it_once() -> None:
     torch.testing.assert_close(w.grad, want[1])
 
 
+@TORCH_SPLIT
 def test_what_runs_once_hands_its_weight_gradients_to_w_and_frees_them() -> None:
     op = cg.from_function(InPlaceNorm, unique("norm"), weights=("w",))
     x, w = inputs()
@@ -246,8 +248,17 @@ def _counted_backward(ctx: cg.BackwardContext, s: Any, g: Tensor) -> dict[str, T
     return {"x": g @ s[1], "weight": g.mT @ s[0]}
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        pytest.param(stage_backward_input, id="customgrad"),
+        pytest.param(torch_backward.stage_backward_input, id="torch", marks=TORCH_SPLIT),
+    ],
+)
 @pytest.mark.parametrize("kind", ["traced", "shared", "run_once"])
-def test_an_aborted_step_frees_its_nodes_without_the_cyclic_gc(kind: str) -> None:
+def test_an_aborted_step_frees_its_nodes_without_the_cyclic_gc(
+    kind: str, first: Callable[..., Any]
+) -> None:
     @cg.op(unique("lin"), weights=("weight",))
     def lin(x: Tensor, weight: Tensor) -> Tensor:
         return x @ weight.mT
@@ -265,16 +276,15 @@ def test_an_aborted_step_frees_its_nodes_without_the_cyclic_gc(kind: str) -> Non
     gc.collect()
     gc.disable()
     try:
-        for first in (stage_backward_input, torch_backward.stage_backward_input):
-            x = torch.randn(4, 3, dtype=DT, requires_grad=True)
-            w = torch.randn(5, 3, dtype=DT, requires_grad=True)
-            y = lin(x, w)
-            node = weakref.ref(y.grad_fn)  # type: ignore[arg-type]
-            saved = weakref.ref(x)
-            result = first([y], [torch.ones(4, 5, dtype=DT)], [x], [w])  # I, never W
-            del y, result, x
-            assert node() is None, first.__module__
-            assert saved() is None
+        x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+        w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+        y = lin(x, w)
+        node = weakref.ref(y.grad_fn)  # type: ignore[arg-type]
+        saved = weakref.ref(x)
+        result = first([y], [torch.ones(4, 5, dtype=DT)], [x], [w])  # I, never W
+        del y, result, x
+        assert node() is None
+        assert saved() is None
     finally:
         gc.enable()
 
@@ -295,7 +305,7 @@ def test_summary_and_explain_split_say_it_runs_once_and_what_it_held() -> None:
     assert node.auto_split.endswith("(24 bytes held between the passes at the latest split)")
 
 
-@pytest.mark.parametrize("kind", ["traced", "run_once"])
+@pytest.mark.parametrize("kind", [pytest.param("traced", marks=CAPTURE), "run_once"])
 def test_a_gradient_written_to_between_the_passes_is_another_pass(kind: str) -> None:
     @cg.op(unique("lin"), weights=("weight",))
     def lin(x: Tensor, weight: Tensor) -> Tensor:
@@ -368,7 +378,7 @@ def _lin_op(kind: str) -> Any:
     return lin
 
 
-KINDS = ["shared", "traced", "gradients"]
+KINDS = ["shared", pytest.param("traced", marks=CAPTURE), "gradients"]  # traced: a capture
 KIND = {"shared": "shared", "traced": "kept", "gradients": "gradients"}  # the HandOff's kind
 
 
@@ -447,6 +457,7 @@ def _tensors(value: Any) -> list[Tensor]:
     return [t for t in optree.tree_leaves(value) if isinstance(t, Tensor)]
 
 
+@GRAPH_FREED_AFTER_I
 def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     # customgrad's split: a plain Function's weight-side gradients go from I to W in a
     # HandOff of kind "gradients"; W takes them, and nothing of the node outlives I.

@@ -71,7 +71,7 @@ SPLITS = {
 }
 
 
-@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("split", [pytest.param("torch", marks=TORCH_SPLIT), "customgrad"])
 @pytest.mark.parametrize("kind", LINEARS)
 def test_no_split_computes_the_whole_backward_in_each_pass_with_the_same_gradients(
     kind: str, split: str

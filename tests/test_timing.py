@@ -28,7 +28,7 @@ from customgrad.pipelining import (
     WaitEvent,
     stage_costs,
 )
-from tests._skips import TORCH_STAGE_V
+from tests._skips import TORCH_SPLIT, TORCH_STAGE_V
 from tests.conftest import linear_op
 
 linear = linear_op("timing::linear")
@@ -83,7 +83,8 @@ MATMUL = 2 * (ROWS // N_MB) * WIDTH * WIDTH  # FLOPs of one (rows x width) @ (wi
 
 
 @pytest.mark.parametrize(
-    "stage_cls", [PipelineStage, pytest.param(TorchPipelineStage, marks=TORCH_STAGE_V)]
+    "stage_cls",
+    [PipelineStage, pytest.param(TorchPipelineStage, marks=[TORCH_STAGE_V, TORCH_SPLIT])],
 )
 def test_every_action_of_every_microbatch_is_recorded(group: None, stage_cls: Any) -> None:
     steps = _zbv_steps(stage_cls)
@@ -104,7 +105,7 @@ def test_every_action_of_every_microbatch_is_recorded(group: None, stage_cls: An
 
 @pytest.mark.parametrize(
     "stage_cls",
-    [PipelineStage, pytest.param(TorchPipelineStage, marks=TORCH_STAGE_V)],
+    [PipelineStage, pytest.param(TorchPipelineStage, marks=[TORCH_STAGE_V, TORCH_SPLIT])],
     ids=["ours", "torch"],
 )
 def test_the_first_stage_runs_its_whole_backward_in_w(group: None, stage_cls: type) -> None:

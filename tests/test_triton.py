@@ -334,6 +334,7 @@ def test_raw_launch_in_a_backward_under_compile_names_the_op_and_the_fix() -> No
     assert re.search(r"\(backward defined at .*test_triton\.py:\d+\)$", str(err))
 
 
+@CAPTURE
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
 def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> None:
     """Not split (the automatic split cannot trace a raw launch): the run-once rule runs the
@@ -355,6 +356,7 @@ def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> 
     assert fallback is not None and "_backward_kernel" in fallback.why
 
 
+@CAPTURE
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
 def test_automatic_split_fallback_names_the_raw_launch() -> None:
     op = _raw_launch_op("test_triton::raw_auto")

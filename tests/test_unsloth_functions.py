@@ -13,6 +13,7 @@ from torch.distributed.pipelining import _backward as torch_backward
 
 import customgrad.pipelining as cgp
 from tests import _unsloth_port as U
+from tests._skips import TORCH_SPLIT
 
 CALLS: list[int] = []
 
@@ -71,6 +72,7 @@ def test_lora_mlp_runs_once_with_every_gradient_exact(
         torch.testing.assert_close(got[name], want[name], msg=name)
 
 
+@TORCH_SPLIT
 def test_lora_mlp_under_torch_s_split_is_wrong_out_of_place(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -81,6 +83,7 @@ def test_lora_mlp_under_torch_s_split_is_wrong_out_of_place(
     assert {"gate_A", "gate_B", "up_A", "up_B"} <= wrong
 
 
+@TORCH_SPLIT
 def test_lora_mlp_under_torch_s_split_fails_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         _run(True, "torch", monkeypatch)

@@ -54,6 +54,8 @@ __all__ = [
     "readable",
     "unsupported",
     "guards_instance_attributes",
+    "guards_parameter_requires_grad",
+    "refuses_data_pointer_comparisons",
 ]
 
 
@@ -303,6 +305,10 @@ def unsupported(e: BaseException) -> Refusal | None:
         return None
     kind = str(getattr(e, "gb_type", "") or type(e).__name__)
     msg = str(getattr(e, "msg", "") or e)
+    name = _observed_name_error(e)
+    if name is not None:  # torch 2.14 and later: an undefined name is an "Observed exception"
+        kind = "failed to find name in frame builtins"  # what torch 2.13 and earlier say
+        msg = f"Explanation: Failed to find name `{name}` in the frame's globals or builtins."
     explanation = ""
     for line in msg.splitlines():
         line = line.strip()
@@ -319,6 +325,23 @@ def unsupported(e: BaseException) -> Refusal | None:
         for f in getattr(e, "real_stack", None) or ()
     )
     return Refusal(kind, explanation, at, text, stack)
+
+
+def _observed_name_error(e: BaseException) -> str | None:
+    """The undefined name, where dynamo reports a ``NameError`` of the traced code as an
+    observed exception (torch 2.14 and later: ``Unsupported`` caused by
+    ``ObservedNameError``); else None."""
+    import re
+
+    seen: BaseException | None = e.__cause__
+    for _ in range(4):
+        if seen is None:
+            return None
+        if type(seen).__name__.startswith("ObservedNameError"):
+            found = re.search(r"name '([^']+)' is not defined", str(seen))
+            return found.group(1) if found else None
+        seen = seen.__cause__
+    return None
 
 
 def backend_error(e: BaseException) -> BaseException | None:
@@ -362,3 +385,52 @@ def guards_instance_attributes() -> bool:
         compiled(x)
         member.A.scale = 2.0  # type: ignore[attr-defined]
         return bool(compiled(x).item() == 2.0)
+
+
+@functools.cache
+def guards_parameter_requires_grad() -> bool:
+    """Whether a compiled module recompiles when one of its parameters is frozen or unfrozen
+    (``requires_grad_``) between calls (torch 2.12 and later). torch 2.11's dynamo keeps the
+    graph traced with the old flag: a weight frozen after the first compile still has its
+    gradient computed by the backward graph (and dropped by autograd), under ``torch.compile``
+    and ``customgrad.compile`` alike. Probed once, by that behaviour: a compiled ``nn.Linear``
+    called, its weight frozen, called again, the backend's compiles counted."""
+    import torch
+
+    from customgrad._torch.dispatcher import disable_current_modes
+
+    compiles = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:
+        compiles.append(gm)
+        return gm.forward
+
+    linear = torch.nn.Linear(1, 1)
+    compiled = torch.compile(linear, backend=backend, fullgraph=True, dynamic=False)
+    with torch.enable_grad(), disable_current_modes():
+        x = torch.ones(1, 1)
+        compiled(x)
+        linear.weight.requires_grad_(False)
+        compiled(x)
+    return len(compiles) == 2
+
+
+@functools.cache
+def refuses_data_pointer_comparisons() -> bool:
+    """Whether dynamo refuses (a graph break) to trace a comparison of a tensor's
+    ``data_ptr()`` it cannot decide (torch 2.13 and later). torch 2.11's and 2.12's dynamo
+    evaluate ``t.data_ptr() == 0`` to False at trace time whatever the tensor, and capture the
+    rest. Probed once, by that behaviour, on an empty tensor (whose data pointer is 0)."""
+    import torch
+
+    from customgrad._torch.dispatcher import disable_current_modes
+
+    def compare(t: Any) -> Any:
+        return t.data_ptr() == 0
+
+    compiled = torch.compile(compare, backend="eager", fullgraph=True, dynamic=False)
+    with torch.no_grad(), disable_current_modes():
+        try:
+            return bool(compiled(torch.empty(0))) is not False
+        except Exception:  # dynamo's Unsupported: it refuses, as it should
+            return True

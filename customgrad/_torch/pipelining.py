@@ -66,11 +66,14 @@ def torch_split_running() -> bool:
 def torch_stage_inits_same_rank() -> bool:
     """Whether torch's multi-stage schedules set up p2p by batching every stage's
     ``_get_init_p2p_neighbors_ops``, in V schedules a send to the stage's own rank, which gloo
-    refuses (torch 2.11). torch 2.12 and later warm ``PipelineStage``\\ s up with a vote between
-    neighbours instead (``_warmup_forward_vote``), read here."""
+    refuses (torch 2.11). torch 2.12 to 2.14 warm ``PipelineStage``\\ s up with a vote between
+    neighbours instead (``_warmup_forward_vote``); torch 2.15 has neither (its stages set up
+    their buffers without init ops). Read here: the init ops' method, and no vote."""
     from torch.distributed.pipelining import PipelineStage
 
-    return not hasattr(PipelineStage, "_warmup_forward_vote")
+    return hasattr(PipelineStage, "_get_init_p2p_neighbors_ops") and not hasattr(
+        PipelineStage, "_warmup_forward_vote"
+    )
 
 
 def ddp_find_tensors(outputs: Any) -> list[Any]:

@@ -20,7 +20,6 @@ __all__ = [
     "ALLOWED",
     "CAPTURE",
     "FREEZE_RECOMPILES",
-    "DATA_POINTERS",
     "GRAPH_FREED_AFTER_I",
     "NO_CUDA",
     "TORCH_SPLIT",
@@ -186,13 +185,3 @@ FREEZE_RECOMPILES = pytest.mark.skipif(
     ),
 )
 """For tests that check what a compiled module's backward computes after a weight is frozen."""
-
-
-DATA_POINTERS = pytest.mark.skipif(
-    not dynamo.refuses_data_pointer_comparisons(),
-    reason=release_lacks(
-        "a graph break on a data_ptr() comparison dynamo cannot decide (it evaluates it to False "
-        "and captures the rest; customgrad._torch.dynamo.refuses_data_pointer_comparisons)"
-    ),
-)
-"""For tests that check that a backward comparing data pointers is not captured."""

@@ -114,6 +114,9 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self.residuals: tuple[str, ...] = residual_names
         self._mutates = mutates
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
+        self._plain_grad_call = not mutates and bool(self._sig.output_kinds)
+        """Whether a call with grad needed goes straight to ``AutogradImpl.apply`` (what
+        :meth:`run_call` does for it; ``__call__`` skips that frame)."""
         self._var = opname
         self._kernels = Kernels(self._sig, opname, mutates)
         self.signature: Signature = self._sig
@@ -223,6 +226,10 @@ class CustomOp(OpRegistration, Generic[P, R]):
             # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's,
             # which ends in run_call as this call does).
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
+        if requires and self._plain_grad_call:
+            # run_call's first branch, without its frame (the commonest call: grad mode, an
+            # argument requiring grad, nothing mutated)
+            return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
         return self.run_call(args, kernel, requires)  # type: ignore[no-any-return]
 
     def run_call(self, args: tuple[Any, ...], kernel: Kernel | None, requires: bool) -> Any:

@@ -541,28 +541,31 @@ def _split_apply(
     return apply
 
 
+def _found_state(param_groups: object) -> _SplitState | None:
+    """The split state :func:`stage_backward_input` left in its ``param_groups``, if it is one
+    (None for anything else; :func:`_state_of` raises)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, _SplitState):
+            return state
+    return None
+
+
 def split_functions_of(param_groups: object) -> set[int]:
     """The ``id``\\ s of the plain Function nodes whose backward :func:`stage_backward_input`
     split (input work in I, weight work in W), read off its ``param_groups`` (empty for
     anything else)."""
-    if isinstance(param_groups, list) and len(param_groups) == 1:
-        first = param_groups[0]
-        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
-        if isinstance(state, _SplitState):
-            return set(state.split_ids)
-    return set()
+    state = _found_state(param_groups)
+    return set(state.split_ids) if state is not None else set()
 
 
 def ran_once(param_groups: object) -> set[int]:
-    """The ``id``\\ s of the plain Function nodes that :func:`stage_backward_input` ran once, handing the weight
-    gradients they returned to W, read off its ``param_groups`` before W runs (empty for
-    anything else)."""
-    if isinstance(param_groups, list) and len(param_groups) == 1:
-        first = param_groups[0]
-        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
-        if isinstance(state, _SplitState):
-            return set(state.once_ids)
-    return set()
+    """The ``id``\\ s of the plain Function nodes that :func:`stage_backward_input` ran once,
+    handing the weight gradients they returned to W, read off its ``param_groups`` before W runs
+    (empty for anything else)."""
+    state = _found_state(param_groups)
+    return set(state.once_ids) if state is not None else set()
 
 
 def watch_direct_calls(
@@ -581,24 +584,16 @@ def watch_direct_calls(
 def deferred_nodes(param_groups: object) -> set[Node]:
     """The customgrad nodes whose weight half :func:`stage_backward_input` handed to W, read
     off its ``param_groups`` before W runs (empty for anything else, such as torch's)."""
-    if isinstance(param_groups, list) and len(param_groups) == 1:
-        first = param_groups[0]
-        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
-        if isinstance(state, _SplitState):
-            return set(state.plan.deferred)
-    return set()
+    state = _found_state(param_groups)
+    return set(state.plan.deferred) if state is not None else set()
 
 
 def deferred_work(param_groups: object) -> dict[NodeRecord, Any]:
     """The weight halves :func:`stage_backward_input` deferred, by node record, read off its
     ``param_groups`` before W runs (W runs the values found here then; empty for anything
     else). For tools that watch W (``explain_split`` counts their FLOPs to their nodes)."""
-    if isinstance(param_groups, list) and len(param_groups) == 1:
-        first = param_groups[0]
-        state = first.get(_STATE_KEY) if isinstance(first, dict) else None
-        if isinstance(state, _SplitState):
-            return state.deferred
-    return {}
+    state = _found_state(param_groups)
+    return state.deferred if state is not None else {}
 
 
 def _state_of(param_groups: object) -> _SplitState:

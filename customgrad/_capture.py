@@ -280,15 +280,8 @@ def capture_backward(
     wrapper = _wrapper(op, fn)
     got: list[dynamo.Captured] = []
     markers: list[Any] = []
-    folds_data_pointers = not dynamo.refuses_data_pointer_comparisons()  # probed once
 
     def on_graph(captured: dynamo.Captured) -> Callable[..., Any]:
-        if folds_data_pointers and "data_ptr" in captured.names:
-            raise _Refused(
-                "it reads a tensor's data_ptr(), and this release's dynamo (torch 2.11 and "
-                "2.12) captures a data pointer comparison as False whatever the tensors",
-                "compare tensors another way, or use torch 2.13 or later",
-            )
         if captured.side_effects:
             changed = ", ".join(_in_words(source, fn) for source in captured.side_effects)
             raise _Refused(
@@ -334,6 +327,12 @@ def capture_backward(
             )
         captured = got[0]
         try:
+            if "data_ptr" in captured.names and not dynamo.refuses_data_pointer_comparisons():
+                raise _Refused(
+                    "it reads a tensor's data_ptr(), and this release's dynamo (torch 2.11 and "
+                    "2.12) captures a data pointer comparison as False whatever the tensors",
+                    "compare tensors another way, or use torch 2.13 or later",
+                )
             gm, layout, tensor_idx = _lower(op, captured, markers, result, leaves, structure)
             split = _split(op, gm, layout, tensor_idx, leaves, structure, requires, recompute)
             if isinstance(split, Fallback):

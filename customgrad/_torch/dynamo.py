@@ -420,7 +420,19 @@ def refuses_data_pointer_comparisons() -> bool:
     """Whether dynamo refuses (a graph break) to trace a comparison of a tensor's
     ``data_ptr()`` it cannot decide (torch 2.13 and later). torch 2.11's and 2.12's dynamo
     evaluate ``t.data_ptr() == 0`` to False at trace time whatever the tensor, and capture the
-    rest. Probed once, by that behaviour, on an empty tensor (whose data pointer is 0)."""
+    rest. Probed once, by that behaviour, on an empty tensor (whose data pointer is 0), in a
+    thread of its own: dynamo keeps its refusal, whose frames would otherwise keep the caller's
+    frames (a backward's node and tensors) alive."""
+    import threading
+
+    got: list[bool] = []
+    probe = threading.Thread(target=lambda: got.append(_refuses_data_pointer_comparisons()))
+    probe.start()
+    probe.join()
+    return got[0]
+
+
+def _refuses_data_pointer_comparisons() -> bool:
     import torch
 
     from customgrad._torch.dispatcher import disable_current_modes

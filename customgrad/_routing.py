@@ -51,7 +51,6 @@ class Routed(Protocol):
     @property
     def label(self) -> str:
         """What errors call the node."""
-        ...
 
 
 _R = TypeVar("_R", bound=Routed)

@@ -59,8 +59,8 @@ class _FunctionOp:
     def __init__(self, cls: type, names: tuple[str, ...], weights: tuple[str, ...]) -> None:
         self.name = f"{cls.__module__}.{cls.__qualname__}"
 
-        def named(*args: Any) -> None:  # only its signature is read
-            raise NotImplementedError
+        def named(*args: Any) -> None:
+            """Carries the backward's argument names for ``Signature``; never called."""
 
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
         named.__signature__ = inspect.Signature(  # type: ignore[attr-defined]

@@ -459,9 +459,9 @@ def _tensors(value: Any) -> list[Tensor]:
 
 @GRAPH_FREED_AFTER_I
 def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
-    # customgrad's split: a plain Function's weight-side gradients go from I to W in a
-    # HandOff of kind "gradients"; W takes them, and nothing of the node outlives I.
-    from customgrad.pipelining import _backward
+    # customgrad's split: a plain Function's weight-side gradients go from I to W (with the
+    # edges they go along); W takes them, and nothing of the node outlives I.
+    from customgrad.pipelining._split_state import STATE_KEY
 
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
     w = torch.randn(3, dtype=DT, requires_grad=True)
@@ -471,10 +471,10 @@ def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     want = (g * x.detach()).sum(0)
     CALLS.clear()
     _, groups = stage_backward_input([out], [g.clone()], [x], [w])
-    state = groups[0][_backward._STATE_KEY]
+    state = groups[0][STATE_KEY]
     (handed,) = [h for hs in state.once.values() for h in hs]
-    assert handed.kind == "gradients"
-    dw = weakref.ref(handed.value[0][1])
+    assert isinstance(handed, list)  # the weight-side gradients it returned, with their edges
+    dw = weakref.ref(handed[0][1])
     del handed, out
     assert node() is None  # W needs only the gradients, not the node
     stage_backward_weight([w], groups)

@@ -37,13 +37,13 @@ from customgrad._record import NodeRecord
 from customgrad._routing import routing, tagging
 from customgrad._split_plan import grad_node, plan_input_pass
 from customgrad._torch.functions import keep_graphs
-from customgrad.pipelining._backward import send_gradients
 from customgrad.pipelining._errors import (
     MissingInputPassError,
     PendingWeightWorkError,
     StrayWeightWorkError,
     WeightPassTwiceError,
 )
+from customgrad.pipelining._send import send_gradients
 from customgrad.pipelining._streams import AcceleratorStreams, QueuedWork, StreamPolicy
 from customgrad.pipelining._tagging import Attachment, Key, Tag
 

@@ -33,13 +33,21 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch.autograd.graph import Node
 
 from customgrad._autograd import engine_needs
-from customgrad._compiled_region import LOCK, CompiledRegion, GraphInfo
+from customgrad._compiled_region import (
+    ATTR,
+    LOCK,
+    CompiledRegion,
+    GraphInfo,
+    RegionNode,
+    region_node,
+)
 from customgrad._handoff import HandOff, HandOffValue, Kept, hand_over, handed_over, nbytes, release
 from customgrad._origin import origin_of
 from customgrad._releases import refuse_torch_split
-from customgrad._routing import Route, route_for
+from customgrad._routing import route_for
 from customgrad._split_program import ProgramCut, SplitProgram
 from customgrad._switches import split_enabled
 from customgrad._torch.aot import is_tangent, tracing_metadata
@@ -48,58 +56,21 @@ from customgrad._torch.engine import current_node, graph_kept
 from customgrad._torch.functions import is_aot_node
 
 __all__ = [
-    "ATTR",
-    "RegionNode",
     "SplitCompiler",
+    "attach",
     "no_donated_buffers",
     "region_node",
     "region_of",
     "watching",
 ]
 
-ATTR = "_cg_region"
-"""The attribute of a compiled region's autograd node that holds its :class:`RegionNode`."""
 
-
-class RegionNode:
-    """A compiled region's autograd node as customgrad sees it (set on the node as :data:`ATTR`).
-
-    It is the node's hand-off :class:`customgrad._handoff.Holder` and takes the route a planned
-    backward gives it, as a customgrad node's record does; as the node's pre-hook it records the
-    output gradients the engine passes to the node just before its backward runs (the pass the
-    backward belongs to). It holds nothing of the node: no reference cycle.
-
-    Attributes:
-        region: the region.
-        handoff: the hand-offs of passes whose weight pass has not run yet.
-        route: what a planned backward tells the node (see :mod:`customgrad._routing`).
-        grads: the output gradients of the backward about to run, or None.
-    """
-
-    __slots__ = ("__weakref__", "grads", "handoff", "region", "route")
-    differentiable = None  # every output's gradient is compared
-
-    def __init__(self, region: CompiledRegion) -> None:
-        self.region = region
-        self.handoff: HandOff[HandOffValue] | None = None
-        self.route: Route | None = None
-        self.grads: tuple[Any, ...] | None = None
-
-    @property
-    def label(self) -> str:
-        """What errors call the node."""
-        return f"compiled region {self.region.name}"
-
-    def __call__(self, grads: tuple[Any, ...]) -> None:
-        self.grads = grads
-
-
-def region_node(node: Any, region: CompiledRegion | None = None) -> RegionNode | None:
-    """The :class:`RegionNode` of a compiled region's autograd node; with ``region``, made (and
-    registered as the node's pre-hook) when the node has none yet."""
-    found = getattr(node, ATTR, None)
-    if isinstance(found, RegionNode) or region is None:
-        return found if isinstance(found, RegionNode) else None
+def attach(node: Node, region: CompiledRegion) -> RegionNode:
+    """The :class:`RegionNode` of a compiled region's autograd node, made (and registered as the
+    node's pre-hook) when the node has none yet."""
+    found = region_node(node)
+    if found is not None:
+        return found
     found = RegionNode(region)
     setattr(node, ATTR, found)
     node.register_prehook(found)
@@ -108,7 +79,7 @@ def region_node(node: Any, region: CompiledRegion | None = None) -> RegionNode |
     return found
 
 
-def region_of(node: Any) -> CompiledRegion | None:
+def region_of(node: object) -> CompiledRegion | None:
     r"""The compiled region whose backward ``node`` runs (a ``CompiledFunctionBackward`` of a
     :func:`customgrad.compile`\ d module), else None."""
     found = region_node(node)
@@ -160,7 +131,7 @@ def _watch(region: CompiledRegion, outputs: Any, earlier: Sequence[Any]) -> None
             if fn is None or any(fn is e for e in earlier):
                 break
             if is_aot_node(fn):
-                region_node(fn, region)
+                attach(fn, region)
                 break
             nexts = fn.next_functions
             fn = nexts[0][0] if nexts else None
@@ -277,8 +248,7 @@ class _Backward:
                 f"its node has {len(edges)} edges for {len(self.positions)} tensor inputs"
             )
             return _FULL
-        state = region_node(node, region)
-        assert state is not None
+        state = attach(node, region)
         grads = _pass_grads(state, [args[i] for i in self.tangents if i < len(args)])
         # What the pass needs, by the one rule of customgrad nodes: the route, else the engine.
         route = None if state.route is None else route_for(state)

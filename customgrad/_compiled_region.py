@@ -2,8 +2,10 @@
 
 A :class:`CompiledRegion` is made per graph :func:`customgrad.compile`'s backend compiles; the
 compiled backward (:mod:`customgrad._compiled_backward`) fills it in and ``explain_split`` and
-``summary()`` read it. The hand-offs of its nodes are kept on the nodes themselves (the one
-hand-off store, :mod:`customgrad._handoff`), not here: the region only counts them.
+``summary()`` read it. Each autograd node of the region has a :class:`RegionNode`: its hand-offs
+(the one hand-off store, :mod:`customgrad._handoff`; the region only counts them) and the route
+a planned backward gives it, as a customgrad node's record has (the split planner,
+:mod:`customgrad._split_plan`, routes both alike).
 """
 
 from __future__ import annotations
@@ -18,9 +20,21 @@ from customgrad._origin import ValueOrigin
 from customgrad._origin import summary as origin_summary
 
 if TYPE_CHECKING:
-    from customgrad._compiled_backward import RegionNode
+    import torch
 
-__all__ = ["LOCK", "CompiledRegion", "GraphInfo", "register", "regions"]
+    from customgrad._handoff import HandOff, HandOffValue
+    from customgrad._routing import Route
+
+__all__ = [
+    "ATTR",
+    "LOCK",
+    "CompiledRegion",
+    "GraphInfo",
+    "RegionNode",
+    "region_node",
+    "register",
+    "regions",
+]
 
 log = logging.getLogger("customgrad")
 
@@ -152,3 +166,46 @@ def regions() -> list[CompiledRegion]:
     with LOCK:
         live = [r() for r in _REGIONS]
     return [r for r in live if r is not None]
+
+
+ATTR = "_cg_region"
+"""The attribute of a compiled region's autograd node that holds its :class:`RegionNode`."""
+
+
+class RegionNode:
+    """A compiled region's autograd node as customgrad sees it (set on the node as :data:`ATTR`).
+
+    It is the node's hand-off :class:`customgrad._handoff.Holder` and takes the route a planned
+    backward gives it, as a customgrad node's record does; as the node's pre-hook it records the
+    output gradients the engine passes to the node just before its backward runs (the pass the
+    backward belongs to). It holds nothing of the node: no reference cycle.
+
+    Attributes:
+        region: the region.
+        handoff: the hand-offs of passes whose weight pass has not run yet.
+        route: what a planned backward tells the node (see :mod:`customgrad._routing`).
+        grads: the output gradients of the backward about to run, or None.
+    """
+
+    __slots__ = ("__weakref__", "grads", "handoff", "region", "route")
+    differentiable = None  # every output's gradient is compared
+
+    def __init__(self, region: CompiledRegion) -> None:
+        self.region = region
+        self.handoff: HandOff[HandOffValue] | None = None
+        self.route: Route | None = None
+        self.grads: tuple[torch.Tensor | None, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        """What errors call the node."""
+        return f"compiled region {self.region.name}"
+
+    def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
+        self.grads = grads
+
+
+def region_node(node: object) -> RegionNode | None:
+    """The :class:`RegionNode` of a compiled region's autograd node, else None."""
+    found = getattr(node, ATTR, None)
+    return found if isinstance(found, RegionNode) else None

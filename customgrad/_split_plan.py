@@ -8,8 +8,9 @@ gradient inside the stage) and later a weight pass (W: the weights' gradients).
   I for their input half (or only to hand over the work, when no input of theirs needs a
   gradient, as in a pipeline's first stage);
 - I runs every node that leads to a stage input or to a deferred node (:attr:`executed`), and
-  tells each customgrad node among them which of its edges the pass uses (a route), so that no
-  node has to ask the engine;
+  tells each routed node among them (a customgrad node's record, a compiled region's
+  ``RegionNode``: one rule for both) which of its edges the pass uses (a route), so that no
+  node has to ask the engine; W's route tells routed intermediates to compute their weight side;
 - plain ``torch.autograd.Function`` nodes of I with edges into the weight side (Liger-Kernel's,
   unsloth's, any ``torch.library.custom_op``'s) run *once* (:attr:`InputPassPlan.once`): their
   backward computes every gradient whatever the pass needs, so I keeps the weight-side
@@ -40,8 +41,9 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
+from customgrad._compiled_region import region_node
 from customgrad._record import NodeRecord, record_of
-from customgrad._routing import DeferTarget, Route
+from customgrad._routing import DeferTarget, Route, Routed
 from customgrad._torch.engine import ACCUMULATE_GRAD
 from customgrad._torch.functions import forward_cls, is_aot_node
 
@@ -187,9 +189,10 @@ class InputPassPlan:
         targets: the nodes I must run beyond the stage inputs (deferred customgrad nodes, and
             without ``defer_native`` the leaf accumulators I fills).
         weight_leaves: the leaf accumulators W fills (only with ``defer_native``).
-        input_routes: a route for every customgrad node I runs.
-        weight_routes: routes for W: deferred nodes compute nothing, customgrad intermediates
-            only their weight-side edges.
+        input_routes: a route for every routed node I runs (customgrad nodes and compiled
+            regions' nodes alike, :class:`customgrad._routing.Routed`).
+        weight_routes: routes for W: deferred nodes compute nothing, routed intermediates
+            (customgrad and compiled) only their weight-side edges.
         weight_side: the nodes W runs (they lead only to leaf accumulators; I does not run
             them).
         weight_calls: how W sends its work through the engine (see :class:`WeightCall`).
@@ -202,8 +205,8 @@ class InputPassPlan:
     direct: list[int] = field(default_factory=list)
     targets: list[Node] = field(default_factory=list)
     weight_leaves: list[Node] = field(default_factory=list)
-    input_routes: dict[NodeRecord, Route] = field(default_factory=dict)
-    weight_routes: dict[NodeRecord, Route] = field(default_factory=dict)
+    input_routes: dict[Routed, Route] = field(default_factory=dict)
+    weight_routes: dict[Routed, Route] = field(default_factory=dict)
     weight_side: set[Node] = field(default_factory=set)
     weight_calls: list[WeightCall] = field(default_factory=list)
 
@@ -292,6 +295,7 @@ def plan_input_pass(
     """
     order, edges = _walk(roots, input_nodes)
     records: dict[Node, NodeRecord] = {}
+    routed: dict[Node, Routed] = {}  # customgrad nodes and compiled regions' nodes alike
     split: dict[Node, tuple[list[Node], list[Node]]] = {}
     leaves: list[Node] = []
     leads_w: set[Node] = set()
@@ -310,8 +314,10 @@ def plan_input_pass(
             for fn, is_weight in zip(kids, record.edge_is_weight()):
                 if fn is not None:
                     (weights if is_weight else others).append(fn)
-            records[node] = record
+            records[node] = routed[node] = record
             split[node] = (others, weights)
+        elif (held := region_node(node)) is not None:
+            routed[node] = held
         for k in kids:
             if k is not None and k in leads_w:
                 leads_w.add(node)
@@ -368,12 +374,12 @@ def plan_input_pass(
     plan = InputPassPlan(executed=executed, deferred=candidates)
     side = plan.weight_side = {n for n in leads_w if n not in executed}
     plan.targets = [n for n in order if n in candidates or n in live_leaves]
-    for node, record in records.items():
+    for node, holder in routed.items():
         if node in executed:
             needed = tuple(
                 fn is not None and (fn in executed or fn in input_nodes) for fn in edges[node]
             )
-            plan.input_routes[record] = Route(needed=needed, defer=candidates.get(node))
+            plan.input_routes[holder] = Route(needed=needed, defer=candidates.get(node))
     if defer_native:
         for node in order:
             if (
@@ -387,9 +393,8 @@ def plan_input_pass(
         for node in candidates:
             plan.weight_routes[records[node]] = Route(needed=(False,) * len(edges[node]))
         for node in plan.intermediates:
-            record = records.get(node)
-            if record is not None:
-                plan.weight_routes[record] = Route(
+            if node in routed:
+                plan.weight_routes[routed[node]] = Route(
                     needed=tuple(k is not None and k in side for k in edges[node])
                 )
         plan.weight_calls = _weight_calls(plan, roots, order, edges, split, records)

@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import logging
+import os
+import re
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 import torch.fx as fx
@@ -49,7 +52,8 @@ from customgrad._torch import dynamo
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.dispatcher import dispatch_stack_len
 from customgrad._torch.fake import FAKE_TENSOR_LOGGER, data_dependent_errors
-from customgrad._traced_split import TracedSplit
+from customgrad._traced_split import Layout, Structure, TracedSplit
+from customgrad._triton import RawLaunch, raw_launch
 
 __all__ = ["INSIDE_TRACE", "Capture", "Fallback", "bits", "capture_backward", "quiet_tracing"]
 
@@ -69,13 +73,13 @@ class Fallback:
 
     __slots__ = ("fix", "logged", "retries", "why")
 
-    def __init__(self, why: str, fix: str, logged: bool = True) -> None:
+    def __init__(self, why: str, fix: str, logged: bool = True, retries: int = 0) -> None:
         self.why = why
         self.fix = fix
         self.logged = logged
         # Traces left to try: a failure of an unknown kind may come from outside the backward
         # (another thread tracing with make_fx, torch.compile), so it is not final at once.
-        self.retries = 0
+        self.retries = retries
 
     def describe(self) -> str:
         return (
@@ -101,8 +105,6 @@ class _Invalid(Exception):
 def _why(e: BaseException) -> tuple[str, str]:
     """The reason and fix for a backward that ``make_fx`` could not trace."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    from customgrad._triton import raw_launch
 
     DataDependentOutputException, DynamicOutputShapeException = data_dependent_errors()
 
@@ -169,6 +171,19 @@ def quiet_tracing() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
+Reader: TypeAlias = Callable[[dict[str, object], dict[str, object]], tuple[object, ...]]
+"""Reads the values compared by their bits from the globals (``G``) and the frame (``L``)."""
+
+
+@dataclasses.dataclass(slots=True)
+class ModuleSeen:
+    """A module a capture read, with its attributes when last seen."""
+
+    module: object
+    size: int
+    keys: frozenset[str]
+
+
 class Capture:
     """One capture of a backward: its split and what must hold to reuse it.
 
@@ -182,10 +197,10 @@ class Capture:
     def __init__(
         self,
         split: TracedSplit,
-        check: Callable[[dict[str, Any]], bool],
-        scope: dict[str, Any],
-        constants: tuple[Callable[..., tuple[Any, ...]] | None, tuple[Any, ...]],
-        modules: list[list[Any]],
+        check: Callable[[dict[str, object]], bool],
+        scope: dict[str, object],
+        constants: tuple[Reader | None, tuple[object, ...]],
+        modules: list[ModuleSeen],
         names: frozenset[str],
     ) -> None:
         self.split = split
@@ -195,7 +210,7 @@ class Capture:
         self._modules = modules
         self._names = names
 
-    def holds(self, frame: dict[str, Any]) -> bool:
+    def holds(self, frame: dict[str, object]) -> bool:
         if _dispatch_stack_len():
             # A dispatch mode (a FLOP counter, a profiler's) adds the Python key to every
             # tensor's dispatch keys, which dynamo's tensor guards compare: check as captured.
@@ -212,24 +227,22 @@ class Capture:
             except Exception:
                 return False
         for entry in self._modules:
-            module, size, keys = entry
-            now = module.__dict__
-            if len(now) != size:
-                added = now.keys() - keys
+            now = entry.module.__dict__
+            if len(now) != entry.size:
+                added = now.keys() - entry.keys
                 if added & self._names:
                     return False  # getattr(module, name, default) reads something else now
-                entry[1], entry[2] = len(now), frozenset(now)  # unrelated (a lazy import)
+                entry.size, entry.keys = len(now), frozenset(now)  # unrelated (a lazy import)
         return True
 
 
-def bits(value: Any) -> Any:
+def bits(value: object) -> tuple[object, ...]:
     """``value`` as compared exactly: floats by their bits (-0.0 != 0.0, nan == nan)."""
-    kind = type(value)
-    if kind is float:
+    if type(value) is float:
         return (float, value.hex())
-    if kind is complex:
+    if type(value) is complex:
         return (complex, value.real.hex(), value.imag.hex())
-    return (kind, value)
+    return (type(value), value)
 
 
 class _Refused(Exception):
@@ -261,10 +274,10 @@ def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
 
 def capture_backward(
     op: OpSpec,
-    fn: Callable[..., Any],
-    frame: dict[str, Any],
-    leaves: Sequence[Any],
-    structure: Any,
+    fn: Callable[..., object],
+    frame: dict[str, object],
+    leaves: Sequence[object],
+    structure: Structure,
     requires: frozenset[str],
     recompute: bool,
 ) -> Capture | Fallback:
@@ -316,9 +329,7 @@ def capture_backward(
                 )
         except Exception as e:
             why, fix, known = _refusal(e)
-            fallback = Fallback(why, fix)
-            fallback.retries = int(not known)
-            return fallback
+            return Fallback(why, fix, retries=int(not known))
         if not got:
             return Fallback(
                 "dynamo did not capture it (torch.compile is disabled here: "
@@ -342,9 +353,7 @@ def capture_backward(
                 raise _Refused("dynamo kept no single guard set for it", "report it")
             extra = _extra_checks(captured, wrapper.__globals__, frame)
         except _Refused as e:
-            fallback = Fallback(e.why, e.fix)
-            fallback.retries = int(not e.known)
-            return fallback
+            return Fallback(e.why, e.fix, retries=int(not e.known))
         except _Invalid:
             # Called as written, the backward raises customgrad's own error, which says it all.
             return Fallback("it returned what customgrad's validation refuses", "", logged=False)
@@ -359,8 +368,6 @@ def capture_backward(
 
 def _in_words(source: str, fn: Callable[..., Any]) -> str:
     """dynamo's name of what ``fn`` reads, with ``fn``'s closure cells named."""
-    import re
-
     found = re.match(r"fn\.__closure__\[(\d+)\]\.cell_contents(.*)", source)
     code = getattr(fn, "__code__", None)
     if found is None or code is None or int(found.group(1)) >= len(code.co_freevars):
@@ -370,8 +377,8 @@ def _in_words(source: str, fn: Callable[..., Any]) -> str:
 
 
 def _extra_checks(
-    captured: dynamo.Captured, scope: dict[str, Any], frame: dict[str, Any]
-) -> tuple[tuple[Any, tuple[Any, ...]], list[list[Any]]]:
+    captured: dynamo.Captured, scope: dict[str, object], frame: dict[str, object]
+) -> tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen]]:
     """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
     compares by ``==``, compared by its bits; each module it guards by identity, with its
     attributes as they are now."""
@@ -388,16 +395,16 @@ def _extra_checks(
         if type(value) in (float, complex):
             exact.append(source)
     # One function reads them all per check: dynamo's names are expressions of G and L.
-    read: Any = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
+    read: Reader | None = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
     constants = (read, tuple(map(bits, read(scope, frame))) if read is not None else ())
-    modules: list[list[Any]] = []
+    modules: list[ModuleSeen] = []
     for source in captured.modules:
         try:
             module = eval(source, dict(names))
         except Exception:
             continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
         held = vars(module)
-        modules.append([module, len(held), frozenset(held)])
+        modules.append(ModuleSeen(module, len(held), frozenset(held)))
     return constants, modules
 
 
@@ -407,7 +414,7 @@ def _lower(
     markers: list[Any],
     result: Any,
     leaves: Sequence[Any],
-    structure: Any,
+    structure: Structure,
 ) -> tuple[fx.GraphModule, list[tuple[str, Any]], list[int]]:
     """The captured graph lowered to aten ops by ``make_fx`` on fake tensors, as
     ``(*tensor leaves) -> gradients``, with where each gradient sits in its outputs."""
@@ -456,12 +463,12 @@ def _lower(
                 )
         slots_of.append((name, slots if values is not None else slots[0]))
     graph = captured.graph
-    layouts: list[list[tuple[str, Any]]] = []
+    layouts: list[Layout] = []
 
     def body(*tensors: Any) -> list[Any]:
         outs = graph(*(tensors[k] for k in inputs))
         flat: list[Any] = []
-        layout: list[tuple[str, Any]] = []
+        layout: Layout = []
 
         def put(slot: Any) -> int | None:
             if slot is None:
@@ -497,10 +504,10 @@ def _lower(
 def _split(
     op: OpSpec,
     gm: fx.GraphModule,
-    layout: list[tuple[str, Any]],
+    layout: Layout,
     tensor_idx: list[int],
-    leaves: Sequence[Any],
-    structure: Any,
+    leaves: Sequence[object],
+    structure: Structure,
     requires: frozenset[str],
     recompute: bool,
 ) -> TracedSplit | Fallback:
@@ -519,8 +526,6 @@ def _split(
 def _refusal(e: BaseException) -> tuple[str, str, bool]:
     """Why dynamo could not capture a backward, the fix, and whether the reason is known (an
     unknown one may come from outside the backward, and is tried again)."""
-    from customgrad._triton import raw_launch
-
     if isinstance(e, _Refused):
         return e.why, e.fix, True
     inner = dynamo.backend_error(e)
@@ -573,14 +578,9 @@ def _refusal(e: BaseException) -> tuple[str, str, bool]:
     )
 
 
-def _triton_frame(stack: Sequence[tuple[str, int, str]]) -> Any:
+def _triton_frame(stack: Sequence[tuple[str, int, str]]) -> RawLaunch | None:
     """The raw Triton launch in the frames dynamo was tracing (the first frame in Triton's
     runtime, and the user's line that launched it), or None."""
-    import os
-    import re
-
-    from customgrad._triton import RawLaunch
-
     runtime = f"{os.sep}triton{os.sep}runtime{os.sep}"
     for i, (file, _, _) in enumerate(stack):
         if runtime in file and i:

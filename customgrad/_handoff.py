@@ -102,7 +102,9 @@ weak reference and its version counter (a list of those for a list output; None 
 _ANY: Any = object()  # a non-differentiable output's gradient: not compared
 
 
-def record_pass(grads: Sequence[Any], differentiable: Sequence[bool] | None = None) -> PassRecord:
+def record_pass(
+    grads: Sequence[object], differentiable: Sequence[bool] | None = None
+) -> PassRecord:
     """A record of the output gradients ``grads`` that holds none of them alive. The gradients of
     non-differentiable outputs are not recorded: autograd makes new zeros for them each pass."""
     out: list[Any] = []
@@ -137,7 +139,7 @@ def _same(entry: Any, g: Any) -> bool:
     )
 
 
-def same_pass(made: PassRecord | None, grads: Sequence[Any] | None) -> bool:
+def same_pass(made: PassRecord | None, grads: Sequence[object] | None) -> bool:
     """Whether ``grads`` are the output gradients ``made`` records: the same tensors, none of
     them written to since (a pass of other gradients, or of gradients changed in place between
     the passes, is another pass)."""
@@ -181,7 +183,7 @@ class HandOff(Generic[V]):
         self.value = value
         self.next: HandOff[V] | None = None  # the node's hand-off of an earlier pass, if pending
 
-    def made_by(self, grads: Sequence[Any] | None) -> bool:
+    def made_by(self, grads: Sequence[object] | None) -> bool:
         """Whether a pass with output gradients ``grads`` is the pass that made it."""
         return same_pass(self.made, grads)
 
@@ -189,7 +191,9 @@ class HandOff(Generic[V]):
         return f"<HandOff {self.kind}: {nbytes(self.value)} bytes>"
 
 
-def hand_over(record: Holder, grads: Sequence[Any], kind: HandOffKind, value: HandOffValue) -> None:
+def hand_over(
+    record: Holder, grads: Sequence[object], kind: HandOffKind, value: HandOffValue
+) -> None:
     """Keep ``value`` on ``record`` for the node's later pass (made by a pass with ``grads``),
     beside the pending hand-offs of other passes (what this pass made before is replaced)."""
     made = record_pass(grads, record.differentiable)
@@ -198,7 +202,7 @@ def hand_over(record: Holder, grads: Sequence[Any], kind: HandOffKind, value: Ha
     record.handoff = new
 
 
-def handed_over(record: Holder, grads: Sequence[Any], kind: HandOffKind) -> Any:
+def handed_over(record: Holder, grads: Sequence[object], kind: HandOffKind) -> object:
     """What the node's earlier pass kept of ``kind`` (a :data:`HandOffValue`) for a pass with
     output gradients ``grads`` (:data:`NO_HANDOFF` when nothing, or when it was made by a pass
     of other gradients)."""
@@ -210,14 +214,14 @@ def handed_over(record: Holder, grads: Sequence[Any], kind: HandOffKind) -> Any:
     return NO_HANDOFF
 
 
-def release(record: Holder, grads: Sequence[Any]) -> None:
+def release(record: Holder, grads: Sequence[object]) -> None:
     """Free what the pass with output gradients ``grads`` kept (its later pass ran); the
     hand-offs of other passes stay."""
     record.handoff = _without(record.handoff, grads, MAX_PENDING)
 
 
 def _without(
-    chain: HandOff[HandOffValue] | None, grads: Sequence[Any], keep: int
+    chain: HandOff[HandOffValue] | None, grads: Sequence[object], keep: int
 ) -> HandOff[HandOffValue] | None:
     """``chain`` less the hand-offs made by a pass with ``grads``, at most ``keep`` of them."""
     kept: list[HandOff[HandOffValue]] = []
@@ -232,11 +236,12 @@ def _without(
     return head
 
 
-def nbytes(value: Any) -> int:
+def nbytes(value: object) -> int:
     """The bytes of the tensors in ``value`` (a pytree), each storage counted once."""
     seen: set[int] = set()
     total = 0
-    for leaf in optree.tree_leaves(value, none_is_leaf=True):
+    leaves: list[object] = optree.tree_leaves(value, none_is_leaf=True)  # type: ignore[arg-type]
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             storage = leaf.untyped_storage()
             key = storage.data_ptr() if storage.data_ptr() else id(storage)

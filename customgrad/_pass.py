@@ -59,8 +59,13 @@ class _Shared:
     __slots__ = ("computed", "grads", "keep", "record", "saved", "value", "watch")
 
     def __init__(
-        self, record: NodeRecord, saved: Any, grads: tuple[Any, ...], watch: _Watch, keep: bool
-    ):
+        self,
+        record: NodeRecord,
+        saved: object,
+        grads: tuple[object, ...],
+        watch: _Watch,
+        keep: bool,
+    ) -> None:
         self.record = record
         self.saved = saved
         self.grads = grads
@@ -70,7 +75,7 @@ class _Shared:
         self.value: Any = found.value if isinstance(found, SharedWork) else NO_HANDOFF
         self.computed = False  # by this call (not handed over from an earlier pass)
 
-    def get(self, ctx: BackwardContext) -> Any:
+    def get(self, ctx: BackwardContext) -> object:
         if self.value is NO_HANDOFF:
             spec = self.record.op
             fn = spec.rules.backward_shared
@@ -231,8 +236,8 @@ def auto_split(
     record: NodeRecord,
     auto: AutoSplitter,
     make_ctx: Callable[[frozenset[str]], BackwardContext],
-    saved: Any,
-    grads: tuple[Any, ...],
+    saved: object,
+    grads: tuple[object, ...],
     requires: frozenset[str],
 ) -> TracedSplit | None:
     """The node's traced split (``auto``: the op's ``AutoSplitter``), or None to call

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeAlias, cast
 
 import optree
 import torch
@@ -27,7 +27,7 @@ from customgrad._torch.dispatcher import OpOverload, TorchDispatchMode, aten_cal
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.fake import detect_fake_mode
 
-__all__ = ["TRACE_LOCK", "TracedSplit", "flatten"]
+__all__ = ["TRACE_LOCK", "Layout", "Slot", "Structure", "TracedSplit", "flatten"]
 
 _Tensor = torch.Tensor
 
@@ -37,10 +37,19 @@ global state."""
 
 Gradients = dict[str, Any]
 
+Slot: TypeAlias = "int | list[int | None] | None"
+"""Where a gradient sits among a pass's outputs: a position, None (no gradient), or one of those
+per item of a list argument."""
+Layout: TypeAlias = "list[tuple[str, Slot]]"
+"""Each gradient of the backward by argument name, with its :data:`Slot`."""
+Structure: TypeAlias = "int | tuple[int, optree.PyTreeSpec, optree.PyTreeSpec]"
+"""How the leaves of (saved values, output gradients) make those: the number of saved values
+when both are flat tuples, else the count and the two trees' specs (:func:`flatten`)."""
 
-def flatten(saved: Any, grads: tuple[Any, ...]) -> tuple[list[Any], Any]:
+
+def flatten(saved: object, grads: tuple[object, ...]) -> tuple[list[object], Structure]:
     """The leaves of the saved values and the output gradients, and their structure."""
-    tree: Any = (saved, grads)
+    tree: Any = (saved, grads)  # a pytree of the user's values
     saved_leaves, saved_spec = optree.tree_flatten(tree[0], none_is_leaf=True)
     grad_leaves, grads_spec = optree.tree_flatten(tree[1], none_is_leaf=True)
     return [*saved_leaves, *grad_leaves], (len(saved_leaves), saved_spec, grads_spec)
@@ -52,7 +61,7 @@ class _Run:
 
     __slots__ = ("at", "cut", "fn", "n_out")
 
-    def __init__(self, p: Pass, layout: list[tuple[str, Any]], needed: frozenset[str]) -> None:
+    def __init__(self, p: Pass, layout: Layout, needed: frozenset[str]) -> None:
         self.fn = p.fn
         self.n_out = len(p.slots)
         self.cut: ProgramCut | None = None
@@ -64,7 +73,7 @@ class _Run:
             if name in needed
         )
 
-    def result(self, outs: Sequence[Any]) -> Gradients:
+    def result(self, outs: Sequence[torch.Tensor | None]) -> Gradients:
         out: Gradients = {}
         for name, k in self.at:
             if type(k) is int:
@@ -89,7 +98,7 @@ class TracedSplit:
         self,
         op: OpSpec,
         gm: fx.GraphModule,
-        layout: list[tuple[str, Any]],
+        layout: Layout,
         tensor_idx: list[int],
         all_tensors: bool,
         flat: bool,
@@ -120,8 +129,8 @@ class TracedSplit:
 
     def run(
         self,
-        saved: Any,
-        grads: tuple[Any, ...],
+        saved: object,
+        grads: tuple[object, ...],
         needed: frozenset[str],
         handoff: Kept | None,
         keep: bool,
@@ -136,7 +145,9 @@ class TracedSplit:
             # deferred weight pass, whose gradients go to .grad. Build no graph for them.
             with torch.no_grad():
                 return self.run(saved, grads, needed, handoff, keep)
-        leaves: Sequence[Any] = saved + grads if self._flat else flatten(saved, grads)[0]
+        leaves: Sequence[object] = (
+            cast(tuple[object, ...], saved) + grads if self._flat else flatten(saved, grads)[0]
+        )
         args = leaves if self._all_tensors else [leaves[i] for i in self._tensor_idx]
         kept: Kept | None = None
         run = None if handoff is None else self._weight_run(handoff.cut, needed)
@@ -248,15 +259,15 @@ class _SeenOps(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.ops: list[Any] = []
+        self.ops: list[OpOverload] = []
 
     def __torch_dispatch__(
         self,
-        func: Any,
+        func: OpOverload,
         types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+        args: Sequence[object] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
         if func.namespace != "prim":  # metadata queries (prim.device) are not ops that run
             self.ops.append(func)
         return func(*args, **(kwargs or {}))

@@ -137,14 +137,16 @@ def _readable(source: str) -> str:
 class _Backend:
     """The ``torch.compile`` backend :func:`compile` installs: one per compiled module."""
 
-    def __init__(self, backend: Any, mode: str | None, options: Any, dynamic: Any):
+    def __init__(self, backend: object, mode: str | None, options: object, dynamic: object) -> None:
         self.backend = backend
         self.counter = itertools.count()
         self.inductor_config: dict[str, Any] = {}
         if backend == "inductor":
             self.inductor_config = inductor_config(mode, options, dynamic)
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any], **kwargs: Any) -> Any:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: list[object], **kwargs: object
+    ) -> Callable[..., object]:
         region = CompiledRegion(name=f"{_region_label(gm)} (graph {next(self.counter)})")
         register(region)
         kinds = [_kind(x) for x in example_inputs]
@@ -153,7 +155,7 @@ class _Backend:
             reason = "a tensor-subclass input (its gradient is flattened into inner tensors)"
         names = _dynamo_input_names(gm)
 
-        def split(compile_one: Callable[..., Any]) -> SplitCompiler:
+        def split(compile_one: Callable[..., object]) -> SplitCompiler:
             """The backward compiler: ``compile_one`` (the backend's) compiling full, I and W."""
             return SplitCompiler(region, kinds, compile_one, reason, names)
 
@@ -165,9 +167,9 @@ class _Backend:
     def _compile(
         self,
         gm: fx.GraphModule,
-        example_inputs: list[Any],
-        split: Callable[[Callable[..., Any]], SplitCompiler],
-    ) -> Any:
+        example_inputs: list[object],
+        split: Callable[[Callable[..., object]], SplitCompiler],
+    ) -> Any:  # the backend's compiled callable
         backend = self.backend
         if backend == "inductor":
             compile_fx, compile_fx_inner = inductor_compilers()

@@ -137,11 +137,11 @@ def _watch(region: CompiledRegion, outputs: Any, earlier: Sequence[Any]) -> None
             fn = nexts[0][0] if nexts else None
 
 
-def watching(region: CompiledRegion, compiled: Any) -> Any:
+def watching(region: CompiledRegion, compiled: Callable[..., object]) -> Callable[..., object]:
     """``compiled`` (the callable dynamo runs for a graph) with its node watched per call."""
 
     @functools.wraps(compiled)
-    def run(*args: Any) -> Any:
+    def run(*args: object) -> object:
         if not torch.is_grad_enabled():
             return compiled(*args)
         if compiled_autograd_on() and region.status == "split":
@@ -174,7 +174,7 @@ class _Backward:
     def __init__(
         self,
         region: CompiledRegion,
-        full: Callable[[list[Any]], Any],
+        full: Callable[[list[object]], object],
         positions: list[int],
         n_outputs: int,
         program: SplitProgram | None = None,
@@ -189,7 +189,7 @@ class _Backward:
         self.tangents = list(tangents)
         self.failed: set[frozenset[int]] = set()  # cuts the backend could not compile
 
-    def __call__(self, args: list[Any]) -> Any:
+    def __call__(self, args: list[object]) -> object:
         region = self.region
         node = current_node()
         mode, state, cut, grads, found = self._mode(node, args)
@@ -336,7 +336,7 @@ class SplitCompiler:
         self,
         region: CompiledRegion,
         kinds: list[bool | None],
-        compile_one: Callable[..., Any],
+        compile_one: Callable[..., object],
         reason: str | None,
         names: Sequence[str] = (),
     ) -> None:
@@ -348,7 +348,9 @@ class SplitCompiler:
         self.compile_one = compile_one
         self.reason = reason
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    def __call__(
+        self, gm: fx.GraphModule, example_inputs: Sequence[object], **kwargs: object
+    ) -> Callable[[list[object]], object]:
         region = self.region
         reason = self.reason
         no_donated_buffers()

@@ -23,7 +23,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.fx as fx
@@ -170,7 +170,7 @@ def cut(
 def extract(
     gm: fx.GraphModule,
     nodes: Iterable[fx.Node],
-    outputs: Sequence[Any],
+    outputs: Sequence[fx.node.Argument],
     kept: Sequence[fx.Node] = (),
 ) -> fx.GraphModule:
     """A graph module of ``gm``'s placeholders, then ``kept`` as further inputs, running

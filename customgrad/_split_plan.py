@@ -105,7 +105,7 @@ def postorder(roots: Iterable[Node], stop: Iterable[Node] = ()) -> list[Node]:
     return _walk(list(roots), set(stop))[0]
 
 
-class _Edges(dict[Node, list[Any]]):
+class _Edges(dict[Node, list[Node | None]]):
     """Each node's edge targets (as :func:`_walk` records them), read off the graph when
     first asked for; none past ``stop``."""
 
@@ -113,7 +113,7 @@ class _Edges(dict[Node, list[Any]]):
         super().__init__()
         self.stop = stop
 
-    def __missing__(self, node: Node) -> list[Any]:
+    def __missing__(self, node: Node) -> list[Node | None]:
         kids = [] if node in self.stop else [*map(_target, node.next_functions)]
         self[node] = kids
         return kids

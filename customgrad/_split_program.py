@@ -50,7 +50,7 @@ class Pass(NamedTuple):
     """One built pass: ``fn(*graph inputs[, *kept]) -> (*gradients, *kept)`` as its compiler
     calls it."""
 
-    fn: Callable[..., Any]
+    fn: Callable[..., Sequence[torch.Tensor]]
     slots: tuple[int, ...]
     """The gradient slot of each of its first outputs."""
     n_kept: int
@@ -124,7 +124,7 @@ class SplitProgram:
         live: Iterable[int],
         recompute: Recompute,
         compiler: Compiler,
-        examples: Sequence[Any] = (),
+        examples: Sequence[object] = (),
     ) -> None:
         self.graph_module, self.mutated = clean(gm)
         self.live = frozenset(live)

@@ -234,7 +234,7 @@ class WeightGradQueue:
         outputs: torch.Tensor | GradientEdge | Sequence[torch.Tensor | GradientEdge],
         grad_outputs: torch.Tensor | Sequence[torch.Tensor | None] | None = None,
         *,
-        inputs: Sequence[Any] = (),
+        inputs: Sequence[object] = (),
     ) -> None:
         """The input pass (I): input gradients now, customgrad weight halves into the queue.
 

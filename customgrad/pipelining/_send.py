@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, cast
 
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._record import record_of
@@ -35,17 +36,24 @@ def weight_side_only(side: tuple[bool, ...]) -> Callable[[Grads, Grads], Grads]:
     return hook
 
 
+class _Ctx(FunctionCtx):
+    """The ctx of the two Functions below, with what their forwards keep on it."""
+
+    ask: Callable[[], None]
+    holder: list[list[torch.Tensor]]
+
+
 class _Asking(torch.autograd.Function):
     """A node whose backward runs ``ask()``: an engine call made only to run it, whose
     ``inputs=`` name the edges ``ask`` wants gradients on (see :func:`ask_weight_sides`)."""
 
     @staticmethod
-    def forward(ctx: Any, ask: Callable[[], None], anchor: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: _Ctx, ask: Callable[[], None], anchor: torch.Tensor) -> torch.Tensor:
         ctx.ask = ask
         return anchor.new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[None, None]:
         ctx.ask()
         return None, None
 
@@ -145,12 +153,12 @@ class _HandOver(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, holder: list[list[torch.Tensor]], *leaves: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: _Ctx, holder: list[list[torch.Tensor]], *leaves: torch.Tensor) -> torch.Tensor:
         ctx.holder = holder
         return leaves[0].new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: _Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, *ctx.holder.pop())
 
 

@@ -44,7 +44,7 @@ from customgrad._compiled_region import (
     RegionNode,
     region_node,
 )
-from customgrad._handoff import HandOff, HandOffValue, Kept, hand_over, handed_over, nbytes, release
+from customgrad._handoff import Kept, hand_over, handed_over, nbytes, pending, release
 from customgrad._origin import origin_of
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import route_for
@@ -268,7 +268,10 @@ class _Backward:
             found = handed_over(state, grads, "kept")
             if isinstance(found, Kept) and found.cut.serves(program, want):
                 return "weight", state, found.cut, grads, found
-            if want and _pending_serves(state.handoff, program, want):
+            if want and any(
+                isinstance(h.value, Kept) and h.value.cut.serves(program, want)
+                for h in pending(state)
+            ):
                 region.note_repeat(
                     "a pass needing only the gradients its input pass left for later came with "
                     "other output gradients than that input pass (another loss, or gradients "
@@ -299,18 +302,6 @@ class _Backward:
         if self.region.input_pass is None:
             _describe(self.region, cut)
         return cut
-
-
-def _pending_serves(
-    chain: HandOff[HandOffValue] | None, program: SplitProgram, want: frozenset[int]
-) -> bool:
-    """Whether a pending hand-off (of another pass) was kept for a pass needing ``want``."""
-    while chain is not None:
-        value = chain.value
-        if isinstance(value, Kept) and value.cut.serves(program, want):
-            return True
-        chain = chain.next
-    return False
 
 
 def _describe(region: CompiledRegion, cut: ProgramCut) -> None:

@@ -16,6 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from customgrad._handoff import pending
 from customgrad._origin import ValueOrigin
 from customgrad._origin import summary as origin_summary
 
@@ -98,13 +99,7 @@ class CompiledRegion:
         """Number of microbatches whose I ran and whose W has not yet (hand-offs held)."""
         with LOCK:
             nodes = list(self.nodes)
-        held = 0
-        for n in nodes:
-            h = n.handoff
-            while h is not None:
-                held += 1
-                h = h.next
-        return held
+        return sum(1 for n in nodes for _ in pending(n))
 
     def fall_back(self, reason: str) -> None:
         """Mark the region as running its full backward, logging why once."""

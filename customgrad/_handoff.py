@@ -26,7 +26,7 @@ weight gradients of a backward that is not split, run once in I (the run-once ru
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeAlias, TypeVar
 
 import optree
@@ -49,6 +49,7 @@ __all__ = [
     "hand_over",
     "handed_over",
     "nbytes",
+    "pending",
     "record_pass",
     "release",
     "same_pass",
@@ -206,12 +207,19 @@ def handed_over(record: Holder, grads: Sequence[object], kind: HandOffKind) -> o
     """What the node's earlier pass kept of ``kind`` (a :data:`HandOffValue`) for a pass with
     output gradients ``grads`` (:data:`NO_HANDOFF` when nothing, or when it was made by a pass
     of other gradients)."""
-    handoff = record.handoff
-    while handoff is not None:
+    for handoff in pending(record):
         if handoff.kind == kind and handoff.made_by(grads):
             return handoff.value
-        handoff = handoff.next
     return NO_HANDOFF
+
+
+def pending(record: Holder) -> Iterator[HandOff[HandOffValue]]:
+    """The hand-offs ``record`` holds, newest first (one per pass whose later pass has not
+    run)."""
+    handoff = record.handoff
+    while handoff is not None:
+        yield handoff
+        handoff = handoff.next
 
 
 def release(record: Holder, grads: Sequence[object]) -> None:

@@ -95,37 +95,23 @@ _TOLD: set[type] = set()
 """The Function classes the log already named (one line per class, not per call)."""
 
 
-def _tell_once(nodes: list[Node]) -> None:
-    """Log, once per Function class, that its backward runs once in I under the split."""
-    for node in nodes:
-        cls = forward_cls(node)
-        if cls is not None and cls not in _TOLD:
-            _TOLD.add(cls)
-            log.info(
-                "customgrad.pipelining: %s.%s is a plain autograd.Function (it cannot split): "
-                "its backward runs once, in the input pass, and the weight pass receives the "
-                "weight gradients it returned (torch's split runs it twice). Make it a "
-                "customgrad op (customgrad.from_function) to split it; "
-                "run_functions_once=False runs it as torch does.",
-                cls.__module__,
-                cls.__qualname__,
-            )
-
-
-def _tell_not_split(cls: type, why: str) -> None:
-    """Log, once per Function class, why its backward did not split and runs once in I."""
-    if cls not in _TOLD:
-        _TOLD.add(cls)
-        log.info(
-            "customgrad.pipelining: %s.%s is a plain autograd.Function whose backward cannot "
-            "split automatically (%s): it runs once, in the input pass, and the weight pass "
-            "receives the weight gradients it returned (torch's split runs it twice). Make it "
-            "a customgrad op (customgrad.from_function) to split it; "
-            "run_functions_once=False runs it as torch does.",
-            cls.__module__,
-            cls.__qualname__,
-            why,
-        )
+def _tell(cls: type | None, why: str | None = None) -> None:
+    """Log, once per Function class, that its backward runs once in I (``why`` it did not
+    split, where splitting it was tried)."""
+    if cls is None or cls in _TOLD:
+        return
+    _TOLD.add(cls)
+    log.info(
+        "customgrad.pipelining: %s.%s is a plain autograd.Function %s: it runs once, in the "
+        "input pass, and the weight pass receives the weight gradients it returned (torch's "
+        "split runs it twice). Make it a customgrad op (customgrad.from_function) to split "
+        "it; run_functions_once=False runs it as torch does.",
+        cls.__module__,
+        cls.__qualname__,
+        "(it cannot split)"
+        if why is None
+        else f"whose backward cannot split automatically ({why})",
+    )
 
 
 def stage_backward_input(
@@ -216,7 +202,8 @@ def _stage_backward_input(
     state.plan = plan
     state.direct = {i: (*out_edges[i], grads[i]) for i in plan.direct}
     if plan.once and not split_functions:
-        _tell_once(plan.once)
+        for n in plan.once:
+            _tell(forward_cls(n))
 
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
@@ -263,7 +250,9 @@ def _stage_backward_input(
     state.split_ids = frozenset(id(n) for n in split)
     state.split = {}
     if split_functions:  # the classes that did not split (those that did say nothing)
-        _tell_once([n for n in plan.once if n not in split])
+        for n in plan.once:
+            if n not in split:
+                _tell(forward_cls(n))
     del split
     for c, call in enumerate(plan.weight_calls):
         handed = [ho for n in call.once if (ho := ran.get(n)) is not None]
@@ -378,7 +367,7 @@ def _split_apply(
     side = plan.weight_side_edges(node)
 
     def apply(*grads: torch.Tensor | None) -> tuple[object, ...]:
-        found = split_input(node, side, grads, _tell_not_split)
+        found = split_input(node, side, grads, _tell)
         if found is None:
             return run_backward(node, grads)  # type: ignore[no-any-return]
         out, work = found

@@ -44,7 +44,7 @@ _graph_task_id = graph_task_id
 
 class Routed(Protocol):
     """What takes a route: a customgrad node's record, or a compiled region's node
-    (:class:`customgrad._compiled_backward.RegionNode`)."""
+    (:class:`customgrad._compiled_region.RegionNode`)."""
 
     route: Route | None
 

@@ -1152,6 +1152,14 @@ def test_bare_tensors_where_lists_are_expected() -> None:
     with pytest.raises(
         cg.ArgumentTypeError,
         match=re.escape(
+            "stage_backward_input: the gradient of output 0 is a list; pass a Tensor (or None) "
+            "per output."
+        ),
+    ):
+        stage_backward_input([out], [[torch.ones_like(out)]], [x], [w])  # type: ignore[list-item]
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
             "explain_split: inputs must be a list or tuple of tensors, got Tensor. Pass [x] for "
             "a single tensor."
         ),

@@ -20,8 +20,7 @@ from torch.distributed.pipelining import _backward as torch_backward
 
 from customgrad import _autograd
 from customgrad._flops import FlopCounter
-from customgrad.pipelining import _backward as split_backward
-from customgrad.pipelining import stage_backward_input, stage_backward_weight
+from customgrad.pipelining import _weight_pass, stage_backward_input, stage_backward_weight
 from tests._skips import CAPTURE, TORCH_SPLIT, TORCH_SPLIT_RUNS_FUNCTIONS
 from tests.conftest import function_linear, linear_op
 
@@ -377,7 +376,7 @@ def test_weight_pass_runs_an_unaskable_node_clamped(monkeypatch: pytest.MonkeyPa
     # Where a node cannot be asked (torch does not say its edges' shapes), the engine runs it
     # again with its input-side outputs dropped: right gradients, its input gradient computed
     # again (as before, and as torch's W does).
-    monkeypatch.setattr(split_backward, "_ask_weight_sides", lambda *args: False)
+    monkeypatch.setattr(_weight_pass, "ask_weight_sides", lambda *args: False)
     torch.manual_seed(0)
     model = NativeTwice("linear")
     ref = copy.deepcopy(model)

@@ -22,6 +22,7 @@ from customgrad._compiled_backward import region_node
 from customgrad._handoff import Kept
 from customgrad._record import record_of
 from customgrad._routing import Route, routing
+from customgrad._split_plan import grad_node, plan_input_pass
 from customgrad._split_program import ProgramCut, SplitProgram
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 
@@ -222,6 +223,46 @@ def test_a_compiled_region_takes_its_orders_through_a_route() -> None:
     torch.testing.assert_close(dx, want[0])
     for a, b in zip(got[1:], want[1:]):
         torch.testing.assert_close(a, b)
+
+
+def test_the_split_planner_routes_a_compiled_region_as_it_routes_customgrad_nodes() -> None:
+    """One plan for both kinds of routed node: the stage's plan gives a compiled region's node
+    a route in I (its activation edge only) and, as a node W runs again, a route in W (its
+    weight side only), exactly as it routes the customgrad node before it."""
+    torch.manual_seed(0)
+    op = scaled_op()
+    block = Block()
+    cg.compile(block, backend="aot_eager")
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    y = op(x, w)
+    out = block(y)
+    assert out.grad_fn is not None and y.grad_fn is not None
+    region = region_node(out.grad_fn)
+    record = record_of(y.grad_fn)
+    assert region is not None and record is not None
+
+    class Target:
+        def defer(self, record: Any, work: Any) -> None:
+            raise AssertionError("planning defers nothing")
+
+    target = Target()
+    x_node = grad_node(x)
+    assert x_node is not None
+    plan = plan_input_pass([out.grad_fn], {x_node}, lambda r: target, defer_native=True)
+    edges = [fn for fn, _ in out.grad_fn.next_functions]
+    activation = tuple(fn is y.grad_fn for fn in edges)
+    assert activation.count(True) == 1
+    assert plan.input_routes[region] == Route(needed=activation)
+    assert plan.weight_routes[region] == Route(needed=tuple(fn is not None and not a
+                                                            for fn, a in zip(edges, activation)))  # fmt: skip
+    assert out.grad_fn in plan.intermediates
+    # The customgrad node, by the same rule: its input edge now, its weight half deferred.
+    op_edges = [fn for fn, _ in y.grad_fn.next_functions]
+    assert plan.input_routes[record] == Route(
+        needed=tuple(fn is x_node for fn in op_edges), defer=target
+    )
+    assert plan.weight_routes[record] == Route(needed=(False,) * len(op_edges))
 
 
 def test_two_losses_through_one_compiled_node_each_find_their_own_values() -> None:

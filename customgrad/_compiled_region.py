@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from customgrad._routing import Route
 
 __all__ = [
-    "ATTR",
     "LOCK",
     "CompiledRegion",
     "GraphInfo",

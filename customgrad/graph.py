@@ -726,7 +726,7 @@ def _count_deferred_to_nodes(
     """Make the weight halves customgrad's I deferred count their FLOPs to their nodes when W
     runs them (nothing to do for torch's split, which defers none)."""
     try:
-        from customgrad.pipelining._backward import deferred_work
+        from customgrad.pipelining._split_state import deferred_work
     except ImportError:  # pragma: no cover - torch without pipelining
         return
     works = deferred_work(param_groups)
@@ -743,7 +743,7 @@ def _count_direct_calls_to_nodes(
     """Make the nodes customgrad's W calls itself (for their weight side only, outside the
     engine: their hooks do not fire) count as running in W, with their FLOPs."""
     try:
-        from customgrad.pipelining._backward import watch_direct_calls
+        from customgrad.pipelining._split_state import watch_direct_calls
     except ImportError:  # pragma: no cover - torch without pipelining
         return
 
@@ -765,7 +765,7 @@ def _count_direct_calls_to_nodes(
 def _deferred_nodes(param_groups: Any) -> set[Any]:
     """The nodes whose weight half customgrad's split handed to W (none for torch's split)."""
     try:
-        from customgrad.pipelining._backward import deferred_nodes
+        from customgrad.pipelining._split_state import deferred_nodes
     except ImportError:  # pragma: no cover - torch without pipelining
         return set()
     return deferred_nodes(param_groups)
@@ -902,7 +902,7 @@ def _gradient_errors(
 def _split_functions(param_groups: Any) -> set[int]:
     """The ids of the plain Function nodes customgrad's split split (none for torch's)."""
     try:
-        from customgrad.pipelining._backward import split_functions_of
+        from customgrad.pipelining._split_state import split_functions_of
     except ImportError:  # pragma: no cover - torch without pipelining
         return set()
     return split_functions_of(param_groups)
@@ -911,7 +911,7 @@ def _split_functions(param_groups: Any) -> set[int]:
 def _ran_once(param_groups: Any) -> set[int]:
     """The ids of the plain Function nodes customgrad's split ran once (none for torch's)."""
     try:
-        from customgrad.pipelining._backward import ran_once
+        from customgrad.pipelining._split_state import ran_once
     except ImportError:  # pragma: no cover - torch without pipelining
         return set()
     return ran_once(param_groups)

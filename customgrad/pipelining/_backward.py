@@ -59,16 +59,7 @@ from customgrad._split_plan import InputPassPlan, grad_node, plan_input_pass, re
 from customgrad._torch.functions import forward_cls, keep_graphs, replacing, run_backward
 from customgrad.pipelining._function_split import FunctionSplit, split_input
 from customgrad.pipelining._send import Grads
-from customgrad.pipelining._split_state import (
-    STATE_KEY,
-    SplitState,
-    deferred_nodes,
-    deferred_work,
-    ran_once,
-    runtime_errors,
-    split_functions_of,
-    watch_direct_calls,
-)
+from customgrad.pipelining._split_state import STATE_KEY, SplitState, runtime_errors
 from customgrad.pipelining._stage_io import (
     pair_outputs,
     run_stage_backward,
@@ -77,17 +68,7 @@ from customgrad.pipelining._stage_io import (
 )
 from customgrad.pipelining._weight_pass import stage_backward_weight
 
-__all__ = [
-    "deferred_nodes",
-    "deferred_work",
-    "ran_once",
-    "run_stage_backward",
-    "split_functions_of",
-    "stage_backward",
-    "stage_backward_input",
-    "stage_backward_weight",
-    "watch_direct_calls",
-]
+__all__ = ["run_stage_backward", "stage_backward", "stage_backward_input", "stage_backward_weight"]
 
 log = logging.getLogger("customgrad")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Literal, TypeVar, cast, overload
 
 from customgrad._errors import DefinitionError, where
 from customgrad._kernels import Kernels, dispatch_key
@@ -20,14 +20,15 @@ from customgrad._rules import AutogradRules, Half, OpSpec, SplitMode
 from customgrad._torch import dynamo
 
 if TYPE_CHECKING:
+    from customgrad._autosplit import AutoSplitter
     from customgrad._signature import Signature
 
 __all__ = ["OpRegistration", "check_arity", "check_backward", "grads_shape"]
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
-def check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
+def check_arity(qualname: str, what: str, fn: Callable[..., object], want: int, shape: str) -> None:
     """Refuse a registered function that cannot take ``want`` positional arguments."""
     if not callable(fn):
         raise DefinitionError(f"{qualname}: {what} must be a function, got {fn!r}.")
@@ -57,7 +58,7 @@ def grads_shape(sig: Signature) -> str:
     return f"(ctx, saved, {', '.join(grads)}): one gradient per output"
 
 
-def check_backward(sig: Signature, var: str, half: Half, fn: Callable[..., Any]) -> None:
+def check_backward(sig: Signature, var: str, half: Half, fn: Callable[..., object]) -> None:
     """Refuse a backward function for a half the op does not have, or of the wrong arity."""
     name = sig.qualname
     if half == "weight" and not sig.weights:
@@ -94,7 +95,7 @@ class OpRegistration:
         """Swap in new autograd registrations (whole, so a backward sees one consistent set)."""
         self.rules = rules
 
-    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
+    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., object]) -> None:
         """Put ``fn`` in the op's kernel table (the one backend kernel reads it by device)."""
         for dt in types or (None,):
             self._kernels.by_device[dt] = fn
@@ -159,7 +160,7 @@ class OpRegistration:
         return fn
 
     def _half_rules(
-        self, half: Half, fn: Callable[..., Any], differentiable: bool
+        self, half: Half, fn: Callable[..., object], differentiable: bool
     ) -> frozenset[Half]:
         """Check a backward function for ``half``; the halves registered as not differentiable
         once it is registered."""
@@ -345,7 +346,9 @@ class OpRegistration:
         return fn
 
 
-def _auto_split(op: OpSpec, fn: Callable[..., Any], split: str, recompute: str) -> Any:
+def _auto_split(
+    op: OpSpec, fn: Callable[..., object], split: str, recompute: str
+) -> AutoSplitter | None:
     """The automatic splitter for a single backward, or None (``split="phase"``)."""
     if split != "auto":
         return None

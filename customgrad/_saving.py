@@ -41,8 +41,8 @@ class _Kept(NamedTuple):
     """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
     in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
 
-    leaves: list[Any]
-    treespec: Any
+    leaves: list[object]
+    treespec: optree.PyTreeSpec | None
     tensor_idx: list[int]
 
 

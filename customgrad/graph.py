@@ -31,10 +31,10 @@ import html
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
 
 from customgrad import _render
 from customgrad._autosplit import describe_node
@@ -45,6 +45,9 @@ from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node
 from customgrad._torch.functions import custom_op_of, forward_cls
+
+if TYPE_CHECKING:
+    from customgrad.pipelining._streams import WeightWork
 
 __all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
@@ -693,20 +696,16 @@ class _CountedWork:
 
     __slots__ = ("_counter", "_key", "_work")
 
-    def __init__(self, work: Any, counter: FlopCounter, key: int) -> None:
+    def __init__(self, work: WeightWork, counter: FlopCounter, key: int) -> None:
         self._work = work
         self._counter = counter
         self._key = key
 
     @property
-    def record(self) -> Any:
-        return self._work.record
-
-    @property
     def device(self) -> torch.device:
-        return self._work.device  # type: ignore[no-any-return]
+        return self._work.device
 
-    def gradients(self) -> Any:
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         before = self._counter.key
         self._counter.key = self._key
         try:

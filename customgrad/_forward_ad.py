@@ -54,6 +54,7 @@ def jvp(spec: OpSpec, ctx: JvpContext, tangents: tuple[torch.Tensor | None, ...]
     if kept is None:  # pragma: no cover - jvp without forward AD active at forward
         raise UnsupportedError(f"{spec.name}: jvp called without a forward-AD forward.")
     inputs, outputs = kept
+    assert isinstance(inputs, tuple)  # the forward kept the record of its arguments
     flat = tangents[2:]
     by_arg = flat if record.lens is None else _unflatten_args(sig, record.lens, flat)
     result = rule(inputs, outputs, tuple.__new__(sig.inputs_type, by_arg))

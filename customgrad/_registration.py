@@ -9,9 +9,10 @@ when it is registered, rather than at its first call (:func:`check_arity`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from customgrad._errors import DefinitionError, where
 from customgrad._kernels import Kernels, dispatch_key
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
 
 __all__ = ["OpRegistration", "check_arity", "check_backward", "grads_shape"]
 
-F = TypeVar("F", bound=Callable[..., object])
+# A user function: registration takes any callable (customgrad checks its arity here, its results
+# at every call), so its parameters are not checked against the rule's Protocol statically.
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def check_arity(qualname: str, what: str, fn: Callable[..., object], want: int, shape: str) -> None:
@@ -156,7 +159,7 @@ class OpRegistration:
             check_arity(self.name, "save_for_backward", fn, 3, "(inputs, output, residuals)")
         else:
             check_arity(self.name, "save_for_backward", fn, 2, "(inputs, output)")
-        self._set_rules(self.rules.replace(save=fn))
+        self._set_rules(dataclasses.replace(self.rules, save=fn))
         return fn
 
     def _half_rules(
@@ -253,7 +256,8 @@ class OpRegistration:
                 )
             nondiff = self._half_rules("full", f, differentiable)
             self._set_rules(
-                self.rules.replace(
+                dataclasses.replace(
+                    self.rules,
                     backward=f,
                     backward_input=None,
                     backward_weight=None,
@@ -287,8 +291,12 @@ class OpRegistration:
         def register(f: F) -> F:
             nondiff = self._half_rules("input", f, differentiable)
             self._set_rules(
-                self.rules.replace(
-                    backward_input=f, backward=None, auto=None, nondifferentiable=nondiff
+                dataclasses.replace(
+                    self.rules,
+                    backward_input=f,
+                    backward=None,
+                    auto=None,
+                    nondifferentiable=nondiff,
                 )
             )
             return f
@@ -311,8 +319,12 @@ class OpRegistration:
         def register(f: F) -> F:
             nondiff = self._half_rules("weight", f, differentiable)
             self._set_rules(
-                self.rules.replace(
-                    backward_weight=f, backward=None, auto=None, nondifferentiable=nondiff
+                dataclasses.replace(
+                    self.rules,
+                    backward_weight=f,
+                    backward=None,
+                    auto=None,
+                    nondifferentiable=nondiff,
                 )
             )
             return f
@@ -332,7 +344,9 @@ class OpRegistration:
             2 + len(self._sig.output_kinds),
             grads_shape(self._sig),
         )
-        self._set_rules(self.rules.replace(backward_shared=fn, backward=None, auto=None))
+        self._set_rules(
+            dataclasses.replace(self.rules, backward_shared=fn, backward=None, auto=None)
+        )
         return fn
 
     def register_jvp(self, fn: F) -> F:
@@ -342,7 +356,7 @@ class OpRegistration:
         (or None) per argument, by name.
         """
         check_arity(self.name, "jvp", fn, 3, "(inputs, output, tangents)")
-        self._set_rules(self.rules.replace(jvp=fn))
+        self._set_rules(dataclasses.replace(self.rules, jvp=fn))
         return fn
 
 

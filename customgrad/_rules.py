@@ -79,13 +79,13 @@ class SharedFn(Protocol):
 class JvpFn(Protocol):
     """``jvp(inputs, output, tangents) -> output tangent(s)`` for forward-mode AD.
 
-    ``inputs`` and ``tangents`` are records of the arguments by name (a tangent is None for an
-    argument without one); the result has the structure of the op's output (customgrad checks
+    ``inputs`` and ``tangents`` are records of the arguments by name (a tangent is a
+    :data:`Gradient`: None for an argument without one); the result has the structure of the op's output (customgrad checks
     it).
     """
 
     def __call__(
-        self, inputs: tuple[object, ...], output: object, tangents: tuple[Gradient, ...], /
+        self, inputs: tuple[object, ...], output: object, tangents: tuple[object, ...], /
     ) -> object: ...
 
 

@@ -66,8 +66,8 @@ def _any_aliases(tree: ast.Module) -> set[str]:
                 assigned[target.id] = node.value
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
             assigned[node.target.id] = node.value
-        elif type(node).__name__ == "TypeAlias":  # `type X = ...` (ast.TypeAlias, Python 3.12)
-            assigned[node.name.id] = node.value  # type: ignore[attr-defined]
+        elif isinstance(node, getattr(ast, "TypeAlias", ())):  # `type X = ...`, Python 3.12
+            assigned[node.name.id] = node.value
     aliases: set[str] = set()
     while True:
         found = {n for n, v in assigned.items() if n not in aliases and _mentions(v, aliases)}

@@ -80,8 +80,8 @@ class JvpFn(Protocol):
     """``jvp(inputs, output, tangents) -> output tangent(s)`` for forward-mode AD.
 
     ``inputs`` and ``tangents`` are records of the arguments by name (a tangent is a
-    :data:`Gradient`: None for an argument without one); the result has the structure of the op's output (customgrad checks
-    it).
+    :data:`Gradient`: None for an argument without one); the result has the structure of the
+    op's output (customgrad checks it).
     """
 
     def __call__(

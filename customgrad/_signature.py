@@ -8,7 +8,7 @@ import keyword
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 import torch
 
@@ -53,7 +53,7 @@ class ArgSpec:
         return self.kind is not ArgKind.OTHER
 
 
-def _arg_kind(t: Any) -> ArgKind:
+def _arg_kind(t: object) -> ArgKind:
     s = str(t)
     if s == "Tensor":
         return ArgKind.TENSOR
@@ -263,7 +263,7 @@ MSG_DEFAULT_DIFFERS = (
 _ENUM_TYPES = ("ScalarType", "Layout", "MemoryFormat", "Device")
 
 
-def _same_default(kernel: Any, schema: Any, type_str: str) -> bool:
+def _same_default(kernel: object, schema: object, type_str: str) -> bool:
     """Whether a kernel's Python default and a schema's default are the same value."""
     if any(t in type_str for t in _ENUM_TYPES) and schema is not None:
         return True  # the schema gives enums as numbers: compared by torch's own binding

@@ -9,7 +9,8 @@ and :func:`~customgrad.pipelining.stage_backward_weight`; nothing in torch is pa
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
@@ -26,6 +27,9 @@ from customgrad.pipelining._backward import (
 )
 from customgrad.pipelining._errors import PipeliningError
 from customgrad.pipelining._queue import WeightGradQueue
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["PipelineStage"]
 
@@ -171,7 +175,7 @@ class PipelineStage(_TorchPipelineStage):
         torch_kwargs: dict[str, Any] = kwargs
         super().__init__(*torch_args, **torch_kwargs)
 
-    def _build_dw(self) -> Any:
+    def _build_dw(self) -> Callable[[], None]:
         queue = self.queue
         if queue is None:
             return lambda: None
@@ -236,7 +240,7 @@ class PipelineStage(_TorchPipelineStage):
                 self.queue.finish(self.stage_index)
             super().start_gradient_reduction()  # type: ignore[misc]
 
-    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         # torch 2.11's schedules batch these ops for every stage, in V schedules also a send and
         # a receive to this rank itself (two neighbouring stages on one rank), which gloo
         # refuses ("Pair is not connected"); torch 2.12 and later leave same-rank neighbours
@@ -256,7 +260,7 @@ class PipelineStage(_TorchPipelineStage):
                 return super()._prepare_forward_infra(*args, **kwargs)
         return super()._prepare_forward_infra(*args, **kwargs)
 
-    def _arm_ddp_reducer(self, outputs: Any, weight_pass: bool) -> None:
+    def _arm_ddp_reducer(self, outputs: object, weight_pass: bool) -> None:
         """Tell a DDP module's reducer that the backward about to run ends the step: the
         gradients it accumulates are all-reduced as they become ready, once."""
         submod = self.submod

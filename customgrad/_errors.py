@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Callable
-from typing import Any
 
 __all__ = [
     "ArgumentTypeError",
@@ -73,7 +72,7 @@ class UnsupportedTorchError(UnsupportedError):
     release that can and what to use instead."""
 
 
-def where(fn: Callable[..., Any] | None) -> str:
+def where(fn: Callable[..., object] | None) -> str:
     """Return ``file.py:line`` where ``fn`` was defined, for error messages.
 
     Builtins and other callables without Python source give their qualified name.

@@ -13,20 +13,26 @@ names the ones that may hide FLOPs (:attr:`FlopCounter.uncounted`).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from customgrad._torch.dispatcher import TorchDispatchMode, schema_of
+from customgrad._torch.dispatcher import OpOverload, OpOverloadPacket, TorchDispatchMode, schema_of
 
 __all__ = ["EXTRA_FORMULAS", "FlopCounter", "count_flops", "formula_of", "may_hide_flops"]
 
 aten = torch.ops.aten
 
+FlopFormula = Callable[..., int]
+"""A FLOP formula: takes an op's arguments and ``out_val`` (its output), returns its FLOPs."""
 
-def _heads_of(query: Any, kv: Any) -> tuple[int, ...]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _heads_of(query: torch.Tensor, kv: torch.Tensor) -> tuple[int, ...]:
     """``kv``'s shape with the query's heads: with grouped-query attention the kernel broadcasts
     the key/value heads to the query's, and torch 2.11's counts take equal heads only (2.12 and
     later broadcast themselves, to the same count)."""
@@ -34,13 +40,20 @@ def _heads_of(query: Any, kv: Any) -> tuple[int, ...]:
     return (*shape[:-3], int(query.shape[-3]), *shape[-2:])
 
 
-def _sdpa_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+def _sdpa_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: object, **kwargs: object
+) -> int:
     """Attention forward (``q @ k^T``, then ``p @ v``), as torch counts its fused kernels."""
     return int(sdpa_flop_count(query.shape, _heads_of(query, key), _heads_of(query, value)))
 
 
 def _sdpa_backward(
-    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kwargs: Any
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *args: object,
+    **kwargs: object,
 ) -> int:
     """Attention backward as torch counts its fused kernels: ``q @ k^T`` recomputed, then four
     matmuls for the gradients of ``q``, ``k``, ``v`` (2.5x the forward)."""
@@ -48,7 +61,9 @@ def _sdpa_backward(
     return int(sdpa_backward_flop_count(grad_out.shape, query.shape, k, v))
 
 
-def _grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) -> int:
+def _grouped_mm(
+    a: torch.Tensor, b: torch.Tensor, *args: object, out_val: torch.Tensor, **kwargs: object
+) -> int:
     """``torch._grouped_mm``: one matmul per group. With 2-D ``a`` and ``b`` the groups split
     the reduced dimension (``a`` is ``(m, k)``, ``b`` ``(k, n)``: ``2mkn`` in all); otherwise each
     output element is a dot product over ``a``'s last dimension."""
@@ -57,7 +72,7 @@ def _grouped_mm(a: Any, b: Any, *args: Any, out_val: Any = None, **kwargs: Any) 
     return 2 * int(out_val.numel()) * int(a.shape[-1])
 
 
-EXTRA_FORMULAS: dict[Any, Any] = {
+EXTRA_FORMULAS: dict[OpOverloadPacket, FlopFormula] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
     aten._scaled_dot_product_fused_attention_overrideable: _sdpa_forward,
@@ -71,8 +86,9 @@ its other fused attention kernels, so every attention backend counts alike."""
 _HIDING = ("attention", "mm", "conv", "matmul", "linear", "einsum", "gemm")
 
 
-def formula_of(func: Any) -> Any:
-    """The FLOP formula for an aten op (torch's, else :data:`EXTRA_FORMULAS`), or None.
+def formula_of(func: object) -> FlopFormula | None:
+    """The FLOP formula for an aten op (torch's, else :data:`EXTRA_FORMULAS`), or None (also for
+    anything else, such as a graph node's Python function).
     In-place variants (``addmm_``, ``baddbmm_``, ``addmv_``, ``addbmm_``, ``addr_``), which
     torch's table lacks, count as their out-of-place twins: the same work."""
     packet = getattr(func, "_overloadpacket", None)
@@ -85,7 +101,7 @@ def formula_of(func: Any) -> Any:
     return formula
 
 
-def may_hide_flops(func: Any) -> bool:
+def may_hide_flops(func: OpOverload) -> bool:
     """An op without a formula that may do FLOPs the counter cannot see: an opaque kernel (an
     op outside ``aten``, such as a Triton kernel or another custom op) or an aten op named like
     a matmul, a convolution or attention. Communication ops are not."""
@@ -125,16 +141,18 @@ class FlopCounter(TorchDispatchMode):
         self.total = 0
         self.by_key: Counter[Hashable] = Counter()
         self.key: Hashable = None
-        self.calls: list[tuple[Any, int, Any]] | None = [] if record else None
+        self.calls: list[tuple[OpOverload, int, torch.Tensor | None]] | None = (
+            [] if record else None
+        )
         self.uncounted: Counter[str] = Counter()
 
     def __torch_dispatch__(
         self,
-        func: Any,
+        func: OpOverload,
         types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
         kwargs = dict(kwargs or {})
         out = func(*args, **kwargs)
         formula = formula_of(func)
@@ -150,7 +168,7 @@ class FlopCounter(TorchDispatchMode):
         return out
 
 
-def count_flops(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+def count_flops(fn: Callable[_P, _R], *args: _P.args, **kwargs: _P.kwargs) -> tuple[_R, int]:
     """Call ``fn(*args, **kwargs)`` and return its result and the FLOPs it did.
 
     Examples:

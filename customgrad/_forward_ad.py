@@ -4,7 +4,7 @@ what a jvp will need."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,10 +24,19 @@ from customgrad._validate import describe
 _Tensor = torch.Tensor
 
 
-__all__ = ["forward_ad_active", "jvp"]
+__all__ = ["JvpContext", "Tangent", "forward_ad_active", "jvp"]
+
+Tangent = torch.Tensor | None | tuple[torch.Tensor | None, ...]
+"""What a jvp gives back: one output's tangent (None for none), or a tuple, one per output."""
 
 
-def jvp(spec: OpSpec, ctx: Any, tangents: tuple[Any, ...]) -> Any:
+class JvpContext(Protocol):
+    """The node a jvp runs on, as it reads it: its record."""
+
+    _cg: NodeRecord
+
+
+def jvp(spec: OpSpec, ctx: JvpContext, tangents: tuple[torch.Tensor | None, ...]) -> Tangent:
     """The node's jvp: the registered rule, its tangents checked against the outputs."""
     record: NodeRecord = ctx._cg
     sig = spec.signature
@@ -45,6 +54,7 @@ def jvp(spec: OpSpec, ctx: Any, tangents: tuple[Any, ...]) -> Any:
     if kept is None:  # pragma: no cover - jvp without forward AD active at forward
         raise UnsupportedError(f"{spec.name}: jvp called without a forward-AD forward.")
     inputs, outputs = kept
+    assert isinstance(inputs, tuple)  # the forward kept the record of its arguments
     flat = tangents[2:]
     by_arg = flat if record.lens is None else _unflatten_args(sig, record.lens, flat)
     result = rule(inputs, outputs, tuple.__new__(sig.inputs_type, by_arg))
@@ -52,8 +62,12 @@ def jvp(spec: OpSpec, ctx: Any, tangents: tuple[Any, ...]) -> Any:
 
 
 def _check_tangents(
-    spec: OpSpec, rule: Callable[..., Any], outputs: Any, result: Any, out_lens: Any
-) -> Any:
+    spec: OpSpec,
+    rule: Callable[..., object],
+    outputs: Any,
+    result: object,
+    out_lens: list[int | None] | None,
+) -> Tangent:
     sig = spec.signature
     outs = outputs if sig.output_is_tuple else (outputs,)
     got = result if sig.output_is_tuple else (result,)
@@ -63,7 +77,7 @@ def _check_tangents(
             f"{spec.name}: jvp returned {describe(result)}; return one tangent per output "
             f"({len(outs)}), shaped like the output. {loc}"
         )
-    flat: list[Any] = []
+    flat: list[torch.Tensor | None] = []
     for i, (o, t) in enumerate(zip(outs, got)):
         pairs = list(zip(o, t)) if isinstance(o, (list, tuple)) else [(o, t)]
         if isinstance(o, (list, tuple)) and (not isinstance(t, (list, tuple)) or len(t) != len(o)):
@@ -86,7 +100,9 @@ def _check_tangents(
             flat.append(ti)
     if sig.plain_output:
         return flat[0]
-    return tuple(flat) if (sig.output_is_tuple or out_lens[0] is not None) else flat[0]
+    # out_lens is set whenever the output is not plain: a single list output gives a tuple too
+    listed = out_lens is not None and out_lens[0] is not None
+    return tuple(flat) if (sig.output_is_tuple or listed) else flat[0]
 
 
 def forward_ad_active() -> bool:

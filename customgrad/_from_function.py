@@ -28,8 +28,8 @@ import threading
 import types
 import typing
 import weakref
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeGuard, TypeVar
 
 import optree
 import torch
@@ -59,11 +59,43 @@ _RESIDUAL = "saved"
 _LEAVES = (_Tensor, torch.nn.Parameter, type(None), bool, int, float, str, torch.dtype, torch.Size)
 _is_alias_of = is_alias_of
 
+FunctionOutput = torch.Tensor | tuple[torch.Tensor | None, ...]
+"""What an op made from a Function returns: its forward's Tensor, or its tuple (None outputs
+kept as None)."""
+
+_Attrs = dict[str, tuple[optree.PyTreeSpec | None, list[object]]]
+"""The attributes forward set on ctx: each one's structure (None for a single leaf) and leaves
+(a saved tensor's :class:`_Place`, or the value)."""
+
+_Recipe = tuple[tuple[object, ...], _Attrs, int, tuple[bool, ...]]
+"""What the kernel recorded for ``save_for_backward``: the places (or values) of what forward
+saved, its attributes, its number of residuals and which inputs required grad."""
+
+_Meta = tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device]
+"""A tensor as ``(shape, stride, dtype, device)``."""
+
+_Probed = tuple[_Recipe | None, list[_Meta | object], list[_Meta | object]]
+"""What :meth:`_SavedProbe.run` learns: the recipe, the outputs and the residuals."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+class _Descriptor(Protocol):
+    """A Function's own ``apply`` (a classmethod), as :class:`_PatchedApply` hands it on."""
+
+    def __get__(self, instance: object, owner: type, /) -> object:
+        """The bound ``apply``."""
+
+
+_Layout = tuple[int, tuple[tuple[str, optree.PyTreeSpec | None, int], ...], tuple[int, ...]]
+"""The layout of the saved values: how many tensors forward saved, each attribute's name,
+structure and number of leaves, and the positions of the tensors it computed."""
+
 
 class _Stash(threading.local):
     """What the kernel recorded on this thread, for the ``save_for_backward`` that follows."""
 
-    recipe: Any = None
+    recipe: _Recipe | None = None
 
 
 _stash = _Stash()
@@ -76,32 +108,40 @@ _stash = _Stash()
 class _ForwardContext:
     """The ``ctx`` of the Function's ``forward`` (or ``setup_context``): records what it keeps."""
 
-    def __init__(self, needs_input_grad: tuple[bool, ...], qualname: str, fn: Any) -> None:
+    _cg: tuple[str, Callable[..., object]]
+    _cg_saved: tuple[torch.Tensor | None, ...]
+    _cg_attrs: dict[str, object]
+    _cg_nondiff: list[torch.Tensor]
+    needs_input_grad: tuple[bool, ...]
+
+    def __init__(
+        self, needs_input_grad: tuple[bool, ...], qualname: str, fn: Callable[..., object]
+    ) -> None:
         object.__setattr__(self, "_cg", (qualname, fn))
         object.__setattr__(self, "_cg_saved", ())
         object.__setattr__(self, "_cg_attrs", {})
         object.__setattr__(self, "_cg_nondiff", [])
         object.__setattr__(self, "needs_input_grad", needs_input_grad)
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         self._cg_attrs[name] = value
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> object:
         attrs = object.__getattribute__(self, "_cg_attrs")
         if name in attrs:
             return attrs[name]
         raise AttributeError(name)
 
-    def save_for_backward(self, *tensors: Any) -> None:
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         object.__setattr__(self, "_cg_saved", tensors)
 
-    def mark_non_differentiable(self, *tensors: Any) -> None:
+    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
         self._cg_nondiff.extend(tensors)
 
     def set_materialize_grads(self, value: bool) -> None:
         """Accepted; customgrad always passes a gradient (zeros for unused outputs)."""
 
-    def mark_dirty(self, *tensors: Any) -> None:
+    def mark_dirty(self, *tensors: torch.Tensor) -> None:
         qualname, fn = self._cg
         raise UnsupportedError(
             f"{qualname}: the Function's forward calls ctx.mark_dirty: it modifies an input in "
@@ -117,7 +157,7 @@ class _ByReference:
 
     __slots__ = ("value",)
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: object) -> None:
         self.value = value
 
     def __repr__(self) -> str:
@@ -136,7 +176,7 @@ class _LeafByReference:
         self.ref = weakref.ref(value)
 
 
-def _leaf_by_reference(value: Any, args: Sequence[Any]) -> bool:
+def _leaf_by_reference(value: object, args: Sequence[object]) -> TypeGuard[torch.nn.Parameter]:
     """Whether ``value`` is a parameter among ``args`` of an eager call (see
     :class:`_LeafByReference`)."""
     return (
@@ -159,6 +199,12 @@ def _by_reference(value: Any, args: Sequence[Any]) -> bool:
     )
 
 
+def _flatten(value: object) -> tuple[list[object], optree.PyTreeSpec]:
+    """``value``'s leaves (None a leaf) and structure."""
+    tree: Any = value  # optree types a tree as PyTree[T]; any object is one (a leaf at least)
+    return optree.tree_flatten(tree, none_is_leaf=True)
+
+
 def _traced(t: _Tensor) -> bool:
     """Whether ``t`` is a fake or functional tensor (a trace, not an eager call)."""
     return is_fake(t) or isinstance(t, functional_tensor_type())
@@ -169,7 +215,10 @@ class _BackwardContext:
     set, and ``needs_input_grad`` for the running pass."""
 
     def __init__(
-        self, saved: tuple[Any, ...], attrs: dict[str, Any], needs_input_grad: tuple[bool, ...]
+        self,
+        saved: tuple[object, ...],
+        attrs: Mapping[str, object],
+        needs_input_grad: tuple[bool, ...],
     ) -> None:
         for name, value in attrs.items():  # dynamo traces setattr (torch 2.11: not update)
             setattr(self, name, value)
@@ -284,11 +333,11 @@ class _Layouts:
     one flat tuple of tensors and plain values."""
 
     def __init__(self) -> None:
-        self._numbers: dict[Any, int] = {}
-        self._layouts: list[Any] = []
+        self._numbers: dict[_Layout, int] = {}
+        self._layouts: list[_Layout] = []
         self._lock = threading.Lock()
 
-    def number(self, layout: Any) -> int:
+    def number(self, layout: _Layout) -> int:
         found = self._numbers.get(layout)
         if found is None:
             with self._lock:
@@ -297,7 +346,7 @@ class _Layouts:
                     self._layouts.append(layout)
         return found
 
-    def layout(self, number: int) -> Any:
+    def layout(self, number: int) -> _Layout:
         return self._layouts[number]
 
 
@@ -350,11 +399,16 @@ class _SavedProbe:
     """What the Function's forward saves, per input signature, learned by running it on
     zero-filled real tensors shaped like the fake arguments (for a user's fake kernel)."""
 
-    def __init__(self, qualname: str, kernel: Any, forward: Any) -> None:
+    def __init__(
+        self,
+        qualname: str,
+        kernel: Callable[..., tuple[object, ...]],
+        forward: Callable[..., object],
+    ) -> None:
         self.qualname = qualname
         self.kernel = kernel
         self.forward = forward
-        self._seen: dict[Any, tuple[Any, list[Any], list[Any]]] = {}
+        self._seen: dict[tuple[object, ...], _Probed] = {}
         self._lock = threading.Lock()
 
     def _concrete(self, t: _Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -362,7 +416,7 @@ class _SavedProbe:
             raise UnsupportedError(MSG_SYMBOLIC.format(op=self.qualname, loc=where(self.forward)))
         return tuple(t.shape), tuple(t.stride())
 
-    def run(self, args: Sequence[Any], needs: tuple[bool, ...]) -> tuple[Any, list[Any], list[Any]]:
+    def run(self, args: Sequence[object], needs: tuple[bool, ...]) -> _Probed:
         """``(recipe, outputs, residuals)`` of the forward on tensors like ``args`` (outputs
         and residuals as ``(shape, stride, dtype, device)``), its inputs requiring grad as
         ``needs`` says."""
@@ -401,6 +455,7 @@ class _SavedProbe:
                 recipe = _stash.recipe
             finally:
                 _stash.recipe = before
+        assert isinstance(residuals, list)  # the kernel returns its residuals as a list
         found = (recipe, [meta(o) for o in outs], [meta(r) for r in residuals])
         with self._lock:
             self._seen[key] = found
@@ -418,18 +473,18 @@ class _Writes:
     the gradients the raw Function computes, at the memory of its out-of-place way. A write
     torch's version counter does not see (a Triton store) is neither seen here nor refused."""
 
-    def __init__(self, backward: Any) -> None:
+    def __init__(self, backward: Callable[..., object]) -> None:
         self.backward = backward
         self._seen: dict[Any, frozenset[tuple[int, int]]] = {}
 
     def call(
         self,
         layout: int,
-        tensors: tuple[Any, ...],
-        attrs: dict[str, Any],
-        grads: tuple[Any, ...],
+        tensors: tuple[object, ...],
+        attrs: Mapping[str, object],
+        grads: tuple[torch.Tensor | None, ...],
         needs: tuple[bool, ...],
-    ) -> Any:
+    ) -> object:
         parts = (tensors, grads)
         if torch.compiler.is_compiling() or any(
             isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
@@ -470,13 +525,13 @@ def _fake_like(meta: Any, device: Any) -> Any:
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
-class _FunctionOp(CustomOp[..., Any]):
+class _FunctionOp(CustomOp[..., FunctionOutput]):
     """The op :func:`from_function` makes: ``register_fake`` takes a fake kernel for the
     outputs the user sees (what the Function's forward saves is customgrad's business)."""
 
-    _user_fake: Any = None
+    _user_fake: Callable[..., object] | None = None
 
-    def register_fake(self, fn: Any) -> Any:
+    def register_fake(self, fn: _F) -> _F:
         """Register a fake kernel for the op's outputs (not what the Function's forward saves).
 
         A Function whose forward launches a raw Triton kernel cannot run on fake tensors, so
@@ -569,7 +624,7 @@ def from_function(
     weights: Iterable[str] = (),
     schema: str | None = None,
     output_differentiability: Sequence[bool] | None = None,
-) -> CustomOp[..., Any] | DeferredFunctionOp:
+) -> CustomOp[..., FunctionOutput] | DeferredFunctionOp:
     """Wrap an existing ``torch.autograd.Function`` subclass into a customgrad op.
 
     The Function's ``forward`` becomes the op's kernel (for every device) and its fake kernel;
@@ -665,7 +720,7 @@ def _define(
     weights: Iterable[str],
     diff: tuple[bool, ...] | None,
     calls: _Calls,
-) -> CustomOp[..., Any]:
+) -> CustomOp[..., FunctionOutput]:
     """The op for ``function`` with the schema ``public``."""
     classic = not setup_context_defined(function)
     args_part, rets = _split_returns(public)
@@ -710,7 +765,7 @@ def _define(
             if type(value) in _LEAVES:  # a plain value or a tensor: no flattening
                 attrs[attr] = (None, [place(value)])
                 continue
-            leaves, spec = optree.tree_flatten(value, none_is_leaf=True)
+            leaves, spec = _flatten(value)
             attrs[attr] = (None if spec.is_leaf() else spec, [place(v) for v in leaves])
         for t in ctx._cg_nondiff:
             j = next((j for j, o in enumerate(outs) if o is t), None)
@@ -737,7 +792,9 @@ def _define(
         if fake is None:
             return attrs
         if op._user_fake is not None:  # the forward can't run on fakes: ask the probe
-            return probe.run(args, needs)[0][1]
+            recipe = probe.run(args, needs)[0]
+            assert recipe is not None  # the probe runs the kernel, which records it
+            return recipe[1]
 
         def like(t: Any, need: bool) -> Any:
             if not isinstance(t, _Tensor):
@@ -758,7 +815,7 @@ def _define(
         fixed: dict[str, tuple[Any, list[Any]]] = {}
         for attr, (spec, leaves) in attrs.items():
             again = ctx._cg_attrs.get(attr, leaves[0] if spec is None else None)
-            new, new_spec = optree.tree_flatten(again, none_is_leaf=True)
+            new, new_spec = _flatten(again)
             if (None if new_spec.is_leaf() else new_spec) != spec or len(new) != len(leaves):
                 fixed[attr] = (spec, leaves)  # another structure: keep what the kernel saw
                 continue
@@ -805,6 +862,7 @@ def _define(
         outs = got if isinstance(got, tuple) else (got,)
         if len(outs) != len(out_metas) or any(
             not isinstance(o, _Tensor)
+            or not isinstance(m, tuple)
             or (tuple(o.shape), o.dtype, o.device.type) != (m[0], m[2], m[3].type)
             for o, m in zip(outs, out_metas)
         ):
@@ -1093,7 +1151,7 @@ class DeferredFunctionOp:
         self._types: list[str] = []
         self._calls = _Calls()
         self._lock = threading.Lock()
-        self.op: CustomOp[..., Any] | None = None
+        self.op: CustomOp[..., FunctionOutput] | None = None
         unknown = [w for w in self._weights if w not in {p.name for p in params}]
         if unknown:
             raise DefinitionError(
@@ -1111,7 +1169,7 @@ class DeferredFunctionOp:
         """The inferred schema (``None`` before the first call)."""
         return None if self.op is None else str(self.op.schema)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: object, **kwargs: object) -> FunctionOutput:
         n = len(args)
         if not kwargs and n >= self._required and n < len(self._params):
             args = (*args, *self._defaults[n:])  # positional, as Function.apply is called
@@ -1135,7 +1193,10 @@ class DeferredFunctionOp:
         outs = result if isinstance(result, tuple) else (result,)
         it = iter(outs)
         full = tuple(None if k is None else next(it) for k in self._calls.outputs)
-        return full[0] if self._calls.single else full
+        if not self._calls.single:
+            return full
+        assert full[0] is not None  # a single output is a Tensor (_define refuses None alone)
+        return full[0]
 
     def _check(self, values: Sequence[Any]) -> None:
         for p, t, v in zip(self._params, self._types, values):
@@ -1153,7 +1214,7 @@ class DeferredFunctionOp:
                     )
                 )  # fmt: skip
 
-    def _define(self, values: Sequence[Any]) -> CustomOp[..., Any]:
+    def _define(self, values: Sequence[object]) -> CustomOp[..., FunctionOutput]:
         """Infer the schema and the outputs from this call, define the op."""
         types = _infer_types(self.name, self.function, self._params, values)
         out, nondiff, cloned = self._probe(values)
@@ -1217,12 +1278,15 @@ class DeferredFunctionOp:
 # --------------------------------------------------------------------------------------------
 # A whole library: every call of Function.apply reaches the op
 
-_OPS: dict[Any, DeferredFunctionOp | CustomOp[..., Any]] = {}
+FunctionOp = CustomOp[..., FunctionOutput] | DeferredFunctionOp
+"""What :func:`from_function` makes: the op, or one defined at its first call."""
+
+_OPS: dict[tuple[type[torch.autograd.Function], tuple[str, ...], str], FunctionOp] = {}
 """The op made for each (Function, weights, namespace): wrapping again reuses it (an op name
 is registered with torch.library once per process)."""
 
 
-def _functions_in(target: Any) -> list[type[torch.autograd.Function]]:
+def _functions_in(target: object) -> list[type[torch.autograd.Function]]:
     """The Functions ``target`` names: a Function class itself, or those a module (and its
     imported submodules) defines."""
     if isinstance(target, type) and issubclass(target, torch.autograd.Function):
@@ -1257,7 +1321,9 @@ class FunctionPatch:
     """
 
     def __init__(
-        self, patched: dict[type[torch.autograd.Function], Any], ops: dict[str, Any]
+        self,
+        patched: dict[type[torch.autograd.Function], object],
+        ops: dict[str, FunctionOp],
     ) -> None:
         self._patched = patched
         self.ops = ops
@@ -1278,7 +1344,7 @@ class FunctionPatch:
                 if "apply" in vars(function):
                     delattr(function, "apply")
             else:
-                function.apply = original  # type: ignore[method-assign]
+                function.apply = original  # type: ignore[method-assign,assignment]
         self._patched = {}
 
 
@@ -1291,8 +1357,8 @@ def _op_name(namespace: str, function: type) -> str:
 
 
 def from_functions(
-    *functions: Any,
-    weights: dict[Any, Iterable[str]] | None = None,
+    *functions: type[torch.autograd.Function] | types.ModuleType,
+    weights: Mapping[type[torch.autograd.Function] | str, Iterable[str]] | None = None,
     namespace: str = "customgrad_fn",
 ) -> FunctionPatch:
     """Make every call of these Functions' ``apply`` go through a customgrad op, without editing
@@ -1349,8 +1415,8 @@ def from_functions(
             f"({', '.join(f.__name__ for f in found) or 'none'}). Pass their classes or "
             f"modules too, or check the names."
         )
-    patched: dict[type[torch.autograd.Function], Any] = {}
-    ops: dict[str, Any] = {}
+    patched: dict[type[torch.autograd.Function], object] = {}
+    ops: dict[str, FunctionOp] = {}
     for function in found:
         current = vars(function).get("apply")
         if isinstance(current, _PatchedApply):
@@ -1383,12 +1449,14 @@ class _PatchedApply:
     """``Function.apply`` while patched: the op for the Function itself, the Function's own
     ``apply`` for its subclasses."""
 
-    def __init__(self, function: type[torch.autograd.Function], op: Any, original: Any) -> None:
+    def __init__(
+        self, function: type[torch.autograd.Function], op: FunctionOp, original: _Descriptor | None
+    ) -> None:
         self.function = function
         self.op = op
         self.original = original if original is not None else vars(torch.autograd.Function)["apply"]
 
-    def __get__(self, instance: Any, owner: type) -> Any:
+    def __get__(self, instance: object, owner: type) -> object:
         if owner is self.function:
             return self.op
         return self.original.__get__(instance, owner)

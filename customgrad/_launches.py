@@ -25,7 +25,7 @@ from typing import Any
 import optree
 import torch
 
-from customgrad._torch.dispatcher import TorchDispatchMode
+from customgrad._torch.dispatcher import OpOverload, TorchDispatchMode
 
 __all__ = ["TORCH_NAMESPACES", "LaunchCounter"]
 
@@ -68,24 +68,24 @@ class LaunchCounter(TorchDispatchMode):
         super().__enter__()  # type: ignore[no-untyped-call]
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)  # type: ignore[no-untyped-call]
         if self._triton_hooks is not None:
             self._triton_hooks.remove(self._triton_launch)
             self._triton_hooks = None
 
-    def _triton_launch(self, metadata: Any) -> None:
+    def _triton_launch(self, metadata: object) -> None:
         data = getattr(metadata, "data", None)
         name = data.get("name") if isinstance(data, dict) else None
         self.counts[f"triton:{name or 'kernel'}"] += 1
 
     def __torch_dispatch__(
         self,
-        func: Any,
+        func: OpOverload,
         types: Sequence[type],
-        args: Sequence[Any] = (),
-        kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> object:
         out = func(*args, **dict(kwargs or {}))
         namespace = getattr(func, "namespace", "aten")
         if namespace not in TORCH_NAMESPACES:

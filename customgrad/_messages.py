@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from customgrad._errors import where
 from customgrad._rules import AutogradRules
@@ -45,7 +44,7 @@ EXAMPLE_SINGLE = """
 
 
 def missing_autograd_message(
-    sig: Signature, rules: AutogradRules, var: str, fn: Callable[..., Any]
+    sig: Signature, rules: AutogradRules, var: str, fn: Callable[..., object]
 ) -> str:
     """The error for an op whose inputs require grad but whose autograd is incomplete
     (``var``: the op's name as a Python variable; ``fn``: its kernel, for the location)."""

@@ -9,6 +9,7 @@ when it is registered, rather than at its first call (:func:`check_arity`).
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
@@ -20,14 +21,17 @@ from customgrad._rules import AutogradRules, Half, OpSpec, SplitMode
 from customgrad._torch import dynamo
 
 if TYPE_CHECKING:
+    from customgrad._autosplit import AutoSplitter
     from customgrad._signature import Signature
 
 __all__ = ["OpRegistration", "check_arity", "check_backward", "grads_shape"]
 
+# A user function: registration takes any callable (customgrad checks its arity here, its results
+# at every call), so its parameters are not checked against the rule's Protocol statically.
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def check_arity(qualname: str, what: str, fn: Callable[..., Any], want: int, shape: str) -> None:
+def check_arity(qualname: str, what: str, fn: Callable[..., object], want: int, shape: str) -> None:
     """Refuse a registered function that cannot take ``want`` positional arguments."""
     if not callable(fn):
         raise DefinitionError(f"{qualname}: {what} must be a function, got {fn!r}.")
@@ -57,7 +61,7 @@ def grads_shape(sig: Signature) -> str:
     return f"(ctx, saved, {', '.join(grads)}): one gradient per output"
 
 
-def check_backward(sig: Signature, var: str, half: Half, fn: Callable[..., Any]) -> None:
+def check_backward(sig: Signature, var: str, half: Half, fn: Callable[..., object]) -> None:
     """Refuse a backward function for a half the op does not have, or of the wrong arity."""
     name = sig.qualname
     if half == "weight" and not sig.weights:
@@ -94,7 +98,7 @@ class OpRegistration:
         """Swap in new autograd registrations (whole, so a backward sees one consistent set)."""
         self.rules = rules
 
-    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., Any]) -> None:
+    def _register_kernel(self, types: tuple[str, ...] | None, fn: Callable[..., object]) -> None:
         """Put ``fn`` in the op's kernel table (the one backend kernel reads it by device)."""
         for dt in types or (None,):
             self._kernels.by_device[dt] = fn
@@ -155,11 +159,11 @@ class OpRegistration:
             check_arity(self.name, "save_for_backward", fn, 3, "(inputs, output, residuals)")
         else:
             check_arity(self.name, "save_for_backward", fn, 2, "(inputs, output)")
-        self._set_rules(self.rules.replace(save=fn))
+        self._set_rules(dataclasses.replace(self.rules, save=fn))
         return fn
 
     def _half_rules(
-        self, half: Half, fn: Callable[..., Any], differentiable: bool
+        self, half: Half, fn: Callable[..., object], differentiable: bool
     ) -> frozenset[Half]:
         """Check a backward function for ``half``; the halves registered as not differentiable
         once it is registered."""
@@ -252,7 +256,8 @@ class OpRegistration:
                 )
             nondiff = self._half_rules("full", f, differentiable)
             self._set_rules(
-                self.rules.replace(
+                dataclasses.replace(
+                    self.rules,
                     backward=f,
                     backward_input=None,
                     backward_weight=None,
@@ -286,8 +291,12 @@ class OpRegistration:
         def register(f: F) -> F:
             nondiff = self._half_rules("input", f, differentiable)
             self._set_rules(
-                self.rules.replace(
-                    backward_input=f, backward=None, auto=None, nondifferentiable=nondiff
+                dataclasses.replace(
+                    self.rules,
+                    backward_input=f,
+                    backward=None,
+                    auto=None,
+                    nondifferentiable=nondiff,
                 )
             )
             return f
@@ -310,8 +319,12 @@ class OpRegistration:
         def register(f: F) -> F:
             nondiff = self._half_rules("weight", f, differentiable)
             self._set_rules(
-                self.rules.replace(
-                    backward_weight=f, backward=None, auto=None, nondifferentiable=nondiff
+                dataclasses.replace(
+                    self.rules,
+                    backward_weight=f,
+                    backward=None,
+                    auto=None,
+                    nondifferentiable=nondiff,
                 )
             )
             return f
@@ -331,7 +344,9 @@ class OpRegistration:
             2 + len(self._sig.output_kinds),
             grads_shape(self._sig),
         )
-        self._set_rules(self.rules.replace(backward_shared=fn, backward=None, auto=None))
+        self._set_rules(
+            dataclasses.replace(self.rules, backward_shared=fn, backward=None, auto=None)
+        )
         return fn
 
     def register_jvp(self, fn: F) -> F:
@@ -341,11 +356,13 @@ class OpRegistration:
         (or None) per argument, by name.
         """
         check_arity(self.name, "jvp", fn, 3, "(inputs, output, tangents)")
-        self._set_rules(self.rules.replace(jvp=fn))
+        self._set_rules(dataclasses.replace(self.rules, jvp=fn))
         return fn
 
 
-def _auto_split(op: OpSpec, fn: Callable[..., Any], split: str, recompute: str) -> Any:
+def _auto_split(
+    op: OpSpec, fn: Callable[..., object], split: str, recompute: str
+) -> AutoSplitter | None:
     """The automatic splitter for a single backward, or None (``split="phase"``)."""
     if split != "auto":
         return None

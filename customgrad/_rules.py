@@ -9,17 +9,21 @@ it whole on every ``register_*`` call, so a backward always sees one consistent 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+import torch
 
 if TYPE_CHECKING:
     from customgrad._autosplit import AutoSplitter
     from customgrad._kernels import Kernels
+    from customgrad._pass import BackwardContext
     from customgrad._signature import Signature
 
 __all__ = [
     "AutogradRules",
     "BackwardFn",
+    "Gradient",
     "Half",
     "JvpFn",
     "OpSpec",
@@ -38,35 +42,51 @@ into an input and a weight part (falling back to ``"phase"`` when it can't be tr
 ``"phase"`` calls it once per pass with ``ctx.needs_input_grad`` set for that pass."""
 
 
+Gradient = torch.Tensor | list[torch.Tensor | None] | None
+"""The gradient of one output or argument (a list for a list of Tensors; None where none
+flows), or the tangent of one argument in a jvp."""
+
+
 class SaveForBackwardFn(Protocol):
     """``save_for_backward(inputs, output[, residuals]) -> pytree``: what the backward needs.
 
-    ``residuals`` is passed when the op declares ``residuals=``.
+    ``inputs`` is a record (a NamedTuple) of the arguments by name; ``output`` the op's output
+    as the caller sees it; ``residuals``, a record of the residuals by name, is passed when the
+    op declares ``residuals=``. The result is any pytree (its Tensors are saved through
+    autograd); the backward gets it back as ``saved``.
     """
 
-    def __call__(self, inputs: Any, output: Any, /, *residuals: Any) -> Any: ...
+    def __call__(
+        self, inputs: tuple[object, ...], output: object, /, *residuals: tuple[object, ...]
+    ) -> object: ...
 
 
 class BackwardFn(Protocol):
-    """``backward(ctx, saved, *grads) -> {arg_name: grad}``."""
+    """``backward(ctx, saved, *grads) -> {arg_name: grad}``: a gradient (or None) per
+    argument the pass needs, by name; customgrad checks each against its argument."""
 
-    def __call__(self, ctx: Any, saved: Any, /, *grads: Any) -> dict[str, Any]: ...
+    def __call__(
+        self, ctx: BackwardContext, saved: object, /, *grads: Gradient
+    ) -> Mapping[str, Gradient]: ...
 
 
 class SharedFn(Protocol):
-    """``shared(ctx, saved, *grads) -> Any``: work both halves need, read as ``ctx.shared``."""
+    """``shared(ctx, saved, *grads) -> work``: work both halves need, read as ``ctx.shared``."""
 
-    def __call__(self, ctx: Any, saved: Any, /, *grads: Any) -> Any: ...
+    def __call__(self, ctx: BackwardContext, saved: object, /, *grads: Gradient) -> object: ...
 
 
 class JvpFn(Protocol):
     """``jvp(inputs, output, tangents) -> output tangent(s)`` for forward-mode AD.
 
-    ``inputs`` and ``tangents`` are records of the arguments by name (a tangent is None for an
-    argument without one); the result has the structure of the op's output.
+    ``inputs`` and ``tangents`` are records of the arguments by name (a tangent is a
+    :data:`Gradient`: None for an argument without one); the result has the structure of the
+    op's output (customgrad checks it).
     """
 
-    def __call__(self, inputs: Any, output: Any, tangents: Any, /) -> Any: ...
+    def __call__(
+        self, inputs: tuple[object, ...], output: object, tangents: tuple[object, ...], /
+    ) -> object: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,10 +146,6 @@ class AutogradRules:
         if has_weights and not have_w:
             missing.append("register_backward_weight")
         return missing
-
-    def replace(self, **changes: Any) -> AutogradRules:
-        """A copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
 
 
 class OpSpec(Protocol):

@@ -41,15 +41,15 @@ class _Kept(NamedTuple):
     """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
     in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
 
-    leaves: list[Any]
-    treespec: Any
+    leaves: list[object]
+    treespec: optree.PyTreeSpec | None
     tensor_idx: list[int]
 
 
 # What ``record.kept`` holds when ``save_for_backward`` returned something simple.
-_SAVED_NONE: Any = object()  # None
-_SAVED_TENSOR: Any = object()  # one Tensor: saved_tensors[0]
-_SAVED_TENSORS: Any = object()  # a tuple of Tensors: saved_tensors
+_SAVED_NONE = object()  # None
+_SAVED_TENSOR = object()  # one Tensor: saved_tensors[0]
+_SAVED_TENSORS = object()  # a tuple of Tensors: saved_tensors
 _OPAQUE_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 _TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
 

@@ -6,14 +6,16 @@ import enum
 import inspect
 import keyword
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import NoReturn, TypeVar
 
 import torch
 
 from customgrad._errors import ArgumentTypeError, DefinitionError, KernelOutputError, where
 from customgrad._torch.dispatcher import parse_schema
+
+_R = TypeVar("_R")
 
 __all__ = [
     "RESERVED_NAMESPACES",
@@ -51,7 +53,7 @@ class ArgSpec:
         return self.kind is not ArgKind.OTHER
 
 
-def _arg_kind(t: Any) -> ArgKind:
+def _arg_kind(t: object) -> ArgKind:
     s = str(t)
     if s == "Tensor":
         return ArgKind.TENSOR
@@ -107,7 +109,7 @@ def parse_name(name: object) -> tuple[str, str]:
     return ns, opname
 
 
-def record_type(typename: str, names: Sequence[str]) -> type[tuple[Any, ...]]:
+def record_type(typename: str, names: Sequence[str]) -> type[tuple[object, ...]]:
     """A tuple type with one read-only attribute per name, like a namedtuple.
 
     Unlike ``collections.namedtuple`` it takes any argument name torch.library takes
@@ -121,25 +123,25 @@ def record_type(typename: str, names: Sequence[str]) -> type[tuple[Any, ...]]:
     """
     fields = tuple(names)
 
-    def __repr__(self: tuple[Any, ...]) -> str:
+    def __repr__(self: tuple[object, ...]) -> str:
         inner = ", ".join(f"{n}={v!r}" for n, v in zip(fields, self))
         return f"{typename}({inner})"
 
-    def _asdict(self: tuple[Any, ...]) -> dict[str, Any]:
+    def _asdict(self: tuple[object, ...]) -> dict[str, object]:
         return dict(zip(fields, self))
 
-    def _make(cls: type[tuple[Any, ...]], iterable: Iterable[Any]) -> tuple[Any, ...]:
+    def _make(cls: type[tuple[object, ...]], iterable: Iterable[object]) -> tuple[object, ...]:
         return tuple.__new__(cls, iterable)
 
-    def __new__(cls: type[tuple[Any, ...]], *values: Any) -> tuple[Any, ...]:
+    def __new__(cls: type[tuple[object, ...]], *values: object) -> tuple[object, ...]:
         if len(values) != len(fields):
             raise TypeError(f"{typename} takes {len(fields)} values, got {len(values)}")
         return tuple.__new__(cls, values)
 
-    def __getnewargs__(self: tuple[Any, ...]) -> tuple[Any, ...]:
+    def __getnewargs__(self: tuple[object, ...]) -> tuple[object, ...]:
         return tuple(self)
 
-    namespace: dict[str, Any] = {
+    namespace: dict[str, object] = {
         "__slots__": (),
         "__new__": __new__,
         "__doc__": f"{typename}({', '.join(fields)})",
@@ -173,7 +175,7 @@ def _join_returns(parts: Sequence[str]) -> str:
 
 def make_schema(
     qualname: str,
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     schema: str | None,
     mutates: tuple[str, ...],
 ) -> str:
@@ -261,7 +263,7 @@ MSG_DEFAULT_DIFFERS = (
 _ENUM_TYPES = ("ScalarType", "Layout", "MemoryFormat", "Device")
 
 
-def _same_default(kernel: Any, schema: Any, type_str: str) -> bool:
+def _same_default(kernel: object, schema: object, type_str: str) -> bool:
     """Whether a kernel's Python default and a schema's default are the same value."""
     if any(t in type_str for t in _ENUM_TYPES) and schema is not None:
         return True  # the schema gives enums as numbers: compared by torch's own binding
@@ -294,7 +296,7 @@ class Signature:
         self,
         qualname: str,
         kernel_schema: str,
-        fn: Callable[..., Any],
+        fn: Callable[..., object],
         weights: tuple[str, ...],
         residuals: tuple[str, ...] = (),
         output_differentiability: tuple[bool, ...] | None = None,
@@ -405,7 +407,7 @@ class Signature:
         """The positions of the Tensor arguments that are not Optional."""
 
     # -- arguments -----------------------------------------------------------------------------
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def bind(self, args: tuple[object, ...], kwargs: Mapping[str, object]) -> tuple[object, ...]:
         """Return all arguments positionally, in schema order, with defaults filled in."""
         try:
             bound = self.pysig.bind(*args, **kwargs)
@@ -421,20 +423,22 @@ class Signature:
         bound.apply_defaults()
         return tuple(bound.arguments[n] for n in self.names)
 
-    def call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def call(self, fn: Callable[..., _R], args: tuple[object, ...]) -> _R:
         """Call ``fn`` (an OpOverload or kernel) with schema-ordered ``args``."""
         if not self.kwonly_names:
             return fn(*args)
         npos = self.num_positional
         return fn(*args[:npos], **dict(zip(self.kwonly_names, args[npos:])))
 
-    def normalize(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def normalize(
+        self, args: tuple[object, ...], kwargs: Mapping[str, object]
+    ) -> tuple[object, ...]:
         """Schema-ordered arguments from what the dispatcher passes to a Python kernel."""
         if not kwargs and len(args) == self.nargs:
             return args
         return self.bind(args, kwargs)
 
-    def check_args(self, args: tuple[Any, ...]) -> None:
+    def check_args(self, args: tuple[object, ...]) -> None:
         """Raise :class:`ArgumentTypeError` naming the first argument of the wrong kind.
 
         Tensor arguments take a Tensor (``Optional`` ones also None), list arguments a list or
@@ -458,7 +462,7 @@ class Signature:
             else:
                 ok = not isinstance(a, torch.Tensor) or spec.type_str in _TENSOR_OK
                 want = f"a {spec.type_str}, not a Tensor"
-                if not ok and a.requires_grad:
+                if not ok and isinstance(a, torch.Tensor) and a.requires_grad:
                     want += " (customgrad differentiates Tensor arguments only)"
             if not ok:
                 raise ArgumentTypeError(
@@ -467,7 +471,9 @@ class Signature:
                 )
 
     # -- outputs -------------------------------------------------------------------------------
-    def split_outputs(self, out: Any, args: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    def split_outputs(
+        self, out: object, args: tuple[object, ...]
+    ) -> tuple[object, tuple[object, ...]]:
         """Check what the kernel returned; return ``(outputs as the op returns them, residuals)``.
 
         Raises:
@@ -504,7 +510,7 @@ class Signature:
             return f"output {i}" if self.output_is_tuple else "its output"
         return f"residual {self.residual_names[i - n_out]!r}"
 
-    def _bad_output(self, got: Any, want: str) -> None:
+    def _bad_output(self, got: object, want: str) -> NoReturn:
         raise KernelOutputError(
             f"{self.qualname}: the kernel returned {_describe(got)}, but the schema "
             f"({self.kernel_schema}) asks for {want}. Return what the annotations say (kernel "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from customgrad._errors import UnsupportedError, where
 
@@ -87,7 +86,7 @@ def raw_launch(e: BaseException) -> RawLaunch | None:
 
 
 def raise_if_raw_launch(
-    e: BaseException, op: str, label: str, fn: Callable[..., Any] | None
+    e: BaseException, op: str, label: str, fn: Callable[..., object] | None
 ) -> None:
     """Raise :class:`UnsupportedError` (from ``e``) if ``e`` is a raw Triton launch's."""
     found = raw_launch(e)

@@ -31,10 +31,11 @@ import html
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from torch.autograd.graph import Node
+from torch.autograd.graph import GradientEdge, Node
+from torch.utils.hooks import RemovableHandle
 
 from customgrad import _render
 from customgrad._autosplit import describe_node
@@ -45,6 +46,9 @@ from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node
 from customgrad._torch.functions import custom_op_of, forward_cls
+
+if TYPE_CHECKING:
+    from customgrad.pipelining._streams import WeightWork
 
 __all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
@@ -349,6 +353,7 @@ def _node_kind_and_label(node: Node) -> tuple[NodeKind, str]:
 
 
 def _splitter(name: str | None) -> tuple[str, Any, Any]:
+    # Any: the two splitters' types are pipelining/_backward.py's and torch's (untyped)
     if name in (None, "customgrad"):
         try:
             from customgrad import pipelining
@@ -459,14 +464,17 @@ def explain_split(
     phase_of = {"phase": "full"}
     ran: dict[str, set[int]] = {p: set() for p in (*_PHASES, "check")}
     counters = {p: FlopCounter() for p in (*_PHASES, "check")}
-    handles: list[Any] = []
+    handles: list[RemovableHandle] = []
     for i, node in enumerate(order):
 
-        def pre(grad_outputs: Any, i: int = i) -> None:
+        def pre(grad_outputs: tuple[torch.Tensor | None, ...], i: int = i) -> None:
             ran[phase_of["phase"]].add(i)
             counters[phase_of["phase"]].key = i
 
-        def post(grad_inputs: Any, grad_outputs: Any) -> None:
+        def post(
+            grad_inputs: tuple[torch.Tensor | None, ...],
+            grad_outputs: tuple[torch.Tensor | None, ...],
+        ) -> None:
             counters[phase_of["phase"]].key = None
 
         handles.append(node.register_prehook(pre))
@@ -693,20 +701,16 @@ class _CountedWork:
 
     __slots__ = ("_counter", "_key", "_work")
 
-    def __init__(self, work: Any, counter: FlopCounter, key: int) -> None:
+    def __init__(self, work: WeightWork, counter: FlopCounter, key: int) -> None:
         self._work = work
         self._counter = counter
         self._key = key
 
     @property
-    def record(self) -> Any:
-        return self._work.record
-
-    @property
     def device(self) -> torch.device:
-        return self._work.device  # type: ignore[no-any-return]
+        return self._work.device
 
-    def gradients(self) -> Any:
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         before = self._counter.key
         self._counter.key = self._key
         try:
@@ -721,7 +725,7 @@ class _CountedWork:
 
 
 def _count_deferred_to_nodes(
-    param_groups: Any, index: Mapping[Node, int], counter: FlopCounter
+    param_groups: object, index: Mapping[Node, int], counter: FlopCounter
 ) -> None:
     """Make the weight halves customgrad's I deferred count their FLOPs to their nodes when W
     runs them (nothing to do for torch's split, which defers none)."""
@@ -738,7 +742,7 @@ def _count_deferred_to_nodes(
 
 
 def _count_direct_calls_to_nodes(
-    param_groups: Any, index: Mapping[Node, int], counter: FlopCounter, ran: set[int]
+    param_groups: object, index: Mapping[Node, int], counter: FlopCounter, ran: set[int]
 ) -> None:
     """Make the nodes customgrad's W calls itself (for their weight side only, outside the
     engine: their hooks do not fire) count as running in W, with their FLOPs."""
@@ -762,7 +766,7 @@ def _count_direct_calls_to_nodes(
     watch_direct_calls(param_groups, watch)
 
 
-def _deferred_nodes(param_groups: Any) -> set[Any]:
+def _deferred_nodes(param_groups: object) -> set[Node]:
     """The nodes whose weight half customgrad's split handed to W (none for torch's split)."""
     try:
         from customgrad.pipelining._split_state import deferred_nodes
@@ -899,7 +903,7 @@ def _gradient_errors(
     return errors
 
 
-def _split_functions(param_groups: Any) -> set[int]:
+def _split_functions(param_groups: object) -> set[int]:
     """The ids of the plain Function nodes customgrad's split split (none for torch's)."""
     try:
         from customgrad.pipelining._split_state import split_functions_of
@@ -908,7 +912,7 @@ def _split_functions(param_groups: Any) -> set[int]:
     return split_functions_of(param_groups)
 
 
-def _ran_once(param_groups: Any) -> set[int]:
+def _ran_once(param_groups: object) -> set[int]:
     """The ids of the plain Function nodes customgrad's split ran once (none for torch's)."""
     try:
         from customgrad.pipelining._split_state import ran_once

@@ -33,11 +33,10 @@ import logging
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Generic, Literal, ParamSpec, TypeVar
 
-import optree
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
@@ -46,6 +45,8 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGrad
 from customgrad._flops import FlopCounter
 from customgrad._launches import LaunchCounter
 from customgrad._op import CustomOp, autograd_impl
+from customgrad._pass import BackwardContext
+from customgrad._torch.dispatcher import OpOverload
 from customgrad._torch.fake import FAKE_TENSOR_LOGGER, fake_tensor_mode_type, is_fake
 
 __all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
@@ -56,6 +57,12 @@ CHECKS: tuple[str, ...] = ("opcheck", "fake", "gradcheck", "gradgradcheck", "spl
 Status = Literal["passed", "failed", "skipped"]
 DType = torch.dtype | Literal["own"] | None
 Pass = Literal["full", "input", "weight"]
+Values = dict[str, object]
+"""The op's arguments by name."""
+Counted = tuple[OpOverload, int, torch.Tensor | None]
+"""A computation the FLOP counter recorded: the op, its FLOPs, its output."""
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 FIX_FLOPS = """\
 The split repeats work. Compute each gradient in exactly one pass: either register the pair
@@ -264,15 +271,15 @@ class CheckReport:
 
 
 def check_op(
-    op: CustomOp[..., Any],
+    op: CustomOp[_P, _R],
     /,
-    *args: Any,
+    *args: object,
     checks: Sequence[str] = CHECKS,
     dtype: DType = None,
     atol: float | None = None,
     rtol: float | None = None,
     raise_on_failure: bool = True,
-    **kwargs: Any,
+    **kwargs: object,
 ) -> CheckReport:
     """Check a customgrad op on the given arguments: correctness, fake kernel and split.
 
@@ -431,7 +438,7 @@ def _grouped(failures: Sequence[CheckResult]) -> list[tuple[list[str], str]]:
     ]
 
 
-def _backward_split(op: CustomOp[..., Any]) -> str:
+def _backward_split(op: CustomOp[_P, _R]) -> str:
     """:attr:`CheckReport.backward`: how the op's backward splits."""
     rules = op.rules
     if rules.backward is None:
@@ -461,15 +468,17 @@ def _short_exc(e: BaseException, lines: int = 6) -> str:
     return f"{type(e).__name__}: {body}"
 
 
-class _Arguments:
+class _Arguments(Generic[_R]):
     """The op's arguments, bound once by its signature, and a fresh copy of them for each check:
     which tensors are differentiated (:attr:`diff`), and calling the op on a copy."""
 
-    def __init__(self, op: CustomOp[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+    def __init__(
+        self, op: CustomOp[..., _R], args: tuple[object, ...], kwargs: Mapping[str, object]
+    ):
         self.op = op
         self.sig = op.signature
         self.names = list(self.sig.names)
-        self.values: dict[str, Any] = dict(zip(self.names, self.sig.bind(args, kwargs)))
+        self.values: Values = dict(zip(self.names, self.sig.bind(args, kwargs)))
         weights = self.sig.weight_set
 
         slots: list[_Slot] = []
@@ -490,13 +499,15 @@ class _Arguments:
         self.diff = chosen
         """The differentiated tensors: those that require grad, else every floating-point one."""
 
-    def get(self, slot: _Slot, values: dict[str, Any] | None = None) -> torch.Tensor:
+    def get(self, slot: _Slot, values: Values | None = None) -> torch.Tensor:
         v = (self.values if values is None else values)[slot.name]
-        t = v if slot.index is None else v[slot.index]
-        assert isinstance(t, torch.Tensor)
-        return t
+        if slot.index is not None:
+            assert isinstance(v, (list, tuple))  # a slot with an index is in a list argument
+            v = v[slot.index]
+        assert isinstance(v, torch.Tensor)
+        return v
 
-    def copy(self, *, dtype: torch.dtype | None = None, grad: bool = True) -> dict[str, Any]:
+    def copy(self, *, dtype: torch.dtype | None = None, grad: bool = True) -> Values:
         """Fresh argument values: detached clones (floating-point ones in ``dtype`` unless
         None); differentiable ones are new leaves."""
         diff = {(s.name, s.index) for s in self.diff}
@@ -509,7 +520,7 @@ class _Arguments:
                 c.requires_grad_(True)
             return c
 
-        out: dict[str, Any] = {}
+        out: Values = {}
         for name, v in self.values.items():
             if isinstance(v, torch.Tensor):
                 out[name] = fresh(v, (name, None))
@@ -523,45 +534,46 @@ class _Arguments:
                 out[name] = v
         return out
 
-    def split_call(self, values: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def split_call(self, values: Values) -> tuple[tuple[object, ...], Values]:
         kwonly = self.sig.kwonly_names
         args = tuple(values[n] for n in self.names if n not in kwonly)
         kwargs = {n: values[n] for n in kwonly}
         return args, kwargs
 
-    def call(self, values: dict[str, Any], fn: Callable[..., Any] | None = None) -> Any:
+    def call(self, values: Values, fn: Callable[..., object] | None = None) -> object:
         return self.sig.call(self.op if fn is None else fn, tuple(values[n] for n in self.names))
 
-    def with_diff(self, values: dict[str, Any], tensors: Sequence[torch.Tensor]) -> dict[str, Any]:
+    def with_diff(self, values: Values, tensors: Sequence[torch.Tensor]) -> Values:
         """``values`` with the differentiable slots replaced by ``tensors``."""
         out = {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in values.items()}
         for s, t in zip(self.diff, tensors):
             if s.index is None:
                 out[s.name] = t
             else:
-                out[s.name][s.index] = t
+                items = out[s.name]
+                assert isinstance(items, list)  # a list argument, copied into a list above
+                items[s.index] = t
         return out
 
     @staticmethod
-    def outputs(out: Any) -> list[torch.Tensor]:
+    def outputs(out: object) -> list[torch.Tensor]:
         """The differentiable tensors among the op's outputs."""
-        leaves = optree.tree_leaves(out, none_is_leaf=False)
-        return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+        return [t for t in _tensors_of(out) if t.requires_grad]
 
 
 # --------------------------------------------------------------------------------------------
 # Checks
 
 
-class _Case:
+class _Case(Generic[_R]):
     """The op and its arguments, with one method per check (the split and FLOPs checks share
     one run, :class:`_SplitCheck`)."""
 
     def __init__(
         self,
-        op: CustomOp[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        op: CustomOp[..., _R],
+        args: tuple[object, ...],
+        kwargs: Mapping[str, object],
         *,
         dtype: torch.dtype | Literal["own"],
         atol: float | None,
@@ -637,7 +649,7 @@ class _Case:
     def run_fake(self) -> tuple[Status, str]:
         values = self.args.copy(grad=False)
         with torch.no_grad():
-            real = optree.tree_leaves(self.args.call(values, self.op.opoverload))
+            real = _tensors_of(self.args.call(values, self.op.opoverload))
         with fake_tensor_mode_type()(allow_non_fake_inputs=False) as mode:
             fake_values = {
                 k: [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in v]
@@ -646,7 +658,7 @@ class _Case:
                 for k, v in values.items()
             }
             try:
-                fake = optree.tree_leaves(self.args.call(fake_values, self.op.opoverload))
+                fake = _tensors_of(self.args.call(fake_values, self.op.opoverload))
             except Exception as e:
                 return "failed", f"the fake kernel raised {_short_exc(e)}"
         if len(real) != len(fake):
@@ -679,7 +691,7 @@ class _Case:
 
         def fn(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
             out = self.args.call(self.args.with_diff(values, tensors))
-            return tuple(t for t in optree.tree_leaves(out) if t.is_floating_point())
+            return tuple(t for t in _tensors_of(out) if t.is_floating_point())
 
         return fn, leaves
 
@@ -693,7 +705,7 @@ class _Case:
             return MSG_COARSE_DTYPE.format(dtype=coarse[0])
         return {"eps": 1e-3, "atol": 1e-2, "rtol": 1e-2}
 
-    def _gradcheck(self, check: Callable[..., bool], fn: Any, leaves: list[torch.Tensor],
+    def _gradcheck(self, check: Callable[..., bool], fn: Callable[..., object], leaves: list[torch.Tensor],
                    tolerances: dict[str, float]) -> None:  # fmt: skip
         with warnings.catch_warnings():
             # gradcheck warns about inputs that are not float64: the tolerances say so instead.
@@ -768,7 +780,7 @@ class _Case:
         return re.sub(r"with respect to input (\d+)", name, first)
 
 
-class _SplitCheck:
+class _SplitCheck(Generic[_R]):
     """The ``split`` and ``flops`` checks: the input pass then the weight pass against the full
     backward, their FLOPs counted and every call of the op's backward functions watched.
 
@@ -778,7 +790,7 @@ class _SplitCheck:
     """
 
     def __init__(
-        self, args: _Arguments, *, dtype: torch.dtype | None, atol: float | None,
+        self, args: _Arguments[_R], *, dtype: torch.dtype | None, atol: float | None,
         rtol: float | None,
     ) -> None:  # fmt: skip
         self.args = args
@@ -787,7 +799,7 @@ class _SplitCheck:
         self.atol = atol
         self.rtol = rtol
         self.flops: dict[str, int] = {}
-        self._counted: dict[Pass, list[tuple[Any, int, Any]]] = {}
+        self._counted: dict[Pass, list[Counted]] = {}
         self.calls: dict[Pass, dict[str, int]] = {}
         self.launches: dict[Pass, dict[str, int]] = {}
         self._launched: dict[Pass, list[tuple[str, list[torch.Tensor]]]] = {}
@@ -804,7 +816,7 @@ class _SplitCheck:
         gen = torch.Generator().manual_seed(0)
         watch = _BackwardWatch(self.op)
 
-        def forward() -> tuple[dict[str, Any], list[torch.Tensor]]:
+        def forward() -> tuple[Values, list[torch.Tensor]]:
             values = self.args.copy(dtype=self.dtype)
             return values, self.args.outputs(self.args.call(values))
 
@@ -883,7 +895,7 @@ class _SplitCheck:
     def _grad(
         self,
         phase: Pass,
-        watch: _BackwardWatch,
+        watch: _BackwardWatch[_R],
         outs: list[torch.Tensor],
         leaves: list[torch.Tensor],
         gouts: list[torch.Tensor],
@@ -926,27 +938,27 @@ def _same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     ) and math.prod(a.shape) == math.prod(b.shape)
 
 
-class _BackwardWatch:
+class _BackwardWatch(Generic[_R]):
     """Sees every call of an op's registered backward functions (through the op's autograd
     observer hook) and records, per pass of the check, how often each ran; flags a half
     running in the other half's pass and gradients returned although
     ``ctx.needs_input_grad`` said no."""
 
-    def __init__(self, op: CustomOp[..., Any]) -> None:
+    def __init__(self, op: CustomOp[..., _R]) -> None:
         self.op = op
         self.phase: Pass = "full"
         self.calls: dict[Pass, dict[str, int]] = {"full": {}, "input": {}, "weight": {}}
         self.problems: list[str] = []
         self._scope = contextlib.ExitStack()
 
-    def __enter__(self) -> _BackwardWatch:
+    def __enter__(self) -> _BackwardWatch[_R]:
         self._scope.enter_context(autograd_impl(self.op).observing(self.seen))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._scope.close()
 
-    def seen(self, label: str, node_phase: str, ctx: Any, result: Any) -> None:
+    def seen(self, label: str, node_phase: str, ctx: BackwardContext, result: object) -> None:
         phase = self.phase
         calls = self.calls[phase]
         calls[label] = calls.get(label, 0) + 1
@@ -964,7 +976,17 @@ class _BackwardWatch:
                     )
 
 
-def _done_twice(first: list[tuple[Any, int, Any]], second: list[tuple[Any, int, Any]]) -> list[str]:
+def _tensors_of(out: object) -> list[torch.Tensor]:
+    """The Tensors of an op's output (a Tensor, a list of Tensors, or a tuple of those; None for
+    an Optional Tensor output left out), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors_of(o)]
+    return []
+
+
+def _done_twice(first: list[Counted], second: list[Counted]) -> list[str]:
     """The counted computations the weight pass repeats from the input pass: the same op giving
     the same result (bit for bit)."""
     found: list[str] = []
@@ -1051,7 +1073,7 @@ def _has_tensor(g: object) -> bool:
     return isinstance(g, (list, tuple)) and any(computed(t) for t in g)
 
 
-def _safe_needs(ctx: Any, name: object) -> bool:
+def _safe_needs(ctx: BackwardContext, name: str) -> bool:
     try:
         return bool(ctx.needs_input_grad(name))
     except Exception:  # an unknown key: customgrad's validation reports it

@@ -32,3 +32,35 @@ def _define() -> None:
         return torch.empty_like(x)
 
     _(torch.ones(1), torch.ones(1))  # register_* return the function they were given
+
+    # check_op takes an op of any signature (generic over it, not CustomOp[..., object])
+    from customgrad.testing import check_op
+
+    report = check_op(scale, torch.ones(2), torch.ones(2), factor=2.0, checks=("opcheck",))
+    del report
+    check_op(scale, torch.ones(2), checks=["nope"], dtype="float")  # type: ignore[arg-type]
+
+    # the callback protocols, where a user names them: a backward returns gradients by name
+    def bwd(ctx: cg.BackwardContext, saved: object, /, *grads: object) -> dict[str, torch.Tensor]:
+        return {}
+
+    def not_grads(ctx: cg.BackwardContext, saved: object, /, *grads: object) -> int:
+        return 0
+
+    rule: cg.BackwardFn = bwd
+    wrong: cg.BackwardFn = not_grads  # type: ignore[assignment]
+    del rule, wrong
+
+
+def _pipelining() -> None:
+    from customgrad.pipelining import ActionTimer, StageCosts, simulate
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return (out - target).square().mean()
+
+    timed = ActionTimer().time_loss(loss_fn)  # keeps loss_fn's signature
+    loss: torch.Tensor = timed(torch.ones(1), torch.ones(1))
+    del loss
+    timed(torch.ones(1))  # type: ignore[call-arg]
+    simulate("1F1B", 2, 4, StageCosts(1.0, 1.0, 1.0))
+    simulate(3, 2, 4, StageCosts(1.0, 1.0, 1.0))  # type: ignore[arg-type]

@@ -31,6 +31,10 @@ from customgrad.pipelining._draw import seconds as _seconds
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
 
 __all__ = ["Simulation", "StageCosts", "TimedAction", "simulate"]
 
@@ -255,7 +259,7 @@ class Simulation:
 
 
 def simulate(
-    schedule_class: type[Any] | str,
+    schedule_class: type[PipelineScheduleSingle] | type[PipelineScheduleMulti] | str,
     n_stages: int,
     n_microbatches: int,
     costs: StageCosts | Sequence[StageCosts],

@@ -9,7 +9,8 @@ and :func:`~customgrad.pipelining.stage_backward_weight`; nothing in torch is pa
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
@@ -26,6 +27,9 @@ from customgrad.pipelining._backward import (
 )
 from customgrad.pipelining._errors import PipeliningError
 from customgrad.pipelining._queue import WeightGradQueue
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 __all__ = ["PipelineStage"]
 
@@ -132,12 +136,12 @@ class PipelineStage(_TorchPipelineStage):
 
     def __init__(
         self,
-        *args: Any,
+        *args: object,
         queue: WeightGradQueue | None = None,
         split_compiled: bool = True,
         run_functions_once: bool = True,
         split_functions: bool = True,
-        **kwargs: Any,
+        **kwargs: object,
     ) -> None:
         positional = bool(args)
         submodule = args[0] if positional else kwargs.get("submodule")
@@ -165,9 +169,13 @@ class PipelineStage(_TorchPipelineStage):
         self.run_functions_once = run_functions_once
         self.split_functions = split_functions
         self._bwd_chunk: int | None = None
-        super().__init__(*args, **kwargs)
+        # torch's stage checks the rest of its arguments: they go to it as given (its signature
+        # differs between torch versions).
+        torch_args: tuple[Any, ...] = args
+        torch_kwargs: dict[str, Any] = kwargs
+        super().__init__(*torch_args, **torch_kwargs)
 
-    def _build_dw(self) -> Any:
+    def _build_dw(self) -> Callable[[], None]:
         queue = self.queue
         if queue is None:
             return lambda: None
@@ -179,7 +187,7 @@ class PipelineStage(_TorchPipelineStage):
     def backward_one_chunk(
         self,
         bwd_chunk_id: int,
-        loss: Any = None,
+        loss: torch.Tensor | None = None,
         full_backward: bool = True,
         last_backward: bool = False,
     ) -> None:
@@ -203,11 +211,14 @@ class PipelineStage(_TorchPipelineStage):
             self._arm_ddp_reducer([], weight_pass=True)
         super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: object, **kwargs: object) -> object:
+        # torch's arguments (the microbatch's args and kwargs, ...), passed on as given
+        torch_args: tuple[Any, ...] = args
+        torch_kwargs: dict[str, Any] = kwargs
         if self.queue is None:
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *torch_args, **torch_kwargs)
         with self.queue.microbatch(self.stage_index, fwd_chunk_id):
-            return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            return super().forward_one_chunk(fwd_chunk_id, *torch_args, **torch_kwargs)
 
     def perform_reduce_grad(self, grad_scale_factor: int) -> None:
         if self.queue is not None:
@@ -229,7 +240,7 @@ class PipelineStage(_TorchPipelineStage):
                 self.queue.finish(self.stage_index)
             super().start_gradient_reduction()  # type: ignore[misc]
 
-    def _get_init_p2p_neighbors_ops(self) -> list[Any]:
+    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
         # torch 2.11's schedules batch these ops for every stage, in V schedules also a send and
         # a receive to this rank itself (two neighbouring stages on one rank), which gloo
         # refuses ("Pair is not connected"); torch 2.12 and later leave same-rank neighbours
@@ -249,7 +260,7 @@ class PipelineStage(_TorchPipelineStage):
                 return super()._prepare_forward_infra(*args, **kwargs)
         return super()._prepare_forward_infra(*args, **kwargs)
 
-    def _arm_ddp_reducer(self, outputs: Any, weight_pass: bool) -> None:
+    def _arm_ddp_reducer(self, outputs: object, weight_pass: bool) -> None:
         """Tell a DDP module's reducer that the backward about to run ends the step: the
         gradients it accumulates are all-reduced as they become ready, once."""
         submod = self.submod
@@ -261,36 +272,37 @@ class PipelineStage(_TorchPipelineStage):
     def backward_maybe_with_nosync(
         self,
         backward_type: str,
-        bwd_kwargs: dict[str, Any],
+        bwd_kwargs: dict[str, object],
         last_backward: bool = False,
-    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
-        def perform() -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, Any]] | None]:
+    ) -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, object]] | None]:
+        def perform() -> tuple[tuple[torch.Tensor | None, ...], list[dict[str, object]] | None]:
+            # torch's stage builds these values untyped (its backward_one_chunk): they go to the
+            # stage_backward functions as torch's own stage passes them to its own.
+            kwargs: dict[str, Any] = bwd_kwargs
             if backward_type == "full":
                 queue = self.queue
-                inputs = bwd_kwargs["input_values"]
+                inputs = kwargs["input_values"]
                 if queue is None:
-                    grads = stage_backward(
-                        bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], inputs
-                    )
+                    grads = stage_backward(kwargs["stage_output"], kwargs["output_grads"], inputs)
                 else:
                     grads = run_stage_backward(
-                        bwd_kwargs["stage_output"],
-                        bwd_kwargs["output_grads"],
+                        kwargs["stage_output"],
+                        kwargs["output_grads"],
                         inputs,
                         run=lambda t, g: queue.backward(t, g, inputs=inputs),
                     )
                 return grads, None
             if backward_type == "input":
                 return stage_backward_input(
-                    bwd_kwargs["stage_output"],
-                    bwd_kwargs["output_grads"],
-                    bwd_kwargs["input_values"],
+                    kwargs["stage_output"],
+                    kwargs["output_grads"],
+                    kwargs["input_values"],
                     self.submod.parameters(),
                     run_functions_once=self.run_functions_once,
                     split_functions=self.split_functions,
                 )
             if backward_type == "weight":
-                grads = stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"])
+                grads = stage_backward_weight(self.submod.parameters(), kwargs["param_groups"])
                 return grads, None
             raise ArgumentValueError(f"Unknown backward type: {backward_type!r}")
 

@@ -13,14 +13,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch.autograd.graph import GradientEdge
 
 from customgrad.pipelining._errors import StreamSyncError
 
-__all__ = ["AcceleratorStreams", "QueuedWork", "StreamPolicy"]
+__all__ = ["AcceleratorStreams", "QueuedWork", "StreamPolicy", "WeightWork"]
 
 MSG_STREAM = """\
 WeightGradQueue.run(stage={stage}, microbatch={mb}): its work was queued on stream {queued} and \
@@ -30,26 +30,38 @@ which runs the work on the stream it was queued on and makes the current stream 
 """
 
 
+class WeightWork(Protocol):
+    """A node's deferred weight work, as the weight pass runs it (``_autograd.DeferredWork``)."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device whose current stream the work is queued on."""
+
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """Compute the weight gradients; return ``(edges, gradients)`` to send through
+        autograd."""
+
+
 class StreamPolicy(Protocol):
     """How the queue sees device streams (injected, so that tests can fake them on CPU)."""
 
-    def current(self, device: torch.device) -> Any:
+    def current(self, device: torch.device) -> torch.Stream | None:
         """The current stream of ``device``, or None on a device without streams."""
 
-    def use(self, stream: Any) -> AbstractContextManager[None]:
+    def use(self, stream: torch.Stream) -> AbstractContextManager[None]:
         """Make ``stream`` current for its device inside the block."""
 
 
 class AcceleratorStreams:
     """The streams of ``torch.accelerator`` (CUDA, XPU, ...); none on CPU and meta."""
 
-    def current(self, device: torch.device) -> Any:
+    def current(self, device: torch.device) -> torch.Stream | None:
         if device.type in ("cpu", "meta"):
             return None
         return torch.accelerator.current_stream(device)
 
     @contextlib.contextmanager
-    def use(self, stream: Any) -> Iterator[None]:
+    def use(self, stream: torch.Stream) -> Iterator[None]:
         prev = torch.accelerator.current_stream(stream.device)
         torch.accelerator.set_stream(stream)
         try:
@@ -64,7 +76,7 @@ class QueuedWork:
 
     __slots__ = ("event", "stream", "work")
 
-    def __init__(self, work: Any, stream: Any) -> None:
+    def __init__(self, work: WeightWork, stream: torch.Stream | None) -> None:
         self.work = work
         self.stream = stream
         self.event = None if stream is None else stream.record_event()

@@ -12,7 +12,7 @@ reaches the module's outputs, which nodes' weight halves that backward defers: t
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.autograd.graph import Node
@@ -24,6 +24,7 @@ from customgrad._torch import engine
 from customgrad._torch.functions import keep_graphs
 
 if TYPE_CHECKING:
+    from customgrad._autograd import DeferredWork
     from customgrad.pipelining._queue import WeightGradQueue
 
 __all__ = ["Attachment", "Key", "Tag"]
@@ -44,7 +45,7 @@ class Tag:
         self.key = key
         self.attached = attached
 
-    def defer(self, record: NodeRecord, work: Any) -> None:
+    def defer(self, record: NodeRecord, work: DeferredWork) -> None:
         self.queue._enqueue(self.key, work)
 
 
@@ -71,13 +72,13 @@ class Attachment:
         for h in self._handles:
             h.remove()
 
-    def _pre(self, mod: torch.nn.Module, args: Any) -> None:
+    def _pre(self, mod: torch.nn.Module, args: tuple[object, ...]) -> None:
         mb = self._queue._next_microbatch(self._stage)
         stack = contextlib.ExitStack()
         stack.enter_context(tagging(Tag(self._queue, (self._stage, mb), attached=True)))
         self._tags.append((stack, (self._stage, mb)))
 
-    def _post(self, mod: torch.nn.Module, args: Any, out: Any) -> None:
+    def _post(self, mod: torch.nn.Module, args: tuple[object, ...], out: object) -> None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
         if self._tags:
             stack, key = self._tags.pop()
@@ -92,7 +93,7 @@ class Attachment:
         queue = self._queue
         planned = [-1]
 
-        def hook(grad_outputs: Any) -> None:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
             task = engine.graph_task_id()
             if planned[0] == task:
                 return

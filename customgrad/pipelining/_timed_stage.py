@@ -14,7 +14,7 @@ runs with, and :func:`timed_stage_class` refuses, with a clear error, a torch wh
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ MSG_STAGE_CHANGED = (
 )
 
 
-def stage_methods_mismatch(base: type[Any]) -> str | None:
+def stage_methods_mismatch(base: type) -> str | None:
     """What about ``base``'s per-microbatch methods differs from what the timer wraps, or None."""
     for name, params in STAGE_METHODS.items():
         method = getattr(base, name, None)
@@ -54,7 +54,7 @@ def stage_methods_mismatch(base: type[Any]) -> str | None:
     return None
 
 
-def timed_stage_class(base: type[Any], timer: ActionTimer) -> type[Any]:
+def timed_stage_class(base: type, timer: ActionTimer) -> type:
     """A subclass of ``base`` whose actions ``timer`` records.
 
     Raises:
@@ -77,21 +77,25 @@ class _TimedStage:
     _timer: ActionTimer
     stage_index: int
 
-    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: object, **kwargs: object) -> object:
         with self._timer.action("F", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
 
     def backward_one_chunk(
-        self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, **kwargs: Any
-    ) -> Any:
+        self,
+        bwd_chunk_id: int,
+        loss: torch.Tensor | None = None,
+        full_backward: bool = True,
+        **kwargs: object,
+    ) -> None:
         with self._timer.action("B" if full_backward else "I", self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(  # type: ignore[misc]
+            super().backward_one_chunk(  # type: ignore[misc]
                 bwd_chunk_id, loss=loss, full_backward=full_backward, **kwargs
             )
 
-    def backward_weight_one_chunk(self, bwd_chunk_id: int, **kwargs: Any) -> Any:
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, **kwargs: object) -> None:
         with self._timer.action("W", self.stage_index, bwd_chunk_id):
-            return super().backward_weight_one_chunk(bwd_chunk_id, **kwargs)  # type: ignore[misc]
+            super().backward_weight_one_chunk(bwd_chunk_id, **kwargs)  # type: ignore[misc]
 
     def get_fwd_recv_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         ops: list[dist.P2POp] = super().get_fwd_recv_ops(fwd_chunk_id)  # type: ignore[misc]

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -64,8 +64,10 @@ __all__ = [
 KINDS = ("F", "I", "W", "B")
 """Action kinds: forward, input-gradient backward, weight-gradient backward, full backward."""
 
-_S = TypeVar("_S", bound=type[Any])
+_S = TypeVar("_S", bound=type)
 """A pipeline stage class (a subclass of torch's private ``_PipelineStageBase``)."""
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
 MSG_NESTED_STEP = """\
 ActionTimer.step: a step is already being timed on this timer. Time one schedule step at a \
@@ -511,14 +513,14 @@ class ActionTimer:
                                        queued_end - queued))  # fmt: skip
         rec.last_end, rec.last_cpu, rec.last_queued = end, cpu_end, queued_end
 
-    def time_loss(self, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    def time_loss(self, loss_fn: Callable[_P, _R]) -> Callable[_P, _R]:
         """``loss_fn``, timed as part of the last stage's forward it follows.
 
         Schedules compute the loss after the last stage's ``forward_one_chunk``, outside it;
         pass ``loss_fn=timer.time_loss(loss_fn)`` to count it in that stage's forward time.
         """
 
-        def timed_loss(*args: Any, **kwargs: Any) -> Any:
+        def timed_loss(*args: _P.args, **kwargs: _P.kwargs) -> _R:
             rec = self._rec
             last = rec.actions[-1] if rec is not None and rec.actions else None
             if rec is None or last is None or last.kind != "F":

@@ -186,14 +186,14 @@ def _leaf_by_reference(value: object, args: Sequence[object]) -> TypeGuard[torch
     )
 
 
-def _by_reference(value: Any, args: Sequence[Any]) -> bool:
+def _by_reference(value: object, args: Sequence[object]) -> bool:
     """Whether an attribute ``value`` of ctx reaches backward by reference: a mutable object
     holding no tensor, in an eager call (under tracing, torch.compile's or fake tensors', every
     attribute goes the traced way). Tensors go through autograd's saving, version-checked
     (except a leaf kept on ctx: :class:`_LeafByReference`)."""
     if type(value) in _LEAVES or isinstance(value, (tuple, frozenset, torch.dtype)):
         return False
-    leaves = optree.tree_leaves(value, none_is_leaf=True)
+    leaves, _ = _flatten(value)
     return not any(isinstance(v, _Tensor) for v in leaves) and not any(
         isinstance(a, _Tensor) and _traced(a) for a in args
     )
@@ -237,7 +237,7 @@ class _Place(tuple):  # type: ignore[type-arg]
     __slots__ = ()
 
 
-def _sources(args: Sequence[Any], outs: Sequence[Any]) -> list[tuple[Any, _Place]]:
+def _sources(args: Sequence[object], outs: Sequence[object]) -> list[tuple[Any, _Place]]:
     """The tensors a saved tensor may be (or view): arguments (list items too), outputs."""
     found: list[tuple[Any, _Place]] = []
     for i, a in enumerate(args):
@@ -273,7 +273,7 @@ def _place(t: _Tensor, sources: list[tuple[Any, _Place]], residuals: list[_Tenso
     return _Place(("res", len(residuals) - 1))
 
 
-def _needs(args: Sequence[Any]) -> tuple[bool, ...]:
+def _needs(args: Sequence[object]) -> tuple[bool, ...]:
     """Per argument: it requires grad (a list: one of its tensors does)."""
     return tuple(
         (isinstance(a, _Tensor) and a.requires_grad)
@@ -289,7 +289,7 @@ def _computed(place: _Place) -> bool:
     return bool(place[0] == "res")
 
 
-def _find(place: _Place, inputs: Sequence[Any], outs: Sequence[Any], res: Any) -> Any:
+def _find(place: _Place, inputs: Sequence[object], outs: Sequence[object], res: Any) -> Any:
     kind = place[0]
     if kind == "arg":
         a = inputs[place[1]]
@@ -313,7 +313,11 @@ backward with differentiable torch ops. (forward defined at {loc})"""
 
 
 def _guard_computed(
-    qualname: str, forward: Any, saved: tuple[Any, ...], grads: tuple[Any, ...], computed: Any
+    qualname: str,
+    forward: Callable[..., object],
+    saved: tuple[Any, ...],
+    grads: tuple[torch.Tensor | None, ...],
+    computed: Sequence[int],
 ) -> tuple[Any, ...]:
     """``saved`` with each tensor that forward computed (at positions ``computed``) replaced by
     an alias whose backward raises, in double backward (as customgrad does for residuals)."""
@@ -379,7 +383,7 @@ Compile with dynamic=False (torch.compile(..., dynamic=False)), or define the op
 a fake kernel that returns the residuals too. (forward defined at {loc})"""
 
 
-def _describe(metas: Sequence[Any]) -> str:
+def _describe(metas: Sequence[object]) -> str:
     """``metas``: tensors, or ``(shape, stride, dtype, device)`` tuples."""
     items = []
     for m in metas:
@@ -520,7 +524,7 @@ class _Writes:
 _PLAIN = (type(None), bool, int, float, str, torch.dtype)
 
 
-def _fake_like(meta: Any, device: Any) -> Any:
+def _fake_like(meta: Any, device: torch.device) -> torch.Tensor:
     shape, stride, dtype, _ = meta
     return torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
@@ -548,7 +552,7 @@ class _FunctionOp(CustomOp[..., FunctionOutput]):
 # Reading the Function
 
 
-def _once_differentiable(fn: Any) -> bool:
+def _once_differentiable(fn: object) -> bool:
     """Whether ``fn`` is wrapped by ``torch.autograd.function.once_differentiable``."""
     code = getattr(fn, "__code__", None)
     return (
@@ -573,7 +577,7 @@ def _parameters(
         ) from None
     if classic:
         params = params[1:]  # ctx
-    kinds: dict[Any, str] = {
+    kinds: dict[object, str] = {
         inspect.Parameter.VAR_POSITIONAL: "*",
         inspect.Parameter.VAR_KEYWORD: "**",
         inspect.Parameter.KEYWORD_ONLY: "keyword-only ",
@@ -781,7 +785,7 @@ def _define(
         _stash.recipe = (saved, attrs, len(residuals), needs)
         return (*outs, residuals)
 
-    def attrs_as_if(args: Sequence[Any], needs: tuple[bool, ...], attrs: Any) -> Any:
+    def attrs_as_if(args: Sequence[object], needs: tuple[bool, ...], attrs: Any) -> Any:
         """``attrs`` with the plain values that forward records when its inputs require grad
         as ``needs`` says. Under AOTAutograd (torch.compile, opcheck) the kernel runs on fake
         tensors that never require grad, while autograd's inputs do: forward runs again on
@@ -977,7 +981,7 @@ calling it (cg.from_function(..., schema="(...) -> (Tensor, Tensor)") with the o
 returns), or call it the same way. (forward defined at {loc})"""
 
 
-def _output_kinds(outs: Sequence[Any]) -> tuple[str | None, ...]:
+def _output_kinds(outs: Sequence[object]) -> tuple[str | None, ...]:
     return tuple(
         None if o is None else "T" if isinstance(o, _Tensor) else type(o).__name__ for o in outs
     )
@@ -990,8 +994,11 @@ def _show(kinds: Sequence[str | None]) -> str:
 
 
 def _tensor_outputs(
-    qualname: str, forward: Any, outs: Sequence[Any], expected: tuple[str | None, ...]
-) -> tuple[Any, ...]:
+    qualname: str,
+    forward: Callable[..., object],
+    outs: Sequence[object],
+    expected: tuple[str | None, ...],
+) -> tuple[object, ...]:
     """The tensor outputs among ``outs`` (the Function's ``None`` outputs dropped), checked
     against what the defining call returned."""
     got = _output_kinds(outs)
@@ -1011,7 +1018,7 @@ _KINDS: dict[type, str] = {
 """The kind of the common argument types, by type (:func:`_kind` for the others)."""
 
 
-def _kind(value: Any) -> str:
+def _kind(value: object) -> str:
     """The schema type a call's argument is read as."""
     if isinstance(value, _Tensor):
         return "Tensor"
@@ -1034,7 +1041,7 @@ def _kind(value: Any) -> str:
     return type(value).__qualname__
 
 
-_ANNOTATIONS: dict[str, Any] = {
+_ANNOTATIONS: dict[str, object] = {
     "Tensor": _Tensor, "bool": bool, "int": int, "float": float, "str": str,
     "ScalarType": torch.dtype, "Device": torch.device, "Tensor[]": list[_Tensor],
     "int[]": list[int], "float[]": list[float], "bool[]": list[bool],
@@ -1054,7 +1061,7 @@ def _accepts(schema_type: str, kind: str) -> bool:
 
 
 def _infer_types(
-    qualname: str, function: Any, params: list[inspect.Parameter], values: Sequence[Any]
+    qualname: str, function: Any, params: list[inspect.Parameter], values: Sequence[object]
 ) -> list[str]:
     """One schema type per parameter, from the values of the first call: a tensor is
     ``Tensor``, ``None`` (or a tensor given for a parameter that defaults to None) ``Tensor?``,
@@ -1198,7 +1205,7 @@ class DeferredFunctionOp:
         assert full[0] is not None  # a single output is a Tensor (_define refuses None alone)
         return full[0]
 
-    def _check(self, values: Sequence[Any]) -> None:
+    def _check(self, values: Sequence[object]) -> None:
         for p, t, v in zip(self._params, self._types, values):
             kind = _KINDS.get(type(v)) or _kind(v)
             if kind != t and not _accepts(t, kind):
@@ -1244,7 +1251,7 @@ class DeferredFunctionOp:
         self.op = op
         return op
 
-    def _probe(self, values: Sequence[Any]) -> tuple[Any, list[Any], frozenset[int]]:
+    def _probe(self, values: Sequence[object]) -> tuple[Any, list[Any], frozenset[int]]:
         """Run the forward once on copies of this call's tensors (no gradient recorded): what it
         returns, what it marks non-differentiable, which arguments it writes and returns."""
 

@@ -58,7 +58,6 @@ from customgrad._routing import routing
 from customgrad._split_plan import InputPassPlan, grad_node, plan_input_pass, reach
 from customgrad._torch.functions import forward_cls, keep_graphs, replacing, run_backward
 from customgrad.pipelining._function_split import FunctionSplit, split_input
-from customgrad.pipelining._send import Grads
 from customgrad.pipelining._split_state import STATE_KEY, SplitState, runtime_errors
 from customgrad.pipelining._stage_io import (
     pair_outputs,
@@ -66,7 +65,7 @@ from customgrad.pipelining._stage_io import (
     sequence,
     stage_backward,
 )
-from customgrad.pipelining._weight_pass import stage_backward_weight
+from customgrad.pipelining._weight_pass import Grads, stage_backward_weight
 
 __all__ = ["run_stage_backward", "stage_backward", "stage_backward_input", "stage_backward_weight"]
 

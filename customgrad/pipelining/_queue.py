@@ -43,9 +43,9 @@ from customgrad.pipelining._errors import (
     StrayWeightWorkError,
     WeightPassTwiceError,
 )
-from customgrad.pipelining._send import send_gradients
 from customgrad.pipelining._streams import AcceleratorStreams, QueuedWork, StreamPolicy
 from customgrad.pipelining._tagging import Attachment, Key, Tag
+from customgrad.pipelining._weight_pass import send_gradients
 
 __all__ = ["AcceleratorStreams", "StreamPolicy", "WeightGradQueue"]
 

@@ -106,6 +106,18 @@ class SplitState:
     )  # fmt: skip
 
     def __init__(self) -> None:
+        self.once_ids: frozenset[int] = frozenset()
+        self.split_ids: frozenset[int] = frozenset()  # the Function nodes that split
+        self.done = False
+        # What runs while W calls a node itself (explain_split counts its FLOPs to the node).
+        self.watch: Watch | None = None
+        self.clear()
+
+    def defer(self, record: NodeRecord, work: DeferredWork) -> None:
+        self.deferred[record] = work
+
+    def clear(self) -> None:
+        """Drop what W takes (all of it, after W); what the tools read stays."""
         self.deferred: dict[NodeRecord, WeightHalf] = {}
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         # Function nodes run once: what each left for W in I (None: a weight-side gradient was
@@ -120,30 +132,10 @@ class SplitState:
         # (below a node W runs again whose input edges lead to the call's weights): they
         # compute nothing there (see _skipped_below).
         self.skip: dict[int, list[Node]] = {}
-        self.once_ids: frozenset[int] = frozenset()
-        self.split_ids: frozenset[int] = frozenset()  # the Function nodes that split
         self.direct: dict[int, tuple[Node, int, torch.Tensor]] = {}
         self.plan = InputPassPlan()
-        self.done = False
         # On torch 2.11 and 2.12, what keeps the graph alive until W (see keep_graphs).
         self.keep: list[object] = []
-        # What runs while W calls a node itself (explain_split counts its FLOPs to the node).
-        self.watch: Watch | None = None
-
-    def defer(self, record: NodeRecord, work: DeferredWork) -> None:
-        self.deferred[record] = work
-
-    def clear(self) -> None:
-        self.deferred = {}
-        self.captured = {}
-        self.ran = {}
-        self.split = {}
-        self.once = {}
-        self.asked_once = {}
-        self.skip = {}
-        self.direct = {}
-        self.plan = InputPassPlan()
-        self.keep = []
 
     def __repr__(self) -> str:
         return (

@@ -260,7 +260,7 @@ def _describe(value: object) -> str:
     return f"{type(value).__name__} {name}" if name else f"{type(value).__name__}"
 
 
-def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
+def compile(module: _M, **torch_compile_kwargs: object) -> _M:
     """Compile ``module`` in place with ``torch.compile``, with a backward that splits.
 
     Like ``nn.Module.compile``, the module keeps its identity (so torch's zero-bubble
@@ -299,7 +299,7 @@ def compile(module: _M, **torch_compile_kwargs: Any) -> _M:
         )
     if not callable(module):
         raise ArgumentTypeError(MSG_NOT_CALLABLE.format(got=_describe(module)))
-    kwargs = dict(torch_compile_kwargs)
+    kwargs: dict[str, Any] = dict(torch_compile_kwargs)  # torch.compile checks its own keywords
     backend = _resolve_backend(kwargs.pop("backend", "inductor"))
     mode = kwargs.pop("mode", None)
     options = kwargs.pop("options", None)

@@ -96,7 +96,7 @@ class Holder(Protocol):
     def differentiable(self) -> Sequence[bool] | None: ...
 
 
-PassRecord = tuple[Any, ...]
+PassRecord = tuple[object, ...]
 """The output gradients a pass was given, as :func:`record_pass` keeps them: per gradient a
 weak reference and its version counter (a list of those for a list output; None for none)."""
 

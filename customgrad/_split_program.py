@@ -41,7 +41,7 @@ from customgrad._torch.dispatcher import OpOverload, overload_name, schema_of
 
 __all__ = ["Compiler", "Pass", "ProgramCut", "SplitProgram", "clean", "mutating", "random"]
 
-Compiler = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
+Compiler = Callable[[fx.GraphModule, list[object]], Callable[..., Sequence[torch.Tensor]]]
 """Compiles one pass's graph module, given example inputs (the graph's, then the kept values'
 fake tensors): a traced backward's generated call, or a compiled region's backend compiler."""
 

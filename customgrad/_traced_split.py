@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from customgrad._handoff import Kept
-from customgrad._rules import OpSpec
+from customgrad._rules import Gradient, OpSpec
 from customgrad._split_program import Pass, ProgramCut, SplitProgram
 from customgrad._torch.dispatcher import OpOverload, TorchDispatchMode, aten_callables
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
@@ -35,7 +35,7 @@ TRACE_LOCK = threading.RLock()
 """One capture or pass build at a time in the process: dynamo, ``make_fx`` and fake modes keep
 global state."""
 
-Gradients = dict[str, Any]
+Gradients = dict[str, Gradient]
 
 Slot: TypeAlias = "int | list[int | None] | None"
 """Where a gradient sits among a pass's outputs: a position, None (no gradient), or one of those

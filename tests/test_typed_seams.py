@@ -33,19 +33,6 @@ TYPED_BY_OTHER_BRANCHES: frozenset[str] = frozenset(
         "_routing.py",
         "_user_calls.py",
         "_validate.py",
-        # engine developer
-        "_capture.py",
-        "_compile.py",
-        "_compiled_backward.py",
-        "_handoff.py",
-        "_partition.py",
-        "_pass.py",
-        "_split_plan.py",
-        "_split_program.py",
-        "_traced_split.py",
-        "pipelining/_backward.py",
-        "pipelining/_function_split.py",
-        "pipelining/_queue.py",
     }
 )
 
@@ -131,6 +118,12 @@ def bare_any(source: str) -> list[str]:
     return found
 
 
+# The user's own values, typed by the user: ``ctx.shared`` is what the op's
+# ``register_backward_shared`` returned (as torch's ``ctx.saved_tensors`` holds what the user saved);
+# typed ``object``, every backward would need a cast to read its own value.
+USER_VALUES: dict[str, set[str]] = {"_pass.py": {"BackwardContext.shared"}}
+
+
 def core_modules() -> list[str]:
     """Every module of customgrad outside `_torch/`, as a path relative to the package."""
     paths = sorted(PACKAGE.rglob("*.py"))
@@ -142,10 +135,19 @@ def test_the_core_has_no_bare_any_at_its_module_boundaries() -> None:
     for module in core_modules():
         if module in TYPED_BY_OTHER_BRANCHES:
             continue
-        uses = bare_any((PACKAGE / module).read_text())
+        allowed = USER_VALUES.get(module, set())
+        uses = [
+            u for u in bare_any((PACKAGE / module).read_text()) if u.split(":")[0] not in allowed
+        ]
         if uses:
             found[module] = uses
     assert found == {}
+
+
+def test_each_user_value_kept_as_any_is_still_there() -> None:
+    for module, names in USER_VALUES.items():
+        uses = {u.split(":")[0] for u in bare_any((PACKAGE / module).read_text())}
+        assert names <= uses, f"{module}: no longer Any, remove from USER_VALUES: {names - uses}"
 
 
 def test_the_set_typed_by_other_branches_names_only_core_modules() -> None:

@@ -33,7 +33,7 @@ from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _traci
 from customgrad._capture import Capture, Fallback, capture_backward
 from customgrad._from_function import _BackwardContext
 from customgrad._handoff import Kept
-from customgrad._rules import OpSpec
+from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
 from customgrad._torch.functions import edge_metadata, forward_cls
 from customgrad._traced_split import TRACE_LOCK, TracedSplit
@@ -119,9 +119,9 @@ class _Splitter:
 
     def select(
         self,
-        ctx: Any,
-        saved: tuple[Any, ...],
-        grads: tuple[Any, ...],
+        ctx: object,
+        saved: tuple[object, ...],
+        grads: tuple[torch.Tensor | None, ...],
         names: tuple[str | None, ...],
         weights: tuple[str, ...],
         requires: frozenset[str],
@@ -191,8 +191,8 @@ class FunctionSplit:
         self,
         node: Node,
         split: TracedSplit,
-        saved: tuple[Any, ...],
-        grads: tuple[Any, ...],
+        saved: tuple[object, ...],
+        grads: tuple[torch.Tensor | None, ...],
         kept: Kept | None,
         edges: list[tuple[str, Node, int]],
     ) -> None:
@@ -244,8 +244,11 @@ def _positions(node: Node) -> tuple[int, ...] | None:
 
 
 def split_input(
-    node: Node, side: tuple[bool, ...], grads: tuple[Any, ...], tell: Callable[[type, str], None]
-) -> tuple[tuple[Any, ...], FunctionSplit] | None:
+    node: Node,
+    side: tuple[bool, ...],
+    grads: tuple[torch.Tensor | None, ...],
+    tell: Callable[[type, str], None],
+) -> tuple[tuple[Gradient, ...], FunctionSplit] | None:
     """Run the input pass of ``node``'s split backward on ``grads``: the gradients to return
     (one per argument of the forward; None for the weight-side ones) and what W needs, or None
     when it does not split (``tell(cls, why)`` is called with the reason; the caller runs the

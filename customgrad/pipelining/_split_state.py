@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -22,6 +22,7 @@ from customgrad._record import NodeRecord
 from customgrad._split_plan import InputPassPlan
 from customgrad.pipelining._errors import SplitStateError
 from customgrad.pipelining._function_split import FunctionSplit
+from customgrad.pipelining._streams import WeightWork
 
 if TYPE_CHECKING:
     from customgrad._autograd import DeferredWork
@@ -30,8 +31,7 @@ __all__ = [
     "STATE_KEY",
     "SplitState",
     "Watch",
-    "WeightHalf",
-    "WeightWork",
+    "FunctionWork",
     "deferred_nodes",
     "deferred_work",
     "found_state",
@@ -46,14 +46,7 @@ Watch: TypeAlias = Callable[[Node], contextlib.AbstractContextManager[object]]
 """What runs around each call W makes of a node itself (``explain_split`` counts its FLOPs)."""
 
 
-class WeightHalf(Protocol):
-    """A customgrad node's deferred weight half (:class:`customgrad._autograd.DeferredWork`, or
-    a tool's wrapper of one): its weight gradients, with the edges they go along."""
-
-    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]: ...
-
-
-WeightWork: TypeAlias = FunctionSplit | list[tuple[GradientEdge, torch.Tensor]]
+FunctionWork: TypeAlias = FunctionSplit | list[tuple[GradientEdge, torch.Tensor]]
 """What a plain Function node that ran in I leaves for W: the weight pass of its split backward,
 or the weight-side gradients its backward returned (with the edges they go along)."""
 
@@ -118,15 +111,15 @@ class SplitState:
 
     def clear(self) -> None:
         """Drop what W takes (all of it, after W); what the tools read stays."""
-        self.deferred: dict[NodeRecord, WeightHalf] = {}
+        self.deferred: dict[NodeRecord, WeightWork] = {}
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         # Function nodes run once: what each left for W in I (None: a weight-side gradient was
         # missing), then, per W call, that work and the nodes W asks again.
-        self.ran: dict[Node, WeightWork | None] = {}
+        self.ran: dict[Node, FunctionWork | None] = {}
         # Function nodes whose backward split in I: what their weight pass needs, until their
         # post-hook moves it to ``ran``.
         self.split: dict[Node, FunctionSplit] = {}
-        self.once: dict[int, list[WeightWork]] = {}
+        self.once: dict[int, list[FunctionWork]] = {}
         self.asked_once: dict[int, list[tuple[list[Node], list[Node]]]] = {}
         # Per W call: the Function nodes I ran that its engine calls may reach with no gradient
         # (below a node W runs again whose input edges lead to the call's weights): they
@@ -188,7 +181,7 @@ def deferred_nodes(param_groups: object) -> set[Node]:
     return set(state.plan.deferred) if state is not None else set()
 
 
-def deferred_work(param_groups: object) -> dict[NodeRecord, WeightHalf]:
+def deferred_work(param_groups: object) -> dict[NodeRecord, WeightWork]:
     """The weight halves :func:`stage_backward_input` deferred, by node record, read off its
     ``param_groups`` before W runs (W runs the values found here then; empty for anything
     else). For tools that watch W (``explain_split`` counts their FLOPs to their nodes)."""

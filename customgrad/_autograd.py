@@ -49,6 +49,7 @@ from customgrad._switches import STATE as SWITCHES
 from customgrad._torch.dispatcher import alias_check
 from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
+    EVERY_EDGE,
     captured_by_caller,
     edge_query,
     graph_task_id,
@@ -90,6 +91,7 @@ _new_record = object.__new__
 
 
 _ACCUMULATE = ACCUMULATE_GRAD
+_EVERY_EDGE = EVERY_EDGE
 
 
 _NOTHING: frozenset[int] = frozenset()
@@ -450,7 +452,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     arg_of = self._flat_arg_of if lens is None else self._arg_of.get(lens) or self.arg_of(lens)
     req = node.needs_input_grad  # (impl, call, *flat)
     next_fns = None
-    captured: frozenset[int] = _NOTHING
+    captured: frozenset[int] | None = None
     requires_mask = 0
     needed_mask = 0
     needed_items: set[int] | None = None if lens is None else set()
@@ -463,19 +465,22 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
                 requires_mask |= bit
                 need = None if flags is None else flags[edge]
                 if need is None:
-                    if next_fns is None:
-                        next_fns = node.next_functions
-                        # frames above: _node_apply
-                        captured = self.captures.captured_now(1)
-                    fn = next_fns[edge][0]
+                    if captured is None:
+                        captured = self.captures.captured_now(1)  # frames above: _node_apply
                     # is the edge needed? (inline: a Python call per edge costs as much as the test)
-                    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
+                    if captured is _EVERY_EDGE:  # a .backward() without inputs=: every node runs
                         need = True
                     else:
-                        try:
-                            need = _edge_query(fn)
-                        except Exception:  # a captured leaf the caller's frame did not name
+                        if next_fns is None:
+                            next_fns = node.next_functions
+                        fn = next_fns[edge][0]
+                        if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
                             need = True
+                        else:
+                            try:
+                                need = _edge_query(fn)
+                            except Exception:  # a captured leaf the caller's frame did not name
+                                need = True
                 if need:
                     needed_mask |= bit
                     if needed_items is not None:

@@ -206,10 +206,10 @@ def write_runner(
                         "    handoff = _handed_over(record, grads, 'kept')",
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "if kept is None:",
-                        "    _release(record, grads)",
-                        "else:",
+                        "if kept is not None:",
                         "    _hand_over(record, grads, 'kept', kept)",
+                        "elif record.handoff is not None:",
+                        "    _release(record, grads)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
                         *check_source(

@@ -15,7 +15,7 @@ graph task run now, and what ``torch.autograd.grad`` captures.
 - :func:`captured_by_caller`: which leaves the running ``torch.autograd.grad`` captures, read
   from the locals of torch's ``_engine_run_backward`` frame (the engine query raises for those
   leaves, and each raise costs about a small op's backward), or that the running
-  ``torch.autograd.backward`` has no ``inputs=`` (every node runs: no query is needed).
+  ``torch.autograd.backward`` has no ``inputs=`` (every node it reaches runs: no query is needed).
 
 Each is looked up once at import; when torch lacks one, its fallback gives the slower general
 answer (ask the engine, treat every edge as needed), never a wrong one.
@@ -110,8 +110,9 @@ _NOTHING: frozenset[int] = frozenset()
 
 EVERY_EDGE: frozenset[int] = frozenset({-1})
 """What :func:`captured_by_caller` answers for a ``torch.autograd.backward`` (``.backward()``)
-without ``inputs=``: the engine runs every node it reaches (its ``exec_info`` is empty, and
-``_will_engine_execute_node`` answers True for every node), so every edge is needed. (No
+without ``inputs=``: the engine runs every node it reaches (its ``exec_info`` is empty), and the
+next edges of a node that runs lead to nodes it reaches (``_will_engine_execute_node`` answers
+True for each; ``tests/test_call_path.py`` checks it), so every edge is needed. (No
 tensor has ``id`` -1: the set never matches a leaf.)"""
 
 

@@ -480,7 +480,9 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
                     if captured is None:
                         captured = self.captures.captured_now(1)  # frames above: _node_apply
                     # is the edge needed? (inline: a Python call per edge costs as much as the test)
-                    if captured is _EVERY_EDGE:  # .backward() without inputs=: all reached nodes run
+                    if (
+                        captured is _EVERY_EDGE
+                    ):  # .backward() without inputs=: all reached nodes run
                         need = True
                     else:
                         if next_fns is None:

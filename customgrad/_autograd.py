@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
+from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._calls import CallCounts
@@ -49,6 +50,7 @@ from customgrad._switches import STATE as SWITCHES
 from customgrad._torch.dispatcher import alias_check
 from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
+    EVERY_EDGE,
     captured_by_caller,
     edge_query,
     graph_task_id,
@@ -90,9 +92,13 @@ _new_record = object.__new__
 
 
 _ACCUMULATE = ACCUMULATE_GRAD
+_EVERY_EDGE = EVERY_EDGE
 
 
 _NOTHING: frozenset[int] = frozenset()
+
+Gradient = torch.Tensor | Sequence[torch.Tensor | None] | None
+"""A validated gradient of one argument: a tensor, one per item of a list argument, or None."""
 
 
 class CaptureMemo:
@@ -204,7 +210,9 @@ class AutogradImpl:
         self._ready_for = rules
         return True
 
-    def apply(self, args: tuple[Any, ...], kernel: Kernel | None, backward: bool = True) -> Any:
+    def apply(
+        self, args: tuple[object, ...], kernel: Kernel | None, backward: bool = True
+    ) -> object:
         """Run the op under autograd with schema-ordered ``args``; return what the op returns.
 
         ``kernel`` is the kernel to call directly, or None to call it through the dispatcher.
@@ -242,7 +250,7 @@ class AutogradImpl:
             return list(out)
         return out
 
-    def forward(self, impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
+    def forward(self, impl: AutogradImpl, call: _Call, *flat: object) -> object:
         """The node's forward (``Function.forward``; ``impl`` is ``self``)."""
         spec = self.spec
         sig = spec.signature
@@ -292,10 +300,10 @@ class AutogradImpl:
         call.out_lens = out_lens
         return tuple(flat_out) if (sig.output_is_tuple or out_lens[0] is not None) else outputs
 
-    def setup_context(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    def setup_context(self, ctx: FunctionCtx, inputs: tuple[object, ...], output: object) -> None:
         """The node's ``Function.setup_context``: its record, and what it saves."""
         sig = self.spec.signature
-        call: _Call = inputs[1]
+        call: _Call = inputs[1]  # type: ignore[assignment]
         flat = inputs[2:]
         metas: list[TensorMeta] = []
         for a in flat:  # a loop, not a comprehension: no frame of its own
@@ -322,7 +330,7 @@ class AutogradImpl:
             args = flat if call.lens is None else _unflatten_args(sig, call.lens, flat)
             outputs = output if sig.plain_output else _public_outputs(sig, call.out_lens, output)
             record.forward_ad = (tuple.__new__(sig.inputs_type, args), outputs)
-        ctx._cg = record
+        ctx._cg = record  # type: ignore[attr-defined]
 
     # -- backward ------------------------------------------------------------------------------
     def plan(self, requires_mask: int, needed_mask: int) -> PassPlan:
@@ -370,7 +378,7 @@ class AutogradImpl:
         saved: object,
         grads: tuple[object, ...],
         keep: bool,
-    ) -> dict[str, Any]:
+    ) -> dict[str, Gradient]:
         """Run ``plan``'s runner: the registered backward for the gradients ``plan.needed``,
         validated (:func:`customgrad._codegen.write_runner`).
 
@@ -403,12 +411,12 @@ class _Call:
     class holds the defaults (no ``__init__``: a call sets only what differs)."""
 
     kernel: Kernel | None = None
-    args: tuple[Any, ...] = ()
+    args: tuple[object, ...] = ()
     """The op's arguments (set for an op with list arguments, whose node inputs are flat)."""
     lens: tuple[int, ...] | None = None
     out_lens: list[int | None] | None = None
-    saved: Any = None
-    residuals: tuple[Any, ...] = ()
+    saved: object = None
+    residuals: tuple[object, ...] = ()
 
 
 class _CustomGradNode(torch.autograd.Function):
@@ -417,16 +425,22 @@ class _CustomGradNode(torch.autograd.Function):
     # forward and setup_context are each op's AutogradImpl methods (set on the subclass).
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
+    def backward(ctx: NodeCtx, *grads: torch.Tensor | None) -> tuple[object, ...]:
         return _node_apply(ctx, *grads)
 
     @staticmethod
-    def jvp(ctx: Any, *tangents: Any) -> Any:
+    def jvp(ctx: NodeCtx, *tangents: torch.Tensor | None) -> object:
         impl: AutogradImpl = ctx._cg.impl
         return jvp(impl.spec, ctx, tangents)
 
     @staticmethod
-    def vmap(info: Any, in_dims: Any, impl: AutogradImpl, call: _Call, *flat: Any) -> Any:
+    def vmap(
+        info: object,
+        in_dims: tuple[int | None, ...],
+        impl: AutogradImpl,
+        call: _Call,
+        *flat: object,
+    ) -> NoReturn:
         raise UnsupportedError(
             f"{impl.spec.name}: torch.vmap over a customgrad op that takes part in autograd is "
             f"not supported (customgrad has no batching rule for your kernel and backward). "
@@ -450,7 +464,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     arg_of = self._flat_arg_of if lens is None else self._arg_of.get(lens) or self.arg_of(lens)
     req = node.needs_input_grad  # (impl, call, *flat)
     next_fns = None
-    captured: frozenset[int] = _NOTHING
+    captured: frozenset[int] | None = None
     requires_mask = 0
     needed_mask = 0
     needed_items: set[int] | None = None if lens is None else set()
@@ -463,19 +477,24 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
                 requires_mask |= bit
                 need = None if flags is None else flags[edge]
                 if need is None:
-                    if next_fns is None:
-                        next_fns = node.next_functions
-                        # frames above: _node_apply
-                        captured = self.captures.captured_now(1)
-                    fn = next_fns[edge][0]
+                    if captured is None:
+                        captured = self.captures.captured_now(1)  # frames above: _node_apply
                     # is the edge needed? (inline: a Python call per edge costs as much as the test)
-                    if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
+                    if (
+                        captured is _EVERY_EDGE
+                    ):  # .backward() without inputs=: all reached nodes run
                         need = True
                     else:
-                        try:
-                            need = _edge_query(fn)
-                        except Exception:  # a captured leaf the caller's frame did not name
+                        if next_fns is None:
+                            next_fns = node.next_functions
+                        fn = next_fns[edge][0]
+                        if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
                             need = True
+                        else:
+                            try:
+                                need = _edge_query(fn)
+                            except Exception:  # a captured leaf the caller's frame did not name
+                                need = True
                 if need:
                     needed_mask |= bit
                     if needed_items is not None:
@@ -629,7 +648,7 @@ class DeferredWork:
             for i in range(1 if n is None else n):
                 j = start + i
                 gi = g if n is None else g[i]
-                if gi is not None and req[j + 2]:
+                if isinstance(gi, _Tensor) and req[j + 2]:  # validated: a tensor or None
                     fn, idx = next_fns[edge_of[j]]
                     if fn is not None:
                         roots.append(GradientEdge(fn, idx))

@@ -24,8 +24,8 @@ back to customgrad's validation as any backward's do.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,6 +45,10 @@ from customgrad._torch.dispatcher import (
 from customgrad._torch.fake import fake_tensor_type, functional_tensor_type
 from customgrad._torch.transforms import functorch_active, legacy_batched
 from customgrad._traced_split import TRACE_LOCK, TracedSplit, flatten
+
+if TYPE_CHECKING:
+    from customgrad._pass import BackwardContext
+    from customgrad._record import NodeRecord
 
 __all__ = [
     "CONSTANTS",
@@ -109,7 +113,7 @@ _warn_only = deterministic_warn_only
 _default_dtype: Any = torch.get_default_dtype
 
 
-def ambient() -> Any:
+def ambient() -> Hashable:
     """The ambient state a capture depends on, as a hashable key (cheap: read per backward):
     deterministic algorithms, the default dtype, autocast per device and the default device.
 
@@ -164,7 +168,7 @@ class AutoSplitter:
             :class:`Fallback`), or None before any backward.
     """
 
-    def __init__(self, op: OpSpec, fn: Callable[..., Any], recompute: str) -> None:
+    def __init__(self, op: OpSpec, fn: Callable[..., object], recompute: str) -> None:
         self.op = op
         self.fn = fn
         self.recompute = recompute == "cheap"
@@ -182,9 +186,9 @@ class AutoSplitter:
 
     def select(
         self,
-        make_ctx: Callable[[frozenset[str]], Any],
-        saved: Any,
-        grads: tuple[Any, ...],
+        make_ctx: Callable[[frozenset[str]], BackwardContext],
+        saved: object,
+        grads: tuple[object, ...],
         requires: frozenset[str],
     ) -> TracedSplit | None:
         """The split for a node whose backward got ``saved`` and ``grads`` (None: call it)."""
@@ -293,7 +297,7 @@ class AutoSplitter:
             entry.fallback = outcome
             return outcome
 
-    def held(self, value: Any) -> None:
+    def held(self, value: object) -> None:
         """Note what a run-once backward hands to its later pass (for reports)."""
         self.held_bytes = nbytes(value)
 
@@ -387,7 +391,7 @@ def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
     return tuple(key)
 
 
-def describe_node(record: Any) -> str | None:
+def describe_node(record: NodeRecord) -> str | None:
     """How the single backward of a customgrad node was split, or None for a node whose op
     registered the pair (or ``split="phase"``)."""
     auto = record.op.rules.auto

@@ -50,7 +50,7 @@ from customgrad._user_calls import (
 from customgrad._validate import _MISSING, HALF_NAMES, TensorMeta, collect_grads
 
 if TYPE_CHECKING:
-    from customgrad._kernels import Kernels
+    from customgrad._kernels import Kernel, Kernels
 
 __all__ = [
     "MAX_LAYOUTS",
@@ -82,6 +82,9 @@ class Observed(Protocol):
     observers: tuple[BackwardObserver, ...]
     calls: CallCounts
 
+
+Slots = Mapping[str, tuple[int, int | None]]
+"""Each argument's first flat position and list length (None for a single value)."""
 
 SlotsOf = Callable[[tuple[int, ...]], dict[str, tuple[int, int | None]]]
 """List lengths -> each argument's first flat position and list length (``AutogradImpl.slots``)."""
@@ -206,10 +209,10 @@ def write_runner(
                         "    handoff = _handed_over(record, grads, 'kept')",
                         "r, kept = split.run(saved, grads, _NEEDED, "
                         "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "if kept is None:",
-                        "    _release(record, grads)",
-                        "else:",
+                        "if kept is not None:",
                         "    _hand_over(record, grads, 'kept', kept)",
+                        "elif record.handoff is not None:",
+                        "    _release(record, grads)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
                         *check_source(
@@ -490,7 +493,9 @@ def write_check(
     needed: frozenset[str],
     slots: Mapping[str, tuple[int, int | None]] | None = None,
     into: bool = False,
-) -> Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]:
+) -> Callable[
+    [Callable[..., object], object, Sequence[TensorMeta], Slots | None], dict[str, object]
+]:
     """:func:`check_source` as a function ``check(fn, r, metas, slots) -> gradients`` (what a
     pass's runner runs inline; for tests). ``slots``: write it for that one layout; ``into``:
     the lines that add the gradients to a dict."""
@@ -509,7 +514,9 @@ def write_check(
         "_NEEDED_got": needed,
     }
     run_source(source, f"<customgrad check of {sig.qualname}>", ns)
-    check: Callable[[Callable[..., Any], object, Sequence[TensorMeta], Any], dict[str, Any]]
+    check: Callable[
+        [Callable[..., object], object, Sequence[TensorMeta], Slots | None], dict[str, object]
+    ]
     check = ns["check"]
     return check
 
@@ -518,7 +525,7 @@ def write_check(
 # The kernel call with the check of its writes, written per op
 
 
-def write_kernel_run(kernels: Kernels) -> Callable[[Callable[..., Any], tuple[Any, ...]], Any]:
+def write_kernel_run(kernels: Kernels) -> Callable[[Kernel, tuple[object, ...]], object]:
     """``run(kernel, args)`` for one op: the version counters of every argument not in
     ``mutates_args`` read before and after the kernel, unrolled (``Kernels.run_any`` loops and
     asks per tensor; a tensor without a counter, an inference tensor, goes there)."""
@@ -551,6 +558,6 @@ def write_kernel_run(kernels: Kernels) -> Callable[[Callable[..., Any], tuple[An
         "_raise_if_mutated": kernels.raise_if_mutated,
     }
     run_source(source, f"<customgrad kernel call of {sig.qualname}>", ns)
-    run: Callable[[Callable[..., Any], tuple[Any, ...]], Any] = ns["run"]
+    run: Callable[[Kernel, tuple[object, ...]], object] = ns["run"]
     run.__customgrad_source__ = source  # type: ignore[attr-defined]
     return run

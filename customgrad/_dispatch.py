@@ -16,7 +16,7 @@ direct call of the op skips the dispatcher when it can prove nothing else would 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -43,7 +43,7 @@ class DispatchedOp(Protocol):
     _impl: AutogradImpl
     _mutated_idx: tuple[int, ...]
 
-    def run_call(self, args: tuple[Any, ...], kernel: Kernel | None, requires: bool) -> Any:
+    def run_call(self, args: tuple[object, ...], kernel: Kernel | None, requires: bool) -> object:
         """Run a call whose kernel is decided (None: through the dispatcher, below autograd)."""
 
 
@@ -106,12 +106,12 @@ class OpLibrary:
         dispatcher.destroy_library(self._lib)
 
     # -- the kernels the dispatcher calls --------------------------------------------------
-    def autograd(self, *args: Any, **kwargs: Any) -> Any:
+    def autograd(self, *args: object, **kwargs: object) -> object:
         """The Autograd kernel: customgrad's node, as a direct call records it."""
         args = self._sig.normalize(args, kwargs)
         return self._op.run_call(args, None, torch.is_grad_enabled() and any_requires_grad(args))
 
-    def backend_full(self, *args: Any, **kwargs: Any) -> Any:
+    def backend_full(self, *args: object, **kwargs: object) -> object:
         """Every return of the kernel (outputs, then residuals)."""
         kernels = self._kernels
         full = self._sig.normalize(args, kwargs)
@@ -119,7 +119,7 @@ class OpLibrary:
         kernels.checked_output(full, out)
         return out
 
-    def backend(self, *args: Any, **kwargs: Any) -> Any:
+    def backend(self, *args: object, **kwargs: object) -> object:
         """The op's outputs (residuals dropped)."""
         if self._sig.residual_names:
             with _below_autograd():
@@ -127,7 +127,7 @@ class OpLibrary:
             return self._sig.split_outputs(out, ())[0]
         return self.backend_full(*args, **kwargs)
 
-    def fake_full(self, *args: Any, **kwargs: Any) -> Any:
+    def fake_full(self, *args: object, **kwargs: object) -> object:
         """The registered fake kernel: every return (outputs, then residuals)."""
         kernels = self._kernels
         fake = kernels.fake
@@ -144,14 +144,16 @@ class OpLibrary:
             )
         return fake(*args, **kwargs)
 
-    def fake(self, *args: Any, **kwargs: Any) -> Any:
+    def fake(self, *args: object, **kwargs: object) -> object:
         """The fake kernel's outputs (residuals dropped)."""
         out = self.fake_full(*args, **kwargs)
         if self._sig.residual_names:
             return self._sig.split_outputs(out, ())[0]
         return out
 
-    def inplace_view(self, keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    def inplace_view(
+        self, keyset: dispatcher.DispatchKeySet, *args: object, **kwargs: object
+    ) -> object:
         """``ADInplaceOrView``: run the op below, then bump the mutated tensors' versions."""
         with dispatcher.below_ad_inplace_or_view():
             out = self.opoverload.redispatch(
@@ -170,7 +172,7 @@ class OpLibrary:
         return out
 
 
-def any_requires_grad(args: tuple[Any, ...]) -> bool:
+def any_requires_grad(args: tuple[object, ...]) -> bool:
     """Whether any tensor argument (or item of a tensor list) requires grad."""
     for a in args:
         if isinstance(a, _Tensor):
@@ -183,7 +185,7 @@ def any_requires_grad(args: tuple[Any, ...]) -> bool:
     return False
 
 
-def has_tangent(args: tuple[Any, ...]) -> bool:
+def has_tangent(args: tuple[object, ...]) -> bool:
     """Whether a forward-mode tangent is attached to any tensor argument."""
     for a in args:
         items = a if isinstance(a, (list, tuple)) else (a,)

@@ -205,7 +205,7 @@ class Kernels:
                 out.append(version_of(a))
         return out
 
-    def run_any(self, kernel: Kernel, args: tuple[Any, ...]) -> object:
+    def run_any(self, kernel: Kernel, args: tuple[object, ...]) -> object:
         """:attr:`run`, interpreted: also for tensors without a version counter (inference
         tensors, which it skips)."""
         before = self.versions(args)
@@ -276,7 +276,9 @@ class Kernels:
             return by_device[None]
         return self.kernel_for(first)
 
-    def checked_output(self, args: tuple[Any, ...], out: object) -> tuple[Any, tuple[Any, ...]]:
+    def checked_output(
+        self, args: tuple[object, ...], out: object
+    ) -> tuple[object, tuple[object, ...]]:
         """Check the kernel's return against the schema and refuse outputs that alias inputs:
         ``(outputs as the op returns them, residuals)``."""
         sig = self.sig

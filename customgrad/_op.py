@@ -229,10 +229,10 @@ class CustomOp(OpRegistration, Generic[P, R]):
         if requires and self._plain_grad_call:
             # run_call's first branch, without its frame (the commonest call: grad mode, an
             # argument requiring grad, nothing mutated)
-            return self._impl.apply(args, kernel)  # type: ignore[no-any-return]
-        return self.run_call(args, kernel, requires)  # type: ignore[no-any-return]
+            return self._impl.apply(args, kernel)  # type: ignore[return-value]
+        return self.run_call(args, kernel, requires)  # type: ignore[return-value]
 
-    def run_call(self, args: tuple[Any, ...], kernel: Kernel | None, requires: bool) -> Any:
+    def run_call(self, args: tuple[object, ...], kernel: Kernel | None, requires: bool) -> object:
         """Run a call whose kernel is decided: the one door of the direct call and of the
         dispatcher's Autograd kernel (:meth:`customgrad._dispatch.OpLibrary.autograd`).
 
@@ -283,13 +283,13 @@ class CustomOp(OpRegistration, Generic[P, R]):
                 )
 
     # -- identity --------------------------------------------------------------------------
-    def __deepcopy__(self, memo: dict[int, Any]) -> CustomOp[P, R]:
+    def __deepcopy__(self, memo: dict[int, object]) -> CustomOp[P, R]:
         return self
 
     def __copy__(self) -> CustomOp[P, R]:
         return self
 
-    def __reduce__(self) -> tuple[Any, ...]:
+    def __reduce__(self) -> tuple[Callable[[str], CustomOp[..., object]], tuple[str]]:
         return (_lookup, (self.name,))
 
     def __repr__(self) -> str:
@@ -306,7 +306,7 @@ at {old_loc})"""
 class _ReplacedOp(CustomOp[P, R]):
     """A :class:`CustomOp` whose name a later definition took (see ``CustomOp._retire``)."""
 
-    _replaced_by: CustomOp[..., Any]
+    _replaced_by: CustomOp[..., object]
 
     def _replaced(self) -> MissingRegistrationError:
         ns, opname = self.name.split("::")
@@ -333,17 +333,17 @@ class _ReplacedOp(CustomOp[P, R]):
         raise self._replaced()
 
 
-def registered_ops() -> list[CustomOp[..., Any]]:
+def registered_ops() -> list[CustomOp[..., object]]:
     """Every customgrad op defined in this process (the current definition of each name)."""
     return [op for op in _OPS.values() if type(op) is not _ReplacedOp]
 
 
-def autograd_impl(op: CustomOp[..., Any]) -> AutogradImpl:
+def autograd_impl(op: CustomOp[..., R]) -> AutogradImpl:
     """The autograd implementation of ``op`` (for customgrad's tools: ``check_op``)."""
     return op._impl
 
 
-def _lookup(name: str) -> CustomOp[..., Any]:
+def _lookup(name: str) -> CustomOp[..., object]:
     op = _OPS.get(name)
     if op is None:
         raise MissingRegistrationError(

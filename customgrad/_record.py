@@ -122,6 +122,6 @@ def record_of(node: object) -> NodeRecord | None:
     return record if isinstance(record, NodeRecord) else None
 
 
-def attach(ctx: Any, record: NodeRecord) -> None:
+def attach(ctx: object, record: NodeRecord) -> None:
     """Store ``record`` on the autograd node ``ctx`` (called once, at forward)."""
     setattr(ctx, ATTR, record)

@@ -129,7 +129,7 @@ _TAG: contextvars.ContextVar[Any] = contextvars.ContextVar("customgrad_forward_t
 
 
 @contextlib.contextmanager
-def tagging(tag: Any) -> Iterator[None]:
+def tagging(tag: object) -> Iterator[None]:
     """Tag the customgrad nodes that forwards inside the block create with ``tag``."""
     token = _TAG.set(tag)
     try:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
 
 import optree
 import torch
+from torch.autograd.function import FunctionCtx
 
 from customgrad._errors import (
     MutationError,
@@ -116,13 +117,15 @@ class _RaiseIfDifferentiated(torch.autograd.Function):
     pruning it and returning a silently wrong gradient."""
 
     @staticmethod
-    def forward(ctx: Any, msg: str, value: torch.Tensor, *anchors: torch.Tensor) -> torch.Tensor:
-        ctx.msg = msg
+    def forward(
+        ctx: FunctionCtx, msg: str, value: torch.Tensor, *anchors: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.msg = msg  # type: ignore[attr-defined]
         return value.view_as(value)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        raise UnsupportedError(ctx.msg)
+    def backward(ctx: FunctionCtx, *grads: torch.Tensor | None) -> NoReturn:
+        raise UnsupportedError(ctx.msg)  # type: ignore[attr-defined]
 
 
 def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:

@@ -143,13 +143,13 @@ def _autocast_dtype_ok(grad: torch.Tensor, dtype: torch.dtype) -> bool:
 def collect_grads(
     sig: Signature,
     half: str,
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     result: object,
     allowed: frozenset[str],
     needed: frozenset[str] | set[str],
     flat_metas: Sequence[TensorMeta],
     slots: Mapping[str, tuple[int, int | None]] | None = None,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Validate ``result`` and return the gradients of the ``needed`` arguments: the complete
     check, with the errors (a pass's runner checks a plain dict of valid gradients inline with
     :func:`customgrad._codegen.check_source`'s lines and hands anything else here).
@@ -191,7 +191,7 @@ def metas_by_name(
 def _collect(
     sig: Signature,
     half: str,
-    fn: Callable[..., Any],
+    fn: Callable[..., object],
     result: object,
     allowed: frozenset[str],
     needed: frozenset[str] | set[str],

@@ -259,7 +259,8 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
 ) -> None:
     """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
     leaf, so the node reads the inputs from the caller instead and asks only about the rest
-    (``customgrad._autograd._node_apply``'s edge loop)."""
+    (``customgrad._autograd._node_apply``'s edge loop). A ``.backward()`` without ``inputs=``
+    runs every node: nothing is asked."""
     from customgrad import _autograd
 
     op = _define("TT", (1,), "pair", "none")
@@ -282,8 +283,40 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
     torch.testing.assert_close(gw, torch.full((3, 4), 2.0, dtype=torch.float64))
     assert asked == []
     out = op(x, w)
-    out.sum().backward()  # nothing captured: every edge is asked (cheap: no raise)
+    out.sum().backward()  # no inputs=: the engine runs every node, nothing is asked
+    assert asked == []
+    torch.testing.assert_close(x.grad, torch.ones(3, 4, dtype=torch.float64))
+    x.grad = w.grad = None
+    op(x, w).sum().backward(inputs=[w])  # inputs= (nothing captured): every edge is asked
     assert len(asked) == 2
+    assert x.grad is None
+    torch.testing.assert_close(w.grad, torch.full((3, 4), 2.0, dtype=torch.float64))
+
+
+def test_a_backward_without_inputs_runs_every_edge_of_a_node_it_reaches() -> None:
+    """What the shortcut of ``.backward()`` without ``inputs=`` (``EVERY_EDGE``) relies on: the
+    engine's own query answers True for every next edge of a node that runs, here a customgrad
+    node in the middle of a graph whose other branch the backward does not reach."""
+    from customgrad._torch.engine import will_execute
+
+    if will_execute is None:
+        pytest.skip("this torch has no engine query")
+    op = _define("TT", (1,), "pair", "none")
+    x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    unrelated = torch.randn(3, dtype=torch.float64, requires_grad=True) * 2
+    out = op(torch.tanh(x), w)
+    answers: list[bool] = []
+
+    def ask(grads: object) -> None:
+        assert out.grad_fn is not None
+        answers.extend(will_execute(fn) for fn, _ in out.grad_fn.next_functions)
+        answers.append(will_execute(unrelated.grad_fn))
+
+    assert out.grad_fn is not None
+    out.grad_fn.register_prehook(ask)
+    out.sum().backward()
+    assert answers == [True, True, False]
+    torch.testing.assert_close(w.grad, torch.full((3, 4), 2.0, dtype=torch.float64))
 
 
 def test_check_op_runs_the_path_a_user_call_runs() -> None:

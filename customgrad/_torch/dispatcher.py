@@ -27,6 +27,7 @@ from customgrad._torch.transforms import functorch_active
 
 __all__ = [
     "AFTER_AD_INPLACE_OR_VIEW",
+    "DispatchKeySet",
     "INFRA_MODES",
     "HigherOrderOperator",
     "OpNamespace",
@@ -62,7 +63,10 @@ below_autograd: Callable[[], Any] = torch._C._AutoDispatchBelowAutograd
 """A guard (``with below_autograd():``) under which calls skip the Autograd keys."""
 below_ad_inplace_or_view: Callable[[], Any] = torch._C._AutoDispatchBelowADInplaceOrView
 """A guard under which calls skip Autograd and ``ADInplaceOrView``."""
-AFTER_AD_INPLACE_OR_VIEW: torch._C.DispatchKeySet = torch._C._after_ADInplaceOrView_keyset
+DispatchKeySet = torch._C.DispatchKeySet
+"""The dispatcher's set of keys (what an ``ADInplaceOrView`` kernel registered with
+``with_keyset=True`` receives first)."""
+AFTER_AD_INPLACE_OR_VIEW: DispatchKeySet = torch._C._after_ADInplaceOrView_keyset
 """The keys below ``ADInplaceOrView`` (``keyset & AFTER_AD_INPLACE_OR_VIEW`` to redispatch)."""
 
 

@@ -14,7 +14,8 @@ graph task run now, and what ``torch.autograd.grad`` captures.
   (``torch._C._functions.AccumulateGrad``);
 - :func:`captured_by_caller`: which leaves the running ``torch.autograd.grad`` captures, read
   from the locals of torch's ``_engine_run_backward`` frame (the engine query raises for those
-  leaves, and each raise costs about a small op's backward).
+  leaves, and each raise costs about a small op's backward), or that the running
+  ``torch.autograd.backward`` has no ``inputs=`` (every node it reaches runs: no query is needed).
 
 Each is looked up once at import; when torch lacks one, its fallback gives the slower general
 answer (ask the engine, treat every edge as needed), never a wrong one.
@@ -33,6 +34,7 @@ from torch.autograd.graph import GradientEdge
 __all__ = [
     "ACCUMULATE_GRAD",
     "FRAME_READABLE",
+    "EVERY_EDGE",
     "captured_by_caller",
     "current_node",
     "edge_query",
@@ -96,6 +98,7 @@ ACCUMULATE_GRAD: type = getattr(getattr(torch._C, "_functions", None), "Accumula
 _run_backward: Any = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _RUN_BACKWARD_CODE = getattr(_run_backward, "__code__", None)
 _GRAD_CODE = getattr(torch.autograd.grad, "__code__", None)
+_BACKWARD_CODE = getattr(torch.autograd.backward, "__code__", None)
 FRAME_READABLE = (
     _RUN_BACKWARD_CODE is not None
     and _GRAD_CODE is not None
@@ -105,13 +108,21 @@ FRAME_READABLE = (
 
 _NOTHING: frozenset[int] = frozenset()
 
+EVERY_EDGE: frozenset[int] = frozenset({-1})
+"""What :func:`captured_by_caller` answers for a ``torch.autograd.backward`` (``.backward()``)
+without ``inputs=``: the engine runs every node it reaches (its ``exec_info`` is empty), and the
+next edges of a node that runs lead to nodes it reaches (``_will_engine_execute_node`` answers
+True for each; ``tests/test_call_path.py`` checks it), so every edge is needed. (No
+tensor has ``id`` -1: the set never matches a leaf.)"""
+
 
 def captured_by_caller(depth: int) -> frozenset[int]:
     """The ``id`` of each leaf the running ``torch.autograd.grad`` captures, read from its
     ``_engine_run_backward`` frame, expected ``depth`` frames up (a few more are looked at).
 
-    Empty when unknown, and in a ``.backward()`` (which captures nothing): the caller then asks
-    the engine, which costs speed, never a gradient.
+    :data:`EVERY_EDGE` for a ``torch.autograd.backward`` without ``inputs=``, which runs every
+    node. Empty when unknown, and in a ``.backward(inputs=...)`` (which captures nothing): the
+    caller then asks the engine, which costs speed, never a gradient.
     """
     if not FRAME_READABLE:
         return _NOTHING
@@ -124,10 +135,27 @@ def captured_by_caller(depth: int) -> frozenset[int]:
             return _NOTHING
         if frame.f_code is _RUN_BACKWARD_CODE:
             caller = frame.f_back
-            if caller is None or caller.f_code is not _GRAD_CODE:
-                return _NOTHING  # .backward() captures nothing; other callers: ask the engine
+            if caller is None:
+                return _NOTHING
+            code = caller.f_code
+            if code is not _GRAD_CODE and code is not _BACKWARD_CODE:
+                return _NOTHING  # other callers: ask the engine
             local = frame.f_locals
             args, kwargs = local.get("args"), local.get("kwargs")
+            if code is _BACKWARD_CODE:
+                # torch.autograd.backward(tensors, grads, retain, create, inputs_tuple,
+                # allow_unreachable=True, accumulate_grad=True): without inputs= the engine
+                # runs every node it reaches
+                if (
+                    isinstance(kwargs, dict)
+                    and kwargs.get("accumulate_grad") is True
+                    and isinstance(args, tuple)
+                    and len(args) >= 4
+                    and type(args[3]) is tuple
+                    and not args[3]
+                ):
+                    return EVERY_EDGE
+                return _NOTHING
             if (
                 not isinstance(kwargs, dict)
                 or kwargs.get("accumulate_grad", True)

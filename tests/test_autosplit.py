@@ -325,8 +325,8 @@ def test_dead_code_is_dropped_in_the_split_passes_and_runs_in_a_full_backward() 
     # The split passes run the capture: the unused matmul is dropped from both.
     for _ in range(2):  # the first captures, the second reuses the capture
         out = scale(x, w)
-        i_flops = flops_of(lambda: torch.autograd.grad(out, [x], g, retain_graph=True))
-        w_flops = flops_of(lambda: torch.autograd.grad(out, [w], g))
+        i_flops = flops_of(lambda o=out: torch.autograd.grad(o, [x], g, retain_graph=True))
+        w_flops = flops_of(lambda o=out: torch.autograd.grad(o, [w], g))
         assert (i_flops, w_flops) == (0, 0)
     assert auto_of(scale).traces == 1
     # A full backward calls the function as written: its matmul (3x4 @ 4x3) runs.

@@ -31,7 +31,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
-from customgrad._autosplit import MSG_FALLBACK, AutoSplitter, Fallback, TracedSplit
+from customgrad._autosplit import (
+    MSG_FALLBACK,
+    NOT_SPLIT_YET,
+    AutoSplitter,
+    Fallback,
+    TracedSplit,
+)
 from customgrad._errors import where
 from customgrad._handoff import Kept
 from customgrad._record import record_of
@@ -376,6 +382,7 @@ def test_traced_once_per_input_signature(caplog: pytest.LogCaptureFixture) -> No
     mul(x, w).backward(torch.ones(3, dtype=DT))
     torch.testing.assert_close(x.grad, w.detach())
     assert auto.traces == 0 and auto.last is None
+    assert auto.describe() == NOT_SPLIT_YET  # check_op's and explain_split's words for it
     step(3)
     step(3)
     assert auto.traces == 1
@@ -772,7 +779,9 @@ def test_check_op_and_explain_split_say_how_the_backward_split() -> None:
     x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
     explained = explain_split(mlp(x, up, down), [x], {"up": up, "down": down})
     (node,) = [n for n in explained.nodes if n.kind == "customgrad"]
-    assert node.auto_split is not None and node.auto_split.startswith("split automatically")
+    # explain_split runs the node's I and W after its full backward: the node's split is the
+    # capture's, described as check_op described it
+    assert node.auto_split == report.backward.removeprefix("one backward, ")
     assert f"  - {mlp.name}: {node.auto_split}." in str(explained)
     assert explained.repeated_flops == 0
 

@@ -311,6 +311,25 @@ def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
 
 
 @CAPTURE
+def test_a_full_backward_after_an_input_pass_frees_the_hand_off() -> None:
+    # A retained graph: I keeps values for W, then a full backward (the function as written)
+    # computes every gradient itself and frees what was kept.
+    mlp = make_mlp()
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+    g = torch.randn(8, 4, dtype=DT)
+    out = mlp(x, up, down)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    assert record.handoff is not None and record.handoff.kind == "kept"
+    got = torch.autograd.grad(out, [x, up, down], g)  # full
+    assert record.handoff is None
+    want = torch.autograd.grad(ref_mlp(x, up, down), [x, up, down], g)
+    assert_grads([gx], want[:1])
+    assert_grads(list(got), want)
+
+
+@CAPTURE
 def test_dead_code_is_dropped_in_the_split_passes_and_runs_in_a_full_backward() -> None:
     @cg.op(unique("scale"), weights=("w",))
     def scale(x: Tensor, w: Tensor) -> Tensor:

@@ -45,7 +45,10 @@ def _ratios(package_dir: Path, quick: bool) -> dict[tuple[str, str, str], float]
         m = ROW.match(line)
         if m:
             values = [float(v) for v in m["ratios"].split(",")]
-            for style, v in zip(STYLES, values):
+            # the table of customgrad / Function (pair, phase, auto), then the one-column
+            # table of auto / pair, whose rows match the same pattern: kept apart
+            styles = STYLES if len(values) == len(STYLES) else ("auto / pair",)
+            for style, v in zip(styles, values, strict=True):
                 found[m["op"].strip(), m["path"], style] = v
     if not found:
         raise SystemExit(f"compare_overhead: no ratio table in overhead.py's output:\n{out.stdout}")

@@ -13,7 +13,10 @@ customgrad captures it with dynamo (:mod:`customgrad._capture`) and cuts it in t
   of kept;
 - random ops all run in the input pass, in the order the backward calls them, and what the
   weight pass needs of them is handed over: the draws are those of one call at the first pass;
-- a full backward runs the whole capture once.
+- a full backward (every gradient the node requires, as a plain ``.backward()`` asks) calls the
+  function as written, validated like any backward: nothing is captured or checked for it, so
+  it costs what a hand-written pair's full backward costs. The capture happens at the first
+  pass that splits (an input or weight pass).
 
 The cut and the passes are the split program's (:mod:`customgrad._split_program`, shared with
 compiled regions), run per node by :class:`customgrad._traced_split.TracedSplit`. This module
@@ -53,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CONSTANTS",
     "MAX_SIGNATURES",
+    "NOT_SPLIT_YET",
     "RECAPTURES",
     "AutoSplitter",
     "Fallback",
@@ -82,6 +86,12 @@ MSG_FALLBACK = (
     "split='phase') (called once per pass with ctx.needs_input_grad set for it: repeated "
     "work, unsafe for kernels that write into their inputs). (backward defined at {loc})"
 )
+
+NOT_SPLIT_YET = (
+    "split automatically at its first split pass (one that needs only the input or only the "
+    "weight gradients); none ran yet (a full backward calls the function as written)"
+)
+"""How a single backward is described before any pass split it."""
 
 # Plain values compared by value (floats apart: by their exact bits). A saved value of one of
 # these kinds selects a capture by its value (the capture specializes on it).
@@ -153,7 +163,8 @@ def _trace_types() -> tuple[type, ...]:
 class AutoSplitter:
     """The automatic split of one op's single backward (``AutogradRules.auto``).
 
-    :meth:`select` is called at a node's first backward; it returns the node's
+    :meth:`select` is called at a node's first split pass (a full backward calls the function
+    as written and never asks); it returns the node's
     :class:`TracedSplit` (shared by every node whose call selects the same capture), or None to
     call the backward as written.
 
@@ -165,7 +176,7 @@ class AutoSplitter:
     Attributes:
         traces: how many times the backward was captured.
         last: what the latest node's :meth:`select` found (a :class:`TracedSplit` or a
-            :class:`Fallback`), or None before any backward.
+            :class:`Fallback`), or None before any split pass.
     """
 
     def __init__(self, op: OpSpec, fn: Callable[..., object], recompute: str) -> None:
@@ -305,7 +316,7 @@ class AutoSplitter:
         """How the latest backward of this op was split, in words (for reports)."""
         last = self.last
         if last is None:
-            return "split automatically when its first backward runs (none ran yet)"
+            return NOT_SPLIT_YET
         return self.describe_fallback(last) if isinstance(last, Fallback) else last.describe()
 
     def describe_fallback(self, fallback: Fallback) -> str:
@@ -405,4 +416,4 @@ def describe_node(record: NodeRecord) -> str | None:
         return (
             auto.describe_fallback(fallback) if fallback is not None else "not split automatically"
         )
-    return "split automatically when its first backward runs (none ran yet)"
+    return NOT_SPLIT_YET

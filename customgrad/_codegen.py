@@ -193,12 +193,15 @@ def write_runner(
 
     if rules.backward is not None:
         bwd = rules.backward
-        if rules.auto is not None:
+        if rules.auto is not None and partial:
+            # The automatic split, in a pass that splits (input or weight gradients only): the
+            # captured part for this pass. A full pass calls the backward as written (below):
+            # it is the reference a capture is checked against, and nothing is captured for it.
             ns["_FN_full"] = bwd
             ns["_ALLOWED_got"] = sig.tensor_set
             ns["_NEEDED_got"] = plan.needed
-            # The automatic split: the traced part for this pass, with the hand-off it reads
-            # and keeps; the backward as written when the split declines.
+            # the traced part for this pass, with the hand-off it reads and keeps; the run-once
+            # rule when the split declines
             lines += [
                 "split = _auto_split(record, _AUTO, _make_ctx, saved, grads, _REQUIRES)",
                 "if split is not None:",
@@ -218,17 +221,17 @@ def write_runner(
                         *check_source(
                             sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", slots
                         ),
-                        count("split" if partial else "whole"),
+                        count("split"),
                         "return got",
                     ]
                 ),
             ]
-            if partial:
-                lines += _run_once_lines(
-                    spec, sig, plan, ns, watch, slots, "full" in nondiff, count
-                )
+            lines += _run_once_lines(spec, sig, plan, ns, watch, slots, "full" in nondiff, count)
         lines += ["ctx = _CTX", *watch]
         lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
+        if rules.auto is not None and not partial:
+            # a full pass after a split one of a retained graph: free what was kept for W
+            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
         lines += [count("per pass" if partial and rules.auto is None else "whole"), "return got"]
     else:
         lines += watch

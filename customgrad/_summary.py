@@ -46,8 +46,9 @@ class OpRow:
             backward that is not traced: it runs once, whole, in the first pass that needs a
             gradient, and hands the later pass its gradients), ``"phase"``
             (``split="phase"``: called once per pass), ``"not run yet"`` (a single backward
-            whose first backward has not run, so it was not traced yet) or ``"none"`` (no
-            backward registered).
+            that has not run), ``"not split yet"`` (a single backward that ran only in full
+            backwards, which call it as written: it is traced at its first split pass) or
+            ``"none"`` (no backward registered).
         detail: in words: what the trace runs in each pass, or why it is not traced (and the
             bytes it held for the later pass).
         kernels: the device types with a kernel (``"all"``: the kernel registered for every
@@ -177,8 +178,10 @@ class Summary:
 def summary(namespace: str | None = None) -> Summary:
     """Every registered customgrad op: how its backward splits, and what it registered.
 
-    A single ``register_backward`` is traced and split at its first backward, so run one
-    backward before reading how it split (``"not run yet"`` until then).
+    A single ``register_backward`` is traced and split at its first split pass (one that
+    needs only the input or only the weight gradients; a full backward calls it as written), so
+    run one split step before reading how it split (``"not run yet"``, then ``"not split yet"``
+    after full backwards only).
 
     Args:
         namespace: only the ops of this namespace (``"mylib"`` for ``mylib::linear``), and no
@@ -359,8 +362,15 @@ def _op_row(op: CustomOp[..., Any]) -> OpRow:
         detail = "split='phase': called whole in each pass, ctx.needs_input_grad set for it"
     else:
         last = rules.auto.last
-        if last is None:
-            split, detail = "not run yet", "traced and split at its first backward"
+        if last is None and not _calls(op):
+            split, detail = "not run yet", "traced and split at its first split pass"
+        elif last is None:
+            split = "not split yet"
+            detail = (
+                "only full backwards ran, each calling the function as written; traced and "
+                "split at its first split pass (one that needs only the input or only the "
+                "weight gradients)"
+            )
         elif isinstance(last, Fallback):
             # The run-once rule: called once per backward, the later pass's gradients handed.
             split = "run once"

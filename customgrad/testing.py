@@ -10,7 +10,9 @@
   dtype given with ``dtype=``, with tolerances that fit it);
 - ``gradgradcheck``: :func:`torch.autograd.gradgradcheck`, when the backward is differentiable;
 - ``split``: the input pass then the weight pass (``torch.autograd.grad`` restricted to the
-  non-weight arguments, then to the weights) gives the gradients of the full backward;
+  non-weight arguments, then to the weights) gives the gradients of the full backward (for a
+  single backward split automatically: its captured input and weight parts against the
+  function as written, which is what a full backward calls);
 - ``flops``: the split does no work twice: FLOPs(input pass) + FLOPs(weight pass) equal
   FLOPs(full backward), counted with torch's formulas; and, since opaque kernels (Triton, other
   custom ops) count zero FLOPs, every call of the op's backward functions is watched (a half
@@ -40,7 +42,7 @@ from typing import Generic, Literal, ParamSpec, TypeVar
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
-from customgrad._autosplit import AutoSplitter
+from customgrad._autosplit import AutoSplitter, TracedSplit
 from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGradError
 from customgrad._flops import FlopCounter
 from customgrad._launches import LaunchCounter
@@ -137,6 +139,11 @@ MSG_NO_FLOPS = (
     "(they count matmuls, convolutions and attention), so repeated work would not show. "
     "Checked instead: which backward functions ran in each pass ({ran}), and that no pass "
     "returned a gradient it was not asked for."
+)
+
+MSG_CAPTURE_CHECKED = (
+    "the captured input and weight parts give the gradients of the backward as written (which "
+    "the full backward and gradcheck call)"
 )
 
 FIX_FAKE = (
@@ -854,8 +861,11 @@ class _SplitCheck(Generic[_R]):
                     f"full backward: {_short_exc(e, 3)}"
                 )
         split: tuple[Status, str] = ("passed", "")
+        auto = self.op.rules.auto
         if mismatches:
             split = ("failed", "\n".join(mismatches))
+        elif isinstance(auto, AutoSplitter) and isinstance(auto.last, TracedSplit):
+            split = ("passed", MSG_CAPTURE_CHECKED)
 
         # nothing twice
         problems: list[str] = list(watch.problems)
@@ -874,7 +884,6 @@ class _SplitCheck(Generic[_R]):
             problems = [*twice, FIX_TWICE]
         elif problems:
             problems = [*problems, FIX_FLOPS]
-        auto = self.op.rules.auto
         fallback = auto.fallback() if isinstance(auto, AutoSplitter) else None
         if problems and fallback is not None:
             problems.insert(-1, f"The single backward was {fallback.describe()}.")

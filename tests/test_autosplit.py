@@ -31,14 +31,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
-from customgrad._autosplit import MSG_FALLBACK, AutoSplitter, Fallback, TracedSplit
+from customgrad._autosplit import (
+    MSG_FALLBACK,
+    NOT_SPLIT_YET,
+    AutoSplitter,
+    Fallback,
+    TracedSplit,
+)
 from customgrad._errors import where
 from customgrad._handoff import Kept
 from customgrad._record import record_of
 from customgrad._torch import dynamo
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from customgrad.testing import check_op
+from customgrad.testing import MSG_CAPTURE_CHECKED, check_op
 from tests._skips import CAPTURE, TORCH_SPLIT
 
 _ids = itertools.count()
@@ -142,8 +148,8 @@ def measure(
     args: Callable[[], tuple[list[Tensor], list[Tensor], tuple[Any, ...]]],
     splitter: str = "customgrad",
 ) -> tuple[dict[str, int], list[Tensor | None], list[Tensor | None]]:
-    """FLOPs of I, W and a full backward of ``op(*call_args)`` (after a warm-up backward, which
-    traces), and the split and full gradients of inputs then weights.
+    """FLOPs of I, W and a full backward of ``op(*call_args)`` (after a warm-up split, which
+    captures), and the split and full gradients of inputs then weights.
 
     ``args()`` returns fresh ``(inputs, weights, call_args)``.
     """
@@ -151,7 +157,8 @@ def measure(
     inputs, weights, call = args()
     out = op(*call)
     g = grad_for(out)
-    torch.autograd.backward(out, g)  # warm-up: traces the backward for this signature
+    _, groups = backward_input([out], [g], inputs, iter(weights))  # warm-up: captures
+    backward_weight(iter(weights), groups)
 
     inputs, weights, call = args()
     out = op(*call)
@@ -304,7 +311,26 @@ def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
 
 
 @CAPTURE
-def test_dead_code_is_dropped() -> None:
+def test_a_full_backward_after_an_input_pass_frees_the_hand_off() -> None:
+    # A retained graph: I keeps values for W, then a full backward (the function as written)
+    # computes every gradient itself and frees what was kept.
+    mlp = make_mlp()
+    x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
+    g = torch.randn(8, 4, dtype=DT)
+    out = mlp(x, up, down)
+    record = record_of(out.grad_fn)
+    assert record is not None
+    (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I
+    assert record.handoff is not None and record.handoff.kind == "kept"
+    got = torch.autograd.grad(out, [x, up, down], g)  # full
+    assert record.handoff is None
+    want = torch.autograd.grad(ref_mlp(x, up, down), [x, up, down], g)
+    assert_grads([gx], want[:1])
+    assert_grads(list(got), want)
+
+
+@CAPTURE
+def test_dead_code_is_dropped_in_the_split_passes_and_runs_in_a_full_backward() -> None:
     @cg.op(unique("scale"), weights=("w",))
     def scale(x: Tensor, w: Tensor) -> Tensor:
         return x * w
@@ -320,9 +346,19 @@ def test_dead_code_is_dropped() -> None:
         return {"x": g * w, "w": (g * x).sum(0)}
 
     x, w = randn(4, 3), randn(3)
-    torch.autograd.backward(scale(x, w), torch.ones(4, 3, dtype=DT))
+    g = torch.ones(4, 3, dtype=DT)
+    # The split passes run the capture: the unused matmul is dropped from both.
+    for _ in range(2):  # the first captures, the second reuses the capture
+        out = scale(x, w)
+        i_flops = flops_of(lambda o=out: torch.autograd.grad(o, [x], g, retain_graph=True))
+        w_flops = flops_of(lambda o=out: torch.autograd.grad(o, [w], g))
+        assert (i_flops, w_flops) == (0, 0)
+    assert auto_of(scale).traces == 1
+    # A full backward calls the function as written: its matmul (3x4 @ 4x3) runs.
     out = scale(x, w)
-    assert flops_of(lambda: torch.autograd.backward(out, torch.ones(4, 3, dtype=DT))) == 0
+    assert flops_of(lambda: torch.autograd.backward(out, g)) == 2 * 3 * 4 * 3
+    torch.testing.assert_close(x.grad, (g * w).detach())
+    torch.testing.assert_close(w.grad, (g * x).sum(0).detach())
 
 
 # --------------------------------------------------------------------------------------------
@@ -348,16 +384,24 @@ def test_traced_once_per_input_signature(caplog: pytest.LogCaptureFixture) -> No
     auto = auto_of(mul)
 
     def step(n: int, dtype: torch.dtype = DT, grad: str = "ones") -> None:
+        """One step split in two passes (I then W): the passes that capture."""
         x = torch.randn(n, dtype=dtype, requires_grad=True)
         w = torch.randn(n, dtype=dtype, requires_grad=True)
         out = mul(x, w)
         if grad == "sum":  # an expanded gradient: other strides
-            out.sum().backward()
-        else:
-            out.backward(torch.ones_like(out))
-        torch.testing.assert_close(x.grad, w.detach())
-        torch.testing.assert_close(w.grad, x.detach())
+            out = out.sum()
+        g = torch.ones_like(out)
+        (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)
+        (gw,) = torch.autograd.grad(out, [w], g)
+        torch.testing.assert_close(gx, w.detach())
+        torch.testing.assert_close(gw, x.detach())
 
+    # A full backward calls the function as written: nothing is captured for it.
+    x, w = randn(3), randn(3)
+    mul(x, w).backward(torch.ones(3, dtype=DT))
+    torch.testing.assert_close(x.grad, w.detach())
+    assert auto.traces == 0 and auto.last is None
+    assert auto.describe() == NOT_SPLIT_YET  # check_op's and explain_split's words for it
     step(3)
     step(3)
     assert auto.traces == 1
@@ -370,11 +414,9 @@ def test_traced_once_per_input_signature(caplog: pytest.LogCaptureFixture) -> No
     assert auto.traces == 3
     step(3, grad="sum")
     assert auto.traces == 4
-    # Splitting needs no new trace: the same trace serves each pass.
+    # Full backwards after the captures need none either.
     x, w = randn(3), randn(3)
-    out = mul(x, w)
-    torch.autograd.grad(out, [x], torch.ones(3, dtype=DT), retain_graph=True)
-    torch.autograd.grad(out, [w], torch.ones(3, dtype=DT))
+    mul(x, w).backward(torch.ones(3, dtype=DT))
     assert auto.traces == 4
 
 
@@ -546,9 +588,12 @@ def test_writing_into_a_saved_tensor_is_still_refused(caplog: pytest.LogCaptureF
         x, w, _ = saved
         return {"x": g @ w.mul_(1), "weight": g.mT @ x}
 
-    x, w = randn(4, 3), randn(2, 3).detach()
+    x, w = randn(4, 3), randn(2, 3)
     with pytest.raises(cg.MutationError, match="modified saved tensor 1 in place"):
-        op(x, w).sum().backward()
+        op(x, w).sum().backward()  # a full backward: the function as written
+    assert auto_of(op).last is None
+    with pytest.raises(cg.MutationError, match="modified saved tensor 1 in place"):
+        torch.autograd.grad(op(x, w).sum(), [x])  # a split pass: refused by the capture too
     assert isinstance(auto_of(op).last, Fallback)
 
 
@@ -635,17 +680,20 @@ def test_opaque_kernels_stay_one_call_in_their_pass() -> None:
 
     x, w = randn(4, 3), randn(2, 3)
     op(x, w).sum().backward()
-    assert calls == ["mm", "mm"]  # the trace ran the fake kernel, the full backward the real
+    assert calls == ["mm", "mm"]  # a full backward: the function as written, nothing captured
+    assert auto_of(op).last is None
+    for _ in range(2):  # the first I captures (with the fake kernel), the second reuses it
+        calls.clear()
+        out = op(x, w)
+        _, groups = stage_backward_input([out], [torch.ones(4, 2, dtype=DT)], [x], [w])
+        assert calls == ["mm"]
+        stage_backward_weight([w], groups)
+        assert calls == ["mm", "mm"]
+    assert auto_of(op).traces == 1
     graph = auto_of(op).last
     assert isinstance(graph, TracedSplit)
     targets = [str(n.target) for n in graph.graph_module.graph.nodes if n.op == "call_function"]
     assert targets.count(f"{opaque_mm.name.replace('::', '.')}.default") == 2
-    calls.clear()
-    out = op(x, w)
-    _, groups = stage_backward_input([out], [torch.ones(4, 2, dtype=DT)], [x], [w])
-    assert calls == ["mm"]
-    stage_backward_weight([w], groups)
-    assert calls == ["mm", "mm"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -715,6 +763,10 @@ def test_functorch_and_make_fx_get_the_backward_as_written(
     assert_grads(list(got), want)
     traced = make_fx(lambda *a: torch.autograd.grad(loss(*a), a))(x, up, down)
     assert_grads(list(traced(x, up, down)), want)
+    assert auto_of(mlp).last is None  # full backwards: the function as written, no capture
+    # A split pass inside make_fx: the trace records the function as written too.
+    traced_input = make_fx(lambda *a: torch.autograd.grad(loss(*a), a[:1]))(x, up, down)
+    assert_grads(list(traced_input(x, up, down)), want[:1])
     assert "called inside another trace" in auto_of(mlp).describe()
     assert not [r for r in caplog.records if r.name == "customgrad"]
 
@@ -733,15 +785,22 @@ def test_check_op_and_explain_split_say_how_the_backward_split() -> None:
         "there)"
     )
     assert f"  backward: {report.backward}" in str(report)
+    # the full backward is the function as written; the passes ran its capture, checked
+    # against it
     assert report.calls == {
-        "full": {"backward (traced full part)": 1},
+        "full": {"backward": 1},
         "input": {"backward (traced input part)": 1},
         "weight": {"backward (traced weight part)": 1},
     }
+    (split,) = [r for r in report.results if r.name == "split"]
+    assert (split.status, split.detail) == ("passed", MSG_CAPTURE_CHECKED)
+    assert f"[ok  ] split (float64): {MSG_CAPTURE_CHECKED}" in str(report)
     x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
     explained = explain_split(mlp(x, up, down), [x], {"up": up, "down": down})
     (node,) = [n for n in explained.nodes if n.kind == "customgrad"]
-    assert node.auto_split is not None and node.auto_split.startswith("split automatically")
+    # explain_split runs the node's I and W after its full backward: the node's split is the
+    # capture's, described as check_op described it
+    assert node.auto_split == report.backward.removeprefix("one backward, ")
     assert f"  - {mlp.name}: {node.auto_split}." in str(explained)
     assert explained.repeated_flops == 0
 
@@ -830,36 +889,47 @@ def test_a_backward_reading_a_global_dict_is_captured_and_guarded() -> None:
 @CAPTURE
 def test_a_closure_rebound_or_a_list_it_reads_resized_gives_the_gradient_of_a_call() -> None:
     # The length of a closure list decides how many gradients the backward returns: a frozen
-    # trace would return the old length without any error.
-    @cg.op(unique("sum_all"))
-    def sum_all(xs: list[Tensor]) -> Tensor:
-        return torch.stack([x.sum() for x in xs]).sum()
+    # capture would return the old length without any error. Checked in split passes (I then
+    # W: the passes that run the capture) and in full backwards (the function as written).
+    @cg.op(unique("sum_all"), weights=("w",))
+    def sum_all(xs: list[Tensor], w: Tensor) -> Tensor:
+        return torch.stack([x.sum() for x in xs]).sum() + w.sum()
 
-    sum_all.register_fake(lambda xs: xs[0].new_empty(()))
-    sum_all.register_save_for_backward(lambda i, o: (i.xs,))
+    sum_all.register_fake(lambda xs, w: xs[0].new_empty(()))
+    sum_all.register_save_for_backward(lambda i, o: (i.xs, i.w))
     live = [1, 1]
     factor = 1.0
 
     @sum_all.register_backward
     def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Any]:
-        (xs,) = saved
-        return {"xs": [g.expand_as(x) * factor for x, _ in zip(xs, live)]}
+        xs, w = saved
+        return {"xs": [g.expand_as(x) * factor for x, _ in zip(xs, live)], "w": g.expand_as(w)}
 
-    xs = [randn(3), randn(2)]
-    sum_all(xs).backward()
-    assert_grads([t.grad for t in xs], (torch.ones(3, dtype=DT), torch.ones(2, dtype=DT)))
+    def split_step() -> list[Tensor]:
+        xs, w = [randn(3), randn(2)], randn(2)
+        out = sum_all(xs, w)
+        gxs = torch.autograd.grad(out, xs, retain_graph=True)  # I
+        (gw,) = torch.autograd.grad(out, [w])  # W
+        assert_grads([gw], (torch.ones(2, dtype=DT),))
+        return list(gxs)
+
+    def full_step() -> list[Tensor | None]:
+        xs, w = [randn(3), randn(2)], randn(2)
+        sum_all(xs, w).backward()
+        return [t.grad for t in xs]
+
+    for step in (split_step, full_step):
+        assert_grads(step(), (torch.ones(3, dtype=DT), torch.ones(2, dtype=DT)))
     factor = 3.0
-    xs = [randn(3), randn(2)]
-    sum_all(xs).backward()
-    assert_grads(
-        [t.grad for t in xs], (torch.full((3,), 3.0, dtype=DT), torch.full((2,), 3.0, dtype=DT))
-    )
+    for step in (split_step, full_step):
+        assert_grads(step(), (torch.full((3,), 3.0, dtype=DT), torch.full((2,), 3.0, dtype=DT)))
     live.pop()  # now it returns one gradient for two tensors: customgrad's error, as called
-    with pytest.raises(
-        cg.GradientValueError,
-        match=re.escape("returned 1 gradients for 'xs', but the input list has 2 items"),
-    ):
-        sum_all([randn(3), randn(2)]).backward()
+    for step in (split_step, full_step):
+        with pytest.raises(
+            cg.GradientValueError,
+            match=re.escape("returned 1 gradients for 'xs', but the input list has 2 items"),
+        ):
+            step()
     assert auto_of(sum_all).traces == 3  # the closure's value and the list's length guarded
 
 
@@ -910,8 +980,8 @@ def test_a_backward_with_a_side_effect_runs_once_and_keeps_it(
 
 
 def test_ambient_state_selects_the_trace() -> None:
-    # The first backward under autocast baked its casts into the trace: later float32
-    # backwards ran in bfloat16.
+    # The first split pass under autocast baked its casts into the capture: later float32
+    # passes ran in bfloat16.
     op = make_linear()
 
     @op.register_backward
@@ -921,14 +991,15 @@ def test_ambient_state_selects_the_trace() -> None:
         return {"x": (g @ w).to(x.dtype) * scale.to(x.dtype), "weight": (g.mT @ x).to(w.dtype)}
 
     def run() -> tuple[Tensor, Tensor, Tensor]:
+        """A step split in two passes (I then W: the passes that run the capture)."""
         x = torch.randn(4, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
         w = torch.randn(2, 3, generator=torch.Generator().manual_seed(1), requires_grad=True)
         g = torch.randn(4, 2, generator=torch.Generator().manual_seed(2))
         out = op(x, w)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out.backward(g)
-        assert x.grad is not None and w.grad is not None
-        return x.grad, w.grad, (g @ w).detach()
+            (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)
+            (gw,) = torch.autograd.grad(out, [w], g)
+        return gx, gw, (g @ w).detach()
 
     autocast = True
     gx, _, exact = run()

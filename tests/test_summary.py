@@ -60,11 +60,22 @@ def test_a_single_backward_is_not_run_yet_then_traced() -> None:
     assert _row("traced") == OpRow(
         "test_summary::traced",
         "not run yet",
-        "traced and split at its first backward",
+        "traced and split at its first split pass",
         ("all",),
         ("fake",),
     )
-    _run(op)
+    _run(op)  # a full backward: the function as written, nothing traced
+    row = _row("traced")
+    assert row == OpRow(
+        "test_summary::traced",
+        "not split yet",
+        "only full backwards ran, each calling the function as written; traced and split at its "
+        "first split pass (one that needs only the input or only the weight gradients)",
+        ("all",),
+        ("fake",),
+    )
+    assert row.calls == {"whole": {"full": 1}}  # a full backward: one call, every gradient
+    _split_step(op, torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True))
     row = _row("traced")
     assert row == OpRow(
         "test_summary::traced",
@@ -74,23 +85,25 @@ def test_a_single_backward_is_not_run_yet_then_traced() -> None:
         ("all",),
         ("fake",),
     )
-    assert row.calls == {"whole": {"full": 1}}  # a full backward: one call, every gradient
+    assert row.calls == {"split": {"input": 1, "weight": 1}, "whole": {"full": 1}}
 
 
 @CAPTURE
 def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     op = _linear("branching")
     op.register_backward(_branching)
-    _run(op)
+    _run(op)  # a full backward calls it as written: no trace tried yet
+    assert _row("branching").split == "not split yet"
+    _split_step(op, torch.randn(2, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True))
     row = _row("branching")
     assert row.split == "run once"
-    assert row.calls == {"whole": {"full": 1}}
+    assert row.calls == {"ran once": {"input": 1}, "handed": {"weight": 1}, "whole": {"full": 1}}
     lines, first = inspect.getsourcelines(_branching)
     at = f"{inspect.getsourcefile(_branching)}:{first + 2} (`{lines[2].strip()}`)"
-    assert row.detail == (
+    assert row.detail == (  # held: w's 4x3 float32 gradient, for W
         f"it branches on tensor values in Python at {at}; runs once, whole, in the first pass "
-        "that needs a gradient; fix: compute with tensor ops instead (torch.where, masks), so "
-        "the same ops run for every value"
+        "that needs a gradient, 48 bytes held for the later pass; fix: compute with tensor ops "
+        "instead (torch.where, masks), so the same ops run for every value"
     )
 
 
@@ -164,8 +177,8 @@ def _split_step(op: Any, x: Tensor, w: Tensor) -> None:
 @CAPTURE
 def test_every_call_over_the_run_is_counted_not_only_the_latest_trace() -> None:
     # Rank 0 of a ZBV run holds the first stage (its input does not require grad: nothing to
-    # split) and the last (split into I and W). The latest trace is the first stage's; the
-    # counts say the op split in every microbatch of the last stage.
+    # split, a full backward that calls the function as written) and the last (split into I
+    # and W, through the trace). The counts say both, over the run.
     op = _linear("over_the_run")
     op.register_backward(_backward)
     w = torch.randn(4, 3, requires_grad=True)
@@ -175,8 +188,8 @@ def test_every_call_over_the_run_is_counted_not_only_the_latest_trace() -> None:
     row = _row("over_the_run")
     assert row.calls == {"split": {"input": 3, "weight": 3}, "whole": {"full": 3}}
     assert row.detail == (
-        "latest trace: 3 ops, all in one pass: only its weights required grad, so there was "
-        "nothing to split"
+        "latest trace: 3 ops; the input pass runs 1, the weight pass 2; 0 tensor(s) handed from "
+        "the input pass to the weight pass, 0 op(s) recomputed there"
     )
     text = str(cg.summary("test_summary"))
     assert "split 6 (I 3, W 3); ran whole 3 (full 3)" in text

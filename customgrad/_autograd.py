@@ -43,7 +43,7 @@ from customgrad._pass import (
 from customgrad._record import NodeRecord
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import current_tag, route_for
-from customgrad._rules import AutogradRules, OpSpec
+from customgrad._rules import AutogradRules, Gradient, OpSpec
 from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
@@ -96,9 +96,6 @@ _EVERY_EDGE = EVERY_EDGE
 
 
 _NOTHING: frozenset[int] = frozenset()
-
-Gradient = torch.Tensor | Sequence[torch.Tensor | None] | None
-"""A validated gradient of one argument: a tensor, one per item of a list argument, or None."""
 
 
 class CaptureMemo:

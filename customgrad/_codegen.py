@@ -36,7 +36,7 @@ from customgrad._pass import (
     auto_split,
 )
 from customgrad._record import NO_HANDOFF, NodeRecord
-from customgrad._rules import AutogradRules, OpSpec
+from customgrad._rules import AutogradRules, Gradient, OpSpec
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._triton import raise_if_raw_launch
@@ -89,7 +89,7 @@ Slots = Mapping[str, tuple[int, int | None]]
 SlotsOf = Callable[[tuple[int, ...]], dict[str, tuple[int, int | None]]]
 """List lengths -> each argument's first flat position and list length (``AutogradImpl.slots``)."""
 
-Runner = Callable[[NodeRecord, object, tuple[object, ...], bool], dict[str, Any]]
+Runner = Callable[[NodeRecord, object, tuple[object, ...], bool], dict[str, Gradient]]
 """``run(record, saved, grads, keep) -> {name: gradient}`` for the needed arguments.
 
 ``keep``: a later pass of this node will compute the rest, so keep what the halves share

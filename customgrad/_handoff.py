@@ -33,6 +33,7 @@ import optree
 import torch
 
 from customgrad._record import NO_HANDOFF
+from customgrad._rules import Gradient
 
 if TYPE_CHECKING:
     from customgrad._split_program import ProgramCut
@@ -78,7 +79,6 @@ class SharedWork(NamedTuple):
     value: object
 
 
-Gradient: TypeAlias = torch.Tensor | list[torch.Tensor | None] | None
 HeldGradients: TypeAlias = dict[str, Gradient]
 """The gradients a run-once backward computed in its first pass for the later one, by name."""
 

@@ -16,26 +16,6 @@ import customgrad
 
 PACKAGE = Path(customgrad.__file__).parent
 
-# TEMPORARY: the modules other branches of this session type in parallel (the speed and engine
-# developers' modules of issue 33); the lead removes each when merging the branch that types it.
-# It MUST be empty on main: every core module then has no bare Any at its boundary. A module typed
-# already fails the last test below until it leaves this set, so the set only shrinks.
-TYPED_BY_OTHER_BRANCHES: frozenset[str] = frozenset(
-    {
-        # speed developer
-        "_autograd.py",
-        "_autosplit.py",
-        "_codegen.py",
-        "_dispatch.py",
-        "_kernels.py",
-        "_op.py",
-        "_record.py",
-        "_routing.py",
-        "_user_calls.py",
-        "_validate.py",
-    }
-)
-
 
 def _public(name: str) -> bool:
     return not name.startswith("_") or (name.startswith("__") and name.endswith("__"))
@@ -133,8 +113,6 @@ def core_modules() -> list[str]:
 def test_the_core_has_no_bare_any_at_its_module_boundaries() -> None:
     found = {}
     for module in core_modules():
-        if module in TYPED_BY_OTHER_BRANCHES:
-            continue
         allowed = USER_VALUES.get(module, set())
         uses = [
             u for u in bare_any((PACKAGE / module).read_text()) if u.split(":")[0] not in allowed
@@ -148,15 +126,6 @@ def test_each_user_value_kept_as_any_is_still_there() -> None:
     for module, names in USER_VALUES.items():
         uses = {u.split(":")[0] for u in bare_any((PACKAGE / module).read_text())}
         assert names <= uses, f"{module}: no longer Any, remove from USER_VALUES: {names - uses}"
-
-
-def test_the_set_typed_by_other_branches_names_only_core_modules() -> None:
-    assert set(core_modules()) >= TYPED_BY_OTHER_BRANCHES
-
-
-def test_the_set_typed_by_other_branches_holds_only_modules_with_bare_any() -> None:
-    typed = {m for m in TYPED_BY_OTHER_BRANCHES if not bare_any((PACKAGE / m).read_text())}
-    assert typed == set(), "typed now: remove these from TYPED_BY_OTHER_BRANCHES"
 
 
 def test_the_core_excludes_only_the_torch_adapters() -> None:

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def test_each_overhead_check_variant_takes_out_its_check() -> None:
     from benchmarks import overhead_checks
@@ -41,3 +43,24 @@ def test_cuda_benchmarks_spawn_one_process_per_gpu() -> None:
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_trace_guard_benchmark_times_a_capture_made_by_a_split_pass(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``benchmarks/trace_guard.py`` finds the one capture its input pass made (a full backward
+    captures nothing) and prints a row per thing it times."""
+    from benchmarks import trace_guard
+
+    monkeypatch.setattr(trace_guard, "ROUNDS", 1)
+    monkeypatch.setattr(trace_guard, "CALLS", 3)
+    trace_guard.main()
+    rows = [line.split("|")[1].strip() for line in capsys.readouterr().out.splitlines()[3:]]
+    assert rows == [
+        "backward called directly",
+        "dynamo's guard manager (C++)",
+        "customgrad's check of a capture",
+        "AutoSplitter.select (per node)",
+        "through the compiled frame",
+        "the check in forward + input pass",
+    ]

@@ -1,9 +1,14 @@
-# Both entry points create .venv and install what they need on a fresh machine.
-# torch is pinned first so pip takes the CPU build on this machine's disk, never a CUDA one.
+# Both entry points create .venv and install what they need on a fresh machine: `make demo`
+# torch, customgrad and matplotlib only (DEMO_STAMP), `make test` everything the tests, lint,
+# type check and docs use on top of that (STAMP; after `make demo` it installs the rest).
+# torch is pinned on every pip line so pip takes the CPU build on this machine's disk, never a
+# CUDA one.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+DEMO_STAMP := $(VENV)/.customgrad-demo
 STAMP := $(VENV)/.customgrad-installed
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 TORCH_PIN ?= torch==2.13.0
 # Triton kernels run in the tests on CPU through Triton's interpreter. torch's CPU build pins no
 # triton, so the test venv gets this one; make compat's CUDA builds keep the triton they bring.
@@ -19,15 +24,22 @@ TRANSFORMERS_PINS ?= transformers==5.24.0 huggingface_hub==2.4.0 regex==2026.11.
 	rich==15.0.0 shellingham==1.5.4 annotated-types==0.8.0 anyio==4.16.0 markdown-it-py==4.3.0 \
 	truststore==0.10.5 typing-inspection==0.4.5 h11==0.16.0 mdurl==0.1.2
 
-.PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean pictures
+.PHONY: install demo test lint typecheck pytest examples docs reference gpu-check compat clean pictures
 
-$(STAMP): pyproject.toml Makefile
+# What the demo imports: torch, customgrad (optree) and matplotlib (pyproject's "demo" extra).
+$(DEMO_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev]"
-	$(PY) -m pip install --quiet --disable-pip-version-check "$(TRITON_PIN)" "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
-	$(PY) -m pip install --quiet --disable-pip-version-check $(TRANSFORMERS_PINS) "$(TORCH_PIN)"
+	$(PIP) "$(TORCH_PIN)"
+	$(PIP) -e ".[demo]" "$(TORCH_PIN)"
+	touch $(DEMO_STAMP)
+
+# The rest: the dev extra (pytest, pytest-xdist, ruff, mypy, mkdocs), then the packages of the
+# tests of real libraries' kernels.
+$(STAMP): $(DEMO_STAMP)
+	$(PIP) -e ".[dev]" "$(TORCH_PIN)"
+	$(PIP) "$(TRITON_PIN)" "$(TORCH_PIN)"
+	$(PIP) --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
+	$(PIP) $(TRANSFORMERS_PINS) "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -35,7 +47,7 @@ install: $(STAMP)
 # A small language model of customgrad ops trained through ScheduleZBVZeroBubble on 2 local
 # processes: first-step gradient check, loss, where the bubble comes from, and the measured
 # schedule and loss curve in out/zero_bubble.png and out/loss.png.
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) examples/zero_bubble.py
 
 # Every picture of the README and the docs (docs/img/*.png), regenerated from the current code:
@@ -49,8 +61,8 @@ pictures: $(STAMP)
 	$(PY) -m benchmarks.scale --compile --rows 8 --out docs/img/scale_compiled.png
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check customgrad tests examples benchmarks
-	$(VENV)/bin/ruff format --check customgrad tests examples benchmarks
+	$(VENV)/bin/ruff check customgrad tests examples benchmarks tools
+	$(VENV)/bin/ruff format --check customgrad tests examples benchmarks tools
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -67,6 +79,11 @@ examples: $(STAMP)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .site
+
+# docs/reference/*.md's API blocks, written again from the docstrings (commit the result;
+# tests/test_docs.py fails when they differ from the code).
+reference: $(STAMP)
+	$(PY) -m tools.reference
 
 test: lint typecheck pytest examples docs
 

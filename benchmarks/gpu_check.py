@@ -1,9 +1,10 @@
 """customgrad on a GPU machine as it is: one command, no venv, no downloads, bounded in time.
 
-Uses the Python and torch already installed (torch 2.11 or newer), customgrad from this working
-tree, and sets ``TRITON_INTERPRET=0`` so that Triton kernels are compiled for the GPU. Four
-steps, each in a process of its own with a time limit (a failing or hanging step is reported and
-the next one still runs); the whole run stays within ``--budget`` seconds (default 460):
+Uses the Python and torch already installed (a supported torch, 2.11 to 2.15), customgrad from
+this working tree, and sets ``TRITON_INTERPRET=0`` so that Triton kernels are compiled for the
+GPU. Four steps, each in a process of its own with a time limit (a failing or hanging step is
+reported and the next one still runs); the whole run stays within ``--budget`` seconds (default
+460):
 
 1. ``cuda-tests``: the tests marked ``cuda`` (``pytest -m cuda``): customgrad ops on CUDA
    (kernels, fake, compile), Triton kernels compiled, pipelines with NCCL and streams.

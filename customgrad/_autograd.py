@@ -499,6 +499,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
             edge += 1
         j += 1
     if route is None and needed_mask != requires_mask:  # a split not customgrad's
+        self.calls.other_split += 1
         refuse_torch_split(self.spec.name)
     plan = self._plans.get((requires_mask, needed_mask))
     if plan is None:

@@ -44,12 +44,17 @@ class CallCounts:
         counts: one count per (kind, phase), at :func:`slot`; runners add to it (without a
             lock: backwards running at the same moment on several threads may lose a count;
             the counts are a report, never an input to the split).
+        other_split: the calls in a pass that needed only part of the gradients without
+            customgrad's split having planned it (torch's ``stage_backward_input`` /
+            ``stage_backward_weight``, ``autograd.grad`` asking for some inputs): a split
+            whose plain ``autograd.Function``\\ s customgrad does not see.
     """
 
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "other_split")
 
     def __init__(self) -> None:
         self.counts = [0] * (len(KINDS) * len(PHASES))
+        self.other_split = 0
 
     def add(self, kind: str, phase: str) -> None:
         """Count one call (what the generated runners do inline)."""

@@ -1,12 +1,12 @@
 """``customgrad.summary()``: what customgrad knows about the ops of this process, as a table.
 
 One row per registered op: how its backward splits (a registered pair, a traced single
-backward, one that is not traced and runs once (the run-once rule) and why, or
-``split="phase"``), what every backward call of it did over the run (split, ran once, ran
-whole; in which passes: counted by :mod:`customgrad._calls`) and what is registered for it
-(kernels per device, a fake kernel, a jvp, shared work). The object returned prints as a table,
-under one line that says whether any backward work was done twice, and keeps the rows as
-records for programs.
+backward, one that is not traced and runs once (the run-once rule) and why, one that ran inside
+another trace, or ``split="phase"``), what every backward call of it did over the run (split,
+ran once, ran whole; in how many I, W and full passes: counted by :mod:`customgrad._calls`) and
+what is registered for it (kernels per device, a fake kernel, a jvp, shared work). The object
+returned prints as a table, under one line that says whether any backward work was done twice
+and what that answer cannot see, and keeps the rows as records for programs.
 
 Only :func:`_registered_ops`, :func:`_registrations` and :func:`_calls` read the op's
 internals.
@@ -25,13 +25,13 @@ if TYPE_CHECKING:
 __all__ = ["CompiledRegionRow", "OpRow", "Summary", "summary"]
 
 _PASS = {"input": "I", "weight": "W", "full": "full"}
-_KIND = {
-    "split": "split",
-    "ran once": "ran once",
-    "handed": "took handed gradients",
-    "whole": "ran whole",
-    "per pass": "called per pass",
-    "split off": "ran whole with the split off",
+_KIND = {  # what the calls did, before the passes they did it in
+    "split": "split in",
+    "ran once": "ran once in",
+    "handed": "took handed gradients in",
+    "whole": "ran whole in",
+    "per pass": "called per pass in",
+    "split off": "ran whole with the split off in",
 }
 
 
@@ -47,15 +47,19 @@ class OpRow:
             gradient, and hands the later pass its gradients), ``"phase"``
             (``split="phase"``: called once per pass), ``"not run yet"`` (a single backward
             that has not run), ``"not split yet"`` (a single backward that ran only in full
-            backwards, which call it as written: it is traced at its first split pass) or
-            ``"none"`` (no backward registered).
+            backwards, which call it as written: it is traced at its first split pass),
+            ``"inside a trace"`` (its latest split pass ran inside another trace, such as
+            ``torch.compile``'s AOTAutograd, ``make_fx`` or a functorch transform, which
+            recorded the backward as written) or ``"none"`` (no backward registered).
         detail: in words: what the trace runs in each pass, or why it is not traced (and the
             bytes it held for the later pass).
         kernels: the device types with a kernel (``"all"``: the kernel registered for every
             device).
         registered: the other registrations, among ``"fake"``, ``"jvp"``, ``"shared"``.
         calls: what every backward call of the op did over the run, ``{kind: {pass: calls}}``
-            with passes ``"input"`` (I), ``"weight"`` (W) and ``"full"``, and kinds
+            (a call: one node's backward in one pass; ``str(summary)`` prints each count with
+            its pass, ``"split in 3 I + 3 W passes"``) with passes ``"input"`` (I), ``"weight"``
+            (W) and ``"full"`` (a full backward), and kinds
             ``"split"`` (the pass ran only its part), ``"ran once"`` (the whole backward, once,
             in the first pass that needed a gradient), ``"handed"`` (the later pass took the
             gradients the first one kept), ``"whole"`` (the pass needed every gradient the node
@@ -111,8 +115,14 @@ class Summary:
         functions: the plain ``torch.autograd.Function`` classes (``module.QualName``) whose
             backward customgrad's split ran once in this process (a Liger-Kernel or unsloth
             kernel): they cannot split, so their weight work stays in the input pass.
-        split_functions: the plain Function classes whose backward customgrad's split split
-            (captured by dynamo: input work in the input pass, weight work in the weight pass).
+        split_functions: the plain Function classes whose backward customgrad's split cut
+            into an input and a weight part (captured by dynamo: input work in the input pass,
+            weight work in the weight pass).
+        other_split: backward calls of customgrad ops in a pass that needed only part of
+            their gradients with no customgrad split planning it: torch's
+            ``stage_backward_input`` / ``stage_backward_weight`` (torch's ``PipelineStage``),
+            or ``autograd.grad`` asking for some of the inputs. The plain Functions of such a
+            split are not seen; torch's split runs each one's whole backward in both passes.
     """
 
     ops: tuple[OpRow, ...]
@@ -120,11 +130,15 @@ class Summary:
     split_enabled: bool
     functions: tuple[str, ...] = ()
     split_functions: tuple[str, ...] = ()
+    other_split: int = 0
 
     @property
     def repeated(self) -> str:
-        """Whether any backward work of customgrad ops and compiled regions was done twice
-        over the run, in one line (the first line of ``str(summary)``)."""
+        """Whether any backward work was done twice over the run, in one line (the first line
+        of ``str(summary)``): by customgrad ops, compiled regions and the plain
+        ``autograd.Function``\\ s customgrad's split ran; then what it cannot see (plain
+        Functions outside customgrad's split, and how many calls of customgrad ops ran in
+        such a split)."""
         return _repeated_line(self)
 
     def __str__(self) -> str:
@@ -144,7 +158,7 @@ class Summary:
                         "backward",
                         "kernels",
                         "also registered",
-                        "backward calls over the run",
+                        "backward calls over the run, by pass",
                         "how it splits",
                     ),
                     [
@@ -193,7 +207,7 @@ def summary(namespace: str | None = None) -> Summary:
     Example:
         >>> import customgrad
         >>> print(customgrad.summary("no_such_namespace"))
-        Backward work done twice over the run: none (0 backward calls of customgrad ops).
+        Backward work done twice over the run: none (0 backward calls of customgrad ops). Not seen: plain autograd.Functions outside customgrad's split.
         No customgrad ops are registered.
     """
     from customgrad._switches import split_enabled
@@ -209,17 +223,29 @@ def summary(namespace: str | None = None) -> Summary:
         split_enabled=split_enabled(),
         functions=_functions_run_once() if namespace is None else (),
         split_functions=_functions_split() if namespace is None else (),
+        other_split=sum(op._impl.calls.other_split for op in _registered_ops_of(rows)),
     )
 
 
 def calls_text(calls: dict[str, dict[str, int]]) -> str:
-    """:attr:`OpRow.calls` in words: ``"split 8 (I 4, W 4); ran whole 2 (full 2)"``."""
+    """:attr:`OpRow.calls` in words, each count named by its pass: ``"split in 4 I + 4 W
+    passes; ran whole in 2 full backwards"``."""
     if not calls:
         return "none yet"
-    return "; ".join(
-        f"{_KIND[kind]} {sum(phases.values())} ({_by_pass(phases)})"
-        for kind, phases in calls.items()
-    )
+    return "; ".join(f"{_KIND[kind]} {passes_text(phases)}" for kind, phases in calls.items())
+
+
+def passes_text(phases: dict[str, int]) -> str:
+    """``{"input": 4, "weight": 1, "full": 2}`` as ``"4 I + 1 W passes and 2 full backwards"``."""
+    split = [(n, _PASS[p]) for p, n in phases.items() if p != "full" and n]
+    parts = []
+    if split:
+        total = sum(n for n, _ in split)
+        parts.append(" + ".join(f"{n} {p}" for n, p in split) + (" pass" if total == 1 else " passes"))
+    full = phases.get("full", 0)
+    if full:
+        parts.append(f"{full} full backward" + ("" if full == 1 else "s"))
+    return " and ".join(parts)
 
 
 def _by_pass(counts: dict[str, int]) -> str:
@@ -227,17 +253,31 @@ def _by_pass(counts: dict[str, int]) -> str:
     return ", ".join(f"{_PASS[p]} {n}" for p, n in counts.items())
 
 
+MSG_NOT_SEEN = "Not seen: plain autograd.Functions outside customgrad's split."
+MSG_OTHER_SPLIT = (
+    "Not seen: plain autograd.Functions outside customgrad's split, and {n} of these calls ran "
+    "in one (torch's stage_backward_input / stage_backward_weight, or autograd.grad asking for "
+    "some inputs), where a plain Function runs its whole backward in each pass."
+)
+
+
 def _repeated_line(s: Summary) -> str:
-    """The answer to "is any backward work done twice?" over the run, in one line."""
+    """The answer to "is any backward work done twice?" over the run, in one line: customgrad
+    ops, compiled regions and the plain Functions customgrad's split ran, then what it cannot
+    see."""
     ops = [r for r in s.ops if r.repeated]
     regions = [r for r in s.compiled_regions if r.repeats]
     calls = sum(n for r in s.ops for phases in r.calls.values() for n in phases.values())
+    not_seen = MSG_OTHER_SPLIT.format(n=s.other_split) if s.other_split else MSG_NOT_SEEN
     if not ops and not regions:
         runs = sum(n for r in s.compiled_regions for n in r.runs.values())
         seen = f"{calls} backward calls of customgrad ops"
         if s.compiled_regions:
             seen += f", {runs} graph runs of compiled regions"
-        return f"Backward work done twice over the run: none ({seen})."
+        functions = len(s.functions) + len(s.split_functions)
+        if functions:
+            seen += f", {functions} plain autograd.Function classes run once or split"
+        return f"Backward work done twice over the run: none ({seen}). {not_seen}"
     named = [f"{r.op} ({r.repeated} calls with the split off)" for r in ops]
     named += [
         f"compiled region {r.region} ("
@@ -245,7 +285,7 @@ def _repeated_line(s: Summary) -> str:
         + ")"
         for r in regions
     ]
-    return f"Backward work done twice over the run: {', '.join(named)}."
+    return f"Backward work done twice over the run: {', '.join(named)}. {not_seen}"
 
 
 def _functions_run_once() -> tuple[str, ...]:
@@ -269,8 +309,9 @@ def _function_lines(functions: Sequence[str], split: Sequence[str]) -> list[str]
     if split:
         lines += [
             "",
-            "Plain autograd.Functions customgrad's split split (their backward captured by "
-            "dynamo: input work in the input pass, weight work in the weight pass):",
+            "Plain autograd.Functions whose backward customgrad's split cut into an input and a "
+            "weight part (captured by dynamo: input work in the input pass, weight work in the "
+            "weight pass):",
             *(f"  {name}" for name in split),
         ]
     if functions:
@@ -282,6 +323,12 @@ def _function_lines(functions: Sequence[str], split: Sequence[str]) -> list[str]
             *(f"  {name}" for name in functions),
         ]
     return lines
+
+
+def _registered_ops_of(rows: Sequence[OpRow]) -> Iterable[CustomOp[..., Any]]:
+    """The ops of these rows."""
+    names = {r.op for r in rows}
+    return (op for op in _registered_ops() if op.name in names)
 
 
 def _registered_ops() -> Iterable[CustomOp[..., Any]]:
@@ -340,6 +387,7 @@ def _compiled_region_rows() -> Sequence[CompiledRegionRow]:
 
 def _op_row(op: CustomOp[..., Any]) -> OpRow:
     from customgrad._autosplit import AutoSplitter, Fallback
+    from customgrad._capture import INSIDE_TRACE
 
     rules = op.rules
     kernels, registered = _registrations(op)
@@ -370,6 +418,13 @@ def _op_row(op: CustomOp[..., Any]) -> OpRow:
                 "only full backwards ran, each calling the function as written; traced and "
                 "split at its first split pass (one that needs only the input or only the "
                 "weight gradients)"
+            )
+        elif last is INSIDE_TRACE:
+            split = "inside a trace"
+            detail = (
+                "its latest split pass ran inside another trace (torch.compile's AOTAutograd, "
+                "make_fx or a functorch transform), which recorded the backward as written: how "
+                "that splits is the trace's (a compiled region's row says)"
             )
         elif isinstance(last, Fallback):
             # The run-once rule: called once per backward, the later pass's gradients handed.

@@ -29,11 +29,13 @@ def _python_blocks(page: str) -> str:
 
 
 # guides/torch-compile.md: replaced by models/torch-compile.md (written with compiled stages).
+# reference/: signatures, generated from the code (whose examples run as doctests).
 PAGES = sorted(
     str(p.relative_to(DOCS))
     for p in DOCS.rglob("*.md")
     if "```python\n" in p.read_text()
     and p.relative_to(DOCS).as_posix() != "guides/torch-compile.md"
+    and p.relative_to(DOCS).parts[0] != "reference"
 )
 EXCERPT_PAGES = sorted(
     str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md") if '```python title="' in p.read_text()
@@ -146,9 +148,33 @@ def test_the_reference_documents_every_public_name() -> None:
     }
     for name, module in reference.items():
         page = (DOCS / "reference" / f"{name.removeprefix('customgrad.')}.md").read_text()
-        documented = set(re.findall(rf"^::: {re.escape(name)}\.(\w+)$", page, flags=re.M))
+        documented = set(re.findall(rf"^<!-- api {re.escape(name)}\.(\w+) -->$", page, flags=re.M))
         missing = set(module.__all__) - documented
         assert not missing, f"docs/reference: {name}: not documented: {sorted(missing)}"
+
+
+def test_the_reference_pages_are_written_from_the_docstrings() -> None:
+    # docs/reference/*.md are committed as Markdown (readable on the repository's page); each
+    # API block is what tools/reference.py writes from the code as it is now.
+    from tools import reference
+
+    for page, (committed, written) in reference.pages().items():
+        if committed != written:
+            old, new = committed.splitlines(), written.splitlines()
+            at = next(
+                (i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new))
+            )
+            pytest.fail(
+                f"docs/reference/{page} is not what the docstrings give (line {at + 1}: "
+                f"{old[at] if at < len(old) else '<end>'!r}, written: "
+                f"{new[at] if at < len(new) else '<end>'!r}): run `make reference` and commit it"
+            )
+
+
+def test_the_reference_pages_have_no_directives_left() -> None:
+    # mkdocstrings' `::: name` lines render only on the site; the pages are plain Markdown.
+    for page in (DOCS / "reference").glob("*.md"):
+        assert not re.search(r"^::: ", page.read_text(), flags=re.M), page.name
 
 
 def test_pipeline_stage_reference_names_torchs_own_arguments() -> None:
@@ -160,20 +186,23 @@ def test_pipeline_stage_reference_names_torchs_own_arguments() -> None:
     (shown,) = re.findall(r"```text\n(PipelineStage\(.*?\))\n```", page, flags=re.DOTALL)
     names = re.findall(r"(?:^|[(,*]\s*)(\w+)", shown.split("(", 1)[1])
     torchs = set(inspect.signature(PipelineStage.__init__).parameters) - {"self"}
-    ours = {"queue", "split_compiled"}
+    ours = {"queue", "split_compiled", "run_functions_once", "split_functions"}
     assert set(names) - ours <= torchs, sorted(set(names) - ours - torchs)
     assert {"submodule", "stage_index", "num_stages", "device", "dw_builder"} <= set(names)
     assert ours <= set(names)
 
 
-def test_readme_quotes_the_first_line_of_summary() -> None:
+def test_troubleshooting_quotes_the_first_line_of_summary() -> None:
     import customgrad
 
-    readme = (DOCS.parent / "README.md").read_text()
-    quoted = "`Backward work done twice over the run: none (N backward calls of customgrad ops).`"
-    assert quoted in " ".join(readme.split())
+    page = (DOCS / "troubleshooting.md").read_text()
+    quoted = (
+        "`Backward work done twice over the run: none (N backward calls of customgrad ops). Not "
+        "seen: plain autograd.Functions outside customgrad's split.`"
+    )
+    assert quoted in " ".join(page.split())
     line = customgrad.summary("test_docs_no_such_namespace").repeated
-    assert line == quoted.strip("`").replace("N", "0")
+    assert line == quoted.strip("`").replace("(N ", "(0 ")
 
 
 def test_the_site_reads_in_order_with_next_and_previous_links() -> None:
@@ -183,3 +212,67 @@ def test_the_site_reads_in_order_with_next_and_previous_links() -> None:
     top = re.findall(r"^  - ([^:]+):", nav, flags=re.M)
     assert top[:3] == ["Home", "Getting started", "Writing ops"]
     assert top[-3:] == ["Troubleshooting", "Concepts", "Reference"]
+
+
+ROOT = DOCS.parent
+
+
+def _supported() -> tuple[str, str, str]:
+    """The one source of the supported torch range, pyproject.toml's dependency: ``(lowest,
+    newest, the first release above)``, e.g. ``("2.11", "2.15", "2.16")``."""
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    (lower, major, above), *others = re.findall(r'"torch>=(\d+\.\d+),<(\d+)\.(\d+)"', pyproject)
+    assert not others
+    return lower, f"{major}.{int(above) - 1}", f"{major}.{above}"
+
+
+def _texts() -> dict[str, str]:
+    """Every doc page and every source file whose text or messages may state the range."""
+    paths = [ROOT / "README.md", ROOT / "Makefile", *DOCS.rglob("*.md")]
+    for folder in ("customgrad", "benchmarks", "examples", "tests", "tools"):
+        paths += (ROOT / folder).rglob("*.py")
+    # (not this file: its comments show wrong ranges)
+    return {str(p.relative_to(ROOT)): p.read_text() for p in paths if p != Path(__file__)}
+
+
+# A range of torch releases ("torch 2.11 to 2.15", "PyTorch 2.13-2.15", "releases (2.11 to
+# 2.15)"), a requirement ("torch>=2.11,<2.16") and the cap of the newest release ("torch<2.16").
+RANGE = re.compile(
+    r"(?:torch|releases)[^.\n]{0,12}?\b(\d+\.\d+)\s*(?:to|-|–|through)\s*(\d+\.\d+)\b", re.I
+)
+REQUIREMENT = re.compile(r"torch\s*>=\s*(\d+\.\d+)\s*,\s*<\s*(\d+\.\d+)", re.I)
+CAP = re.compile(r"torch\s*<\s*(\d+\.\d+)", re.I)
+
+
+def test_every_statement_of_the_supported_torch_range_is_pyprojects() -> None:
+    lower, newest, above = _supported()
+    wrong = []
+    for path, text in _texts().items():
+        flat = " ".join(text.split())
+        for m in RANGE.finditer(flat):
+            # a range that ends at the newest release, or says it is supported, is the range
+            said = flat[max(0, m.start() - 40) : m.end()]
+            if (m[2] == newest or "support" in said) and (m[1], m[2]) != (lower, newest):
+                wrong.append(f"{path}: {m[0]!r}")
+        wrong += [
+            f"{path}: {m[0]!r}" for m in REQUIREMENT.finditer(flat) if m.groups() != (lower, above)
+        ]
+        wrong += [f"{path}: {m[0]!r}" for m in CAP.finditer(flat) if m[1] != above]
+    assert not wrong, (
+        f"pyproject.toml supports torch>={lower},<{above}; these say otherwise: {wrong}"
+    )
+
+
+def test_the_pages_a_newcomer_reads_state_the_supported_range() -> None:
+    lower, newest, above = _supported()
+    texts = _texts()
+    for path in (
+        "README.md",
+        "docs/getting-started.md",
+        "docs/concepts/compatibility.md",
+        "customgrad/_releases.py",
+        "customgrad/_torch/__init__.py",
+    ):
+        assert f"{lower} to {newest}" in " ".join(texts[path].split()), path
+    for path in ("docs/getting-started.md", "docs/concepts/compatibility.md"):
+        assert f"torch>={lower},<{above}" in texts[path], path

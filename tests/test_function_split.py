@@ -368,7 +368,7 @@ def test_pipeline_stage_splits_functions_unless_told_not_to(group: None, split: 
     name = f"{__name__}.ScaledLinear"
     report = cg.summary()
     assert (name in report.split_functions, name in report.functions) == (split, not split)
-    heading = "customgrad's split split" if split else "customgrad's split ran once"
+    heading = "customgrad's split cut" if split else "customgrad's split ran once"
     assert re.search(
         re.escape(heading) + r"[^\n]*:\n(  .*\n)*" + re.escape(f"  {name}"), str(report)
     )

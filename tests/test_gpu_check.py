@@ -158,7 +158,7 @@ def test_zero_bubble_step_on_cpu(tmp_path: Path) -> None:
 
 
 def test_the_command_runs_from_the_repository_root() -> None:
-    """As the README says to run it (``python3 -m benchmarks.gpu_check``)."""
+    """As docs/getting-started.md says to run it (``python3 -m benchmarks.gpu_check``)."""
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_check", "--help"], cwd=ROOT, capture_output=True,
         text=True, timeout=120,

@@ -1,7 +1,7 @@
 """torch's private API, one adapter module per concept; nothing else in customgrad names it.
 
 customgrad needs a few things torch has no public API for. Each is read here, once, detected
-per torch version (customgrad supports torch 2.11-2.15), with a fallback that is slower or
+per torch version (customgrad supports torch 2.11 to 2.15), with a fallback that is slower or
 more general, never wrong:
 
 - :mod:`~customgrad._torch.engine`: the autograd engine while it runs a backward (which edges

@@ -101,13 +101,6 @@ class PipelineStage(_TorchPipelineStage):
             and post-accumulate-grad hooks see one accumulation, in W. The queue is checked
             empty for this stage when the schedule reduces the stage's gradients (end of step).
 
-    A stage module wrapped in DDP or FSDP2 (``fully_shard``) over a data-parallel group is
-    reduced once per step, after every microbatch's gradient: DDP in the step's last backward
-    (its last W), FSDP2 when the schedule reduces the stage's gradients right after it. With
-    DDP and ``queue=``, weights outside customgrad ops get their gradients in I, before DDP
-    reduces, and the step ends with a :class:`~customgrad.pipelining.PipeliningError`: use the
-    plain split (no ``queue=``) or FSDP2 there.
-
         split_compiled: modules of the stage compiled by torch (``nn.Module.compile``, as
             torchtitan does, or ``torch.compile`` wrappers, which torch's zero-bubble schedules
             refuse) are recompiled with :func:`customgrad.compile` and the same options, so their
@@ -126,6 +119,13 @@ class PipelineStage(_TorchPipelineStage):
             backward is (its input work in I, its weight work in W); one that cannot be
             captured (a Triton launch, Python side effects, a graph break) runs once, its
             reason logged once per class. False: every such Function runs once, in I.
+
+    A stage module wrapped in DDP or FSDP2 (``fully_shard``) over a data-parallel group is
+    reduced once per step, after every microbatch's gradient: DDP in the step's last backward
+    (its last W), FSDP2 when the schedule reduces the stage's gradients right after it. With
+    DDP and ``queue=``, weights outside customgrad ops get their gradients in I, before DDP
+    reduces, and the step ends with a :class:`~customgrad.pipelining.PipeliningError`: use the
+    plain split (no ``queue=``) or FSDP2 there.
 
     Example:
         Build stages as with torch and hand them to a torch schedule::

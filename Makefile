@@ -67,8 +67,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The suite on PYTEST_WORKERS processes (pytest-xdist; 0: in this process). --dist loadfile
+# keeps each test file in one process, its tests in order, so what a file's tests share (its
+# compiled modules, a process group) is shared as in a plain run.
+PYTEST_WORKERS ?= 2
+
 pytest: $(STAMP)
-	$(PY) -m pytest -q customgrad tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile customgrad tests
 
 examples: $(STAMP)
 	$(PY) examples/quickstart.py

@@ -241,7 +241,9 @@ def passes_text(phases: dict[str, int]) -> str:
     parts = []
     if split:
         total = sum(n for n, _ in split)
-        parts.append(" + ".join(f"{n} {p}" for n, p in split) + (" pass" if total == 1 else " passes"))
+        parts.append(
+            " + ".join(f"{n} {p}" for n, p in split) + (" pass" if total == 1 else " passes")
+        )
     full = phases.get("full", 0)
     if full:
         parts.append(f"{full} full backward" + ("" if full == 1 else "s"))

@@ -238,7 +238,7 @@ def _texts() -> dict[str, str]:
 # A range of torch releases ("torch 2.11 to 2.15", "PyTorch 2.13-2.15", "releases (2.11 to
 # 2.15)"), a requirement ("torch>=2.11,<2.16") and the cap of the newest release ("torch<2.16").
 RANGE = re.compile(
-    r"(?:torch|releases)[^.\n]{0,12}?\b(\d+\.\d+)\s*(?:to|-|–|through)\s*(\d+\.\d+)\b", re.I
+    r"(?:torch|releases)[^.\n]{0,12}?\b(\d+\.\d+)\s*(?:to|-|\u2013|through)\s*(\d+\.\d+)\b", re.I
 )
 REQUIREMENT = re.compile(r"torch\s*>=\s*(\d+\.\d+)\s*,\s*<\s*(\d+\.\d+)", re.I)
 CAP = re.compile(r"torch\s*<\s*(\d+\.\d+)", re.I)

@@ -54,7 +54,9 @@ def test_other_reasons_are_not(reason: str) -> None:
     assert not allowed(reason)
 
 
-def _pytest(tmp_path: Path, source: str, ci: str | None) -> subprocess.CompletedProcess[str]:
+def _pytest(
+    tmp_path: Path, source: str, ci: str | None, *options: str
+) -> subprocess.CompletedProcess[str]:
     (tmp_path / "test_case.py").write_text(source)
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = str(ROOT)
@@ -62,7 +64,8 @@ def _pytest(tmp_path: Path, source: str, ci: str | None) -> subprocess.Completed
         env["CI"] = ci
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", os.devnull,
-         "-p", "tests._skips", "--rootdir", str(tmp_path), str(tmp_path / "test_case.py")],
+         "-p", "tests._skips", *options, "--rootdir", str(tmp_path),
+         str(tmp_path / "test_case.py")],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
 
@@ -85,3 +88,32 @@ def test_outside_ci_a_skip_is_a_skip(tmp_path: Path) -> None:
     done = _pytest(tmp_path, STRAY, None)
     assert done.returncode == 0, done.stdout[-2000:]
     assert "skips CI does not accept" not in done.stdout
+
+
+HANGS = (
+    STRAY
+    + """
+import time
+
+def test_hangs():
+    time.sleep(120)
+"""
+)
+
+
+def test_on_xdist_workers_ci_still_fails_a_stray_skip_and_the_timeout_applies(
+    tmp_path: Path,
+) -> None:
+    # make test runs the suite on 2 pytest-xdist workers: the skips of every worker reach the
+    # check, and pyproject's timeout options stop a hanging test there as in a plain run.
+    pytest.importorskip("xdist", reason=optional_package("pytest-xdist", "pip install -e '.[dev]'"))
+    addopts = (ROOT / "pyproject.toml").read_text().split("addopts = ", 1)[1].split("\n", 1)[0]
+    timeout = [o for o in addopts.strip('"').split() if o.startswith("--timeout-")]
+    assert timeout == ["--timeout-method=signal"]
+    done = _pytest(tmp_path, HANGS, "true", "-n", "2", "--timeout=10", *timeout)
+    assert done.returncode == 1, done.stdout[-2000:]
+    assert "test_case.py::test_busy: the machine was too busy" in done.stdout
+    assert "FAILED test_case.py::test_hangs - Failed: Timeout (>10.0s) from pytest-timeout" in (
+        done.stdout
+    )
+    assert "1 failed, 1 skipped, 1 xfailed" in done.stdout

@@ -117,9 +117,9 @@ def module_values(module: str) -> dict[str, tuple[str, str | None]]:
     found: dict[str, tuple[str, str | None]] = {}
     for node, after in zip(body, [*body[1:], None]):
         if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            target, value = node.targets[0].id, node.value
+            target = node.targets[0].id
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.value:
-            target, value = node.target.id, node.value
+            target = node.target.id
         else:
             continue
         doc = None
@@ -254,7 +254,7 @@ class Writer:
                     and lines[i].strip()
                     and not lines[i].startswith(">>>")
                     and not re.match(r"^\s*([-*]|\d+\.) ", lines[i])
-                    and not lines[start : i][-1].rstrip().endswith("::")
+                    and not lines[start:i][-1].rstrip().endswith("::")
                     and (bullet or len(lines[i]) - len(lines[i].lstrip()) == indent)
                 ):
                     i += 1
@@ -377,9 +377,9 @@ def _bases(cls: type) -> list[str]:
     for base in cls.__bases__:
         if base is object or base.__module__ in ("typing", "typing_extensions"):
             continue
-        if base.__name__.startswith("_") or base.__module__.split(".")[-1].startswith("_"):
-            if base.__module__.startswith("customgrad"):
-                continue
+        private = base.__name__.startswith("_") or base.__module__.split(".")[-1].startswith("_")
+        if private and base.__module__.startswith("customgrad"):
+            continue
         module = base.__module__
         shown.append(base.__name__ if module == "builtins" else f"{module}.{base.__qualname__}")
     return shown

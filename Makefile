@@ -29,17 +29,14 @@ TRANSFORMERS_PINS ?= transformers==5.24.0 huggingface_hub==2.4.0 regex==2026.11.
 # What the demo imports: torch, customgrad (optree) and matplotlib (pyproject's "demo" extra).
 $(DEMO_STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) "$(TORCH_PIN)"
-	$(PIP) -e ".[demo]" "$(TORCH_PIN)"
+	$(PIP) "$(TORCH_PIN)" -e ".[demo]"
 	touch $(DEMO_STAMP)
 
-# The rest: the dev extra (pytest, pytest-xdist, ruff, mypy, mkdocs), then the packages of the
-# tests of real libraries' kernels.
+# The rest, in one resolve: the dev extra (pytest, pytest-xdist, ruff, mypy, mkdocs), triton and
+# transformers' pins for the tests of real libraries; then liger-kernel without its dependencies.
 $(STAMP): $(DEMO_STAMP)
-	$(PIP) -e ".[dev]" "$(TORCH_PIN)"
-	$(PIP) "$(TRITON_PIN)" "$(TORCH_PIN)"
+	$(PIP) "$(TORCH_PIN)" -e ".[dev]" "$(TRITON_PIN)" $(TRANSFORMERS_PINS)
 	$(PIP) --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
-	$(PIP) $(TRANSFORMERS_PINS) "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -72,12 +72,10 @@ PYTEST_WORKERS ?= 2
 pytest: $(STAMP)
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile customgrad tests
 
+# Every example as a user runs it (quickstart.py, examples.ops, zero_bubble.py --check, with and
+# without --compile, llama_stages.py): tests/test_examples.py, which make test runs in pytest.
 examples: $(STAMP)
-	$(PY) examples/quickstart.py
-	$(PY) -m examples.ops
-	$(PY) examples/zero_bubble.py --check
-	$(PY) examples/zero_bubble.py --check --compile
-	$(PY) examples/llama_stages.py --steps 2 --backend aot_eager
+	$(PY) -m pytest -q tests/test_examples.py
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .site
@@ -87,7 +85,8 @@ docs: $(STAMP)
 reference: $(STAMP)
 	$(PY) -m tools.reference
 
-test: lint typecheck pytest examples docs
+# (the examples run in pytest: tests/test_examples.py)
+test: lint typecheck pytest docs
 
 # On a GPU machine, with the Python and torch installed there (no venv, no downloads): the CUDA
 # tests, a zero-bubble step on one GPU against the unsplit step, and the split and compiled

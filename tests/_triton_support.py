@@ -28,6 +28,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+INTERPRET_SET_HERE = "TRITON_INTERPRET" not in os.environ
+"""Whether this plugin set ``TRITON_INTERPRET`` (the caller had not): processes the tests start
+as a user would (``tests/test_examples.py``) run without it."""
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 try:
@@ -38,7 +41,7 @@ try:
 except ImportError:  # triton is a dev dependency; without it the Triton tests skip
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "INTERPRETED", "count_launches", "interpreter_shims"]
+__all__ = ["HAS_TRITON", "INTERPRETED", "INTERPRET_SET_HERE", "count_launches", "interpreter_shims"]
 
 INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
 """Whether ``@triton.jit`` kernels run in Triton's interpreter in this process."""

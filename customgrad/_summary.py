@@ -8,8 +8,8 @@ what is registered for it (kernels per device, a fake kernel, a jvp, shared work
 returned prints as a table, under one line that says whether any backward work was done twice
 and what that answer cannot see, and keeps the rows as records for programs.
 
-Only :func:`_registered_ops`, :func:`_registrations` and :func:`_calls` read the op's
-internals.
+Only :func:`_registered_ops`, :func:`_registrations`, :func:`_calls` and :func:`_other_split`
+read the op's internals.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def summary(namespace: str | None = None) -> Summary:
         split_enabled=split_enabled(),
         functions=_functions_run_once() if namespace is None else (),
         split_functions=_functions_split() if namespace is None else (),
-        other_split=sum(op._impl.calls.other_split for op in _registered_ops_of(rows)),
+        other_split=sum(_other_split(op) for op in _registered_ops_of(rows)),
     )
 
 
@@ -448,6 +448,12 @@ def _op_row(op: CustomOp[..., Any]) -> OpRow:
 def _calls(op: CustomOp[..., Any]) -> dict[str, dict[str, int]]:
     """What the op's backward calls did over the run (:class:`customgrad._calls.CallCounts`)."""
     return op._impl.calls.by_kind()
+
+
+def _other_split(op: CustomOp[..., Any]) -> int:
+    """The op's backward calls in a split not customgrad's
+    (:attr:`customgrad._calls.CallCounts.other_split`)."""
+    return op._impl.calls.other_split
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

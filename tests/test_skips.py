@@ -110,10 +110,10 @@ def test_on_xdist_workers_ci_still_fails_a_stray_skip_and_the_timeout_applies(
     addopts = (ROOT / "pyproject.toml").read_text().split("addopts = ", 1)[1].split("\n", 1)[0]
     timeout = [o for o in addopts.strip('"').split() if o.startswith("--timeout-")]
     assert timeout == ["--timeout-method=signal"]
-    done = _pytest(tmp_path, HANGS, "true", "-n", "2", "--timeout=10", *timeout)
+    done = _pytest(tmp_path, HANGS, "true", "-n", "2", "--timeout=5", *timeout)
     assert done.returncode == 1, done.stdout[-2000:]
     assert "test_case.py::test_busy: the machine was too busy" in done.stdout
-    assert "FAILED test_case.py::test_hangs - Failed: Timeout (>10.0s) from pytest-timeout" in (
+    assert "FAILED test_case.py::test_hangs - Failed: Timeout (>5.0s) from pytest-timeout" in (
         done.stdout
     )
     assert "1 failed, 1 skipped, 1 xfailed" in done.stdout

@@ -1,0 +1,166 @@
+"""What ``tests/test_moe_stages.py`` runs on 2 processes (gloo): torchtitan's MoE models
+(:mod:`tests._moe`), cut into 4 stages the torchtitan way, trained 2 steps through a V-shaped
+schedule on torch's ``PipelineStage`` or customgrad's, eager or with each block compiled
+(``block.compile()``, as torchtitan's ``apply_compile``; customgrad's stage recompiles them
+into split regions), against the same model on one process.
+
+Each case records the first step's largest gradient difference from one process's (the
+microbatches' mean loss, as the schedule computes it), and, for the second step (after an
+AdamW step and torchtitan's load-balancing hook, so the routing has changed), the FLOPs of
+every action by stage and kind (``F``, ``I``, ``W``, ``B``). One spawn runs every case; references are computed once per model and kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import customgrad.pipelining as cgp
+from customgrad._flops import FlopCounter
+from tests import _moe
+
+MICROBATCHES, ROWS = 4, 4
+V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+STAGES = ("customgrad", "torch")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # one of _moe.MODELS
+    schedule: str  # one of V_SCHEDULES
+    kernel: str  # a key of _moe.KERNELS
+    stage: str  # one of STAGES
+    compiled: bool  # each block compiled with block.compile(backend="aot_eager")
+
+    @property
+    def id(self) -> str:
+        how = "compiled" if self.compiled else "eager"
+        return f"{self.model}-{self.schedule.removeprefix('Schedule')}-{self.kernel}-{self.stage}-{how}"
+
+
+@dataclass
+class Outcome:
+    worst: float
+    """The first step's largest relative gradient difference from one process's."""
+    flops: dict[tuple[int, str], int]
+    """The second step's FLOPs by (stage, action kind), over both ranks."""
+    actions: dict[str, int]
+    """The second step's actions by kind, over both ranks."""
+    reference_flops: int
+    """One process's forward and full backward of the same microbatches."""
+
+    @property
+    def total(self) -> int:
+        return sum(self.flops.values())
+
+    def of(self, kind: str, stage: int | None = None) -> int:
+        """FLOPs of ``kind`` actions, on ``stage`` or every stage."""
+        return sum(f for (s, k), f in self.flops.items() if k == kind and stage in (None, s))
+
+
+def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch() -> tuple[Tensor, Tensor]:
+    """Random tokens, the same on every rank: inputs and next tokens."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(_moe.VOCAB, (ROWS, _moe.SEQ + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+@functools.cache
+def reference(model: str, kernel: str) -> tuple[dict[str, Tensor], int]:
+    """One process's gradients of the first step (by parameter name) and the FLOPs of its
+    forward and full backward."""
+    whole = _moe.model(model, kernel)
+    x, y = batch()
+    with FlopCounter() as counter:
+        losses = [
+            loss_fn(whole(xm), ym) for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES))
+        ]
+        torch.stack(losses).mean().backward()
+    grads = {n: p.grad for n, p in whole.named_parameters() if p.grad is not None}
+    return grads, counter.total
+
+
+def _stages(
+    case: Case, timer: cgp.ActionTimer, submods: dict[int, nn.Module]
+) -> list[pipelining.PipelineStage]:
+    n = 2 * dist.get_world_size()
+    device = torch.device("cpu")
+    base = cgp.PipelineStage if case.stage == "customgrad" else pipelining.PipelineStage
+    cls = timer.stage_class(base)
+    return [cls(m, s, n, device) for s, m in submods.items()]
+
+
+def _worst(submods: dict[int, nn.Module], want: dict[str, Tensor]) -> float:
+    worst = 0.0
+    for m in submods.values():
+        for name, p in m.named_parameters():
+            w = want.get(name)
+            if p.grad is None or w is None:
+                if p.grad is not None or w is not None:
+                    worst = math.inf
+                continue
+            worst = max(worst, ((p.grad - w).abs().max() / w.abs().max().clamp_min(1e-30)).item())
+    out = torch.tensor([worst], dtype=torch.float64)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return float(out.item())
+
+
+def run_case(case: Case) -> Outcome:
+    """``case`` on this rank; every rank returns the same merged outcome."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    want, reference_flops = reference(case.model, case.kernel)
+    whole = _moe.model(case.model, case.kernel)
+    submods = _moe.stages(whole, case.schedule, rank, world)
+    if case.compiled:
+        for m in submods.values():
+            for block in m.layers.values():  # type: ignore[union-attr, operator]
+                block.compile(backend="aot_eager")
+    timer = cgp.ActionTimer("cpu")
+    stages = _stages(case, timer, submods)
+    schedule = getattr(pipelining, case.schedule)(stages, MICROBATCHES, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW([p for m in submods.values() for p in m.parameters()], lr=1e-2)
+    _moe.load_balancing_hook(optimizer, list(submods.values()), world)
+    x, y = batch()
+    first, last = 0 in submods, 2 * world - 1 in submods
+
+    def step() -> None:
+        schedule.step(*([x] if first else []), **({"target": y} if last else {}))
+
+    step()
+    worst = _worst(submods, want)
+    optimizer.step()  # the hook moves the expert biases: a new routing
+    optimizer.zero_grad(set_to_none=True)
+    with timer.step(count_flops=True):
+        step()
+    (timeline,) = timer.gather()
+    actions = [a for r in timeline.ranks for a in r.actions]
+    flops: dict[tuple[int, str], int] = {}
+    for a in actions:
+        flops[a.stage, a.kind] = flops.get((a.stage, a.kind), 0) + (a.flops or 0)
+    return Outcome(
+        worst=worst,
+        flops=flops,
+        actions={k: sum(a.kind == k for a in actions) for k in "FIWB"},
+        reference_flops=reference_flops,
+    )
+
+
+def run_cases(cases: list[Case], out_path: str) -> None:
+    """Every case on one process group; rank 0 pickles the outcomes to ``out_path``."""
+    torch._dynamo.config.cache_size_limit = 64  # every case compiles its own blocks
+    outcomes = {case: run_case(case) for case in cases}
+    if dist.get_rank() == 0:
+        Path(out_path).write_bytes(pickle.dumps(outcomes))

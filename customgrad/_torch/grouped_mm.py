@@ -28,9 +28,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
 
 def takes(*mats: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` takes ``mats`` as operands (dtype, device and layout)."""
-    return all(_layout_ok(m) for m in mats) and all(
-        _runs(m.device.type, m.dtype) for m in mats
-    )
+    return all(_layout_ok(m) for m in mats) and all(_runs(m.device.type, m.dtype) for m in mats)
 
 
 def _layout_ok(mat: torch.Tensor) -> bool:

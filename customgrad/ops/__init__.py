@@ -9,8 +9,8 @@ each expert's tokens, int32, as torchtitan passes it):
   GEMMs), the weight pass :data:`grouped_weight_grad` ``(x, grad, offs)`` (the dW GEMMs). torch's
   kernel: ``torch._grouped_mm`` where it takes the operands, else a loop over the experts.
 - :data:`triton_grouped_mm`, :data:`triton_grouped_weight_grad`: the same ops with Triton
-  kernels on CUDA (and on CPU when Triton's interpreter is on, ``TRITON_INTERPRET=1``); torch's
-  kernel elsewhere.
+  kernels for float32, bfloat16 and float16 on CUDA (and on CPU when Triton's interpreter is
+  on, ``TRITON_INTERPRET=1``); torch's kernels for the rest.
 
 Swap one into torchtitan's MoE through its ``GroupedExperts._grouped_mm`` seam, whose
 ``(A, B_t, offs)`` is this ``(x, w, offs)``::

@@ -27,7 +27,7 @@ scaled grouped GEMM) is registered the same way: docs/writing-ops/grouped-gemm.m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -109,7 +109,10 @@ def check_arguments(op: str, x: Tensor, other: Tensor, offs: Tensor, weight_grad
             f"to the other's dtype (torchtitan casts both to bfloat16)."
         )
     if not x.dtype.is_floating_point:
-        raise ArgumentValueError(f"{op}: 'x' must be floating point, got {x.dtype}.")
+        raise ArgumentValueError(
+            f"{op}: 'x' must be a floating-point tensor (float32, bfloat16, float16 or "
+            f"float64), got {x.dtype}. Cast x and {other_name} with .float()."
+        )
     if other.device != x.device or offs.device != x.device:
         raise ArgumentValueError(
             f"{op}: x, {other_name} and offs must be on one device, got {x.device}, "
@@ -180,10 +183,11 @@ def define(
     name: str,
     kernels: tuple[Kernel, Kernel] | None = None,
     device_types: Sequence[str] = (),
+    dtypes: Collection[torch.dtype] = (torch.float32, torch.bfloat16, torch.float16),
 ) -> GroupedGemm:
     """Define ``namespace::name`` and ``namespace::name_weight_grad`` with the registrations
     described in the module docstring. ``kernels`` (the op's and the weight gradient's) serve
-    ``device_types``; torch's kernels serve every other device (all of them without
+    ``device_types`` in ``dtypes``; torch's kernels serve the rest (everything without
     ``kernels``)."""
     op_name, wg_name = f"{namespace}::{name}", f"{namespace}::{name}_weight_grad"
 
@@ -202,11 +206,13 @@ def define(
 
         def mm_device(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
             check_arguments(op_name, x, w, offs, weight_grad=False)
-            return mm_kernel(x, w, offs)
+            kernel = mm_kernel if x.dtype in dtypes else torch_grouped_mm
+            return kernel(x, w, offs)
 
         def wg_device(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
             check_arguments(wg_name, x, grad, offs, weight_grad=True)
-            return weight_grad_kernel(x, grad, offs)
+            kernel = weight_grad_kernel if x.dtype in dtypes else torch_grouped_weight_grad
+            return kernel(x, grad, offs)
 
         mm.register_kernel(tuple(device_types), mm_device)
         wg.register_kernel(tuple(device_types), wg_device)

@@ -53,7 +53,6 @@ BLOCK = 32
 """Each tile's side (``tl.dot`` needs at least 16)."""
 
 
-
 def _dot_f32(dtype: torch.dtype) -> bool:
     return INTERPRETED and dtype == torch.bfloat16
 

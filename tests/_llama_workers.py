@@ -1,5 +1,6 @@
 """What ``tests/test_llama_stages.py`` runs on 2 processes: the torchtitan-shaped example's
-stages (or torchtitan's own Llama 3), compiled per block, through a V-shaped schedule."""
+stages (or torchtitan's own Llama 3, cut by torchtitan's own helpers), compiled per block,
+through a V-shaped schedule."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.distributed.pipelining as pipelining
+from torch import Tensor, nn
 
+import customgrad
+import customgrad.pipelining as cgp
 from customgrad._compile import regions
 from customgrad._flops import FlopCounter
 from examples import llama_stages as ex
+from tests import _torchtitan as tt
 
 STEPS, MICROBATCHES, ROWS = 3, 4, 8
 
@@ -34,27 +39,44 @@ class Result:
     """FLOPs of one process's forward and full backward of the same microbatches."""
 
 
-def torchtitan_model() -> nn.Module:
-    """torchtitan's own Llama 3 ``Transformer`` in a tiny configuration."""
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+class TorchtitanPipeline(ex.Pipeline):
+    """:class:`examples.llama_stages.Pipeline` for torchtitan's own Llama 3: its stages cut by
+    torchtitan's ``pipeline_parallel`` helpers (:func:`tests._torchtitan.stages`), each block
+    compiled by ``customgrad.compile``, on customgrad's ``PipelineStage``."""
 
-    args = TransformerModelArgs(
-        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-        max_seq_len=32,
-    )  # fmt: skip
-    model = Transformer(args)
-    model.init_weights()
-    return model
+    def __init__(
+        self, model: nn.Module, device: torch.device, schedule: str, microbatches: int,
+        backend: str,
+    ) -> None:  # fmt: skip
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.n_stages = 2 * world
+        mine = tt.stages(model.to(device), schedule, rank, world)
+        self.mine, self.stages = list(mine), list(mine.values())
+        for stage in self.stages:
+            for block in stage.layers.values():  # type: ignore[operator]
+                customgrad.compile(block, backend=backend)
+        stages = [cgp.PipelineStage(m, s, self.n_stages, device) for s, m in mine.items()]
+        self.schedule = getattr(pipelining, schedule)(stages, microbatches, loss_fn=ex.loss_fn)
+        self.microbatches = microbatches
+        self.device = device
+
+
+def _torchtitan_batch(rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    tokens = torch.randint(tt.VOCAB, (rows, tt.SEQ + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def run(out_path: str, schedule: str, which: str) -> None:
     torch.manual_seed(0)  # the same model on every rank
-    model = torchtitan_model() if which == "torchtitan" else ex.Transformer(ex.ModelArgs())
+    titan = which == "torchtitan"
+    model = tt.model("llama3") if titan else ex.Transformer(ex.ModelArgs())
     model = model.to(torch.float64)
     device = torch.device("cpu")
     reference = copy.deepcopy(model)
-    pipe = ex.Pipeline(model, device, schedule, MICROBATCHES, backend="aot_eager")
-    x, y = ex.batch(model, ROWS, torch.Generator().manual_seed(0))
+    make = TorchtitanPipeline if titan else ex.Pipeline
+    pipe = make(model, device, schedule, MICROBATCHES, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    x, y = _torchtitan_batch(ROWS, gen) if titan else ex.batch(model, ROWS, gen)
     weights = [p for m in pipe.stages for p in m.parameters()]
     optimizer = torch.optim.AdamW(weights, lr=1e-2)
     losses = [pipe.step(x, y)]  # compiles every region

@@ -1,5 +1,5 @@
 """What ``tests/test_moe_stages.py`` runs on 2 processes (gloo): torchtitan's MoE models
-(:mod:`tests._moe`), cut into 4 stages the torchtitan way, trained 2 steps through a V-shaped
+(:mod:`tests._torchtitan`), cut into 4 stages the torchtitan way, trained 2 steps through a V-shaped
 schedule on torch's ``PipelineStage`` or customgrad's, eager or with each block compiled
 (``block.compile()``, as torchtitan's ``apply_compile``; customgrad's stage recompiles them
 into split regions), against the same model on one process.
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 import customgrad.pipelining as cgp
 from customgrad._flops import FlopCounter
-from tests import _moe
+from tests import _torchtitan as tt
 
 MICROBATCHES, ROWS = 4, 4
 V_SCHEDULES = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
@@ -35,9 +35,9 @@ STAGES = ("customgrad", "torch")
 
 @dataclass(frozen=True)
 class Case:
-    model: str  # one of _moe.MODELS
+    model: str  # one of tt.MODELS
     schedule: str  # one of V_SCHEDULES
-    kernel: str  # a key of _moe.KERNELS
+    kernel: str  # a key of tt.KERNELS
     stage: str  # one of STAGES
     compiled: bool  # each block compiled with block.compile(backend="aot_eager")
 
@@ -74,7 +74,7 @@ def loss_fn(logits: Tensor, targets: Tensor) -> Tensor:
 def batch() -> tuple[Tensor, Tensor]:
     """Random tokens, the same on every rank: inputs and next tokens."""
     gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(_moe.VOCAB, (ROWS, _moe.SEQ + 1), generator=gen)
+    tokens = torch.randint(tt.VOCAB, (ROWS, tt.SEQ + 1), generator=gen)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
@@ -82,7 +82,7 @@ def batch() -> tuple[Tensor, Tensor]:
 def reference(model: str, kernel: str) -> tuple[dict[str, Tensor], int]:
     """One process's gradients of the first step (by parameter name) and the FLOPs of its
     forward and full backward."""
-    whole = _moe.model(model, kernel)
+    whole = tt.model(model, kernel)
     x, y = batch()
     with FlopCounter() as counter:
         losses = [
@@ -118,21 +118,50 @@ def _worst(submods: dict[int, nn.Module], want: dict[str, Tensor]) -> float:
     return float(out.item())
 
 
-def run_case(case: Case) -> Outcome:
-    """``case`` on this rank; every rank returns the same merged outcome."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    want, reference_flops = reference(case.model, case.kernel)
-    whole = _moe.model(case.model, case.kernel)
-    submods = _moe.stages(whole, case.schedule, rank, world)
-    if case.compiled:
+@functools.cache
+def _stage_modules(model: str, kernel: str, compiled: bool) -> dict[int, nn.Module]:
+    """This rank's stage modules (the same for both V schedules), blocks compiled or not: made
+    once, so that cases with other schedules reuse the compiled blocks."""
+    whole = tt.model(model, kernel)
+    submods = tt.stages(whole, V_SCHEDULES[0], dist.get_rank(), dist.get_world_size())
+    if compiled:
         for m in submods.values():
             for block in m.layers.values():  # type: ignore[union-attr, operator]
-                block.compile(backend="aot_eager")
+                block.compile(backend="aot_eager")  # torchtitan's apply_compile
+    return submods
+
+
+@functools.cache
+def _initial_state(model: str, kernel: str) -> dict[str, Tensor]:
+    """The model's initial parameters and buffers (the load-balancing counts among them)."""
+    whole = tt.model(model, kernel)
+    return {k: v.detach().clone() for k, v in [*whole.named_parameters(), *whole.named_buffers()]}
+
+
+def _fresh(model: str, kernel: str, compiled: bool) -> dict[int, nn.Module]:
+    """The stage modules with the model's initial parameters and buffers, no gradients."""
+    submods = _stage_modules(model, kernel, compiled)
+    state = _initial_state(model, kernel)
+    with torch.no_grad():
+        for m in submods.values():
+            for name, t in [*m.named_parameters(), *m.named_buffers()]:
+                if name in state:
+                    t.copy_(state[name])
+            m.zero_grad(set_to_none=True)
+    return submods
+
+
+def run_case(case: Case) -> Outcome:
+    """``case`` on this rank; every rank returns the same merged outcome."""
+    world = dist.get_world_size()
+    want, reference_flops = reference(case.model, case.kernel)
+    submods = _fresh(case.model, case.kernel, case.compiled)
+    assert set(submods) == set(tt.stage_ids(case.schedule, dist.get_rank(), world))
     timer = cgp.ActionTimer("cpu")
     stages = _stages(case, timer, submods)
     schedule = getattr(pipelining, case.schedule)(stages, MICROBATCHES, loss_fn=loss_fn)
     optimizer = torch.optim.AdamW([p for m in submods.values() for p in m.parameters()], lr=1e-2)
-    _moe.load_balancing_hook(optimizer, list(submods.values()), world)
+    tt.load_balancing_hook(optimizer, list(submods.values()), world)
     x, y = batch()
     first, last = 0 in submods, 2 * world - 1 in submods
 
@@ -159,8 +188,19 @@ def run_case(case: Case) -> Outcome:
 
 
 def run_cases(cases: list[Case], out_path: str) -> None:
-    """Every case on one process group; rank 0 pickles the outcomes to ``out_path``."""
-    torch._dynamo.config.cache_size_limit = 64  # every case compiles its own blocks
-    outcomes = {case: run_case(case) for case in cases}
+    """Every case on one process group; rank 0 pickles the outcomes to ``out_path``.
+
+    Compiled cases of one model and kernel share their blocks (give them one after the other);
+    before the next model or kernel, dynamo's caches are cleared, as in a run of one model (the
+    kernels' code objects are shared: a plain Function's graph breaks would leave frames
+    compiled that another kernel's blocks then run in)."""
+    torch._dynamo.config.cache_size_limit = 64  # a block per stage, recompiled per routing
+    outcomes, last = {}, None
+    for case in cases:
+        key = (case.model, case.kernel)
+        if case.compiled and key != last:
+            torch._dynamo.reset()
+            last = key
+        outcomes[case] = run_case(case)
     if dist.get_rank() == 0:
         Path(out_path).write_bytes(pickle.dumps(outcomes))

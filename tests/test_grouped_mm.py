@@ -2,7 +2,7 @@
 exactly, with torch's kernels (``torch._grouped_mm``, a loop over the experts where it does not
 take the operands) and Triton's (``triton_grouped_mm``; on CPU through Triton's interpreter).
 
-Checked against torch autograd of a loop over the experts (:func:`tests._moe.reference_grouped_mm`)
+Checked against torch autograd of a loop over the experts (:func:`tests._torchtitan.reference_grouped_mm`)
 in float32 and bfloat16, for routings with empty experts, all tokens on one expert, rows past the
 last expert and no tokens at all; ``check_op``; the split under ``stage_backward_input`` /
 ``stage_backward_weight`` (I: the dX GEMMs' FLOPs, W: the dW GEMMs', kernel launches per pass for
@@ -27,8 +27,8 @@ from customgrad._torch import grouped_mm as torch_grouped
 from customgrad.ops import _triton_grouped_mm as triton_kernels
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
-from tests._moe import reference_grouped_mm
 from tests._skips import optional_package
+from tests._torchtitan import reference_grouped_mm
 from tests._triton_support import count_launches
 
 TRITON_CPU = pytest.mark.skipif(
@@ -253,11 +253,11 @@ def test_compiled_experts_keep_one_graph_across_routings_and_split_each() -> Non
 )
 @pytest.mark.filterwarnings("ignore:In CPU autocast, but the target dtype is not supported")
 def test_torchtitan_grouped_experts_through_the_seam_give_torchtitans_results() -> None:
-    from tests import _moe
+    from tests import _torchtitan as tt
 
     # one MoE layer of the tiny Qwen3-MoE, torchtitan's grouped GEMM and the op's
-    layers = [_moe.model("qwen3", k).layers["1"].moe for k in ("native", "customgrad")]  # type: ignore[index, union-attr]
-    x = torch.randn(2, _moe.SEQ, _moe.DIM, generator=torch.Generator().manual_seed(5))
+    layers = [tt.model("qwen3", k).layers["1"].moe for k in ("native", "customgrad")]  # type: ignore[index, union-attr]
+    x = torch.randn(2, tt.SEQ, tt.DIM, generator=torch.Generator().manual_seed(5))
     inputs = [x.clone().requires_grad_() for _ in layers]
     outs = [m(xi) for m, xi in zip(layers, inputs)]
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # bit for bit
@@ -271,8 +271,8 @@ def test_torchtitan_grouped_experts_through_the_seam_give_torchtitans_results() 
             flops.key = "W"
             stage_backward_weight(iter(weights), groups)
         split_flops.append(dict(flops.by_key))
-    rows = 2 * _moe.SEQ * _moe.TOP_K  # tokens routed to experts
-    gemm = 2 * rows * _moe.DIM * _moe.EXPERT_DIM
+    rows = 2 * tt.SEQ * tt.TOP_K  # tokens routed to experts
+    gemm = 2 * rows * tt.DIM * tt.EXPERT_DIM
     assert split_flops[0] == split_flops[1]  # the op splits as torch's own grouped GEMM
     assert split_flops[1]["W"] >= 3 * gemm  # the three dW GEMMs (and the router's)
     torch.testing.assert_close(inputs[0].grad, inputs[1].grad, rtol=0, atol=0)

@@ -19,7 +19,6 @@ whether it imported.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -160,7 +159,7 @@ def grouped_weight_grad(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
     return out
 
 
-def kernels() -> tuple[Any, ...]:
+def kernels() -> tuple[object, ...]:
     """The ``@triton.jit`` kernels (for counting their launches); none without Triton."""
     if not HAS_TRITON:
         return ()

@@ -19,7 +19,6 @@ whether it imported.
 
 from __future__ import annotations
 
-
 import torch
 from torch import Tensor
 

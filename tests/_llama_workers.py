@@ -1,6 +1,5 @@
 """What ``tests/test_llama_stages.py`` runs on 2 processes: the torchtitan-shaped example's
-stages (or torchtitan's own Llama 3, cut by torchtitan's own helpers), compiled per block,
-through a V-shaped schedule."""
+stages (or torchtitan's own Llama 3), compiled per block, through a V-shaped schedule."""
 
 from __future__ import annotations
 
@@ -11,15 +10,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.pipelining as pipelining
-from torch import Tensor, nn
+from torch import nn
 
-import customgrad
-import customgrad.pipelining as cgp
 from customgrad._compile import regions
 from customgrad._flops import FlopCounter
 from examples import llama_stages as ex
-from tests import _torchtitan as tt
 
 STEPS, MICROBATCHES, ROWS = 3, 4, 8
 
@@ -39,44 +34,52 @@ class Result:
     """FLOPs of one process's forward and full backward of the same microbatches."""
 
 
-class TorchtitanPipeline(ex.Pipeline):
-    """:class:`examples.llama_stages.Pipeline` for torchtitan's own Llama 3: its stages cut by
-    torchtitan's ``pipeline_parallel`` helpers (:func:`tests._torchtitan.stages`), each block
-    compiled by ``customgrad.compile``, on customgrad's ``PipelineStage``."""
-
-    def __init__(
-        self, model: nn.Module, device: torch.device, schedule: str, microbatches: int,
-        backend: str,
-    ) -> None:  # fmt: skip
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.n_stages = 2 * world
-        mine = tt.stages(model.to(device), schedule, rank, world)
-        self.mine, self.stages = list(mine), list(mine.values())
-        for stage in self.stages:
-            for block in stage.layers.values():  # type: ignore[operator]
-                customgrad.compile(block, backend=backend)
-        stages = [cgp.PipelineStage(m, s, self.n_stages, device) for s, m in mine.items()]
-        self.schedule = getattr(pipelining, schedule)(stages, microbatches, loss_fn=ex.loss_fn)
-        self.microbatches = microbatches
-        self.device = device
+SEQ = 32
 
 
-def _torchtitan_batch(rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    tokens = torch.randint(tt.VOCAB, (rows, tt.SEQ + 1), generator=gen)
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+def torchtitan_model() -> nn.Module:
+    """torchtitan's own Llama 3 (``Llama3Model``, torchtitan 0.3.0) in a tiny configuration,
+    built from its config as torchtitan builds it. Its language-model attention backends take
+    per-document masks (flex, varlen); the blocks here use torchtitan's causal
+    ``ScaledDotProductAttention`` instead, so a stage takes tokens or activations only."""
+    import dataclasses
+
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.llama3 import _build_llama3_layers as build_layers
+
+    dim, vocab, heads = 64, 128, 4
+    rope = ComplexRoPE.Config(dim=dim // heads, max_seq_len=SEQ, theta=10000.0)
+    layers = build_layers(
+        n_layers=4, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=96, rope=rope,
+        attn_backend="flex",
+    )  # fmt: skip
+    for layer in layers:
+        sdpa = ScaledDotProductAttention.Config()
+        layer.attention = dataclasses.replace(layer.attention, inner_attention=sdpa)
+    config = Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+        norm=RMSNorm.Config(normalized_shape=dim),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab),
+        layers=layers,
+    )
+    model: nn.Module = config.build()
+    model.init_states()  # type: ignore[operator]
+    return model
 
 
 def run(out_path: str, schedule: str, which: str) -> None:
     torch.manual_seed(0)  # the same model on every rank
-    titan = which == "torchtitan"
-    model = tt.model("llama3") if titan else ex.Transformer(ex.ModelArgs())
+    model = torchtitan_model() if which == "torchtitan" else ex.Transformer(ex.ModelArgs())
     model = model.to(torch.float64)
     device = torch.device("cpu")
     reference = copy.deepcopy(model)
-    make = TorchtitanPipeline if titan else ex.Pipeline
-    pipe = make(model, device, schedule, MICROBATCHES, backend="aot_eager")
-    gen = torch.Generator().manual_seed(0)
-    x, y = _torchtitan_batch(ROWS, gen) if titan else ex.batch(model, ROWS, gen)
+    pipe = ex.Pipeline(model, device, schedule, MICROBATCHES, backend="aot_eager")
+    x, y = ex.batch(model, ROWS, torch.Generator().manual_seed(0), SEQ)
     weights = [p for m in pipe.stages for p in m.parameters()]
     optimizer = torch.optim.AdamW(weights, lr=1e-2)
     losses = [pipe.step(x, y)]  # compiles every region

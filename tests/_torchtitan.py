@@ -1,7 +1,7 @@
-"""torchtitan 0.3.0's own models for the tests, tiny, and the pieces the mixture-of-experts tests
+"""torchtitan 0.3.0's mixture-of-experts models for the tests, tiny, and the pieces the MoE tests
 share: a reference grouped GEMM, the same GEMM written as a plain ``autograd.Function``, Qwen3-MoE
-and DeepSeek-V3 with a grouped GEMM swapped in through torchtitan's seam, Llama 3, and their
-pipeline stages cut as torchtitan cuts them.
+and DeepSeek-V3 with a grouped GEMM swapped in through torchtitan's seam, and their pipeline
+stages cut as torchtitan cuts them.
 
 - :func:`reference_grouped_mm`: one matmul per expert in plain torch ops (autograd
   differentiates it): what every grouped GEMM is checked against.
@@ -10,8 +10,8 @@ pipeline stages cut as torchtitan cuts them.
   them on ``ctx``, its backward computes dX and dW together. torch's stage runs that backward in
   I and again in W; customgrad's splits it (a capture) or runs it once.
 - :func:`model`: torchtitan's ``Qwen3Model`` (router top-k, softmax scores, grouped experts, no
-  shared expert), ``DeepSeekV3Model`` (MLA attention, a dense first layer, a shared expert) or
-  ``Llama3Model`` (dense), built from torchtitan's own config builders, shrunk, with ``ScaledDotProductAttention`` (CPU;
+  shared expert) or ``DeepSeekV3Model`` (MLA attention, a dense first layer, a shared expert),
+  built from torchtitan's own config builders, shrunk, with ``ScaledDotProductAttention`` (CPU;
   torchtitan's default FlexAttention compiles with inductor) and the experts' grouped GEMM
   chosen by ``kernel`` (:data:`KERNELS`) the way torchtitan's MXFP8 converter swaps it: a
   ``GroupedExperts`` subclass overriding ``_grouped_mm``, put in the model config.
@@ -97,7 +97,6 @@ KERNELS: dict[str, GroupedMM | None] = {
 """The experts' grouped GEMM, by name; ``"native"`` leaves torchtitan's ``_grouped_mm``."""
 
 MODELS = ("qwen3", "deepseek_v3")
-"""The mixture-of-experts models; :func:`model` also builds ``"llama3"``."""
 
 DIM, VOCAB, SEQ, LAYERS, EXPERTS, TOP_K, EXPERT_DIM = 32, 64, 16, 4, 4, 2, 16
 
@@ -202,36 +201,11 @@ def _deepseek_v3_config() -> Any:
     )  # fmt: skip
 
 
-def _llama3_config() -> Any:
-    from torchtitan.models import llama3
-    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-
-    n_heads = 4
-    layers = llama3._build_llama3_layers(
-        n_layers=LAYERS, dim=DIM, n_heads=n_heads, n_kv_heads=2, hidden_dim=64,
-        rope=ComplexRoPE.Config(dim=DIM // n_heads, max_seq_len=SEQ, theta=500000),
-        attn_backend="flex",
-    )  # fmt: skip
-    _sdpa(layers)
-    return llama3.Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(
-            num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT
-        ),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(
-            in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)
-        ),
-        layers=layers,
-    )  # fmt: skip
-
-
 def model(name: str, kernel: str = "native", seed: int = 0) -> nn.Module:
-    """torchtitan's ``name`` model (one of :data:`MODELS`, or ``"llama3"``), tiny, its experts'
-    grouped GEMM ``kernel`` (a key of :data:`KERNELS`), initialized by torchtitan from ``seed``:
-    the same weights for every kernel."""
-    configs = {"qwen3": _qwen3_config, "deepseek_v3": _deepseek_v3_config}
-    config = configs.get(name, _llama3_config)()
+    """torchtitan's ``name`` model (one of :data:`MODELS`), tiny, its experts' grouped GEMM
+    ``kernel`` (a key of :data:`KERNELS`), initialized by torchtitan from ``seed``: the same
+    weights for every kernel."""
+    config = _qwen3_config() if name == "qwen3" else _deepseek_v3_config()
     if kernel != "native":
         swap_grouped_mm(config, kernel)
     torch.manual_seed(seed)

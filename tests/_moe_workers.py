@@ -204,3 +204,49 @@ def run_cases(cases: list[Case], out_path: str) -> None:
         outcomes[case] = run_case(case)
     if dist.get_rank() == 0:
         Path(out_path).write_bytes(pickle.dumps(outcomes))
+
+
+def table(outcomes: dict[Case, Outcome]) -> str:
+    """The FLOPs of each case's second step, in MFLOPs: each MoE stage's I / W / B, and the
+    step against one process's forward and full backward."""
+    header = "model        schedule       kernel      stage       blocks    "
+    header += "stage 1 I / W / B      stage 2 I / W / B      step / one process"
+    lines = [header]
+    for case, o in outcomes.items():
+        cells = [
+            f"{o.of('I', s) / 1e6:5.2f} / {o.of('W', s) / 1e6:4.2f} / {o.of('B', s) / 1e6:4.2f}"
+            for s in (1, 2)
+        ]
+        lines.append(
+            f"{case.model:12} {case.schedule.removeprefix('Schedule'):14} "
+            f"{case.kernel:11} {case.stage:11} {'compiled' if case.compiled else 'eager':9} "
+            f"{cells[0]:22} {cells[1]:22} {o.total / o.reference_flops:.3f}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """``python -m tests._moe_workers [--triton]``: every case of ``tests/test_moe_stages.py``
+    (and the Triton kernel's, in Triton's interpreter: slow) on 2 local processes, as a table."""
+    import argparse
+    import os
+    import tempfile
+
+    from tests import _mp_workers
+    from tests.test_moe_stages import CASES
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--triton", action="store_true", help="the Triton kernel's cases too")
+    args = p.parse_args()
+    cases = list(CASES)
+    if args.triton:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before the workers import triton
+        cases += [Case("qwen3", s, "triton", "customgrad", False) for s in V_SCHEDULES]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "outcomes.pkl"
+        _mp_workers.spawn(run_cases, (cases, str(out)), world=2, timeout=1800)
+        print(table(pickle.loads(out.read_bytes())))
+
+
+if __name__ == "__main__":
+    main()

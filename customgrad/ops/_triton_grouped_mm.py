@@ -69,7 +69,7 @@ if HAS_TRITON:
         rows = tile_start + tl.arange(0, BLOCK_M)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         for e in range(0, E):
-            start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+            start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
             end = tl.load(offs_ptr + e)
             if (start < end) & (start < tile_start + BLOCK_M) & (end > tile_start):
                 in_group = (rows >= start) & (rows < end)
@@ -103,7 +103,7 @@ if HAS_TRITON:
         BLOCK_N: tl.constexpr,
     ):  # fmt: skip
         e, pid_k, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        start = tl.where(e > 0, tl.load(offs_ptr + tl.maximum(e - 1, 0)), 0)
         end = tl.load(offs_ptr + e)
         ks = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

@@ -199,32 +199,54 @@ def define(
         check_arguments(wg_name, x, grad, offs, weight_grad=True)
         return torch_grouped_weight_grad(x, grad, offs)
 
-    mm = cg.op(op_name, grouped_mm, weights=("w",))
-    wg = cg.op(wg_name, grouped_weight_grad)
+    gemm = GroupedGemm(
+        cg.op(op_name, grouped_mm, weights=("w",)), cg.op(wg_name, grouped_weight_grad)
+    )
     if kernels is not None and device_types:
-        mm_kernel, weight_grad_kernel = kernels
+        _register_kernels(gemm, kernels, tuple(device_types), dtypes)
+    _register_autograd(gemm)
+    ops = getattr(torch.ops, namespace)
+    for packet in (getattr(ops, name), getattr(ops, f"{name}_weight_grad")):
+        if packet not in flop_registry:  # defined again (a reload): the formula stays
+            register_flop_formula(packet)(_gemm_flops)
+    return gemm
 
-        def mm_device(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-            check_arguments(op_name, x, w, offs, weight_grad=False)
-            kernel = mm_kernel if x.dtype in dtypes else torch_grouped_mm
-            return kernel(x, w, offs)
 
-        def wg_device(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
-            check_arguments(wg_name, x, grad, offs, weight_grad=True)
-            kernel = weight_grad_kernel if x.dtype in dtypes else torch_grouped_weight_grad
-            return kernel(x, grad, offs)
+def _register_kernels(
+    gemm: GroupedGemm,
+    kernels: tuple[Kernel, Kernel],
+    device_types: tuple[str, ...],
+    dtypes: Collection[torch.dtype],
+) -> None:
+    """``kernels`` for ``device_types`` in ``dtypes``; torch's for other dtypes there."""
+    (mm, wg), (mm_kernel, weight_grad_kernel) = gemm, kernels
 
-        mm.register_kernel(tuple(device_types), mm_device)
-        wg.register_kernel(tuple(device_types), wg_device)
+    @mm.register_kernel(device_types)
+    def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        check_arguments(mm.name, x, w, offs, weight_grad=False)
+        kernel = mm_kernel if x.dtype in dtypes else torch_grouped_mm
+        return kernel(x, w, offs)
+
+    @wg.register_kernel(device_types)
+    def _(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
+        check_arguments(wg.name, x, grad, offs, weight_grad=True)
+        kernel = weight_grad_kernel if x.dtype in dtypes else torch_grouped_weight_grad
+        return kernel(x, grad, offs)
+
+
+def _register_autograd(gemm: GroupedGemm) -> None:
+    """The fake kernels, and the backward: the pair for the op, double backward for the weight
+    gradient's op."""
+    mm, wg = gemm
 
     @mm.register_fake
     def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-        check_arguments(op_name, x, w, offs, weight_grad=False)
+        check_arguments(mm.name, x, w, offs, weight_grad=False)
         return x.new_empty((x.shape[0], w.shape[2]))
 
     @wg.register_fake
     def _(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
-        check_arguments(wg_name, x, grad, offs, weight_grad=True)
+        check_arguments(wg.name, x, grad, offs, weight_grad=True)
         return x.new_empty((offs.shape[0], x.shape[1], grad.shape[1]))
 
     @mm.register_save_for_backward
@@ -252,9 +274,3 @@ def define(
             "x": mm(grad, g.mT, offs) if ctx.needs_input_grad("x") else None,
             "grad": mm(x, g, offs) if ctx.needs_input_grad("grad") else None,
         }
-
-    ops = getattr(torch.ops, namespace)
-    for packet in (getattr(ops, name), getattr(ops, f"{name}_weight_grad")):
-        if packet not in flop_registry:  # defined again (a reload): the formula stays
-            register_flop_formula(packet)(_gemm_flops)
-    return GroupedGemm(mm, wg)

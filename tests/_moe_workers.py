@@ -194,7 +194,6 @@ def run_cases(cases: list[Case], out_path: str) -> None:
     before the next model or kernel, dynamo's caches are cleared, as in a run of one model (the
     kernels' code objects are shared: a plain Function's graph breaks would leave frames
     compiled that another kernel's blocks then run in)."""
-    torch._dynamo.config.cache_size_limit = 64  # a block per stage, recompiled per routing
     outcomes, last = {}, None
     for case in cases:
         key = (case.model, case.kernel)
@@ -209,7 +208,7 @@ def run_cases(cases: list[Case], out_path: str) -> None:
 def table(outcomes: dict[Case, Outcome]) -> str:
     """The FLOPs of each case's second step, in MFLOPs: each MoE stage's I / W / B, and the
     step against one process's forward and full backward."""
-    header = "model        schedule       kernel      stage       blocks    "
+    header = "model        schedule       kernel        stage       blocks    "
     header += "stage 1 I / W / B      stage 2 I / W / B      step / one process"
     lines = [header]
     for case, o in outcomes.items():
@@ -219,7 +218,7 @@ def table(outcomes: dict[Case, Outcome]) -> str:
         ]
         lines.append(
             f"{case.model:12} {case.schedule.removeprefix('Schedule'):14} "
-            f"{case.kernel:11} {case.stage:11} {'compiled' if case.compiled else 'eager':9} "
+            f"{case.kernel:13} {case.stage:11} {'compiled' if case.compiled else 'eager':9} "
             f"{cells[0]:22} {cells[1]:22} {o.total / o.reference_flops:.3f}"
         )
     return "\n".join(lines)

@@ -6,9 +6,11 @@ stages cut as torchtitan cuts them.
 - :func:`reference_grouped_mm`: one matmul per expert in plain torch ops (autograd
   differentiates it): what every grouped GEMM is checked against.
 - :class:`LoopGroupedMM`: the grouped GEMM a team brings as a plain ``autograd.Function`` (a
-  loop over the experts): its forward reads the experts' row bounds as Python ints and keeps
-  them on ``ctx``, its backward computes dX and dW together. torch's stage runs that backward in
-  I and again in W; customgrad's splits it (a capture) or runs it once.
+  loop over the experts): forward and backward read the experts' row bounds as Python ints
+  (``offs.tolist()``), the backward computes dX and dW together. torch's stage runs that
+  backward in I and again in W; customgrad's captures it once for every routing and splits it.
+  :class:`CtxLoopGroupedMM` keeps the bounds on ``ctx`` as ints instead: each routing is a new
+  constant to the capture.
 - :func:`model`: torchtitan's ``Qwen3Model`` (router top-k, softmax scores, grouped experts, no
   shared expert) or ``DeepSeekV3Model`` (MLA attention, a dense first layer, a shared expert),
   built from torchtitan's own config builders, shrunk, with ``ScaledDotProductAttention`` (CPU;
@@ -38,6 +40,7 @@ import customgrad.ops
 __all__ = [
     "KERNELS",
     "MODELS",
+    "CtxLoopGroupedMM",
     "LoopGroupedMM",
     "load_balancing_hook",
     "model",
@@ -52,21 +55,42 @@ GroupedMM = Callable[[Tensor, Tensor, Tensor], Tensor]
 def reference_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     """``x`` ``(M, K)``, ``w`` ``(E, K, N)``: rows ``offs[e-1]:offs[e]`` times ``w[e]``, rows past
     ``offs[-1]`` zero; plain torch ops, differentiated by autograd."""
-    ends = offs.tolist()
-    pieces = [x[s:t] @ w[e] for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))]
-    return torch.cat([*pieces, x.new_zeros((x.shape[0] - ends[-1], w.shape[2]))])
+    pieces = [x[s:t] @ w[e] for e, (s, t) in enumerate(_bounds(offs))]
+    return torch.cat([*pieces, x.new_zeros((x.shape[0] - int(offs[-1]), w.shape[2]))])
 
 
 class LoopGroupedMM(torch.autograd.Function):
     """A grouped GEMM as a plain ``autograd.Function``: one matmul per expert.
 
-    The experts' row bounds are read on the host in the forward (``offs.tolist()``) and kept on
-    ``ctx`` as Python ints; they change with every routing."""
+    Forward and backward read the experts' row bounds on the host (``offs.tolist()``) and loop
+    over them as Python ints, which change with every routing."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-        ends = offs.tolist()
-        ctx.groups = list(zip([0, *ends[:-1]], ends))
+        ctx.save_for_backward(x, w, offs)
+        out = x.new_zeros((x.shape[0], w.shape[2]))
+        for e, (start, end) in enumerate(_bounds(offs)):
+            out[start:end] = x[start:end] @ w[e]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, w, offs = ctx.saved_tensors
+        dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+        for e, (start, end) in enumerate(_bounds(offs)):
+            dx[start:end] = grad[start:end] @ w[e].mT
+            dw[e] = x[start:end].mT @ grad[start:end]
+        return dx, dw, None
+
+
+class CtxLoopGroupedMM(torch.autograd.Function):
+    """:class:`LoopGroupedMM` with the row bounds read once, in the forward, and kept on ``ctx``
+    as Python ints for the backward (no second host read): what the backward reads then changes
+    with every routing as a constant, not as a tensor's values."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        ctx.groups = _bounds(offs)
         ctx.save_for_backward(x, w)
         out = x.new_zeros((x.shape[0], w.shape[2]))
         for e, (start, end) in enumerate(ctx.groups):
@@ -83,8 +107,19 @@ class LoopGroupedMM(torch.autograd.Function):
         return dx, dw, None
 
 
+def _bounds(offs: Tensor) -> list[tuple[int, int]]:
+    """Each expert's ``(start, end)`` rows, as Python ints."""
+    ends = offs.tolist()
+    return list(zip([0, *ends[:-1]], ends))
+
+
 def loop_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
     out: Tensor = LoopGroupedMM.apply(x, w, offs)
+    return out
+
+
+def ctx_loop_grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    out: Tensor = CtxLoopGroupedMM.apply(x, w, offs)
     return out
 
 
@@ -93,6 +128,7 @@ KERNELS: dict[str, GroupedMM | None] = {
     "customgrad": customgrad.ops.grouped_mm,
     "triton": customgrad.ops.triton_grouped_mm,
     "function": loop_grouped_mm,
+    "function_ctx": ctx_loop_grouped_mm,
 }
 """The experts' grouped GEMM, by name; ``"native"`` leaves torchtitan's ``_grouped_mm``."""
 

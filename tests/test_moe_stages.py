@@ -7,13 +7,15 @@ routing changes).
 
 The experts' grouped GEMM is torchtitan's own (``torch._grouped_mm``), customgrad's
 (``customgrad.ops.grouped_mm`` through torchtitan's ``_grouped_mm`` seam), or the same GEMM as a
-plain ``autograd.Function`` (a loop over the experts, :class:`tests._torchtitan.LoopGroupedMM`).
-Checked: the first step's gradients equal one process's; a step's FLOPs equal one process's
-forward and full backward (nothing computed twice) on customgrad's stage, above it for the
-plain Function on torch's (its whole backward runs in I and again in W); customgrad's op
-splits exactly as torch's own grouped GEMM (the same FLOPs in every F / I / W / B action of every
-stage); the plain Function's backward runs once, and (once the capture takes the routing's
-group sizes as dynamic, capture-guards' work) splits for every routing.
+plain ``autograd.Function`` (a loop over the experts, :class:`tests._torchtitan.LoopGroupedMM`,
+which reads the group sizes from ``offs`` in its backward, and ``CtxLoopGroupedMM``, which keeps
+them on ``ctx`` as ints). Checked: the first step's gradients equal one process's; a step's
+FLOPs equal one process's forward and full backward (nothing computed twice) on customgrad's
+stage, above it for the plain Function on torch's (its whole backward runs in I and again in W);
+customgrad's op splits exactly as torch's own grouped GEMM (the same FLOPs in every F / I / W / B
+action of every stage); a plain Function never runs twice, and splits as the op does for every
+routing (the ints-on-ctx one and the one in a compiled block expected to run once, each marked
+with why).
 
 One spawn runs every case (:mod:`tests._moe_workers`); compiled blocks are shared by the two
 schedules.
@@ -45,7 +47,7 @@ MODELS = ("qwen3", "deepseek_v3")
 SCHEDULES = mw.V_SCHEDULES
 EAGER = [
     *(Case(m, s, k, "customgrad", False) for m in MODELS for s in SCHEDULES
-      for k in ("native", "customgrad", "function")),
+      for k in ("native", "customgrad", "function", "function_ctx")),
     *(Case(m, s, k, "torch", False) for m in MODELS for s in SCHEDULES
       for k in ("native", "function")),
 ]  # fmt: skip
@@ -110,13 +112,13 @@ def test_torch_stage_runs_a_plain_function_grouped_gemm_twice(
     outcomes: dict[Case, mw.Outcome], model: str, schedule: str
 ) -> None:
     function = outcome_of(outcomes, Case(model, schedule, "function", "torch", False))
-    ours = outcome_of(outcomes, Case(model, schedule, "function", "customgrad", False))
-    assert function.total > function.reference_flops == ours.total
-    # both run the Function's whole backward in I; torch's W runs it again
-    for stage in range(4):
-        assert function.of("I", stage) == ours.of("I", stage)
-        assert function.of("W", stage) >= ours.of("W", stage)
-    assert function.of("W", 1) > ours.of("W", 1)
+    native = outcome_of(outcomes, Case(model, schedule, "native", "torch", False))
+    assert function.total > function.reference_flops == native.total
+    # torch's I runs the Function's whole backward (the dW GEMMs too), its W all of it again
+    for stage in (1, 2):  # the stages with MoE layers and an input pass
+        assert function.of("I", stage) > native.of("I", stage)
+        assert function.of("W", stage) > native.of("W", stage)
+    assert function.of("B") == native.of("B")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.kernel == "customgrad"], ids=_ids)
@@ -132,9 +134,11 @@ def test_customgrad_grouped_mm_splits_as_torchs_own(
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c.kernel == "function" and c.stage == "customgrad"], ids=_ids
+    "case",
+    [c for c in CASES if c.kernel.startswith("function") and c.stage == "customgrad"],
+    ids=_ids,
 )
-def test_plain_function_grouped_gemm_runs_once_per_stage(
+def test_plain_function_grouped_gemm_never_runs_twice(
     outcomes: dict[Case, mw.Outcome], case: Case
 ) -> None:
     function = outcome_of(outcomes, case)
@@ -145,15 +149,29 @@ def test_plain_function_grouped_gemm_runs_once_per_stage(
         assert function.of("B", stage) == native.of("B", stage)
 
 
-@pytest.mark.xfail(
+CAPTURE_GUARDS = pytest.mark.xfail(
     strict=True,
-    reason="runs once (its dW in I) until capture-guards' work merges: the backward reads the "
-    "routing's group sizes as Python ints, captured again for each routing and run once after "
-    "customgrad's recapture limit",
+    reason="runs once (its dW in I) until capture-guards' work merges: its backward reads the "
+    "routing's group sizes as ints kept on ctx, each routing a new capture, and after the "
+    "recapture limit it runs once",
 )
+IN_COMPILED_BLOCK = pytest.mark.xfail(
+    strict=True,
+    reason="in a compiled block the Function's weight edge leads into the compiled region that "
+    "casts the weight (w.bfloat16().transpose, compiled apart after the Function's graph "
+    "break): the stage runs the Function whole in I, nothing logged",
+)
+
+
 @pytest.mark.parametrize(
     "case",
-    [c for c in CASES if c.kernel == "function" and c.stage == "customgrad"],
+    [
+        pytest.param(c, marks=IN_COMPILED_BLOCK if c.compiled else CAPTURE_GUARDS)
+        if c.compiled or c.kernel == "function_ctx"
+        else c
+        for c in CASES
+        if c.kernel.startswith("function") and c.stage == "customgrad"
+    ],
     ids=_ids,
 )
 def test_plain_function_grouped_gemm_splits_for_every_routing(

@@ -1,13 +1,15 @@
 """What ``tests/test_moe_stages.py`` runs on 2 processes (gloo): torchtitan's MoE models
-(:mod:`tests._torchtitan`), cut into 4 stages the torchtitan way, trained 2 steps through a V-shaped
-schedule on torch's ``PipelineStage`` or customgrad's, eager or with each block compiled
-(``block.compile()``, as torchtitan's ``apply_compile``; customgrad's stage recompiles them
-into split regions), against the same model on one process.
+(:mod:`tests._torchtitan`), cut into 4 stages the torchtitan way, trained 2 steps through a
+V-shaped schedule on torch's ``PipelineStage`` or customgrad's, eager or with each block
+compiled (``block.compile()``, as torchtitan's ``apply_compile``; customgrad's stage recompiles
+them into split regions), against the same model on one process.
 
 Each case records the first step's largest gradient difference from one process's (the
 microbatches' mean loss, as the schedule computes it), and, for the second step (after an
 AdamW step and torchtitan's load-balancing hook, so the routing has changed), the FLOPs of
-every action by stage and kind (``F``, ``I``, ``W``, ``B``). One spawn runs every case; references are computed once per model and kernel.
+every action by stage and kind (``F``, ``I``, ``W``, ``B``). One spawn runs every case;
+references are computed once per model and kernel. ``python -m tests._moe_workers`` prints the
+cases as a table.
 """
 
 from __future__ import annotations

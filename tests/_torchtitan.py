@@ -29,6 +29,7 @@ torchtitan is imported only by the functions that need it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -137,14 +138,11 @@ MODELS = ("qwen3", "deepseek_v3")
 DIM, VOCAB, SEQ, LAYERS, EXPERTS, TOP_K, EXPERT_DIM = 32, 64, 16, 4, 4, 2, 16
 
 
-def _split_experts_class() -> type:
+@functools.cache
+def _swapped_experts_class() -> type:
     """torchtitan's ``GroupedExperts`` with its ``_grouped_mm`` seam overridden (as its MXFP8
     converter overrides it), the kernel named by the config."""
     from torchtitan.models.common.moe import GroupedExperts
-
-    global _SPLIT_EXPERTS
-    if _SPLIT_EXPERTS is not None:
-        return _SPLIT_EXPERTS
 
     class SwappedGroupedExperts(GroupedExperts):  # type: ignore[misc]
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -160,11 +158,7 @@ def _split_experts_class() -> type:
             assert mm is not None
             return mm(A, B_t, offs)
 
-    _SPLIT_EXPERTS = SwappedGroupedExperts
     return SwappedGroupedExperts
-
-
-_SPLIT_EXPERTS: type | None = None
 
 
 def swap_grouped_mm(model_config: Any, kernel: str) -> None:
@@ -172,7 +166,7 @@ def swap_grouped_mm(model_config: Any, kernel: str) -> None:
     (torchtitan's ``MXFP8GroupedExpertsConverter.convert``, with another kernel)."""
     from torchtitan.models.common.moe import GroupedExperts
 
-    cls = _split_experts_class()
+    cls = _swapped_experts_class()
     for _, config, parent, attr in list(model_config.traverse(GroupedExperts.Config)):
         fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         setattr(parent, attr, cls.Config(**fields, kernel=kernel))

@@ -45,6 +45,7 @@ from customgrad._errors import (
     where,
 )
 from customgrad._op import CustomOp
+from customgrad._saving import SAVED, register_dataclasses
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.dispatcher import is_alias_of
@@ -87,9 +88,9 @@ class _Descriptor(Protocol):
         """The bound ``apply``."""
 
 
-_Layout = tuple[int, tuple[tuple[str, optree.PyTreeSpec | None, int], ...], tuple[int, ...]]
-"""The layout of the saved values: how many tensors forward saved, each attribute's name,
-structure and number of leaves, and the positions of the tensors it computed."""
+_Layout = tuple[int, tuple[str, ...], tuple[tuple[int, int | None], ...]]
+"""The layout of the saved values: how many tensors forward saved, the attributes' names, and
+where the tensors it computed are (a position, and the leaf inside an attribute's container)."""
 
 
 class _Stash(threading.local):
@@ -200,9 +201,12 @@ def _by_reference(value: object, args: Sequence[object]) -> bool:
 
 
 def _flatten(value: object) -> tuple[list[object], optree.PyTreeSpec]:
-    """``value``'s leaves (None a leaf) and structure."""
+    """``value``'s leaves (None a leaf) and structure, as customgrad's saving sees it."""
     tree: Any = value  # optree types a tree as PyTree[T]; any object is one (a leaf at least)
-    return optree.tree_flatten(tree, none_is_leaf=True)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=SAVED)
+    if register_dataclasses(leaves):
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=SAVED)
+    return leaves, spec
 
 
 def _traced(t: _Tensor) -> bool:
@@ -317,7 +321,7 @@ def _guard_computed(
     forward: Callable[..., object],
     saved: tuple[Any, ...],
     grads: tuple[torch.Tensor | None, ...],
-    computed: Sequence[int],
+    computed: Sequence[tuple[int, int | None]],
 ) -> tuple[Any, ...]:
     """``saved`` with each tensor that forward computed (at positions ``computed``) replaced by
     an alias whose backward raises, in double backward (as customgrad does for residuals)."""
@@ -326,8 +330,13 @@ def _guard_computed(
         return saved
     msg = MSG_COMPUTED_DOUBLE_BACKWARD.format(op=qualname, loc=where(forward))
     guarded = list(saved)
-    for i in computed:
-        guarded[i] = _raises_if_differentiated(msg, guarded[i], anchors)
+    for i, k in computed:
+        if k is None:
+            guarded[i] = _raises_if_differentiated(msg, guarded[i], anchors)
+        else:  # inside an attribute's container
+            leaves, spec = _flatten(guarded[i])
+            leaves[k] = _raises_if_differentiated(msg, leaves[k], anchors)
+            guarded[i] = optree.tree_unflatten(spec, leaves)
     return tuple(guarded)
 
 
@@ -903,18 +912,30 @@ def _define(
         if real != seen and attrs:
             attrs = attrs_as_if(inputs, real, attrs)
         outs = output if n_out > 1 else (output,)
-        # One flat tuple (customgrad saves it, and the automatic split reads it, without
-        # flattening): the layout's number, the saved tensors, then each attribute's leaves.
+        computed: list[tuple[int, int | None]] = []
+
+        def found(p: Any, at: int, k: int | None) -> Any:
+            if not isinstance(p, _Place):
+                return p
+            if _computed(p):
+                computed.append((at, k))
+            return _find(p, inputs, outs, res)
+
+        # One tuple: the layout's number, the saved tensors, then each attribute as forward
+        # set it (a container rebuilt here, so that the backward, which dynamo captures, reads
+        # it as it is: customgrad's saving flattens it and rebuilds it before the backward).
         flat: list[Any] = [None]
-        computed: list[int] = []
-        for p in [*saved_places, *(v for _, leaves in attrs.values() for v in leaves)]:
-            if isinstance(p, _Place):
-                if _computed(p):
-                    computed.append(len(flat))
-                p = _find(p, inputs, outs, res)
-            flat.append(p)
-        specs = tuple((attr, spec, len(leaves)) for attr, (spec, leaves) in attrs.items())
-        flat[0] = layouts.number((len(saved_places), specs, tuple(computed)))
+        for p in saved_places:
+            flat.append(found(p, len(flat), None))
+        for spec, leaves in attrs.values():
+            at = len(flat)
+            if spec is None:
+                flat.append(found(leaves[0], at, None))
+            else:
+                flat.append(
+                    optree.tree_unflatten(spec, [found(v, at, k) for k, v in enumerate(leaves)])
+                )
+        flat[0] = layouts.number((len(saved_places), tuple(attrs), tuple(computed)))
         return tuple(flat)
 
     n_args = len(names)
@@ -925,20 +946,17 @@ def _define(
     writes = _Writes(user_backward)
 
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
-        n_saved, specs, computed = layouts.layout(saved[0])
+        n_saved, names_of_attrs, computed = layouts.layout(saved[0])
         if computed and torch.is_grad_enabled():  # create_graph: see _guard_computed
             saved = _guard_computed(qualname, forward, saved, grads, computed)
         tensors = saved[1 : 1 + n_saved]
         attrs: dict[str, Any] = {}
-        at = 1 + n_saved
-        for attr, spec, n in specs:
-            value = saved[at] if spec is None else optree.tree_unflatten(spec, saved[at : at + n])
+        for attr, value in zip(names_of_attrs, saved[1 + n_saved :]):
             if isinstance(value, _ByReference):
                 value = value.value
             elif isinstance(value, _LeafByReference):
                 value = value.ref()
             attrs[attr] = value
-            at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
         if calls.outputs:  # the Function's None outputs get None, as autograd gives them
             it = iter(grads)

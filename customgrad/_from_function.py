@@ -29,7 +29,7 @@ import types
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeGuard, TypeVar
+from typing import Any, Protocol, TypeGuard, TypeVar, cast
 
 import optree
 import torch
@@ -44,6 +44,7 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
+from customgrad._function_ctx import ForwardContext, FunctionContext, Recorded
 from customgrad._op import CustomOp
 from customgrad._saving import SAVED, register_dataclasses
 from customgrad._signature import _split_returns
@@ -103,52 +104,7 @@ _stash = _Stash()
 
 
 # --------------------------------------------------------------------------------------------
-# The ctx objects the Function sees
-
-
-class _ForwardContext:
-    """The ``ctx`` of the Function's ``forward`` (or ``setup_context``): records what it keeps."""
-
-    _cg: tuple[str, Callable[..., object]]
-    _cg_saved: tuple[torch.Tensor | None, ...]
-    _cg_attrs: dict[str, object]
-    _cg_nondiff: list[torch.Tensor]
-    needs_input_grad: tuple[bool, ...]
-
-    def __init__(
-        self, needs_input_grad: tuple[bool, ...], qualname: str, fn: Callable[..., object]
-    ) -> None:
-        object.__setattr__(self, "_cg", (qualname, fn))
-        object.__setattr__(self, "_cg_saved", ())
-        object.__setattr__(self, "_cg_attrs", {})
-        object.__setattr__(self, "_cg_nondiff", [])
-        object.__setattr__(self, "needs_input_grad", needs_input_grad)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        self._cg_attrs[name] = value
-
-    def __getattr__(self, name: str) -> object:
-        attrs = object.__getattribute__(self, "_cg_attrs")
-        if name in attrs:
-            return attrs[name]
-        raise AttributeError(name)
-
-    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
-        object.__setattr__(self, "_cg_saved", tensors)
-
-    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
-        self._cg_nondiff.extend(tensors)
-
-    def set_materialize_grads(self, value: bool) -> None:
-        """Accepted; customgrad always passes a gradient (zeros for unused outputs)."""
-
-    def mark_dirty(self, *tensors: torch.Tensor) -> None:
-        qualname, fn = self._cg
-        raise UnsupportedError(
-            f"{qualname}: the Function's forward calls ctx.mark_dirty: it modifies an input in "
-            f"place, which customgrad ops do not differentiate through. Return a new tensor "
-            f"instead, or keep this Function as it is. (forward defined at {where(fn)})"
-        )
+# What forward keeps on ctx, as it reaches the backward
 
 
 class _ByReference:
@@ -212,22 +168,6 @@ def _flatten(value: object) -> tuple[list[object], optree.PyTreeSpec]:
 def _traced(t: _Tensor) -> bool:
     """Whether ``t`` is a fake or functional tensor (a trace, not an eager call)."""
     return is_fake(t) or isinstance(t, functional_tensor_type())
-
-
-class _BackwardContext:
-    """The ``ctx`` of the Function's ``backward``: the saved tensors, the attributes ``forward``
-    set, and ``needs_input_grad`` for the running pass."""
-
-    def __init__(
-        self,
-        saved: tuple[object, ...],
-        attrs: Mapping[str, object],
-        needs_input_grad: tuple[bool, ...],
-    ) -> None:
-        for name, value in attrs.items():  # dynamo traces setattr (torch 2.11: not update)
-            setattr(self, name, value)
-        self.saved_tensors = saved
-        self.needs_input_grad = needs_input_grad
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,7 +275,7 @@ def _guard_computed(
             guarded[i] = _raises_if_differentiated(msg, guarded[i], anchors)
         else:  # inside an attribute's container
             leaves, spec = _flatten(guarded[i])
-            leaves[k] = _raises_if_differentiated(msg, leaves[k], anchors)
+            leaves[k] = _raises_if_differentiated(msg, cast(_Tensor, leaves[k]), anchors)
             guarded[i] = optree.tree_unflatten(spec, leaves)
     return tuple(guarded)
 
@@ -502,7 +442,7 @@ class _Writes:
         if torch.compiler.is_compiling() or any(
             isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
         ):  # a trace: a write there is the trace's business
-            return self.backward(_BackwardContext(tensors, attrs, needs), *grads)
+            return self.backward(FunctionContext(Recorded(tensors, attrs, needs)), *grads)
         key = (layout, needs, *(
             (k, v if type(v) in _PLAIN else type(v)) for k, v in attrs.items()
         ))  # fmt: skip
@@ -519,13 +459,13 @@ class _Writes:
             tuple(copy((p, i), t) for i, t in enumerate(ts)) for p, ts in enumerate(parts)
         )
         if written is not None:
-            return self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+            return self.backward(FunctionContext(Recorded(given[0], attrs, needs)), *given[1])
         watched = [
             ((p, i), t) for p, ts in enumerate(given) for i, t in enumerate(ts)
             if isinstance(t, _Tensor)
         ]  # fmt: skip
         before = [t._version for _, t in watched]
-        result = self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+        result = self.backward(FunctionContext(Recorded(given[0], attrs, needs)), *given[1])
         self._seen[key] = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
         return result
 
@@ -750,7 +690,7 @@ def _define(
 
     def kernel(*args: Any) -> Any:
         needs = _needs(args)
-        ctx = _ForwardContext(needs, qualname, forward)
+        ctx = ForwardContext(needs, qualname, forward)
         given = tuple(a.clone() if i in calls.cloned else a for i, a in enumerate(args))
         if classic:
             out = forward(ctx, *given)
@@ -766,9 +706,10 @@ def _define(
         def place(value: Any) -> Any:
             return _place(value, sources, residuals) if isinstance(value, _Tensor) else value
 
-        saved = tuple(place(t) for t in ctx._cg_saved)
+        kept = ctx.record()
+        saved = tuple(place(t) for t in kept.saved)
         attrs: dict[str, tuple[Any, list[Any]]] = {}
-        for attr, value in ctx._cg_attrs.items():
+        for attr, value in kept.attrs.items():
             if _by_reference(value, args):
                 attrs[attr] = (None, [_ByReference(value)])
                 continue
@@ -780,7 +721,7 @@ def _define(
                 continue
             leaves, spec = _flatten(value)
             attrs[attr] = (None if spec.is_leaf() else spec, [place(v) for v in leaves])
-        for t in ctx._cg_nondiff:
+        for t in ctx.non_differentiable():
             j = next((j for j, o in enumerate(outs) if o is t), None)
             if j is not None and (diff is None or diff[j]):
                 declared = list(diff or (True,) * n_out)
@@ -820,14 +761,14 @@ def _define(
                 [like(t, n) for t in a] if isinstance(a, (list, tuple)) else like(a, n)
                 for a, n in zip(args, needs)
             ]
-            ctx = _ForwardContext(needs, qualname, forward)
+            ctx = ForwardContext(needs, qualname, forward)
             if classic:
                 forward(ctx, *fargs)
             else:
                 function.setup_context(ctx, tuple(fargs), forward(*fargs))
         fixed: dict[str, tuple[Any, list[Any]]] = {}
         for attr, (spec, leaves) in attrs.items():
-            again = ctx._cg_attrs.get(attr, leaves[0] if spec is None else None)
+            again = ctx.record().attrs.get(attr, leaves[0] if spec is None else None)
             new, new_spec = _flatten(again)
             if (None if new_spec.is_leaf() else new_spec) != spec or len(new) != len(leaves):
                 fixed[attr] = (spec, leaves)  # another structure: keep what the kernel saw
@@ -1283,7 +1224,7 @@ class DeferredFunctionOp:
 
         function, forward = self.function, self.function.forward
         copies = [copy(v) for v in values]
-        ctx = _ForwardContext(_needs(values), self.name, forward)
+        ctx = ForwardContext(_needs(values), self.name, forward)
         with torch.no_grad():
             if setup_context_defined(function):
                 out = forward(*copies)
@@ -1297,7 +1238,7 @@ class DeferredFunctionOp:
             if isinstance(c, _Tensor)
             and any(isinstance(o, _Tensor) and _is_alias_of(o, c) for o in outs)
         )
-        return out, list(ctx._cg_nondiff), cloned
+        return out, list(ctx.non_differentiable()), cloned
 
 
 # --------------------------------------------------------------------------------------------

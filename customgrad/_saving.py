@@ -33,7 +33,7 @@ _registering = threading.Lock()
 def register_dataclasses(leaves: list[Any]) -> bool:
     """Make the dataclass types among ``leaves`` nodes of :data:`SAVED` (once each); True if
     there was one (flatten again to see inside it)."""
-    found = {
+    found: set[type[Any]] = {
         type(leaf)
         for leaf in leaves
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
@@ -57,7 +57,7 @@ def _rebuild(cls: type) -> Any:
     ``__post_init__`` (which may compute, or refuse a frozen field's value)."""
 
     def rebuild(names: tuple[str, ...], values: Any) -> Any:
-        obj = object.__new__(cls)
+        obj: object = object.__new__(cls)
         for n, v in zip(names, values):
             object.__setattr__(obj, n, v)
         return obj

@@ -109,7 +109,7 @@ def parse_name(name: object) -> tuple[str, str]:
     return ns, opname
 
 
-_Field = type(collections.namedtuple("_Probe", "field").field)
+_Field: type = type(vars(collections.namedtuple("_Probe", "field"))["field"])
 """The descriptor of a namedtuple's field (CPython's ``_tuplegetter``)."""
 
 

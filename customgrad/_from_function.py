@@ -421,10 +421,11 @@ class _Writes:
     lets a Function's backward write into what it is handed; customgrad refuses it (another
     node, or the other half of a split, may read it). Which ones it writes is learned per
     layout and plain attribute values (``ctx.inplace``) at the first eager call, which is handed
-    copies of all of them but leaves (weights, handed as themselves: a backward reads their
-    attributes, Megatron's ``main_grad``; one that writes into a weight is refused as before):
-    the gradients the raw Function computes, at the memory of its out-of-place way. A write
-    torch's version counter does not see (a Triton store) is neither seen here nor refused."""
+    copies of all of them, leaves too (the input of a first stage), each copy sharing its
+    original's attributes (a backward reads and sets them on weights: Megatron's ``main_grad``,
+    ``grad_added_to_main_grad``): the gradients the raw Function computes, at the memory of its
+    out-of-place way. A write torch's version counter does not see (a Triton store) is neither
+    seen here nor refused."""
 
     def __init__(self, backward: Callable[..., object]) -> None:
         self.backward = backward
@@ -451,9 +452,9 @@ class _Writes:
         def copy(at: tuple[int, int], t: Any) -> Any:
             if not isinstance(t, _Tensor) or (written is not None and at not in written):
                 return t
-            if at[0] == 0 and t.is_leaf:  # a weight: itself (its attributes: main_grad)
-                return t
-            return t.clone()
+            c = t.clone()
+            c.__dict__ = t.__dict__  # its attributes are the original's (Megatron's main_grad)
+            return c
 
         given = tuple(
             tuple(copy((p, i), t) for i, t in enumerate(ts)) for p, ts in enumerate(parts)
@@ -700,6 +701,17 @@ def _define(
         outs = out if isinstance(out, tuple) else (out,)
         if calls.outputs:
             outs = _tensor_outputs(qualname, forward, outs, calls.outputs)
+        # A forward that returns an input it wrote (Liger's rope rotates q and k in place when
+        # they are laid out for its kernel) returns it as the raw Function does; the op, whose
+        # outputs are new tensors, returns a copy.
+        inputs = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        outs = tuple(
+            o.clone()
+            if isinstance(o, _Tensor)
+            and any(isinstance(t, _Tensor) and _is_alias_of(o, t) for t in inputs)
+            else o
+            for o in outs
+        )
         residuals: list[_Tensor] = []
         sources = _sources(args, outs)
 

@@ -49,7 +49,7 @@ from customgrad._op import CustomOp
 from customgrad._saving import SAVED, register_dataclasses
 from customgrad._signature import _split_returns
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
-from customgrad._torch.dispatcher import is_alias_of
+from customgrad._torch.dispatcher import is_alias_of, parse_schema
 from customgrad._torch.fake import detect_fake_mode, functional_tensor_type, is_fake
 from customgrad._torch.functions import setup_context_defined
 from customgrad._triton import raw_launch
@@ -514,9 +514,11 @@ def _once_differentiable(fn: object) -> bool:
 
 
 def _parameters(
-    function: type[torch.autograd.Function], name: str, classic: bool
+    function: type[torch.autograd.Function], name: str, classic: bool, schema: str | None
 ) -> tuple[list[inspect.Parameter], Any]:
-    """The forward's parameters (without ``ctx``), with annotations resolved."""
+    """The forward's parameters (without ``ctx``), with annotations resolved; named by
+    ``schema`` when the forward takes ``*args`` (a decorator that wraps it without
+    ``functools.wraps``)."""
     forward = function.forward
     label = f"{function.__qualname__}.forward"
     try:
@@ -534,12 +536,16 @@ def _parameters(
     }
     bad = [p for p in params if p.kind in kinds]
     if bad:
+        named = _schema_parameters(schema)
+        if named is not None:
+            return named, inspect.Parameter.empty
         stars = kinds[bad[0].kind]
         raise DefinitionError(
             f"{name}: {label} takes {stars}{bad[0].name}; autograd.Function.apply passes its "
             f"inputs by position, and a customgrad op needs one named parameter per input. Name "
-            f"them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined at "
-            f"{where(forward)})"
+            f"them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor, or name them in "
+            f'the schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> Tensor"). '
+            f"(forward defined at {where(forward)})"
         )
     try:
         hints = typing.get_type_hints(forward)
@@ -547,6 +553,25 @@ def _parameters(
         hints = {}
     params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in params]
     return params, hints.get("return", inspect.signature(forward).return_annotation)
+
+
+def _schema_parameters(schema: str | None) -> list[inspect.Parameter] | None:
+    """One positional parameter per argument of ``schema`` (with its default), or None."""
+    try:
+        parsed = parse_schema("_cg_probe" + schema) if schema is not None else None
+    except RuntimeError:
+        return None  # the op's definition reports it
+    if parsed is None:
+        return None
+    empty = inspect.Parameter.empty
+    return [
+        inspect.Parameter(
+            a.name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=a.default_value if a.has_default_value() else empty,
+        )
+        for a in parsed.arguments
+    ]
 
 
 def _annotated_schema(params: list[inspect.Parameter], returns: Any) -> str | None:
@@ -638,7 +663,7 @@ def from_function(
             f"{name}: from_function needs a torch.autograd.Function subclass, got {got}.{fix}"
         )
     classic = not setup_context_defined(function)
-    params, returns = _parameters(function, name, classic)
+    params, returns = _parameters(function, name, classic, schema)
     public = schema if schema is not None else _annotated_schema(params, returns)
     if public is None:  # read from the first call
         return DeferredFunctionOp(function, name, params, weights, output_differentiability)

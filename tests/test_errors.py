@@ -1471,8 +1471,9 @@ def test_from_function_with_varargs_forward() -> None:
         match=re.escape(
             f"{name}: Fn.forward takes *tensors; autograd.Function.apply passes "
             "its inputs by position, and a customgrad op needs one named parameter per input. "
-            "Name them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined "
-            f"at {where(forward)})"
+            "Name them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor, or name them in the "
+            'schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> Tensor"). '
+            f"(forward defined at {where(forward)})"
         ),
     ):
         cg.from_function(_function(forward), name)

@@ -946,22 +946,24 @@ def test_check_op_of_something_else() -> None:
         check_op(torch.sin, torch.ones(2))  # type: ignore[arg-type]
 
 
-def test_save_for_backward_hiding_tensors_in_a_dataclass() -> None:
-    import dataclasses
-
-    @dataclasses.dataclass
-    class Saved:
-        x: torch.Tensor
-        weight: torch.Tensor
+def test_save_for_backward_hiding_tensors_in_an_object() -> None:
+    class Saved:  # not a container customgrad flattens (a dataclass would be)
+        def __init__(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+            self.x, self.weight = x, weight
 
     op = linear_op(good_input_all)
-    op.register_save_for_backward(lambda inputs, output: Saved(inputs.x, inputs.weight))
+    save = op.register_save_for_backward(lambda inputs, output: Saved(inputs.x, inputs.weight))
     with pytest.raises(
         cg.SaveError,
         match=re.escape(
-            f"{op.name}: save_for_backward returned a dataclass "
-            "(test_save_for_backward_hiding_tensors_in_a_dataclass.<locals>.Saved), which holds "
-            "Tensors customgrad cannot see."
+            f"{op.name}: save_for_backward returned a "
+            "test_save_for_backward_hiding_tensors_in_an_object.<locals>.Saved object with Tensor "
+            "attributes, which holds Tensors customgrad cannot see. Tensors must be saved through "
+            "autograd (so in-place changes before backward are caught and no reference cycle "
+            "keeps outputs alive), which customgrad does for Tensors inside tuples, lists, dicts, "
+            "NamedTuples and dataclasses. Return those instead:\n\n"
+            "    return inputs.x, inputs.weight, rstd            # or a dict, a NamedTuple, a "
+            f"dataclass\n\n(save_for_backward defined at {where(save)})"
         ),
     ):
         run_backward(op)

@@ -136,7 +136,7 @@ class LoRA_W(torch.autograd.Function):
     @staticmethod
     @torch_amp_custom_bwd
     def backward(ctx: Any, dY: Tensor) -> tuple[Tensor | None, ...]:
-        W, W_quant, S = ctx.custom_saved_tensors
+        W, _W_quant, S = ctx.custom_saved_tensors  # no quantization state here
         A, B, X = ctx.saved_tensors
         batch, seq_len, hd = X.shape
         dY = dY.reshape(-1, dY.shape[-1])
@@ -146,7 +146,7 @@ class LoRA_W(torch.autograd.Function):
         d_B = torch.empty_like(B)
         d_A.addmm_(X.t(), dY @ B.t(), alpha=S, beta=0)
         d_B.addmm_(A.t() @ X.t(), dY, alpha=S, beta=0)
-        W = W.t()  # fast_dequantize(W.t(), W_quant) with no quantization state
+        W = W.t()  # fast_dequantize(W.t(), W_quant): W.t() without a quantization state
         dX = dY @ W.t()
         dX.addmm_(dY @ B.t(), A.t(), alpha=S)
         return dX.view(batch, seq_len, hd), None, None, d_A.t(), d_B.t(), None

@@ -176,7 +176,7 @@ class Saved(typing.NamedTuple):
     w: Tensor
 
 
-SavedPair = collections.namedtuple("SavedPair", "x w")  # noqa: PYI024
+SavedPair = collections.namedtuple("SavedPair", "x w")
 
 
 @dataclasses.dataclass
@@ -300,7 +300,9 @@ def _op_reads() -> dict[str, Host | Callable[[], Host]]:
     def inputs(read: Callable[[Any, Tensor], dict[str, Tensor]]) -> Callable[[], Host]:
         return lambda: op_host(lambda i, o: i, lambda ctx, i, g: read(i, g))
 
-    def saving(make: Callable[[Any], object], read: Callable[[Any], tuple[Tensor, Tensor]]) -> Callable[[], Host]:
+    def saving(
+        make: Callable[[Any], object], read: Callable[[Any], tuple[Tensor, Tensor]]
+    ) -> Callable[[], Host]:
         return lambda: op_host(lambda i, o: make(i), lambda ctx, s, g: _grads(g, *read(s)))
 
     return {
@@ -690,10 +692,10 @@ class ProbesCuda(torch.autograd.Function):
         x, w = ctx.saved_tensors
         try:
             torch.cuda.current_device()
-            scale = 1.0  # a CUDA kernel would run here
+            on_gpu = True
         except (AssertionError, RuntimeError):
-            scale = 1.0
-        return _dx(dy, w) * scale, _dw(dy, x)
+            on_gpu = False
+        return _gpu_or_cpu(on_gpu, dy, x, w)
 
 
 class ChecksCuda(torch.autograd.Function):
@@ -704,8 +706,13 @@ class ChecksCuda(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: Tensor) -> Any:
         x, w = ctx.saved_tensors
-        scale = 1.0 if dy.is_cuda and torch.cuda.is_available() else 1.0
-        return _dx(dy, w) * scale, _dw(dy, x)
+        return _gpu_or_cpu(dy.is_cuda and torch.cuda.is_available(), dy, x, w)
+
+
+def _gpu_or_cpu(on_gpu: bool, dy: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+    if on_gpu:  # where a CUDA kernel would run
+        return _dx(dy.float(), w.float()).to(dy.dtype), _dw(dy, x)
+    return _dx(dy, w), _dw(dy, x)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

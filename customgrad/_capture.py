@@ -128,16 +128,13 @@ def _why(e: BaseException) -> tuple[str, str]:
         return (
             f"it launches the Triton kernel {launch.kernel} directly ({launch.at}), which fake "
             f"tensors cannot run",
-            "make the kernel an op with a fake kernel (a customgrad op, or "
-            "torch.library.triton_op) and call the op from the backward: the trace keeps it as "
-            "one opaque call",
+            FIX_RAW_LAUNCH,
         )
     if "data pointer" in first or "data_ptr" in first:
         return (
             "it launches a kernel on raw data pointers (Triton, ctypes), which fake tensors "
             "do not have",
-            "wrap the kernel in a custom op with a fake kernel (torch.library.triton_op, or a "
-            "customgrad op), which the trace keeps as one opaque call",
+            FIX_RAW_LAUNCH,
         )
     return (
         f"lowering it to aten ops (make_fx on fake tensors) raised {type(e).__name__}: {first}",

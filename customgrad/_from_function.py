@@ -44,7 +44,7 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
-from customgrad._function_ctx import ForwardContext, FunctionContext, Recorded
+from customgrad._function_ctx import ForwardContext, FunctionContext
 from customgrad._op import CustomOp
 from customgrad._saving import SAVED, register_dataclasses
 from customgrad._signature import _split_returns
@@ -443,7 +443,7 @@ class _Writes:
         if torch.compiler.is_compiling() or any(
             isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
         ):  # a trace: a write there is the trace's business
-            return self.backward(FunctionContext(Recorded(tensors, attrs, needs)), *grads)
+            return self.backward(FunctionContext(tensors, attrs, needs), *grads)
         key = (layout, needs, *(
             (k, v if type(v) in _PLAIN else type(v)) for k, v in attrs.items()
         ))  # fmt: skip
@@ -460,13 +460,13 @@ class _Writes:
             tuple(copy((p, i), t) for i, t in enumerate(ts)) for p, ts in enumerate(parts)
         )
         if written is not None:
-            return self.backward(FunctionContext(Recorded(given[0], attrs, needs)), *given[1])
+            return self.backward(FunctionContext(given[0], attrs, needs), *given[1])
         watched = [
             ((p, i), t) for p, ts in enumerate(given) for i, t in enumerate(ts)
             if isinstance(t, _Tensor)
         ]  # fmt: skip
         before = [t._version for _, t in watched]
-        result = self.backward(FunctionContext(Recorded(given[0], attrs, needs)), *given[1])
+        result = self.backward(FunctionContext(given[0], attrs, needs), *given[1])
         self._seen[key] = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
         return result
 
@@ -743,10 +743,9 @@ def _define(
         def place(value: Any) -> Any:
             return _place(value, sources, residuals) if isinstance(value, _Tensor) else value
 
-        kept = ctx.record()
-        saved = tuple(place(t) for t in kept.saved)
+        saved = tuple(place(t) for t in ctx._cg_saved)
         attrs: dict[str, tuple[Any, list[Any]]] = {}
-        for attr, value in kept.attrs.items():
+        for attr, value in ctx._cg_attrs.items():
             if _by_reference(value, args):
                 attrs[attr] = (None, [_ByReference(value)])
                 continue
@@ -758,7 +757,7 @@ def _define(
                 continue
             leaves, spec = _flatten(value)
             attrs[attr] = (None if spec.is_leaf() else spec, [place(v) for v in leaves])
-        for t in ctx.non_differentiable():
+        for t in ctx._cg_nondiff:
             j = next((j for j, o in enumerate(outs) if o is t), None)
             if j is not None and (diff is None or diff[j]):
                 declared = list(diff or (True,) * n_out)
@@ -805,7 +804,7 @@ def _define(
                 function.setup_context(ctx, tuple(fargs), forward(*fargs))
         fixed: dict[str, tuple[Any, list[Any]]] = {}
         for attr, (spec, leaves) in attrs.items():
-            again = ctx.record().attrs.get(attr, leaves[0] if spec is None else None)
+            again = ctx._cg_attrs.get(attr, leaves[0] if spec is None else None)
             new, new_spec = _flatten(again)
             if (None if new_spec.is_leaf() else new_spec) != spec or len(new) != len(leaves):
                 fixed[attr] = (spec, leaves)  # another structure: keep what the kernel saw
@@ -1275,7 +1274,7 @@ class DeferredFunctionOp:
             if isinstance(c, _Tensor)
             and any(isinstance(o, _Tensor) and _is_alias_of(o, c) for o in outs)
         )
-        return out, list(ctx.non_differentiable()), cloned
+        return out, list(ctx._cg_nondiff), cloned
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,32 +1,20 @@
-"""A ``torch.autograd.Function``'s ctx as customgrad records it and hands it to the backward.
+"""A ``torch.autograd.Function``'s ctx, as customgrad records it and hands it to the backward.
 
-Two places call a Function's ``backward`` themselves: an op made with ``from_function``
-(:mod:`customgrad._from_function`), whose kernel runs the forward with a :class:`ForwardContext`
-that records what it keeps, and the stage's split of a plain Function's node
-(:mod:`customgrad.pipelining._function_split`), which reads what torch's ctx kept
-(:func:`recorded`). Both hand the backward a :class:`FunctionContext` built from that record.
-The pipeline imports this module alone (not the op library).
+Two places call a Function's ``backward`` themselves: an op made with ``from_function``, whose
+kernel runs the forward with a :class:`ForwardContext` that records what it keeps, and the
+stage's split of a plain Function's node, which reads what torch's ctx kept (:func:`of_node`).
+Both hand the backward a :class:`FunctionContext`. The pipeline imports this module alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
 
 import torch
 
 from customgrad._errors import UnsupportedError, where
 
-__all__ = ["ForwardContext", "FunctionContext", "Recorded", "recorded"]
-
-
-class Recorded(NamedTuple):
-    """What a Function's forward kept on its ctx: the saved tensors, the other attributes it set,
-    and which inputs require grad."""
-
-    saved: tuple[object, ...]
-    attrs: Mapping[str, object]
-    needs_input_grad: tuple[bool, ...]
+__all__ = ["ForwardContext", "FunctionContext", "of_node"]
 
 
 class FunctionContext:
@@ -34,14 +22,19 @@ class FunctionContext:
     set, and ``needs_input_grad`` for the running pass. A plain object, so that dynamo (which
     captures the backward for the automatic split) reads and guards each attribute."""
 
-    def __init__(self, record: Recorded) -> None:
-        for name, value in record.attrs.items():  # dynamo traces setattr (torch 2.11: not update)
+    def __init__(
+        self,
+        saved: tuple[object, ...],
+        attrs: Mapping[str, object],
+        needs_input_grad: tuple[bool, ...],
+    ) -> None:
+        for name, value in attrs.items():  # dynamo traces setattr (torch 2.11: not update)
             setattr(self, name, value)
-        self.saved_tensors = record.saved
-        self.needs_input_grad = record.needs_input_grad
+        self.saved_tensors = saved
+        self.needs_input_grad = needs_input_grad
 
 
-def recorded(node: torch.autograd.graph.Node) -> Recorded | None:
+def of_node(node: torch.autograd.graph.Node) -> FunctionContext | None:
     """What the forward of a Function's ``node`` kept (torch's ctx is the node), or None when its
     saved tensors were freed."""
     try:
@@ -49,12 +42,13 @@ def recorded(node: torch.autograd.graph.Node) -> Recorded | None:
     except RuntimeError:
         return None
     attrs = {k: v for k, v in vars(node).items() if k != "apply"}
-    return Recorded(saved, attrs, node.needs_input_grad)  # type: ignore[attr-defined]
+    return FunctionContext(saved, attrs, node.needs_input_grad)  # type: ignore[attr-defined]
 
 
 class ForwardContext:
     """The ``ctx`` of a Function's ``forward`` (or ``setup_context``) run as an op's kernel:
-    records what it keeps (:meth:`record`) instead of keeping it."""
+    records what it keeps (``_cg_saved``, ``_cg_attrs``, ``_cg_nondiff``: names no forward sets)
+    instead of keeping it."""
 
     _cg: tuple[str, Callable[..., object]]
     _cg_saved: tuple[torch.Tensor | None, ...]
@@ -74,19 +68,11 @@ class ForwardContext:
     def __setattr__(self, name: str, value: object) -> None:
         self._cg_attrs[name] = value
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> object:  # what forward set, read back
         attrs = object.__getattribute__(self, "_cg_attrs")
         if name in attrs:
             return attrs[name]
         raise AttributeError(name)
-
-    def record(self) -> Recorded:
-        """What the forward kept: the tensors it saved, the attributes it set."""
-        return Recorded(self._cg_saved, self._cg_attrs, self.needs_input_grad)
-
-    def non_differentiable(self) -> list[torch.Tensor]:
-        """The outputs forward passed to ``ctx.mark_non_differentiable``."""
-        return self._cg_nondiff
 
     def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
         object.__setattr__(self, "_cg_saved", tensors)

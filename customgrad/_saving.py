@@ -4,6 +4,7 @@ changes are caught and no reference cycle keeps outputs alive), the rest as it i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from typing import Any, NamedTuple
 
@@ -33,36 +34,31 @@ _registering = threading.Lock()
 def register_dataclasses(leaves: list[Any]) -> bool:
     """Make the dataclass types among ``leaves`` nodes of :data:`SAVED` (once each); True if
     there was one (flatten again to see inside it)."""
-    found: set[type[Any]] = {
-        type(leaf)
-        for leaf in leaves
-        if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
+    found: set[Any] = {
+        type(v) for v in leaves if dataclasses.is_dataclass(v) and not isinstance(v, type)
     }
-    for cls in found:
-        with _registering:
+    with _registering:
+        for cls in found:
             if optree.register_pytree_node.get(cls, namespace=SAVED) is None:
-                optree.register_pytree_node(cls, _fields, _rebuild(cls), namespace=SAVED)
+                rebuild: Any = functools.partial(_rebuild, cls)
+                optree.register_pytree_node(cls, _fields, rebuild, namespace=SAVED)
     return bool(found)
 
 
 def _fields(obj: Any) -> tuple[list[object], tuple[str, ...], tuple[str, ...]]:
-    """A dataclass instance's fields and other attributes, in order, named."""
+    """A dataclass instance's fields and other attributes, named."""
     names = [f.name for f in dataclasses.fields(obj)]
     names += [n for n in getattr(obj, "__dict__", {}) if n not in names]
     return [getattr(obj, n) for n in names], tuple(names), tuple(names)
 
 
-def _rebuild(cls: type) -> Any:
-    """Rebuilds an instance of ``cls`` from its attributes, without calling ``__init__`` or
-    ``__post_init__`` (which may compute, or refuse a frozen field's value)."""
-
-    def rebuild(names: tuple[str, ...], values: Any) -> Any:
-        obj: object = object.__new__(cls)
-        for n, v in zip(names, values):
-            object.__setattr__(obj, n, v)
-        return obj
-
-    return rebuild
+def _rebuild(cls: type, names: tuple[str, ...], values: Any) -> object:
+    """An instance of ``cls`` with these attributes, made without ``__init__`` or
+    ``__post_init__`` (which may compute, or refuse to set a frozen field)."""
+    obj: object = object.__new__(cls)
+    for n, v in zip(names, values):
+        object.__setattr__(obj, n, v)
+    return obj
 
 
 class SaveError(GradientTypeError):

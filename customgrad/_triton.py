@@ -159,11 +159,14 @@ def launch_in(fn: object, depth: int = 3) -> RawLaunch | None:
 
 def function_named(name: str, ident: int) -> object | None:
     """The function named ``name`` (a module's global, or a class's attribute ``A.b``) whose
-    ``id`` is ``ident``, found in the modules loaded, or None."""
+    ``id`` is ``ident``, found in the modules loaded (read from their ``__dict__``: nothing
+    runs), or None."""
+    first, *rest = name.split(".")
     for module in list(sys.modules.values()):
-        value: object = module
-        for part in name.split("."):
-            value = getattr(value, part, None)
+        value: object = getattr(module, "__dict__", {}).get(first)
+        for part in rest:
+            member = getattr(value, "__dict__", {}).get(part)
+            value = getattr(member, "__func__", member)  # a staticmethod's function
         if value is not None and id(value) == ident:
             return value
     return None

@@ -427,10 +427,7 @@ def test_a_trace_that_hits_a_raw_launch_is_explained_by_the_kernel() -> None:
         f"it launches the Triton kernel _backward_kernel directly ({rms_module.__file__}:"
     )
     assert reason.endswith("), which fake tensors cannot run")
-    assert fix == (
-        "make the kernel an op with a fake kernel (a customgrad op, or torch.library.triton_op) "
-        "and call the op from the backward: the trace keeps it as one opaque call"
-    )
+    assert fix == FIX_RAW_LAUNCH
 
 
 if HAS_TRITON:

@@ -31,7 +31,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _tracing_now, ambient
 from customgrad._capture import Capture, Fallback, capture_backward
-from customgrad._function_ctx import FunctionContext, recorded
+from customgrad._function_ctx import of_node
 from customgrad._handoff import Kept
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
@@ -272,11 +272,10 @@ def split_input(
             edges.append((f"arg{p}", fn, nr))
     weights = tuple(name for name, _, _ in edges)
     requires = frozenset(f"arg{p}" for p in positions if needs[p])
-    record = recorded(node)
-    if record is None:
+    ctx = of_node(node)
+    if ctx is None:
         return None  # freed: the backward as written raises torch's error
-    saved = record.saved
-    ctx = FunctionContext(record)
+    saved = ctx.saved_tensors
     splitter = _SPLITTERS.get(cls)
     if splitter is None:
         splitter = _SPLITTERS[cls] = _Splitter(cls)

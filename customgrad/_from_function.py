@@ -453,6 +453,8 @@ class _Writes:
             if not isinstance(t, _Tensor) or (written is not None and at not in written):
                 return t
             c = t.clone()
+            if t.requires_grad and not c.requires_grad:  # cloned without grad: read as t is
+                c.requires_grad_()
             c.__dict__ = t.__dict__  # its attributes are the original's (Megatron's main_grad)
             return c
 

@@ -35,7 +35,11 @@ def register_dataclasses(leaves: list[Any]) -> bool:
     """Make the dataclass types among ``leaves`` nodes of :data:`SAVED` (once each); True if
     there was one (flatten again to see inside it)."""
     found: set[Any] = {
-        type(v) for v in leaves if dataclasses.is_dataclass(v) and not isinstance(v, type)
+        type(v)
+        for v in leaves
+        if dataclasses.is_dataclass(v)
+        and not isinstance(v, type)
+        and type(v).__new__ is object.__new__  # rebuilt as _rebuild does (not a dict subclass)
     }
     with _registering:
         for cls in found:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -31,7 +32,7 @@ autograd, watched for in-place writes and captured like any other."""
 _registering = threading.Lock()
 
 
-def register_dataclasses(leaves: list[Any]) -> bool:
+def register_dataclasses(leaves: Sequence[object]) -> bool:
     """Make the dataclass types among ``leaves`` nodes of :data:`SAVED` (once each); True if
     there was one (flatten again to see inside it)."""
     found: set[Any] = {

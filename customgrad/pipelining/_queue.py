@@ -390,7 +390,8 @@ class WeightGradQueue:
 
         Args:
             keys: the ``(stage, microbatch)`` keys whose W may run in the block's waits, in that
-                order; None (the default): every key queued when a wait begins, oldest first.
+                order (those not queued, or already run, are passed over); None (the default):
+                every key queued when a wait begins, oldest first.
 
         Example:
             >>> import customgrad as cg
@@ -446,10 +447,6 @@ class WeightGradQueue:
 
         Returns:
             The ``(stage, microbatch)`` keys whose W ran.
-
-        Raises:
-            MissingInputPassError: a key given to :meth:`overlap` was never queued.
-            WeightPassTwiceError: a key given to :meth:`overlap` already ran.
         """
         timer = RECORDER.get()
         start = time.perf_counter()
@@ -463,11 +460,11 @@ class WeightGradQueue:
             with timer.action("W", *key) if timer is not None else contextlib.nullcontext():
                 self.run(*key)
             ran.append(key)
-        overlapped = time.perf_counter()
+        overlapped = time.perf_counter() if ran else start
         work.wait()
         if timer is not None:
             end = time.perf_counter()
-            hidden = (overlapped if seen_done is None else seen_done) - start
+            hidden = (overlapped if seen_done is None else min(seen_done, overlapped)) - start
             timer.record_wait(label, start, end, overlapped - start, hidden)
         return ran
 
@@ -476,10 +473,8 @@ class WeightGradQueue:
         scopes = [keys for queue, keys in _OVERLAPS.get() if queue is self]
         if not scopes or current_node() is not None:
             return []
-        keys = scopes[-1]
-        if keys is None:
-            return self.pending()
-        return [k for k in keys if not self.ran(*k)]
+        keys, pending = scopes[-1], self.pending()
+        return pending if keys is None else [k for k in keys if k in pending]
 
     def run(self, stage: int, microbatch: int) -> None:
         """Run W for one microbatch: compute its queued weight gradients and accumulate them.

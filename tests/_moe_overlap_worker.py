@@ -1,0 +1,166 @@
+"""Worker for ``tests/test_moe_overlap.py``: weight work hides the expert all-to-all.
+
+2 processes, expert-parallel over both (``examples/moe_ep.py``: each MoE block's experts split
+between them, every other weight replicated); each process runs its own pipeline of two stages
+(one block each, a V on one rank: pipeline group of one) through torch's ``ScheduleDualPipeV`` and
+``ScheduleZBVZeroBubble``, with and without :func:`customgrad.pipelining.overlap_forward_backward`,
+once with the dense weights under FSDP2 (``fully_shard`` over both processes, the experts left
+out), and through a hand-written loop that wraps each forward in ``queue.overlap()``. Each case
+runs one step timed by :class:`customgrad.pipelining.ActionTimer` and records its gradients, the
+step, and what the weights' hooks and FSDP2's reduction saw. Launch with
+``tests._mp_workers.spawn``; importable by name so spawned processes can unpickle it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
+from torch import Tensor, nn
+
+import customgrad.pipelining as cgp
+from customgrad.pipelining import StepTimeline, WeightGradQueue
+from examples import moe_ep
+
+CFG = moe_ep.Config()
+BLOCKS, MICROBATCHES, ROWS = 2, 4, 32
+
+
+@dataclass(frozen=True)
+class Case:
+    runner: str  # a schedule's name, or "loop" (hand-written)
+    overlap: bool
+    fsdp: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.runner}{'+overlap' if self.overlap else ''}{'+fsdp' if self.fsdp else ''}"
+
+
+@dataclass
+class Outcome:
+    grads: dict[str, Tensor]  # this rank's, full tensors
+    step: StepTimeline
+    # at each post-accumulate-grad hook firing: (weight, firings so far, its stage's W run so far)
+    hooks: list[tuple[str, int, int]] = field(default_factory=list)
+    # at each FSDP2 reduction: (stage, accumulations of each of its dense weights so far)
+    reductions: list[tuple[int, int]] = field(default_factory=list)
+
+
+def batches() -> list[tuple[Tensor, Tensor]]:
+    """Each rank's ``(x, target)``."""
+    gen = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(ROWS, CFG.dim, generator=gen, dtype=CFG.dtype),
+         torch.randn(ROWS, CFG.dim, generator=gen, dtype=CFG.dtype))
+        for _ in range(2)
+    ]  # fmt: skip
+
+
+def _watch(out: Outcome, queue: WeightGradQueue, stage: int, block: nn.Module) -> None:
+    for name, p in block.named_parameters():
+        full, fired = f"{stage}.{name}", [0]
+
+        def hook(p: Tensor, full: str = full, fired: list[int] = fired) -> None:
+            fired[0] += 1
+            ran = sum(queue.ran(stage, mb) for mb in range(MICROBATCHES))
+            out.hooks.append((full, fired[0], ran))
+
+        p.register_post_accumulate_grad_hook(hook)
+
+
+def _fsdp(block: moe_ep.MoEBlock, stage: int, out: Outcome) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fsdp = fully_shard(block, mesh=mesh, ignored_params={block.w1, block.w2})
+    dense = [n for n, _ in block.named_parameters() if n not in ("w1", "w2")]
+    accumulated = dict.fromkeys(dense, 0)
+    hooked: set[int] = set()
+
+    def pre_forward(mod: nn.Module, args: object) -> None:
+        # Inside forward (after FSDP's own pre-forward) the module holds the unsharded
+        # parameters, the tensors autograd accumulates into: count their accumulations.
+        for name, p in mod.named_parameters():
+            if name in accumulated and id(p) not in hooked:
+                hooked.add(id(p))
+                p.register_post_accumulate_grad_hook(
+                    lambda _, name=name: accumulated.__setitem__(name, accumulated[name] + 1)
+                )
+
+    fsdp.register_forward_pre_hook(pre_forward)
+    fsdp.set_all_reduce_hook(lambda _: out.reductions.append((stage, min(accumulated.values()))))
+    return fsdp
+
+
+def run_case(case: Case, pp_group: dist.ProcessGroup) -> Outcome:
+    rank = dist.get_rank()
+    queue = WeightGradQueue()
+    blocks = [moe_ep.MoEBlock(CFG, b, dist.group.WORLD, queue) for b in range(BLOCKS)]
+    x, target = batches()[rank]
+    timer = cgp.ActionTimer()
+    out = Outcome({}, StepTimeline(()))
+    if case.runner == "loop":
+        model = nn.Sequential(*blocks)
+        if not case.fsdp:
+            _watch(out, queue, 0, model)
+        with timer.step():
+            _loop(model, queue, timer, x, target, case.overlap)
+    else:
+        mods: list[nn.Module] = []
+        for s, block in enumerate(blocks):
+            if case.fsdp:
+                mods.append(_fsdp(block, s, out))
+            else:
+                _watch(out, queue, s, block)
+                mods.append(block)
+        stage_cls = timer.stage_class(cgp.PipelineStage)
+        stages = [stage_cls(m, s, BLOCKS, torch.device("cpu"), group=pp_group, queue=queue)
+                  for s, m in enumerate(mods)]  # fmt: skip
+        schedule = getattr(pipelining, case.runner)(stages, MICROBATCHES, loss_fn=moe_ep.loss_fn)
+        if case.overlap:
+            cgp.overlap_forward_backward(schedule)
+        with timer.step():
+            schedule.step(x, target=target)
+    out.step = StepTimeline(tuple(timer.steps))
+    for b, block in enumerate(blocks):
+        for name, p in block.named_parameters():
+            g = p.grad
+            full = g.full_tensor() if hasattr(g, "full_tensor") else g  # FSDP2: a DTensor
+            out.grads[f"{b}.{name}"] = full.detach().clone()
+    return out
+
+
+def _loop(
+    model: nn.Module, queue: WeightGradQueue, timer: cgp.ActionTimer, x: Tensor, target: Tensor,
+    overlap: bool,
+) -> None:  # fmt: skip
+    """One stage, microbatch after microbatch: the forward of ``i`` waits with the W of ``i -
+    1`` (inside ``queue.overlap()``), then ``i``'s input pass queues its own."""
+    pairs = list(zip(x.chunk(MICROBATCHES), target.chunk(MICROBATCHES)))
+    for i, (xm, tm) in enumerate(pairs):
+        with queue.overlap() if overlap else contextlib.nullcontext(), queue.microbatch(0, i):
+            with timer.action("F", 0, i):
+                loss = moe_ep.loss_fn(model(xm), tm) / MICROBATCHES
+        with timer.action("I", 0, i):
+            queue.backward(loss)
+    for key in queue.pending():
+        with timer.action("W", *key):
+            queue.run(*key)
+    queue.finish()
+
+
+def run_cases(cases: list[Case], out_path: str) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pp_groups = [dist.new_group([r]) for r in range(world)]  # each rank its own pipeline
+    results = {c: run_case(c, pp_groups[rank]) for c in cases}
+    everyone: list[dict[Case, Outcome] | None] = [None] * world
+    dist.all_gather_object(everyone, results)
+    if rank == 0:
+        Path(out_path).write_bytes(pickle.dumps(everyone))

@@ -145,9 +145,9 @@ def _loop(
     1`` (inside ``queue.overlap()``), then ``i``'s input pass queues its own."""
     pairs = list(zip(x.chunk(MICROBATCHES), target.chunk(MICROBATCHES)))
     for i, (xm, tm) in enumerate(pairs):
-        with queue.overlap() if overlap else contextlib.nullcontext(), queue.microbatch(0, i):
-            with timer.action("F", 0, i):
-                loss = moe_ep.loss_fn(model(xm), tm) / MICROBATCHES
+        hiding = queue.overlap() if overlap else contextlib.nullcontext()
+        with hiding, queue.microbatch(0, i), timer.action("F", 0, i):
+            loss = moe_ep.loss_fn(model(xm), tm) / MICROBATCHES
         with timer.action("I", 0, i):
             queue.backward(loss)
     for key in queue.pending():

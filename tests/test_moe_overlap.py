@@ -58,7 +58,9 @@ def test_gradients_equal_one_process(results: Results, case: w.Case) -> None:
 
 
 @pytest.mark.parametrize("runner", [*SCHEDULES, "loop"])
-def test_gradients_with_the_overlap_are_those_without_exactly(results: Results, runner: str) -> None:
+def test_gradients_with_the_overlap_are_those_without_exactly(
+    results: Results, runner: str
+) -> None:
     for outcomes in results:
         plain, hidden = outcomes[w.Case(runner, False)], outcomes[w.Case(runner, True)]
         for name, g in plain.grads.items():

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, OVERLAP_F_B = "F", "I", "W", "B", "OVERLAP_F_B"
+COMPUTE_KINDS = frozenset({"F", "I", "W", "B", "OVERLAP_F_B"})
 COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
 
 __all__ = [
@@ -146,7 +146,7 @@ class RuntimeStep:
             if kind in COMM_KINDS:
                 continue
             kinds.append(kind)
-            if kind in (FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FULL_BACKWARD, OVERLAP_F_B):
+            if kind in COMPUTE_KINDS:
                 break
         return kinds
 
@@ -208,7 +208,7 @@ def _running_step_locals() -> dict[str, Any]:
     """``loss_kwargs`` and ``return_outputs`` of the ``_step_microbatches`` frame that called
     the custom function (on this thread's stack), or nothing when none is found."""
     code = runtime_class()._step_microbatches.__code__
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         if frame.f_code is code:
             return {k: frame.f_locals[k] for k in ("loss_kwargs", "return_outputs")

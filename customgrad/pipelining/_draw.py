@@ -76,9 +76,14 @@ class Bar:
 
 
 class _Comm(Protocol):
-    rank: int
-    start: float
-    hidden: float
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def start(self) -> float: ...
+
+    @property
+    def hidden(self) -> float: ...
 
     @property
     def exposed(self) -> float: ...

@@ -22,7 +22,7 @@ pipelining.RuntimeStep`'s, the same as torch's own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,6 +30,12 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._torch.pipelining import RuntimeStep, register_action, runtime_class
 from customgrad.pipelining._queue import WeightGradQueue
 from customgrad.pipelining._stage import PipelineStage
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
 
 __all__ = ["overlap_forward_backward"]
 
@@ -66,7 +72,7 @@ with one: queue = WeightGradQueue(); PipelineStage(..., queue=queue) for each.
 """
 
 
-def overlap_forward_backward(schedule: Any) -> None:
+def overlap_forward_backward(schedule: PipelineScheduleSingle | PipelineScheduleMulti) -> None:
     """Make ``schedule`` run weight work (W) inside its forwards' all-to-all waits.
 
     For torch's schedules that run an action list (``ScheduleDualPipeV``,
@@ -110,7 +116,7 @@ def overlap_forward_backward(schedule: Any) -> None:
     """
     if not isinstance(schedule, runtime_class()):
         raise ArgumentTypeError(MSG_NOT_A_RUNTIME.format(got=type(schedule).__name__))
-    stages: list[Any] = list(RuntimeStep.stages_of(schedule))
+    stages = RuntimeStep.stages_of(schedule)
     queue: WeightGradQueue | None = None
     first = -1
     for stage in stages:
@@ -139,12 +145,14 @@ class _Overlap:
         self.held = held  # DDP stages: W in its slot
         self.deferred: list[Key] = []
 
-    def forward(self, action: Any, ctx: Any) -> None:
+    # torch calls these with its _Action and _PipelineContext (RuntimeStep reads them)
+
+    def forward(self, action: object, ctx: object) -> None:
         step = RuntimeStep(ctx)
         ((stage, _, mb),) = step.parts(action)
         self._forward(step, stage, mb)
 
-    def weight(self, action: Any, ctx: Any) -> None:
+    def weight(self, action: object, ctx: object) -> None:
         step = RuntimeStep(ctx)
         ((stage, _, mb),) = step.parts(action)
         if stage not in self.held and step.next_kinds(action) in (["F"], ["OVERLAP_F_B"]):
@@ -152,7 +160,7 @@ class _Overlap:
         else:
             step.weight(stage, mb)
 
-    def pair(self, action: Any, ctx: Any) -> None:
+    def pair(self, action: object, ctx: object) -> None:
         step = RuntimeStep(ctx)
         parts = {kind: (stage, mb) for stage, kind, mb in step.parts(action)}
         (f_stage, f_mb), (b_stage, b_mb) = parts["F"], parts["B"]

@@ -56,7 +56,14 @@ from customgrad.pipelining._streams import AcceleratorStreams, QueuedWork, Strea
 from customgrad.pipelining._tagging import Attachment, Key, Tag
 from customgrad.pipelining._weight_pass import send_gradients
 
-__all__ = ["RECORDER", "AcceleratorStreams", "InFlight", "StreamPolicy", "WaitRecorder", "WeightGradQueue"]
+__all__ = [
+    "RECORDER",
+    "AcceleratorStreams",
+    "InFlight",
+    "StreamPolicy",
+    "WaitRecorder",
+    "WeightGradQueue",
+]
 
 
 class InFlight(Protocol):

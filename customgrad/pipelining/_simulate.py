@@ -654,7 +654,12 @@ class _Replay:
         self, order: Order, stage_to_rank: tuple[int, ...], costs: tuple[StageCosts, ...],
         overlap: bool,
     ) -> None:  # fmt: skip
-        self.order, self.stage_to_rank, self.costs, self.overlap = order, stage_to_rank, costs, overlap
+        self.order, self.stage_to_rank, self.costs, self.overlap = (
+            order,
+            stage_to_rank,
+            costs,
+            overlap,
+        )
         ranks = range(len(order))
         self.free = [0.0 for _ in ranks]
         self.busy = [0.0 for _ in ranks]

@@ -508,8 +508,6 @@ class ActionTimer:
         Actions run outside ``timer.step()`` are not recorded.
     """
 
-
-
     def __init__(
         self, device: torch.device | str | None = None, group: dist.ProcessGroup | None = None
     ) -> None:

@@ -65,6 +65,8 @@ class Bar:
         duration: seconds.
         label: drawn inside the bar (the microbatch) when it fits, else dropped.
         second: the action belongs to the rank's second (or later) stage: drawn lighter.
+        over: the action ran inside another (a W in its all-to-all wait): drawn over it, label
+            included.
     """
 
     kind: str
@@ -73,6 +75,7 @@ class Bar:
     duration: float
     label: str = ""
     second: bool = False
+    over: bool = False
 
 
 class _Comm(Protocol):
@@ -189,17 +192,18 @@ def draw_timeline(
     for b in bars:
         if b.kind in COMM_COLORS:  # a band along the bottom of the row, over the actions
             ax.add_patch(Rectangle((b.start * scale, b.row + 0.22), b.duration * scale, 0.18,
-                                   facecolor=COMM_COLORS[b.kind], linewidth=0, zorder=3))  # fmt: skip
+                                   facecolor=COMM_COLORS[b.kind], linewidth=0, zorder=6))  # fmt: skip
             continue
         color = WAIT_COLOR if b.kind == "wait" else COLORS[b.kind]
         patch = Rectangle((b.start * scale, b.row - 0.4), b.duration * scale, 0.8,
                           facecolor=color, edgecolor="white", linewidth=0.4,
-                          alpha=SECOND_STAGE_ALPHA if b.second else 1.0)  # fmt: skip
+                          alpha=SECOND_STAGE_ALPHA if b.second else 1.0,
+                          zorder=4 if b.over else 1)  # fmt: skip
         ax.add_patch(patch)
         if b.label and b.kind != "wait":
             ax.add_artist(label_class(patch, (b.start + b.duration / 2) * scale, b.row, b.label,
                                       ha="center", va="center", fontsize=LABEL_FONTSIZE,
-                                      color="white"))  # fmt: skip
+                                      color="white", zorder=5 if b.over else 3))  # fmt: skip
     ax.set_xlim(0, max(span, 1e-12) * scale)
     ax.set_ylim(n - 0.5, -0.5)
     ax.set_yticks(range(n), list(rows))

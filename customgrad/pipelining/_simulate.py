@@ -339,8 +339,9 @@ class Simulation:
                 a.duration,
                 str(a.microbatch),
                 second=a.stage != first_stage[a.rank],
+                over=a.in_wait,
             )
-            for a in sorted(self.timeline, key=lambda a: a.in_wait)  # nested W drawn on top
+            for a in self.timeline
         ]
         bars.extend(comm_bars(self.comms, {r: r for r in range(self.n_ranks)}))
         return draw_timeline(

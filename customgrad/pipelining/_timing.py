@@ -297,6 +297,7 @@ class StepTimeline:
         ax: Axes | None = None,
         title: str | None = None,
         notes: Sequence[str] = (),
+        span: float | None = None,
     ) -> Figure:
         """Draw the step as :meth:`Simulation.draw <customgrad.pipelining.Simulation.draw>`
         draws a replayed one (ranks as rows, one bar per action, the same colours and legend),
@@ -308,6 +309,8 @@ class StepTimeline:
             ax: axes to draw into; None: a new figure.
             title: the title; None: :meth:`summary`.
             notes: lines of explanation added to the legend.
+            span: seconds the time axis covers; None: the step's. Give two steps the same to
+                compare them on one scale.
 
         Returns:
             The figure drawn on.
@@ -317,15 +320,23 @@ class StepTimeline:
             first = min(r.stages, default=0)
             bars.extend(Bar("wait", y, w.start, w.duration) for w in r.waits)
             bars.extend(
-                Bar(a.kind, y, a.start, a.duration, str(a.microbatch), second=a.stage != first)
-                for a in sorted(r.actions, key=lambda a: _nested_in(a, r.actions))
+                Bar(
+                    a.kind,
+                    y,
+                    a.start,
+                    a.duration,
+                    str(a.microbatch),
+                    second=a.stage != first,
+                    over=_nested_in(a, r.actions),
+                )
+                for a in r.actions
             )
         bars.extend(comm_bars([c for r in self.ranks for c in r.comms],
                               {r.rank: y for y, r in enumerate(self.ranks)}))  # fmt: skip
         return draw_timeline(
             bars,
             rows=[f"rank {r.rank}" for r in self.ranks],
-            span=self.duration,
+            span=self.duration if span is None else span,
             title=self.summary() if title is None else title,
             path=path,
             ax=ax,

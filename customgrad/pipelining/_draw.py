@@ -148,6 +148,19 @@ def _bar_label_class() -> type[Any]:
     return BarLabel
 
 
+def _free_part(bar: Bar, bars: Sequence[Bar]) -> tuple[float, float]:
+    """The widest part of ``bar`` that no bar drawn over it covers: ``(start, duration)``."""
+    end = bar.start + bar.duration
+    covers = sorted((o.start, o.start + o.duration) for o in bars
+                    if o.over and o.row == bar.row and bar.start <= o.start < end)  # fmt: skip
+    best, at = (bar.start, 0.0), bar.start
+    for lo, hi in [*covers, (end, end)]:
+        if lo - at > best[1]:
+            best = (at, lo - at)
+        at = max(at, hi)
+    return best
+
+
 def draw_timeline(
     bars: Sequence[Bar],
     *,
@@ -201,7 +214,12 @@ def draw_timeline(
                           zorder=4 if b.over else 1)  # fmt: skip
         ax.add_patch(patch)
         if b.label and b.kind != "wait":
-            ax.add_artist(label_class(patch, (b.start + b.duration / 2) * scale, b.row, b.label,
+            start, width = (b.start, b.duration) if b.over else _free_part(b, bars)
+            room = patch
+            if (start, width) != (b.start, b.duration):  # the label sits beside what covers it
+                room = Rectangle((start * scale, b.row - 0.4), width * scale, 0.8,
+                                 transform=ax.transData)  # fmt: skip
+            ax.add_artist(label_class(room, (start + width / 2) * scale, b.row, b.label,
                                       ha="center", va="center", fontsize=LABEL_FONTSIZE,
                                       color="white", zorder=5 if b.over else 3))  # fmt: skip
     ax.set_xlim(0, max(span, 1e-12) * scale)

@@ -5,7 +5,9 @@ between them, every other weight replicated); each process runs its own pipeline
 (one block each, a V on one rank: pipeline group of one) through torch's ``ScheduleDualPipeV`` and
 ``ScheduleZBVZeroBubble``, with and without :func:`customgrad.pipelining.overlap_forward_backward`,
 once with the dense weights under FSDP2 (``fully_shard`` over both processes, the experts left
-out), and through a hand-written loop that wraps each forward in ``queue.overlap()``. Each case
+out), and through a hand-written loop that wraps each forward in ``queue.overlap()``. The
+"pipeline" cases make the two processes one pipeline of four stages instead (a V over both,
+sends and receives between them), each block with all its experts (an all-to-all with itself). Each case
 runs one step timed by :class:`customgrad.pipelining.ActionTimer` and records its gradients, the
 step, and what the weights' hooks and FSDP2's reduction saw. Launch with
 ``tests._mp_workers.spawn``; importable by name so spawned processes can unpickle it.
@@ -36,10 +38,22 @@ class Case:
     runner: str  # a schedule's name, or "loop" (hand-written)
     overlap: bool
     fsdp: bool = False
+    pipeline: bool = False  # the processes are one pipeline, not expert-parallel
 
     @property
     def id(self) -> str:
-        return f"{self.runner}{'+overlap' if self.overlap else ''}{'+fsdp' if self.fsdp else ''}"
+        flags = [f for f, on in (("overlap", self.overlap), ("fsdp", self.fsdp),
+                                 ("pipeline", self.pipeline)) if on]  # fmt: skip
+        return "+".join([self.runner, *flags])
+
+    @property
+    def stages(self) -> int:
+        return 2 * BLOCKS if self.pipeline else BLOCKS
+
+
+def stages_of(case: Case, rank: int) -> list[int]:
+    """The stages ``rank`` runs: its V of the pipeline, or all of its own pipeline's."""
+    return [rank, case.stages - 1 - rank] if case.pipeline else list(range(BLOCKS))
 
 
 @dataclass
@@ -99,37 +113,44 @@ def _fsdp(block: moe_ep.MoEBlock, stage: int, out: Outcome) -> nn.Module:
     return fsdp
 
 
-def run_case(case: Case, pp_group: dist.ProcessGroup) -> Outcome:
+def run_case(case: Case, own_group: dist.ProcessGroup) -> Outcome:
+    """One step of ``case``; ``own_group`` holds this process alone."""
     rank = dist.get_rank()
     queue = WeightGradQueue()
-    blocks = [moe_ep.MoEBlock(CFG, b, dist.group.WORLD, queue) for b in range(BLOCKS)]
-    x, target = batches()[rank]
+    mine = stages_of(case, rank)
+    ep_group, pp_group = (
+        (own_group, dist.group.WORLD) if case.pipeline else (dist.group.WORLD, own_group)
+    )
+    blocks = {s: moe_ep.MoEBlock(CFG, s, ep_group, queue) for s in mine}
+    x, target = batches()[0 if case.pipeline else rank]
     timer = cgp.ActionTimer()
     out = Outcome({}, StepTimeline(()))
     if case.runner == "loop":
-        model = nn.Sequential(*blocks)
+        model = nn.Sequential(*blocks.values())
         if not case.fsdp:
             _watch(out, queue, 0, model)
         with timer.step():
             _loop(model, queue, timer, x, target, case.overlap)
     else:
-        mods: list[nn.Module] = []
-        for s, block in enumerate(blocks):
+        mods: dict[int, nn.Module] = {}
+        for s, block in blocks.items():
             if case.fsdp:
-                mods.append(_fsdp(block, s, out))
+                mods[s] = _fsdp(block, s, out)
             else:
                 _watch(out, queue, s, block)
-                mods.append(block)
+                mods[s] = block
         stage_cls = timer.stage_class(cgp.PipelineStage)
-        stages = [stage_cls(m, s, BLOCKS, torch.device("cpu"), group=pp_group, queue=queue)
-                  for s, m in enumerate(mods)]  # fmt: skip
+        stages = [stage_cls(m, s, case.stages, torch.device("cpu"), group=pp_group, queue=queue)
+                  for s, m in mods.items()]  # fmt: skip
         schedule = getattr(pipelining, case.runner)(stages, MICROBATCHES, loss_fn=moe_ep.loss_fn)
         if case.overlap:
             cgp.overlap_forward_backward(schedule)
+        args = (x,) if 0 in mine else ()
+        kwargs = {"target": target} if case.stages - 1 in mine else {}
         with timer.step():
-            schedule.step(x, target=target)
+            schedule.step(*args, **kwargs)
     out.step = StepTimeline(tuple(timer.steps))
-    for b, block in enumerate(blocks):
+    for b, block in blocks.items():
         for name, p in block.named_parameters():
             g = p.grad
             full = g.full_tensor() if hasattr(g, "full_tensor") else g  # FSDP2: a DTensor
@@ -158,8 +179,8 @@ def _loop(
 
 def run_cases(cases: list[Case], out_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
-    pp_groups = [dist.new_group([r]) for r in range(world)]  # each rank its own pipeline
-    results = {c: run_case(c, pp_groups[rank]) for c in cases}
+    own = [dist.new_group([r]) for r in range(world)]  # every group is made on every rank
+    results = {c: run_case(c, own[rank]) for c in cases}
     everyone: list[dict[Case, Outcome] | None] = [None] * world
     dist.all_gather_object(everyone, results)
     if rank == 0:

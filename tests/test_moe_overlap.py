@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.pipelining as pipelining
 
-from customgrad.pipelining import simulate, stage_costs
+from customgrad.pipelining import StepTimeline, simulate, stage_costs
 from examples import moe_ep
 from tests import _moe_overlap_worker as w
 from tests._mp_workers import spawn
@@ -22,12 +22,17 @@ from tests._mp_workers import spawn
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SCHEDULES = ("ScheduleDualPipeV", "ScheduleZBVZeroBubble")
+# Expert-parallel over both processes (each its own pipeline): DualPipeV, FSDP2, a loop; one
+# pipeline over both (receives between them): DualPipeV and ZBV.
 CASES = [
-    *(w.Case(s, overlap) for s in SCHEDULES for overlap in (False, True)),
+    *(w.Case("ScheduleDualPipeV", overlap) for overlap in (False, True)),
     w.Case("ScheduleDualPipeV", True, fsdp=True),
     w.Case("loop", False),
     w.Case("loop", True),
+    *(w.Case(s, overlap, pipeline=True) for s in SCHEDULES for overlap in (False, True)),
 ]
+PAIRS = [(c, w.Case(c.runner, True, pipeline=c.pipeline)) for c in CASES
+         if not c.overlap and not c.fsdp]  # fmt: skip
 Results = list[dict[w.Case, w.Outcome]]  # per rank
 
 
@@ -39,13 +44,17 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Results:
     return loaded
 
 
-def _reference() -> list[dict[str, torch.Tensor]]:
+def _reference(case: w.Case) -> list[dict[str, torch.Tensor]]:
+    if case.pipeline:  # one pipeline over both processes, every block with all its experts
+        (one,) = moe_ep.reference_grads(w.CFG, case.stages, w.batches()[:1], w.MICROBATCHES)
+        return [{k: v for k, v in one.items() if int(k.split(".")[0]) in w.stages_of(case, r)}
+                for r in range(2)]  # fmt: skip
     return moe_ep.reference_grads(w.CFG, w.BLOCKS, w.batches(), w.MICROBATCHES)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_gradients_equal_one_process(results: Results, case: w.Case) -> None:
-    ref = _reference()
+    ref = _reference(case)
     if case.fsdp:  # FSDP2 averages the dense weights' gradients over the two processes
         for name in ref[0]:
             if not name.endswith((".w1", ".w2")):
@@ -57,12 +66,12 @@ def test_gradients_equal_one_process(results: Results, case: w.Case) -> None:
             torch.testing.assert_close(got[name], want, rtol=1e-9, atol=1e-12, msg=name)
 
 
-@pytest.mark.parametrize("runner", [*SCHEDULES, "loop"])
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: p[0].id)
 def test_gradients_with_the_overlap_are_those_without_exactly(
-    results: Results, runner: str
+    results: Results, pair: tuple[w.Case, w.Case]
 ) -> None:
     for outcomes in results:
-        plain, hidden = outcomes[w.Case(runner, False)], outcomes[w.Case(runner, True)]
+        plain, hidden = outcomes[pair[0]], outcomes[pair[1]]
         for name, g in plain.grads.items():
             assert torch.equal(hidden.grads[name], g), name
 
@@ -94,13 +103,13 @@ def test_w_runs_inside_the_forwards_all_to_all_waits(results: Results, case: w.C
         assert all(c.overlapped == 0 for c in rank.comms if c.kind != "F")
 
 
-@pytest.mark.parametrize("runner", [*SCHEDULES, "loop"])
-def test_without_the_overlap_every_wait_is_exposed(results: Results, runner: str) -> None:
+@pytest.mark.parametrize("case", [c for c, _ in PAIRS], ids=lambda c: c.id)
+def test_without_the_overlap_every_wait_is_exposed(results: Results, case: w.Case) -> None:
     for outcomes in results:
-        (rank,) = outcomes[w.Case(runner, False)].step.ranks
+        (rank,) = outcomes[case].step.ranks
         assert rank.comms and rank.hidden == 0
         assert all(c.overlapped == 0 and c.exposed > 0 for c in rank.comms)
-        assert not _nested_w(outcomes[w.Case(runner, False)])
+        assert not _nested_w(outcomes[case])
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.fsdp], ids=lambda c: c.id)
@@ -120,20 +129,29 @@ def test_fsdp_reduces_after_every_w_of_the_stage(results: Results) -> None:
         assert sorted(reductions) == [(s, w.MICROBATCHES) for s in range(w.BLOCKS)]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.runner != "loop" and not c.fsdp],
-                         ids=lambda c: c.id)  # fmt: skip
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c.runner != "loop" and not c.fsdp], ids=lambda c: c.id
+)
 def test_the_simulator_replays_what_ran(results: Results, case: w.Case) -> None:
     # From the run's own costs, simulate(..., overlap=) runs the same actions in the same
-    # order, with the same W inside the same forwards.
-    for outcomes in results:
-        step = outcomes[case].step
+    # order on every rank, with the same W inside the same forwards.
+    if case.pipeline:  # one pipeline: both processes' steps, replayed together
+        steps = [StepTimeline(tuple(r for o in results for r in o[case].step.ranks))]
+    else:  # a pipeline per process: each replayed alone
+        steps = [o[case].step for o in results]
+    for step in steps:
         costs = stage_costs([step])
         assert all(c.dispatch > 0 and c.combine > 0 for c in costs.values())
-        sim = simulate(getattr(pipelining, case.runner), w.BLOCKS, w.MICROBATCHES,
-                       list(costs.values()), n_ranks=1, overlap=case.overlap)  # fmt: skip
-        (rank,) = step.ranks
-        ran = [(a.stage, a.kind, a.microbatch, a.nested > 0) for a in rank.actions]
-        replayed = [(a.stage, a.kind, a.microbatch, a.kind == "F" and
-                     any(n.in_wait and a.start <= n.start <= a.end for n in sim.timeline))
-                    for a in sim.timeline]  # fmt: skip
-        assert ran == replayed
+        n_ranks = len(step.ranks)
+        sim = simulate(getattr(pipelining, case.runner), case.stages, w.MICROBATCHES,
+                       [costs[s] for s in range(case.stages)], n_ranks=n_ranks,
+                       overlap=case.overlap)  # fmt: skip
+        for i, rank in enumerate(step.ranks):
+            ran = [(a.stage, a.kind, a.microbatch, a.nested > 0) for a in rank.actions]
+            replayed = [
+                (a.stage, a.kind, a.microbatch,
+                 any(n.in_wait and n.rank == a.rank and a.start <= n.start <= a.end and n is not a
+                     for n in sim.timeline))
+                for a in sim.actions(i)
+            ]  # fmt: skip
+            assert ran == replayed, f"{case.id}, rank {rank.rank}"

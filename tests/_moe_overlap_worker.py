@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
 
 import customgrad.pipelining as cgp
 from customgrad.pipelining import StepTimeline, WeightGradQueue
@@ -39,11 +40,12 @@ class Case:
     overlap: bool
     fsdp: bool = False
     pipeline: bool = False  # the processes are one pipeline, not expert-parallel
+    ddp: bool = False  # each stage in DDP (over its own process: a DDP stage keeps W in its slot)
 
     @property
     def id(self) -> str:
         flags = [f for f, on in (("overlap", self.overlap), ("fsdp", self.fsdp),
-                                 ("pipeline", self.pipeline)) if on]  # fmt: skip
+                                 ("pipeline", self.pipeline), ("ddp", self.ddp)) if on]  # fmt: skip
         return "+".join([self.runner, *flags])
 
     @property
@@ -138,7 +140,9 @@ def run_case(case: Case, own_group: dist.ProcessGroup) -> Outcome:
                 mods[s] = _fsdp(block, s, out)
             else:
                 _watch(out, queue, s, block)
-                mods[s] = block
+                mods[s] = (
+                    DistributedDataParallel(block, process_group=own_group) if case.ddp else block
+                )
         stage_cls = timer.stage_class(cgp.PipelineStage)
         stages = [stage_cls(m, s, case.stages, torch.device("cpu"), group=pp_group, queue=queue)
                   for s, m in mods.items()]  # fmt: skip

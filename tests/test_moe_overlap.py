@@ -30,6 +30,7 @@ CASES = [
     w.Case("loop", False),
     w.Case("loop", True),
     *(w.Case(s, overlap, pipeline=True) for s in SCHEDULES for overlap in (False, True)),
+    w.Case("ScheduleDualPipeV", True, pipeline=True, ddp=True),
 ]
 PAIRS = [(c, w.Case(c.runner, True, pipeline=c.pipeline)) for c in CASES
          if not c.overlap and not c.fsdp]  # fmt: skip
@@ -88,7 +89,18 @@ def _nested_w(outcome: w.Outcome) -> list[tuple[str, int, int]]:
     return found
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c.overlap], ids=lambda c: c.id)
+def test_a_ddp_stage_keeps_its_w_in_its_slot(results: Results) -> None:
+    # DDP reduces in a stage's last W: nothing of a DDP stage runs in a wait, and DDP reduced
+    # (the step would end with customgrad's "DDP did not reduce" error otherwise).
+    case = w.Case("ScheduleDualPipeV", True, pipeline=True, ddp=True)
+    plain = w.Case("ScheduleDualPipeV", False, pipeline=True)
+    for outcomes in results:
+        assert not _nested_w(outcomes[case])
+        for name, g in outcomes[plain].grads.items():
+            assert torch.equal(outcomes[case].grads[name], g), name
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.overlap and not c.ddp], ids=lambda c: c.id)
 def test_w_runs_inside_the_forwards_all_to_all_waits(results: Results, case: w.Case) -> None:
     for outcomes in results:
         outcome = outcomes[case]
@@ -130,7 +142,7 @@ def test_fsdp_reduces_after_every_w_of_the_stage(results: Results) -> None:
 
 
 @pytest.mark.parametrize(
-    "case", [c for c in CASES if c.runner != "loop" and not c.fsdp], ids=lambda c: c.id
+    "case", [c for c in CASES if c.runner != "loop" and not (c.fsdp or c.ddp)], ids=lambda c: c.id
 )
 def test_the_simulator_replays_what_ran(results: Results, case: w.Case) -> None:
     # From the run's own costs, simulate(..., overlap=) runs the same actions in the same

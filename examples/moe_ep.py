@@ -9,13 +9,15 @@ tokens travel; elsewhere it only waits.
 
 The block: ``x + mlp(x)``, then ``+ moe(x)``. The MoE layer routes each token to its top-k of
 ``n_experts`` experts (a softmax router), sends it to the rank holding that expert (dispatch),
-runs each local expert's SwiGLU-free two-layer MLP as grouped GEMMs over the tokens sorted by
-expert, sends the outputs back (combine) and sums them weighted by the router's scores. The
+runs each local expert's two-layer ReLU MLP as grouped GEMMs over the tokens sorted by expert,
+sends the outputs back (combine) and sums them weighted by the router's scores. The
 experts are split evenly over the expert-parallel group; everything else is replicated.
 
 Every weight is a customgrad op's (``examples::linear``; the experts' grouped GEMM
 ``examples_moe::grouped_mm``, ``torch._grouped_mm``'s ``(x, w, offs)``), so every W is queued.
 :func:`reference_grads` computes the same gradients on one process, without any all-to-all.
+Imported by ``tests/test_moe_overlap.py``, ``benchmarks/moe_overlap.py`` and
+``benchmarks/scale.py``, which run it on 2 processes.
 """
 
 from __future__ import annotations
@@ -30,11 +32,7 @@ from torch import Tensor, nn
 
 import customgrad as cg
 from customgrad.pipelining import WeightGradQueue
-
-if __package__:  # imported (tests, benchmarks)
-    from examples.ops.linear import linear
-else:  # python examples/moe_ep.py
-    from ops.linear import linear  # type: ignore[no-redef]
+from examples.ops.linear import linear
 
 __all__ = ["Config", "MoEBlock", "AllToAll", "grouped_mm", "reference_grads"]
 

@@ -593,7 +593,11 @@ class ActionTimer:
         if rec is None:
             yield
             return
-        self._sync()
+        # A W nested in another action's all-to-all wait is not synchronized: a device sync
+        # would wait for the all-to-all too. On CUDA its time is the host's, in the outer one's.
+        nested = bool(rec.open)
+        if not nested:
+            self._sync()
         start = time.perf_counter() - rec.t0
         cpu, queued = _thread_clocks()
         recv = ("F" if kind == "F" else "B", stage, microbatch)
@@ -609,7 +613,8 @@ class ActionTimer:
                 yield
         finally:
             rec.open.pop()
-        self._sync()
+        if not nested:
+            self._sync()
         end = time.perf_counter() - rec.t0
         cpu_end, queued_end = _thread_clocks()
         flops = counter.total - inner.flops if counter is not None else None

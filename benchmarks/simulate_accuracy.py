@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         spawn(w.time_steps, (list(SCHEDULES), args.steps, str(out)), world=2, timeout=600)
         measured: dict[str, list[StepTimeline]] = pickle.loads(out.read_bytes())
     print(
-        f"{'schedule':24} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'CPU share':>10}"
+        f"{'schedule':28} {'predicted ms':>12} {'measured ms':>12} {'error':>8} {'CPU share':>10}"
     )
     for schedule in SCHEDULES:
         steps = measured[schedule]
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         sim = simulate(getattr(pipelining, schedule), len(costs), w.MICROBATCHES, costs)
         step = statistics.median(s.duration for s in steps)
         print(
-            f"{schedule:24} {sim.step_time * 1e3:12.1f} {step * 1e3:12.1f} "
+            f"{schedule:28} {sim.step_time * 1e3:12.1f} {step * 1e3:12.1f} "
             f"{sim.step_time / step - 1:+8.1%} {cpu_share(steps):10.0%}"
         )
     if args.no_moe:
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
         step = statistics.median(s.duration for s in steps)
         name = f"MoE {schedule.removeprefix('Schedule')}{' + overlap' if overlap else ''}"
         print(
-            f"{name:24} {predicted * 1e3:12.1f} {step * 1e3:12.1f} "
+            f"{name:28} {predicted * 1e3:12.1f} {step * 1e3:12.1f} "
             f"{predicted / step - 1:+8.1%} {cpu_share(steps):10.0%}"
         )
 

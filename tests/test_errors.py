@@ -2398,3 +2398,66 @@ def test_queue_advice_applied() -> None:
     torch.testing.assert_close((w.grad, b.grad), (gw, gb))
     for x in xs:
         torch.testing.assert_close(x.grad, torch.ones(2, 4) @ w.detach())
+
+
+# --------------------------------------------------------------------------------------------
+# Round 6, issue 41: weight work hides the expert all-to-all
+
+
+def test_overlap_forward_backward_wants_a_schedule_that_runs_an_action_list(group: None) -> None:
+    from customgrad.pipelining import PipelineStage, WeightGradQueue, overlap_forward_backward
+
+    stage = PipelineStage(nn.Linear(2, 2), 0, 1, torch.device("cpu"), queue=WeightGradQueue())
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "overlap_forward_backward: expected one of torch's schedules that run an action list "
+            "(ScheduleDualPipeV, ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, "
+            "ScheduleInterleaved1F1B, ScheduleLoopedBFS), got Schedule1F1B. Schedule1F1B and "
+            "ScheduleGPipe run each stage's weight gradients inside its full backward: no W is "
+            "left to hide a forward's all-to-all. For example:\n"
+            "\n"
+            "    schedule = ScheduleDualPipeV([stage0, stage1], n_microbatches, loss_fn=loss_fn)\n"
+            "    overlap_forward_backward(schedule)\n"
+        ),
+    ):
+        overlap_forward_backward(Schedule1F1B(stage, 2))
+
+
+def test_overlap_forward_backward_wants_stages_with_one_queue(group: None) -> None:
+    from customgrad.pipelining import PipelineStage, WeightGradQueue, overlap_forward_backward
+
+    cpu = torch.device("cpu")
+    queue = WeightGradQueue()
+    plain = [PipelineStage(nn.Linear(2, 2), s, 2, cpu, queue=queue if s else None)
+             for s in range(2)]  # fmt: skip
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "overlap_forward_backward: stage 0 is a PipelineStage without a WeightGradQueue, "
+            "but the overlap runs the queue's weight work inside the forwards' all-to-all waits. "
+            "Build every stage with one queue, the one the model's all-to-all waits through:\n"
+            "\n"
+            "    queue = WeightGradQueue()\n"
+            "    stage = customgrad.pipelining.PipelineStage(module, stage_index, n_stages, "
+            "device, queue=queue)\n"
+            "    ...                                     # in the model, where it waits for an "
+            "all-to-all:\n"
+            "    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=ep_group, "
+            "async_op=True)\n"
+            '    queue.run_while(work, "dispatch")\n'
+        ),
+    ):
+        overlap_forward_backward(ScheduleZBVZeroBubble(plain, 2))
+    two = [PipelineStage(nn.Linear(2, 2), s, 2, cpu, queue=WeightGradQueue()) for s in range(2)]
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "overlap_forward_backward: stages 0 and 1 have different WeightGradQueues; the "
+            "overlap runs one queue's weight work in the waits of the model's all-to-alls, so "
+            "every stage of the rank must use the same queue (the one the model's all-to-all "
+            "waits through). Build them with one: queue = WeightGradQueue(); "
+            "PipelineStage(..., queue=queue) for each."
+        ),
+    ):
+        overlap_forward_backward(ScheduleZBVZeroBubble(two, 2))

@@ -397,6 +397,51 @@ def test_pipelining_torch_stage_inits_same_rank_where_it_warms_up_without_a_vote
         assert "_get_init_p2p_neighbors_ops" not in multi
 
 
+def test_pipelining_runtime_step_runs_actions_as_torch_s_runtime_does(group: None) -> None:
+    # Custom functions running every compute action through RuntimeStep, in torch's order, give
+    # the step torch's own runtime gives: gradients, losses (loss_kwargs reach the loss),
+    # outputs, on DualPipeV's F, I, W, B and OVERLAP_F_B and ZBV's lists.
+    import torch.distributed.pipelining as tp
+
+    from customgrad.pipelining import PipelineStage
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return scale * ((out - target) ** 2).mean()
+
+    def run(schedule_cls: type, custom: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(2)]
+        stages = [PipelineStage(b, s, 2, torch.device("cpu")) for s, b in enumerate(blocks)]
+        schedule = schedule_cls(stages, 4, loss_fn=loss_fn)
+        seen: list[str] = []
+        if custom:
+
+            def each(action: Any, ctx: Any) -> None:
+                step = pipelining.RuntimeStep(ctx)
+                for stage, kind, mb in step.parts(action):
+                    seen.append(kind)
+                    if kind == "F":
+                        step.forward(stage, mb)
+                    elif kind == "W":
+                        step.weight(stage, mb)
+                    else:
+                        step.backward(stage, mb, full=kind == "B")
+
+            for kind in ("F", "I", "W", "B", "OVERLAP_F_B"):
+                pipelining.register_action(schedule, kind, each)
+        losses: list[torch.Tensor] = []
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        schedule.step(x, target=x.flip(0), losses=losses, loss_kwargs={"scale": 3.0})
+        assert set(seen) == (set() if not custom else kinds[schedule_cls])
+        return [p.grad for b in blocks for p in b.parameters()], losses  # type: ignore[misc]
+
+    kinds = {tp.ScheduleDualPipeV: {"F", "I", "W", "B"}, tp.ScheduleZBVZeroBubble: {"F", "I", "W"}}
+    for schedule_cls in kinds:
+        (grads, losses), (want, want_losses) = run(schedule_cls, True), run(schedule_cls, False)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want))
+        assert [v.item() for v in losses] == [v.item() for v in want_losses] != []
+
+
 # -- dynamo and AOTAutograd --------------------------------------------------------------------
 
 

@@ -27,6 +27,7 @@ from customgrad._torch.transforms import functorch_active
 
 __all__ = [
     "AFTER_AD_INPLACE_OR_VIEW",
+    "active_flop_tables",
     "DispatchKeySet",
     "INFRA_MODES",
     "HigherOrderOperator",
@@ -104,8 +105,13 @@ def library_impls() -> Set[str] | None:
 
 
 def destroy_library(lib: torch.library.Library) -> None:
-    """Remove ``lib``'s definitions and registrations (``Library._destroy``)."""
+    """Remove ``lib``'s definitions and registrations (``Library._destroy``), for good: the
+    library's finalizer, when it is collected, would clear ``torch.ops``' cache of its names
+    again and forget them as defined, by then a redefinition's (whose ``torch.ops.ns.name``
+    would change identity, out of FLOP counters' tables). Its names are forgotten now
+    (``Library._op_defs``, which the finalizer reads)."""
     lib._destroy()
+    lib._op_defs.clear()
 
 
 # -- what would see a dispatcher call made now ----------------------------------------------
@@ -119,6 +125,20 @@ get_dispatch_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
 """The infrastructure mode (fake, proxy, functional) active under a ``_TorchDispatchModeKey``."""
 INFRA_MODES: tuple[Any, ...] = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 """The keys of torch's infrastructure modes (fake, proxy, functional)."""
+
+
+def active_flop_tables() -> list[dict[Any, Any]]:
+    """The formula tables of the ``torch.utils.flop_counter.FlopCounterMode``\\ s running on
+    this thread (each copies torch's table when it is made; its dispatch mode,
+    ``_FlopCounterMode``, is on the mode stack while it counts), innermost last."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.flop_counter import _FlopCounterMode
+
+    return [
+        mode.counter.flop_registry
+        for mode in _get_current_dispatch_mode_stack()
+        if isinstance(mode, _FlopCounterMode)
+    ]
 
 
 def profiler_enabled() -> bool:

@@ -9,7 +9,8 @@ dispatcher (the general answer), never around it: :func:`library_impls` gives No
 
 from __future__ import annotations
 
-from collections.abc import Callable, Set
+import contextlib
+from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from customgrad._torch.transforms import functorch_active
 __all__ = [
     "AFTER_AD_INPLACE_OR_VIEW",
     "active_flop_tables",
+    "flops_uncounted",
     "DispatchKeySet",
     "INFRA_MODES",
     "HigherOrderOperator",
@@ -139,6 +141,29 @@ def active_flop_tables() -> list[dict[Any, Any]]:
         for mode in _get_current_dispatch_mode_stack()
         if isinstance(mode, _FlopCounterMode)
     ]
+
+
+@contextlib.contextmanager
+def flops_uncounted() -> Iterator[None]:
+    """Run a block the ``FlopCounterMode``\\ s on this thread do not count (torch's own work, such
+    as a pipeline stage's shape inference): their counts are put back as they were after it,
+    as ``FlopCounterMode`` does for the branch of a ``cond`` it does not take."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.flop_counter import _FlopCounterMode
+
+    counts = [
+        mode.counter.flop_counts
+        for mode in _get_current_dispatch_mode_stack()
+        if isinstance(mode, _FlopCounterMode)
+    ]
+    before = [{module: dict(by_op) for module, by_op in c.items()} for c in counts]
+    try:
+        yield
+    finally:
+        for c, was in zip(counts, before):
+            c.clear()
+            for module, by_op in was.items():
+                c[module].update(by_op)
 
 
 def profiler_enabled() -> bool:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch import nn
+from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from customgrad._compiled_modules import split_compiled as _split_compiled
@@ -269,12 +269,12 @@ class PipelineStage(_TorchPipelineStage):
             return super()._prepare_backward_infra(*args, **kwargs)
 
     def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
-        return super().forward_maybe_with_nosync(*_viewed(args), **kwargs)
+        return super().forward_maybe_with_nosync(*_viewed(args), **kwargs)  # type: ignore[no-untyped-call]
 
     if hasattr(_TorchPipelineStage, "_compute_outputs"):  # torch >= 2.13: the shapes' forward
 
         def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
-            return super()._compute_outputs(*_viewed(args), module=module, **kwargs)  # type: ignore[misc]
+            return super()._compute_outputs(*_viewed(args), module=module, **kwargs)
 
     def _arm_ddp_reducer(self, outputs: object, weight_pass: bool) -> None:
         """Tell a DDP module's reducer that the backward about to run ends the step: the

@@ -91,7 +91,9 @@ STYLES: dict[str, Callable[[], Callable[[Tensor, Tensor], Tensor]]] = {
     "runs once": once_op,
     "from_function": lambda: cg.from_function(_AnnotatedLinear, unique("fn"), weights=("weight",)),
     # defined at its first call, which runs inside the counter
-    "from_function, deferred": lambda: cg.from_function(_Linear, unique("deferred"), weights=("weight",)),
+    "from_function, deferred": lambda: cg.from_function(
+        _Linear, unique("deferred"), weights=("weight",)
+    ),
 }
 
 

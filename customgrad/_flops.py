@@ -24,8 +24,9 @@ import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import TYPE_CHECKING, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+import optree
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -235,11 +236,10 @@ class OpFlops:
     formula: the op's arguments, then ``out_val``.
 
     It returns what the author registered (``register_flops``), else the FLOPs of the torch ops
-    the op's kernel runs, counted by :class:`FlopCounter` with the kernel run on fake copies of
-    the arguments (under their own fake mode when they are fake already), with every mode of
-    the caller off the stack, once per signature of the arguments (shapes, strides, dtypes,
-    devices, the other arguments' values). A kernel that cannot run on fake tensors (a raw
-    Triton launch, a value read with ``.item()``) counts 0, with one log line naming the fix.
+    the op's kernel runs on fake copies of the arguments (under their fake mode when they are
+    fake already), once per signature (shapes, strides, dtypes, devices, the other arguments'
+    values). A kernel that cannot run on fake tensors (a raw Triton launch, a value read with
+    ``.item()``) counts 0, with one log line naming the fix.
     """
 
     def __init__(self, kernels: Kernels) -> None:
@@ -286,26 +286,22 @@ class OpFlops:
         from customgrad._kernels import first_tensor
 
         kernels = self._kernels
-        tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        tree: Any = args
         try:
-            mode = detect_fake_mode(t for t in tensors if is_fake(t))
+            mode = detect_fake_mode(t for t in optree.tree_leaves(tree) if is_fake(t))
             if mode is None:
                 mode = fake_tensor_mode_type()(allow_non_fake_inputs=True)
-
-            def fake(a: object) -> object:
-                if isinstance(a, torch.Tensor) and not is_fake(a):
-                    return mode.from_tensor(a)
-                if isinstance(a, (list, tuple)):
-                    return type(a)(fake(t) for t in a)
-                return a
-
             with mode, torch.no_grad():
-                fakes = tuple(fake(a) for a in args)
+                fakes: Any = optree.tree_map(lambda a: mode.from_tensor(a) if _real(a) else a, tree)
                 with FlopCounter() as counter:
                     kernels.run(kernels.kernel_for(first_tensor(fakes)), fakes)
         except Exception as e:  # reported by the caller's thread
             return e
         return int(counter.total)
+
+
+def _real(a: object) -> bool:
+    return isinstance(a, torch.Tensor) and not is_fake(a)
 
 
 def _signature_key(args: tuple[object, ...]) -> Hashable | None:

@@ -1,18 +1,16 @@
-"""A backward run three ways and compared: in full, then the input pass, then the weight pass.
+"""A backward run in full, then as its input pass and its weight pass, counted and compared.
 
-``check_op``'s ``split`` and ``flops`` checks and ``explain_split`` both run a backward in full,
-then split (I, then W), each pass under its own FLOP counter (and launch counter), and compare
-the split's gradients with the full backward's. :class:`SplitRun` is that one run: the caller
-says what each pass runs (an ``autograd.grad`` restricted to some leaves, a stage's
-``stage_backward_input``), :meth:`SplitRun.run` counts it, :func:`differences` compares.
+``check_op`` (its ``split`` and ``flops`` checks) and ``explain_split`` both run a backward in
+full and then split (I, then W), each pass under its own FLOP counter, and compare the split's
+gradients with the full backward's: :class:`SplitRun` counts each pass the caller runs,
+:func:`differences` compares.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -28,41 +26,37 @@ _R = TypeVar("_R")
 
 
 class SplitRun:
-    """The passes of one backward, each counted: :attr:`phase` names the one running (hooks read
-    it to attribute what they see), :meth:`counter` its FLOP counter.
+    """The passes of one backward, each under its own counters: :attr:`phase` names the pass
+    running (hooks read it), :meth:`counter` gives a pass's FLOP counter.
 
     Args:
-        record: keep the input and weight passes' counted calls (``FlopCounter.calls``), to
-            find work both compute.
-        launches: count kernel launches per pass too (:class:`~customgrad._launches.LaunchCounter`).
+        record: keep the calls the input and weight passes counted (``FlopCounter.calls``).
+        launches: count kernel launches per pass too (:attr:`launch_counters`).
     """
 
     def __init__(self, *, record: bool = False, launches: bool = False) -> None:
         self.phase = "full"
         self._record = record
-        self._count_launches = launches
+        self._launches = launches
         self.flop_counters: dict[str, FlopCounter] = {}
         self.launch_counters: dict[str, LaunchCounter] = {}
 
     def counter(self, phase: str | None = None) -> FlopCounter:
         """The FLOP counter of ``phase`` (the running pass when None)."""
         phase = self.phase if phase is None else phase
-        found = self.flop_counters.get(phase)
-        if found is None:
-            found = self.flop_counters[phase] = FlopCounter(
-                record=self._record and phase in ("input", "weight")
-            )
-        return found
+        if phase not in self.flop_counters:
+            record = self._record and phase in ("input", "weight")
+            self.flop_counters[phase] = FlopCounter(record=record)
+        return self.flop_counters[phase]
 
     def run(self, phase: str, fn: Callable[[], _R]) -> _R:
-        """Run ``fn`` as the pass ``phase`` (one of :data:`PASSES`, or another name for a run
-        that belongs to none), under its counters."""
+        """``fn()`` as the pass ``phase`` (of :data:`PASSES`, or another name for a run that
+        belongs to none), counted."""
         before, self.phase = self.phase, phase
         with contextlib.ExitStack() as scope:
             scope.enter_context(self.counter(phase))
-            if self._count_launches:
-                launches = self.launch_counters[phase] = LaunchCounter()
-                scope.enter_context(launches)
+            if self._launches:
+                scope.enter_context(self.launch_counters.setdefault(phase, LaunchCounter()))
             try:
                 return fn()
             finally:
@@ -70,20 +64,14 @@ class SplitRun:
 
     @property
     def flops(self) -> dict[str, int]:
-        """FLOPs per pass of :data:`PASSES` that ran."""
+        """FLOPs of each pass of :data:`PASSES` that ran."""
         return {p: self.flop_counters[p].total for p in PASSES if p in self.flop_counters}
 
 
-@dataclass(frozen=True)
-class Difference:
-    """A gradient the split computed that is not the full backward's.
-
-    Attributes:
-        index: its position in the gradients compared.
-        error: the largest difference relative to the full gradient's largest value (inf when
-            that is zero, or the shapes differ).
-        detail: what ``torch.testing.assert_close`` said, its first lines.
-    """
+class Difference(NamedTuple):
+    """A split gradient that is not the full backward's: its position, the largest difference
+    relative to the full gradient's largest value (inf when that is 0 or the shapes differ), and
+    what ``torch.testing.assert_close`` said."""
 
     index: int
     error: float
@@ -98,9 +86,8 @@ def differences(
     atol: float | None = None,
     rtol: float | None = None,
 ) -> list[Difference]:
-    """The gradients of ``split`` that differ from ``full``'s, by
-    ``torch.testing.assert_close`` (both tolerances None: its defaults for the dtype). A None
-    gradient is zeros shaped like the tensor of ``like`` it is for."""
+    """The gradients of ``split`` that ``torch.testing.assert_close`` finds unlike ``full``'s
+    (both tolerances None: its defaults for the dtype); None is zeros shaped like ``like``'s."""
     found: list[Difference] = []
     for i, (want, got, ref) in enumerate(zip(full, split, like)):
         a = torch.zeros_like(ref) if want is None else want
@@ -110,8 +97,7 @@ def differences(
         except AssertionError as e:
             lines = str(e).strip().splitlines()
             detail = "\n".join(lines[:3]) + ("\n..." if len(lines) > 3 else "")
-            scale = float(a.abs().max()) if a.numel() else 0.0
-            same = a.shape == b.shape
-            error = float((b - a).abs().max()) / scale if same and scale else float("inf")
+            scale = float(a.abs().max()) if a.numel() and a.shape == b.shape else 0.0
+            error = float((b - a).abs().max()) / scale if scale else float("inf")
             found.append(Difference(i, error, f"{type(e).__name__}: {detail}"))
     return found

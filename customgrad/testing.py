@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, ParamSpec, TypeVar
 
+import optree
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
@@ -452,16 +453,12 @@ def _the_op(
     yet: on copies, without gradients)."""
     if isinstance(op, DeferredFunctionOp):
         if op.op is None:
-
-            def copy(v: object) -> object:
-                if isinstance(v, torch.Tensor):
-                    return v.detach().clone()
-                if isinstance(v, (list, tuple)):
-                    return type(v)(copy(t) for t in v)
-                return v
-
+            given: Any = (args, kwargs)
+            copies: Any = optree.tree_map(
+                lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, given
+            )
             with torch.no_grad():
-                op(*(copy(a) for a in args), **{k: copy(v) for k, v in kwargs.items()})
+                op(*copies[0], **copies[1])
         assert op.op is not None  # its first call defines it
         return op.op
     if isinstance(op, CustomOp):

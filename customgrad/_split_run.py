@@ -73,7 +73,7 @@ class Difference(NamedTuple):
     relative to the full gradient's largest value (inf when that is 0 or the shapes differ), and
     what ``torch.testing.assert_close`` said."""
 
-    index: int
+    at: int
     error: float
     detail: str
 

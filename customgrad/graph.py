@@ -517,9 +517,7 @@ def explain_split(
         if repeatable:
             got = [split_grads.get(id(t)) for t in wanted]
             errors = {
-                names.get(
-                    id(wanted[d.index]), f"tensor {d.index} {tuple(wanted[d.index].shape)}"
-                ): d.error
+                names.get(id(wanted[d.at]), f"tensor {d.at} {tuple(wanted[d.at].shape)}"): d.error
                 for d in differences(full_grads, got, wanted, atol=1e-6, rtol=1e-4)
             }
     finally:

@@ -963,8 +963,8 @@ class _SplitCheck(Generic[_R]):
         split_grads = [by_slot[s] for s in self.args.diff]
         like = [self.args.get(s, values) for s in self.args.diff]
         mismatches = [
-            f"gradient of {self.args.diff[d.index].label()} from the "
-            f"{'weight' if self.args.diff[d.index].is_weight else 'input'} pass differs from the "
+            f"gradient of {self.args.diff[d.at].label()} from the "
+            f"{'weight' if self.args.diff[d.at].is_weight else 'input'} pass differs from the "
             f"full backward: {d.detail}"
             for d in differences(full, split_grads, like, atol=atol, rtol=rtol)
         ]

@@ -203,6 +203,8 @@ class FlopCounter(TorchDispatchMode):
             if self.calls is not None and flops:
                 kept = out.detach().clone() if isinstance(out, torch.Tensor) else None
                 self.calls.append((func, flops, kept))
+            if not flops and isinstance(formula, OpFlops) and formula.blind:
+                self.uncounted[str(schema_of(func).name)] += 1  # its kernel hides them
         elif may_hide_flops(func):
             self.uncounted[str(schema_of(func).name)] += 1
         return out
@@ -245,7 +247,8 @@ class OpFlops:
     def __init__(self, kernels: Kernels) -> None:
         self._kernels = kernels
         self._counted: dict[Hashable, int] = {}
-        self._said = False
+        self.blind = False
+        """Whether the kernel's torch ops could not be counted (it counted 0), once at least."""
 
     def __call__(self, *args: object, out_val: object = None, **kwargs: object) -> int:
         kernels = self._kernels
@@ -271,8 +274,8 @@ class OpFlops:
         worker.join()
         result = found[0] if found else 0
         if isinstance(result, Exception):
-            if not self._said:  # the kernel cannot run on fake tensors: say it once
-                self._said = True
+            if not self.blind:  # the kernel cannot run on fake tensors: say it once
+                self.blind = True
                 kernels = self._kernels
                 first = (str(result).strip().splitlines() or [""])[0]
                 log.warning(

@@ -199,6 +199,9 @@ def test_a_kernel_that_cannot_run_on_fake_tensors_counts_zero_and_says_how_to_gi
         f"runs on fake tensors raised "
     )
     assert "    @data_dependent.register_flops\n    def _(x):\n" in message
+    with FlopCounter() as counter:  # customgrad's tools name it among what they cannot see
+        op(x)
+    assert counter.uncounted == {name: 1}
 
 
 def test_the_derived_flops_are_counted_once_per_shape() -> None:

@@ -268,13 +268,14 @@ class PipelineStage(_TorchPipelineStage):
         with flops_uncounted():
             return super()._prepare_backward_infra(*args, **kwargs)
 
-    def forward_maybe_with_nosync(self, *args: Any, **kwargs: Any) -> Any:
+    def forward_maybe_with_nosync(self, *args: object, **kwargs: object) -> object:
         return super().forward_maybe_with_nosync(*_viewed(args), **kwargs)  # type: ignore[no-untyped-call]
 
     if hasattr(_TorchPipelineStage, "_compute_outputs"):  # torch >= 2.13: the shapes' forward
 
         def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
-            return super()._compute_outputs(*_viewed(args), module=module, **kwargs)
+            viewed: Any = _viewed(args)  # torch annotates them Tensors; a view is one
+            return super()._compute_outputs(*viewed, module=module, **kwargs)
 
     def _arm_ddp_reducer(self, outputs: object, weight_pass: bool) -> None:
         """Tell a DDP module's reducer that the backward about to run ends the step: the
@@ -344,7 +345,7 @@ class PipelineStage(_TorchPipelineStage):
             raise
 
 
-def _viewed(args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _viewed(args: tuple[object, ...]) -> tuple[object, ...]:
     """The stage's inputs as its module gets them: a leaf that requires grad as a view of it.
     torch's ``FlopCounterMode`` (its ``ModuleTracker``) hooks a module's inputs with
     ``register_multi_grad_hook``, which asks the engine about each input's node, and the engine

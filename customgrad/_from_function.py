@@ -1249,7 +1249,8 @@ class DeferredFunctionOp:
         return op
 
     def _probe(self, values: Sequence[object]) -> tuple[Any, list[Any], frozenset[int]]:
-        """Run the forward once on copies of this call's tensors (no gradient recorded): what it
+        """Run the forward once on copies of this call's tensors (no gradient recorded, no mode
+        of the caller's seeing it: a FLOP counter counts the call itself, once): what it
         returns, what it marks non-differentiable, which arguments it writes and returns."""
 
         def copy(v: Any) -> Any:
@@ -1261,9 +1262,9 @@ class DeferredFunctionOp:
             return v
 
         function, forward = self.function, self.function.forward
-        copies = [copy(v) for v in values]
         ctx = ForwardContext(_needs(values), self.name, forward)
-        with torch.no_grad():
+        with torch.no_grad(), _disable_current_modes():
+            copies = [copy(v) for v in values]
             if setup_context_defined(function):
                 out = forward(*copies)
                 function.setup_context(ctx, tuple(copies), out)

@@ -12,8 +12,8 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from customgrad._errors import (
+    DoubleBackwardError,
     MutationError,
-    UnsupportedError,
     where,
 )
 from customgrad._rules import Half, OpSpec
@@ -126,7 +126,7 @@ class _RaiseIfDifferentiated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor | None) -> NoReturn:
-        raise UnsupportedError(ctx.msg)  # type: ignore[attr-defined]
+        raise DoubleBackwardError(ctx.msg)  # type: ignore[attr-defined]
 
 
 def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:

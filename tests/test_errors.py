@@ -6,6 +6,7 @@ import inspect
 import itertools
 import math
 import re
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -319,6 +320,88 @@ def test_no_fake_kernel() -> None:
         f(torch.empty(2))
 
 
+def _no_fake_block() -> tuple[cg.CustomOp[..., torch.Tensor], nn.Module, str]:
+    name = unique("nofake_compiled")
+
+    @cg.op(name, weights=("w",))
+    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.mT
+
+    op.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+    op.register_backward(lambda ctx, s, g: {"x": g @ s[1], "w": g.mT @ s[0]})
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return op(x, self.w).sin()
+
+    message = (
+        f"{name}: no fake kernel registered; torch.compile, FakeTensorMode and opcheck need one "
+        f"to know output shapes without running the op. Add:\n\n"
+        f"    @nofake_compiled.register_fake\n"
+        f"    def _(x, w):\n"
+        f"        return <empty tensor(s) shaped like the output>\n\n"
+        f"(op defined at {where(op.__wrapped__)})"
+    )
+    return op, Block(), message
+
+
+def test_no_fake_kernel_under_customgrad_compile_is_customgrads_error() -> None:
+    # dynamo wraps what fake propagation raises in its TorchRuntimeError, the message quoted
+    # by repr; a module compiled by customgrad.compile raises customgrad's error itself, with
+    # dynamo's as its cause.
+    _, block, message = _no_fake_block()
+    cg.compile(block, backend="aot_eager")
+    with pytest.raises(cg.MissingRegistrationError, match=f"^{re.escape(message)}$") as info:
+        block(torch.randn(3, 4))
+    assert type(info.value.__cause__).__name__ == "TorchRuntimeError"
+
+
+def test_no_fake_kernel_under_torch_compile_reads_as_customgrad_wrote_it() -> None:
+    # torch.compile's own call raises dynamo's error (customgrad patches nothing of torch's):
+    # customgrad's message inside it reads as written, line breaks and code, not as escapes.
+    import torch._dynamo.exc
+
+    _, block, message = _no_fake_block()
+    compiled = torch.compile(block, backend="aot_eager")
+    quoted = textwrap.indent(message, "    ").lstrip()  # dynamo indents what it quotes
+    with pytest.raises(
+        torch._dynamo.exc.TorchRuntimeError,
+        match=re.escape(f"got MissingRegistrationError: {quoted}\n  Hint: "),
+    ):
+        compiled(torch.randn(3, 4))
+
+
+def test_a_wrong_gradient_under_customgrad_compile_is_customgrads_error() -> None:
+    name = unique("wrong_grad_compiled")
+
+    @cg.op(name, weights=("w",))
+    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.mT
+
+    op.register_fake(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
+    op.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+
+    @op.register_backward
+    def backward(ctx: cg.BackwardContext, s: Any, g: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": (g @ s[1])[:1], "w": g.mT @ s[0]}
+
+    block = cg.compile(lambda x, w: op(x, w).sin(), backend="aot_eager")
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            f"{name}: backward returned a gradient for 'x' of shape (1, 4), but the input has "
+            f"shape (3, 4). Return a tensor of the input's shape, or None. (backward defined at "
+            f"{where(backward)})"
+        ),
+    ) as info:
+        block(torch.randn(3, 4, requires_grad=True), torch.randn(5, 4)).sum().backward()
+    assert type(info.value.__cause__).__name__ == "BackendCompilerFailed"
+
+
 def test_no_kernel_for_device() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -607,7 +690,8 @@ def test_public_errors_report_as_customgrad_names() -> None:
     import customgrad.pipelining as pp
 
     assert cg.GradientValueError.__module__ == "customgrad"
-    assert repr(cg.GradientValueError("m")) == "GradientValueError('m')"
+    # as the traceback shows it (torch quotes wrapped errors by repr: readable there too)
+    assert repr(cg.GradientValueError("m")) == "GradientValueError: m"
     assert f"{cg.SaveError.__module__}.{cg.SaveError.__qualname__}" == "customgrad.SaveError"
     assert pp.SplitStateError.__module__ == "customgrad.pipelining"
     for name in cg.__all__:
@@ -937,13 +1021,43 @@ def test_builtin_kernel() -> None:
 
 
 def test_check_op_of_something_else() -> None:
-    from customgrad.testing import check_op
+    from customgrad.testing import MSG_NOT_AN_OP, check_op
 
     with pytest.raises(
-        cg.ArgumentTypeError,
-        match=re.escape("check_op: expected a customgrad op (made with customgrad.op), got"),
+        cg.ArgumentTypeError, match=f"^{re.escape(MSG_NOT_AN_OP.format(got=repr(torch.sin)))}$"
     ):
         check_op(torch.sin, torch.ones(2))  # type: ignore[arg-type]
+    assert MSG_NOT_AN_OP.startswith(
+        "check_op: expected a customgrad op, got {got}. Pass the op that customgrad.op, "
+        "customgrad.from_function or customgrad.from_functions made:\n\n"
+        "    check_op(linear, x, weight)                  # @customgrad.op(...) def linear(...)\n"
+        '    check_op(patch.ops["mymodule.MyFunction"], x, weight)   # patch = from_functions(...)'
+    )
+
+
+def test_check_op_of_what_from_functions_returns_names_its_ops() -> None:
+    from customgrad.testing import MSG_NOT_AN_OP, check_op
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    with cg.from_functions(Scale, namespace=unique("fns").split("::")[0]) as patch:
+        (label,) = patch.ops
+        got = (
+            f"a FunctionPatch (what from_functions returns): check one of its ops, "
+            f"patch.ops[...] ({label})"
+        )
+        with pytest.raises(
+            cg.ArgumentTypeError, match=f"^{re.escape(MSG_NOT_AN_OP.format(got=got))}$"
+        ):
+            check_op(patch, torch.ones(2))  # type: ignore[arg-type]
+        assert check_op(patch.ops[label], torch.ones(2), checks=["gradcheck"]).ok  # its op
 
 
 def test_save_for_backward_hiding_tensors_in_an_object() -> None:

@@ -24,6 +24,7 @@ from customgrad._torch import (
     dispatcher,
     dynamo,
     engine,
+    errors,
     fake,
     functions,
     pipelining,
@@ -235,6 +236,66 @@ def test_dispatcher_ambient_state_alias_checks_and_aten_callables() -> None:
 
 
 # -- transforms --------------------------------------------------------------------------------
+
+
+def test_dispatcher_flop_counters_tables_and_counts_on_the_stack() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert dispatcher.active_flop_tables() == []
+    a = torch.ones(2, 3)
+    with FlopCounterMode(display=False) as outer, FlopCounterMode(display=False) as inner:
+        assert dispatcher.active_flop_tables() == [outer.flop_registry, inner.flop_registry]
+        torch.mm(a, a.mT)
+        with dispatcher.flops_uncounted():
+            torch.mm(a, a.mT)
+            assert inner.get_total_flops() == 48  # counted while it runs
+        torch.mm(a, a.mT)
+    assert outer.get_total_flops() == inner.get_total_flops() == 48  # and put back after
+
+
+def test_dispatcher_destroy_library_forgets_its_names_for_a_redefinition() -> None:
+    import gc
+
+    name = "test_internals_redefine::op"
+    lib = torch.library.Library("test_internals_redefine", "FRAGMENT")
+    lib.define("op(Tensor x) -> Tensor")
+    dispatcher.destroy_library(lib)
+    assert lib._op_defs == set()  # what its finalizer reads
+    again = torch.library.Library("test_internals_redefine", "FRAGMENT")
+    again.define("op(Tensor x) -> Tensor")
+    packet = torch.ops.test_internals_redefine.op
+    del lib
+    gc.collect()  # the first library's finalizer ran
+    assert torch.ops.test_internals_redefine.op is packet, name
+    dispatcher.destroy_library(again)
+
+
+def test_errors_find_what_dynamo_and_aot_autograd_wrapped() -> None:
+    import torch._dynamo.exc as dynamo_exc
+
+    class Mine(RuntimeError):
+        pass
+
+    inner = Mine("mine")
+    try:
+        try:
+            raise inner
+        except Mine as e:
+            raise dynamo_exc.Unsupported("graph break") from e
+    except dynamo_exc.Unsupported as e:
+        wrapper = dynamo_exc.TorchRuntimeError(str(e))
+        wrapper.__context__ = e  # as dynamo raises it: from None, over the Unsupported
+        wrapper.__suppress_context__ = True
+    assert errors.is_dynamo_error(wrapper) and not errors.is_dynamo_error(inner)
+    assert errors.wrapped_error(wrapper, Mine) is inner
+    failed = dynamo_exc.BackendCompilerFailed(lambda: None, inner, None)
+    assert errors.wrapped_error(failed, Mine) is inner  # its inner_exception
+    assert errors.wrapped_error(ValueError("other"), Mine) is None
+    with pytest.raises(Mine) as info, errors.errors_first(Mine):
+        raise wrapper
+    assert info.value is inner and info.value.__cause__ is wrapper
+    with pytest.raises(ValueError), errors.errors_first(Mine):
+        raise ValueError("not dynamo's: left as it is")
 
 
 def test_transforms_functorch_and_forward_ad_levels() -> None:

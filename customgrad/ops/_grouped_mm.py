@@ -16,8 +16,8 @@ The backward is the pair: the input half is one grouped GEMM (``grouped_mm(grad,
 the dX GEMMs), the weight half the other (``grouped_weight_grad(x, grad, offs)``, the dW
 GEMMs), so a zero-bubble schedule's I runs the first and its W the second, nothing twice. The
 offsets are a tensor argument: the routing changes their values, never the op's signature, so
-nothing is traced or specialized per routing. Each op registers its FLOP formula with torch's
-counter (``2 * M * K * N`` each), so FLOP counters see it, Triton kernels included.
+nothing is traced or specialized per routing. Each op gives its FLOPs (``register_flops``:
+``2 * M * K * N`` each), so FLOP counters see it, Triton kernels included.
 
 Two families are defined here by :func:`define`, the same registrations with other kernels:
 torch's (``torch._grouped_mm`` where it takes the operands, else a loop over the experts) and
@@ -32,7 +32,6 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 import customgrad as cg
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
@@ -171,11 +170,11 @@ def torch_grouped_weight_grad(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
     return out
 
 
-def _gemm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any, **kwargs: Any) -> int:
-    """Either op: one ``(M, K) x (K, N)`` product over the experts' rows, ``2 * M * K * N``
-    (every row counted, as torch counts ``torch._grouped_mm``)."""
-    rows, k = a_shape
-    return 2 * int(rows) * int(k) * int(b_shape[-1])
+def _gemm_flops(x: Tensor, other: Tensor, offs: Tensor) -> int:
+    """Either op (``other``: ``w`` or ``grad``): one ``(M, K) x (K, N)`` product over the
+    experts' rows, ``2 * M * K * N`` (every row counted, as torch counts ``torch._grouped_mm``)."""
+    rows, k = x.shape
+    return 2 * int(rows) * int(k) * int(other.shape[-1])
 
 
 def define(
@@ -205,10 +204,8 @@ def define(
     if kernels is not None and device_types:
         _register_kernels(gemm, kernels, tuple(device_types), dtypes)
     _register_autograd(gemm)
-    ops = getattr(torch.ops, namespace)
-    for packet in (getattr(ops, name), getattr(ops, f"{name}_weight_grad")):
-        if packet not in flop_registry:  # defined again (a reload): the formula stays
-            register_flop_formula(packet)(_gemm_flops)
+    gemm.mm.register_flops(_gemm_flops)  # the same for every kernel, Triton's included
+    gemm.weight_grad.register_flops(_gemm_flops)
     return gemm
 
 

@@ -23,6 +23,12 @@ TRANSFORMERS_PINS ?= transformers==5.24.0 huggingface_hub==2.4.0 regex==2026.11.
 	hf-xet==1.8.0 httpx2==2.16.2 httpcore2==2.16.2 pydantic==2.14.4 pydantic_core==2.50.5 \
 	rich==15.0.0 shellingham==1.5.4 annotated-types==0.8.0 anyio==4.16.0 markdown-it-py==4.3.0 \
 	truststore==0.10.5 typing-inspection==0.4.5 h11==0.16.0 mdurl==0.1.2
+# torchtitan's own models (Llama 3, Qwen3-MoE, DeepSeek-V3) for tests/test_llama_stages.py,
+# tests/test_moe_stages.py and tests/test_grouped_mm.py: torchtitan and the packages its model
+# code imports with --no-deps (torchtitan's own requirements pull its data and training stack),
+# then what those need, pinned exactly.
+TORCHTITAN_PINS ?= torchtitan==0.3.0 spmd-types==0.3.1 einops==0.8.2 tyro==1.0.17
+TORCHTITAN_DEPS ?= docstring-parser==0.18.0 typeguard==4.6.1
 
 .PHONY: install demo test lint typecheck pytest examples docs reference gpu-check compat clean pictures
 
@@ -32,11 +38,12 @@ $(DEMO_STAMP): pyproject.toml Makefile
 	$(PIP) "$(TORCH_PIN)" -e ".[demo]"
 	touch $(DEMO_STAMP)
 
-# The rest, in one resolve: the dev extra (pytest, pytest-xdist, ruff, mypy, mkdocs), triton and
-# transformers' pins for the tests of real libraries; then liger-kernel without its dependencies.
+# The rest, in one resolve: the dev extra (pytest, pytest-xdist, ruff, mypy, mkdocs), triton,
+# transformers' and torchtitan's dependencies, pinned; then liger-kernel and torchtitan without
+# their dependencies.
 $(STAMP): $(DEMO_STAMP)
-	$(PIP) "$(TORCH_PIN)" -e ".[dev]" "$(TRITON_PIN)" $(TRANSFORMERS_PINS)
-	$(PIP) --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
+	$(PIP) "$(TORCH_PIN)" -e ".[dev]" "$(TRITON_PIN)" $(TRANSFORMERS_PINS) $(TORCHTITAN_DEPS)
+	$(PIP) --no-deps "$(LIGER_PIN)" $(TORCHTITAN_PINS) "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -48,14 +55,16 @@ demo: $(DEMO_STAMP)
 	$(PY) examples/zero_bubble.py
 
 # Every picture of the README and the docs (docs/img/*.png), regenerated from the current code:
-# the demo's measured schedule and its replay, its loss curve, explain_split's drawing, and the
-# predicted bubble at scale. Timings are this machine's: run it on an idle one.
+# the demo's measured schedule and its replay, its loss curve, explain_split's drawing, the
+# predicted bubble at scale, and a measured MoE step with and without W hiding the all-to-all.
+# Timings are this machine's: run it on an idle one.
 pictures: $(STAMP)
 	$(PY) examples/zero_bubble.py --out docs/img
 	$(PY) examples/zero_bubble.py --compile --out docs/img/compiled
 	$(PY) -m examples.split_picture --out docs/img/explain_split.png
 	$(PY) -m benchmarks.scale --out docs/img/scale.png
 	$(PY) -m benchmarks.scale --compile --rows 8 --out docs/img/scale_compiled.png
+	$(PY) -m benchmarks.moe_overlap --out docs/img/moe_overlap.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check customgrad tests examples benchmarks tools

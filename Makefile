@@ -67,8 +67,8 @@ pictures: $(STAMP)
 	$(PY) -m benchmarks.moe_overlap --out docs/img/moe_overlap.png
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check customgrad tests examples benchmarks tools
-	$(VENV)/bin/ruff format --check customgrad tests examples benchmarks tools
+	$(VENV)/bin/ruff check customgrad tests examples benchmarks
+	$(VENV)/bin/ruff format --check customgrad tests examples benchmarks
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
@@ -92,7 +92,7 @@ docs: $(STAMP)
 # docs/reference/*.md's API blocks, written again from the docstrings (commit the result;
 # tests/test_docs.py fails when they differ from the code).
 reference: $(STAMP)
-	$(PY) -m tools.reference
+	$(PY) -m tests._reference
 
 # (the examples run in pytest: tests/test_examples.py)
 test: lint typecheck pytest docs

@@ -155,8 +155,8 @@ def test_the_reference_documents_every_public_name() -> None:
 
 def test_the_reference_pages_are_written_from_the_docstrings() -> None:
     # docs/reference/*.md are committed as Markdown (readable on the repository's page); each
-    # API block is what tools/reference.py writes from the code as it is now.
-    from tools import reference
+    # API block is what tests/_reference.py writes from the code as it is now.
+    from tests import _reference as reference
 
     for page, (committed, written) in reference.pages().items():
         if committed != written:
@@ -229,7 +229,7 @@ def _supported() -> tuple[str, str, str]:
 def _texts() -> dict[str, str]:
     """Every doc page and every source file whose text or messages may state the range."""
     paths = [ROOT / "README.md", ROOT / "Makefile", *DOCS.rglob("*.md")]
-    for folder in ("customgrad", "benchmarks", "examples", "tests", "tools"):
+    for folder in ("customgrad", "benchmarks", "examples", "tests"):
         paths += (ROOT / folder).rglob("*.py")
     # (not this file: its comments show wrong ranges)
     return {str(p.relative_to(ROOT)): p.read_text() for p in paths if p != Path(__file__)}

@@ -12,8 +12,8 @@ rewrites every block from the code; the prose around the blocks is kept as it is
 Google style (``Args:``, ``Returns:``, ``Raises:``, ``Attributes:``, ``Example:``); their Sphinx
 roles (``:func:`summary```) become links to the name's block where the reference has one.
 
-    python -m tools.reference           # rewrite the pages (make reference)
-    python -m tools.reference --check   # exit 1, naming the pages, if a page is not up to date
+    python -m tests._reference           # rewrite the pages (make reference)
+    python -m tests._reference --check   # exit 1, naming the pages, if a page is not up to date
 
 ``tests/test_docs.py`` fails when a committed page differs from what this writes.
 """

@@ -16,14 +16,16 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, Protocol
 
+import optree
 import torch
 from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._calls import CallCounts
 from customgrad._codegen import Runner, Runners
-from customgrad._errors import MissingRegistrationError, UnsupportedError
+from customgrad._errors import MissingRegistrationError, UnsupportedError, where
 from customgrad._forward_ad import jvp
+from customgrad._handoff import edge_name, guard
 from customgrad._kernels import Kernel
 from customgrad._layout import (
     _flatten_args,
@@ -586,7 +588,7 @@ class DeferredWork:
         record: the node's record.
     """
 
-    __slots__ = ("_grads", "_impl", "_node", "_plan", "_saved", "_weights", "record")
+    __slots__ = ("_grads", "_guard", "_impl", "_node", "_plan", "_saved", "_weights", "record")
 
     def __init__(
         self,
@@ -605,6 +607,8 @@ class DeferredWork:
         self._weights = weights
         self._saved = saved
         self._grads = grads
+        # what W reads of what I had: torch's saved-tensor rule across the passes
+        self._guard = guard(grads, saved, lambda k: describe_saved(node, record, saved, k))
 
     @property
     def device(self) -> torch.device:
@@ -620,6 +624,7 @@ class DeferredWork:
             self._plan,
             self._weights,
         )
+        self._guard.check(record.label)
         sig = impl.spec.signature
         later = impl.plan(plan.key[0], _mask(sig, weights))
         if not SWITCHES.split:  # the whole backward again, like a plain Function
@@ -656,6 +661,20 @@ class DeferredWork:
         roots, values = self.gradients()
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
+
+
+def describe_saved(node: NodeCtx, record: NodeRecord, saved: object, k: int) -> tuple[str, str]:
+    """The ``k``-th tensor of ``saved`` (what ``save_for_backward`` returned for ``node``), in
+    words, with the argument it is when it is one of the op's inputs."""
+    tree: Any = saved
+    t = [v for v in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(v, _Tensor)][k]
+    names = record.op.signature.names
+    arg_of = record.impl.arg_of(record.lens)
+    edges = [names[arg_of[i]] for i, m in enumerate(record.metas) if m is not None]
+    return (
+        f"saved tensor {k}{edge_name(t, node.next_functions, edges)}",
+        f"saved by save_for_backward at {where(record.op.rules.save)}",
+    )
 
 
 def _mask(sig: Signature, names: frozenset[str]) -> int:

@@ -28,6 +28,7 @@ grad, gradients that do not line up with the node's edges.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from customgrad._compiled_region import (
     RegionNode,
     region_node,
 )
-from customgrad._handoff import Kept, hand_over, handed_over, nbytes, pending, release
+from customgrad._handoff import Guard, Kept, guard, hand_over, handed_over, nbytes, pending, release
 from customgrad._origin import origin_of
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import route_for
@@ -188,6 +189,8 @@ class _Backward:
         self.program = program
         self.tangents = list(tangents)
         self.failed: set[frozenset[int]] = set()  # cuts the backend could not compile
+        graph = None if program is None else program.graph_module.graph
+        self._placeholders = [] if graph is None else list(graph.find_nodes(op="placeholder"))
 
     def __call__(self, args: list[object]) -> object:
         region = self.region
@@ -206,13 +209,15 @@ class _Backward:
         if mode == "input":
             refuse_torch_split(f"customgrad.compile region {region.name}")  # torch 2.11, 2.12
             p = cut.input_pass
+            keep = graph_kept()  # a later pass can come through this node
+            saved = self._saved(args) if keep else None  # before the call empties args
             results = list(p.fn(args))
             n = len(p.slots)
             for j, g in zip(p.slots, results[:n]):
                 out[j] = g
-            if graph_kept():  # a later pass can come through this node
+            if saved is not None:
                 kept = Kept(cut, tuple(results[n:]))
-                hand_over(state, grads, "kept", kept)
+                hand_over(state, grads, "kept", kept, self._guard(saved, cut, kept.values))
                 region.handoff_bytes = nbytes(kept.values)
             with LOCK:
                 region.runs["input"] += 1
@@ -227,6 +232,42 @@ class _Backward:
         for j, g in zip(p.slots, p.fn(args)):
             out[j] = g
         return out
+
+    def _saved(self, args: list[Any]) -> list[tuple[int, torch.Tensor]]:
+        """The saved tensors among the backward's ``args``, with their positions (detached: a
+        saved output's tensor leads back to this node, which would hold it in a cycle)."""
+        tangents = set(self.tangents)
+        return [
+            (i, a.detach())
+            for i, a in enumerate(args)
+            if i not in tangents and isinstance(a, torch.Tensor)
+        ]
+
+    def _guard(
+        self, saved: list[tuple[int, torch.Tensor]], cut: ProgramCut, kept: tuple[torch.Tensor, ...]
+    ) -> Guard:
+        """The versions of what W reads besides the output gradients: the saved tensors of
+        the region's backward and the values its input pass kept."""
+        at = [i for i, _ in saved]
+        placeholders = self._placeholders
+        names = self.region.input_names
+
+        def describe(i: int) -> tuple[str, str]:
+            if i < len(at):
+                node = placeholders[at[i]] if at[i] < len(placeholders) else None
+                what = "a saved tensor" if node is None else f"saved tensor {node.name!r}"
+                primal = None if node is None else re.fullmatch(r"primals_(\d+)", node.name)
+                if primal and int(primal[1]) <= len(names):  # an input of the region, as it is
+                    what = f"the region's input {names[int(primal[1]) - 1]!r}"
+            else:
+                node = cut.kept[i - len(at)]
+                what = f"value {node.name!r} the input pass kept"
+            origin = None if node is None else origin_of(node)
+            if origin is None or not origin.source:
+                return what, "made by the region's forward"
+            return f"{what} ({origin.where})", f"made at {origin.source}"
+
+        return guard((), None, describe, [*(t for _, t in saved), *kept], describe)
 
     def _mode(
         self, node: Any, args: list[Any]

@@ -101,7 +101,12 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
 
 def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
     """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
-    Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
+    Tensor attributes); an object without tensors (a quantization state, a config) is kept, and
+    so is one whose class says it hands its value to backward by reference on purpose
+    (``__customgrad_by_reference__``: ``from_function``'s ctx attributes, as plain autograd
+    hands them)."""
+    if getattr(type(leaf), "__customgrad_by_reference__", False):
+        return
     attrs = getattr(leaf, "__dict__", None)
     values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
     for name in getattr(type(leaf), "__slots__", ()):

@@ -461,6 +461,7 @@ def _tensors(value: Any) -> list[Tensor]:
 def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     # customgrad's split: a plain Function's weight-side gradients go from I to W (with the
     # edges they go along); W takes them, and nothing of the node outlives I.
+    from customgrad.pipelining._function_split import FunctionOnce
     from customgrad.pipelining._split_state import STATE_KEY
 
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
@@ -473,8 +474,8 @@ def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     _, groups = stage_backward_input([out], [g.clone()], [x], [w])
     state = groups[0][STATE_KEY]
     (handed,) = [h for hs in state.once.values() for h in hs]
-    assert isinstance(handed, list)  # the weight-side gradients it returned, with their edges
-    dw = weakref.ref(handed[0][1])
+    assert isinstance(handed, FunctionOnce)  # the weight-side gradients it returned, with edges
+    dw = weakref.ref(handed.kept[0][1])
     del handed, out
     assert node() is None  # W needs only the gradients, not the node
     stage_backward_weight([w], groups)

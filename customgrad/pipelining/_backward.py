@@ -57,7 +57,7 @@ from torch.autograd.graph import GradientEdge, Node
 from customgrad._routing import routing
 from customgrad._split_plan import InputPassPlan, grad_node, plan_input_pass, reach
 from customgrad._torch.functions import forward_cls, keep_graphs, replacing, run_backward
-from customgrad.pipelining._function_split import FunctionSplit, split_input
+from customgrad.pipelining._function_split import FunctionOnce, FunctionSplit, split_input
 from customgrad.pipelining._split_state import STATE_KEY, SplitState, runtime_errors
 from customgrad.pipelining._stage_io import (
     pair_outputs,
@@ -333,7 +333,7 @@ def _keep_weight_gradients(
             state.ran[node] = None
             return
         state.captured.pop(node, None)
-        state.ran[node] = kept
+        state.ran[node] = FunctionOnce(node, kept)
 
     return hook
 

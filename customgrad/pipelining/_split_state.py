@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, TypeAlias
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import Node
 
 from customgrad._record import NodeRecord
 from customgrad._split_plan import InputPassPlan
 from customgrad.pipelining._errors import SplitStateError
-from customgrad.pipelining._function_split import FunctionSplit
+from customgrad.pipelining._function_split import FunctionOnce, FunctionSplit
 from customgrad.pipelining._streams import WeightWork
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ Watch: TypeAlias = Callable[[Node], contextlib.AbstractContextManager[object]]
 """What runs around each call W makes of a node itself (``explain_split`` counts its FLOPs)."""
 
 
-FunctionWork: TypeAlias = FunctionSplit | list[tuple[GradientEdge, torch.Tensor]]
+FunctionWork: TypeAlias = FunctionSplit | FunctionOnce
 """What a plain Function node that ran in I leaves for W: the weight pass of its split backward,
 or the weight-side gradients its backward returned (with the edges they go along)."""
 

@@ -295,23 +295,18 @@ def _run_weight_call(state: SplitState, index: int, call: WeightCall, retain_gra
     ran = state.once.pop(index, [])
     while ran:
         value = ran.pop(0)  # send_gradients must hold the only references (see there)
-        if isinstance(value, FunctionSplit):
-            owner = value.node()
-            watching = (
-                state.watch(owner)
-                if state.watch is not None and owner is not None
-                else contextlib.nullcontext()
-            )
-            del owner
-            with watching, torch.no_grad():  # its weight pass, as inside the engine
-                split_edges, split_grads = value.gradients()
-            roots.extend(split_edges)
-            values.extend(split_grads)
-            del split_edges, split_grads
-        else:
-            roots.extend(edge for edge, _ in value)
-            values.extend(grad for _, grad in value)
-        del value  # send_gradients must hold the only references (see there)
+        owner = value.node() if isinstance(value, FunctionSplit) else None
+        watching = (
+            state.watch(owner)
+            if state.watch is not None and owner is not None
+            else contextlib.nullcontext()
+        )
+        del owner
+        with watching, torch.no_grad():  # its weight pass, as inside the engine
+            split_edges, split_grads = value.gradients()
+        roots.extend(split_edges)
+        values.extend(split_grads)
+        del split_edges, split_grads, value  # send_gradients must hold the only references
     deferred = state.deferred
     if len(state.plan.weight_calls) == 1:  # all of it belongs to this call
         works = [*deferred.values()]

@@ -46,17 +46,11 @@ from customgrad._record import NodeRecord
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, Gradient, OpSpec
+from customgrad._runtime import CaptureMemo, needed_edges
 from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._torch.dispatcher import alias_check
-from customgrad._torch.engine import (
-    ACCUMULATE_GRAD,
-    EVERY_EDGE,
-    captured_by_caller,
-    edge_query,
-    graph_task_id,
-)
 from customgrad._torch.functions import plain_apply, set_backward_apply
 from customgrad._torch.transforms import (
     forward_ad_level,
@@ -76,73 +70,18 @@ __all__ = [
     "DeferredWork",
     "Phase",
     "SaveError",
-    "engine_needs",
     "keeps_for_later",
 ]
 
 
-_edge_query = edge_query
-
 _Tensor = torch.Tensor
 _functorch_active = functorch_active
 _unwrap_if_dead = unwrap_if_dead
-_graph_task_id = graph_task_id
 _fwd_level = forward_ad_level
 _alias_check = alias_check
 _EMPTY: dict[str, Any] = {}
+_needed_edges = needed_edges
 _new_record = object.__new__
-
-
-_ACCUMULATE = ACCUMULATE_GRAD
-_EVERY_EDGE = EVERY_EDGE
-
-
-_NOTHING: frozenset[int] = frozenset()
-
-
-class CaptureMemo:
-    """Which leaves the running ``torch.autograd.grad`` captures, remembered per graph task.
-
-    The engine's query (``_will_engine_execute_node``) raises for a leaf that ``autograd.grad``
-    captures, and each raise costs about as much as a small op's whole backward. The caller
-    that started the pass knows its inputs: torch's own ``_engine_run_backward`` frame, below
-    the node's backward on the calling thread (the engine runs CPU graph tasks there), holds
-    them. :meth:`captured_now` reads them once per graph task; a captured leaf is then needed
-    without asking the engine. Every other edge is still asked, so a frame that is missing or
-    not what it seems costs only speed, never a gradient.
-    """
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: tuple[int, frozenset[int]] = (-2, _NOTHING)
-
-    def captured_now(self, above: int = 1) -> frozenset[int]:
-        """The ``id`` of each leaf tensor the running ``autograd.grad`` captures (none when
-        unknown, or in a ``.backward()``).
-
-        Args:
-            above: Python frames between the caller and torch's ``_engine_run_backward`` (1
-                for the node's ``apply``, which the engine calls).
-        """
-        task = _graph_task_id()
-        last = self._last  # one tuple, replaced whole: threads never see half an update
-        if last[0] == task:
-            return last[1]
-        captured = captured_by_caller(2 + above)
-        self._last = (task, captured)
-        return captured
-
-
-def engine_needs(fn: Node | None) -> bool:
-    """Whether the running graph task will use the gradient sent along an edge to ``fn``.
-
-    Any error (outside a backward, a leaf captured by ``autograd.grad``) means "needed".
-    """
-    try:
-        return _edge_query(fn)
-    except Exception:
-        return True
 
 
 class AutogradImpl:
@@ -160,6 +99,7 @@ class AutogradImpl:
         self._slots: dict[tuple[int, ...], dict[str, tuple[int, int | None]]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
         self.captures = CaptureMemo()
+        """Which leaves the running ``autograd.grad`` captures (for the engine query)."""
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
@@ -462,8 +402,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     lens = record.lens
     arg_of = self._flat_arg_of if lens is None else self._arg_of.get(lens) or self.arg_of(lens)
     req = node.needs_input_grad  # (impl, call, *flat)
-    next_fns = None
-    captured: frozenset[int] | None = None
+    need = _needed_edges(node, flags, self.captures, 1)  # frames above: _node_apply
     requires_mask = 0
     needed_mask = 0
     needed_items: set[int] | None = None if lens is None else set()
@@ -474,27 +413,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
             if req[j]:
                 bit = 1 << arg_of[j - 2]
                 requires_mask |= bit
-                need = None if flags is None else flags[edge]
-                if need is None:
-                    if captured is None:
-                        captured = self.captures.captured_now(1)  # frames above: _node_apply
-                    # is the edge needed? (inline: a Python call per edge costs as much as the test)
-                    if (
-                        captured is _EVERY_EDGE
-                    ):  # .backward() without inputs=: all reached nodes run
-                        need = True
-                    else:
-                        if next_fns is None:
-                            next_fns = node.next_functions
-                        fn = next_fns[edge][0]
-                        if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
-                            need = True
-                        else:
-                            try:
-                                need = _edge_query(fn)
-                            except Exception:  # a captured leaf the caller's frame did not name
-                                need = True
-                if need:
+                if need is None or need[edge]:
                     needed_mask |= bit
                     if needed_items is not None:
                         needed_items.add(j - 2)

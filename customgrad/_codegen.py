@@ -27,7 +27,6 @@ import torch
 
 from customgrad._calls import CallCounts, slot
 from customgrad._errors import MissingRegistrationError
-from customgrad._handoff import hand_over, handed_over, release
 from customgrad._pass import (
     BackwardContext,
     BackwardObserver,
@@ -35,8 +34,9 @@ from customgrad._pass import (
     _Shared,
     auto_split,
 )
-from customgrad._record import NO_HANDOFF, NodeRecord
+from customgrad._record import NodeRecord
 from customgrad._rules import AutogradRules, Gradient, OpSpec
+from customgrad._runtime import free, keep_gradients, take_gradients
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._triton import raise_if_raw_launch
@@ -136,7 +136,6 @@ def write_runner(
         "_NONDIFF": nondiff,
         "_T": torch.Tensor,
         "_MISSING": _MISSING,
-        "_NO_HANDOFF": NO_HANDOFF,
         "_map": map,
         "_getattr": getattr,
         "_VERSION": _VERSION,
@@ -153,9 +152,9 @@ def write_runner(
         "_AUTO": rules.auto,
         "_REQUIRES": plan.requires,
         "_make_ctx": functools.partial(BackwardContext, spec, "full"),
-        "_handed_over": handed_over,
-        "_hand_over": hand_over,
-        "_release": release,
+        "_take_gradients": take_gradients,
+        "_keep_gradients": keep_gradients,
+        "_free": free,
         "_Shared": _Shared,
         "_BackwardContext": BackwardContext,
         "_missing": spec._missing_autograd_message,
@@ -207,15 +206,7 @@ def write_runner(
                 "if split is not None:",
                 *_indent(
                     [
-                        "handoff = record.handoff",
-                        "if handoff is not None:",
-                        "    handoff = _handed_over(record, grads, 'kept')",
-                        "r, kept = split.run(saved, grads, _NEEDED, "
-                        "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "if kept is not None:",
-                        "    _hand_over(record, grads, 'kept', kept)",
-                        "elif record.handoff is not None:",
-                        "    _release(record, grads)",
+                        "r = split.run(record, saved, grads, _NEEDED, keep)",
                         "ctx = _CTX",
                         *_observe(f"backward (traced {phase} part)", "r"),
                         *check_source(
@@ -231,7 +222,7 @@ def write_runner(
         lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
         if rules.auto is not None and not partial:
             # a full pass after a split one of a retained graph: free what was kept for W
-            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
+            lines += ["if record.handoff is not None:", "    _free(record, grads)"]
         lines += [count("per pass" if partial and rules.auto is None else "whole"), "return got"]
     else:
         lines += watch
@@ -255,7 +246,7 @@ def write_runner(
                 "weight", rules.backward_weight, sig.weight_set, plan.need_weight, "got_w", "got"
             )
             # the later pass ran: free what was kept for it
-            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
+            lines += ["if record.handoff is not None:", "    _free(record, grads)"]
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
         lines += [count("split" if partial else "whole"), "return got"]
@@ -288,11 +279,8 @@ def _run_once_lines(
     ns["_NEEDED_every"] = plan.requires
     return [
         "if record.handoff is not None:",
-        "    handed = _handed_over(record, grads, 'gradients')",
-        "    if handed is not _NO_HANDOFF:",
-        "        got = {n: handed.pop(n) for n in _NEEDED if n in handed}",
-        "        if not handed:",
-        "            _release(record, grads)",
+        "    got = _take_gradients(record, grads, _NEEDED)",
+        "    if got is not None:",
         f"        {count('handed')}",
         "        return got",
         "if keep:",
@@ -305,8 +293,7 @@ def _run_once_lines(
                 *check_source(
                     sig, "full", "_FN_full", sig.tensor_set, plan.requires, "every", slots
                 ),
-                "got = {n: every.pop(n) for n in _NEEDED if n in every}",
-                "_hand_over(record, grads, 'gradients', every)",
+                "got = _keep_gradients(record, grads, every, _NEEDED)",
                 "_AUTO.held(every)",
                 count("ran once"),
                 "return got",

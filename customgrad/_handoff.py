@@ -68,6 +68,7 @@ __all__ = [
     "record_pass",
     "release",
     "same_pass",
+    "tensors_of",
 ]
 
 MAX_PENDING = 4
@@ -186,16 +187,16 @@ def guard(
             if kind is _Tensor:
                 tensors.append(t)
             elif kind not in _PLAIN:  # a container, or a tensor subclass
-                tensors = [*_tensors_of(grads), *_tensors_of(saved)]
+                tensors = [*tensors_of(grads), *tensors_of(saved)]
                 break
     else:
-        tensors = [*_tensors_of(grads), *_tensors_of(saved)]
+        tensors = [*tensors_of(grads), *tensors_of(saved)]
     more_at = [k for k, t in enumerate(more) if isinstance(t, _Tensor)]  # (symbolic sizes)
     tensors += [more[k] for k in more_at]
 
     def describe(i: int) -> tuple[str, str]:
-        outputs = [j for j, g in enumerate(grads) for _ in _tensors_of((g,))]
-        n_saved = len(_tensors_of(saved))
+        outputs = [j for j, g in enumerate(grads) for _ in tensors_of((g,))]
+        n_saved = len(tensors_of(saved))
         if i < len(outputs):
             return f"the gradient of output {outputs[i]}", "given to the input pass"
         if i < len(outputs) + n_saved:
@@ -206,8 +207,8 @@ def guard(
     return Guard(tensors, describe, weak)
 
 
-def _tensors_of(value: object) -> list[torch.Tensor]:
-    """The tensors of a pytree (lists of output gradients, a saved pytree), in order."""
+def tensors_of(value: object) -> list[torch.Tensor]:
+    """The tensors of a pytree (output gradients, a saved pytree, shared work), in order."""
     if isinstance(value, _Tensor):
         return [value]
     if value is None:

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 import torch
 
 from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._handoff import SharedWork, hand_over, handed_over
 from customgrad._record import NO_HANDOFF, NodeRecord
 from customgrad._rules import OpSpec
+from customgrad._runtime import keep_shared, shared_of
 from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import _call_user, _Watch
 
@@ -71,8 +71,7 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        found = handed_over(record, grads, "shared")
-        self.value: Any = found.value if isinstance(found, SharedWork) else NO_HANDOFF
+        self.value: Any = shared_of(record, grads)
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> object:
@@ -91,7 +90,7 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                hand_over(self.record, self.grads, "shared", SharedWork(self.value))
+                keep_shared(self.record, self.grads, self.value)
         return self.value
 
 

@@ -111,11 +111,16 @@ class SplitProgram:
         recompute: the recompute rule of every cut (:data:`customgrad._partition.Recompute`).
         compiler: builds each pass (:data:`Compiler`).
         examples: example inputs of the graph, for the compiler (fake or real tensors).
+        boxed: the compiler's passes take their inputs as one list, which they empty (a
+            compiled region's), rather than as arguments.
 
     Attributes:
         graph_module: the cleaned graph.
         mutated: nodes that still write in place after the clean-up (then nothing is cut: the
             caller runs the graph whole).
+        whole_pass: the pass that computes every live slot, when the caller built it (else
+            built from the graph when first asked for, :meth:`whole`).
+        failed: the cuts the compiler could not build, with why.
     """
 
     def __init__(
@@ -125,7 +130,11 @@ class SplitProgram:
         recompute: Recompute,
         compiler: Compiler,
         examples: Sequence[object] = (),
+        boxed: bool = False,
     ) -> None:
+        self.boxed = boxed
+        self.whole_pass: Pass | None = None
+        self.failed: dict[frozenset[int], str] = {}
         self.graph_module, self.mutated = clean(gm)
         self.live = frozenset(live)
         self.recompute: Recompute = recompute
@@ -147,6 +156,25 @@ class SplitProgram:
             with self._lock:
                 found = self._cuts.get(weight) or self._cuts.setdefault(weight, self._cut(weight))
         return found
+
+    def cut_or_none(self, weight: frozenset[int]) -> ProgramCut | None:
+        """:meth:`cut`, or None where the compiler could not build it (remembered, with why, in
+        :attr:`failed`: that pattern then runs the whole program)."""
+        found = self._cuts.get(weight)
+        if found is not None:
+            return found
+        if weight in self.failed:
+            return None
+        try:
+            return self.cut(weight)
+        except Exception as e:  # a backend that cannot compile this cut
+            self.failed[weight] = f"{type(e).__name__}: {e}"
+            return None
+
+    def whole(self) -> Pass:
+        """The pass that computes every live slot (:attr:`whole_pass` when the caller gave one:
+        a compiled region's own full backward)."""
+        return self.whole_pass if self.whole_pass is not None else self.full(self.live)
 
     def full(self, slots: frozenset[int]) -> Pass:
         """The full pass for ``slots``: computes them, keeps nothing (random ops all drawn)."""

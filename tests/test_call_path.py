@@ -259,19 +259,19 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
 ) -> None:
     """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
     leaf, so the node reads the inputs from the caller instead and asks only about the rest
-    (``customgrad._autograd._node_apply``'s edge loop). A ``.backward()`` without ``inputs=``
-    runs every node: nothing is asked."""
-    from customgrad import _autograd
+    (``customgrad._runtime.needed_edges``). A ``.backward()`` without ``inputs=`` runs every
+    node: nothing is asked."""
+    from customgrad import _runtime
 
     op = _define("TT", (1,), "pair", "none")
     asked: list[object] = []
-    will = _autograd._edge_query
+    will = _runtime._edge_query
 
     def counting(fn: object) -> bool:
         asked.append(fn)
         return bool(will(fn))
 
-    monkeypatch.setattr(_autograd, "_edge_query", counting)
+    monkeypatch.setattr(_runtime, "_edge_query", counting)
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = op(x, w)
     (gw,) = torch.autograd.grad(out.sum(), [w], retain_graph=True)

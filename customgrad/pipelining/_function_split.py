@@ -33,11 +33,11 @@ from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _traci
 from customgrad._capture import Capture, Fallback, capture_backward
 from customgrad._errors import where
 from customgrad._from_function import _BackwardContext
-from customgrad._handoff import Describe, Kept, edge_name, guard
+from customgrad._handoff import Describe, HandOff, HandOffValue, edge_name, guard
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
 from customgrad._torch.functions import edge_metadata, forward_cls, setup_context_defined
-from customgrad._traced_split import TRACE_LOCK, TracedSplit
+from customgrad._traced_split import TRACE_LOCK, Gradients, TracedSplit
 
 __all__ = ["FunctionOnce", "FunctionSplit", "split_input"]
 
@@ -183,20 +183,14 @@ SPLIT: set[type] = set()
 
 
 class FunctionSplit:
-    """What a Function node's input pass left for its weight pass: the weight-side edges, and
-    what the weight pass of its split program takes."""
+    """A Function node's split backward between its passes: what W needs besides the values
+    its input pass kept (the saved tensors, the output gradients and the weight-side edges),
+    and the node's hand-off store, which holds those (:mod:`customgrad._runtime` runs both
+    passes on it: the node is not kept for W)."""
 
-    __slots__ = (
-        "_edges",
-        "_grads",
-        "_guard",
-        "_kept",
-        "_saved",
-        "_split",
-        "_weights",
-        "label",
-        "node",
-    )
+    __slots__ = ("_edges", "_grads", "_guard", "_saved", "_split", "_weights", "handoff",
+                 "label", "node")  # fmt: skip
+    differentiable = None  # every output's gradient is compared (the store's Holder)
 
     def __init__(
         self,
@@ -204,34 +198,31 @@ class FunctionSplit:
         split: TracedSplit,
         saved: tuple[object, ...],
         grads: tuple[torch.Tensor | None, ...],
-        kept: Kept | None,
         edges: list[tuple[str, Node, int]],
     ) -> None:
         self.node = weakref.ref(node)  # for tools that watch W: not kept alive for it
+        self.handoff: HandOff[HandOffValue] | None = None
         self._split = split
         self._saved = saved
         self._grads = grads
-        self._kept = kept
         self._edges = edges
         self._weights = frozenset(name for name, _, _ in edges)
         cls = forward_cls(node)
         self.label = function_label(cls)
-        self._guard = guard(
-            grads,
-            saved,
-            describe_saved(cls, node, saved),
-            () if kept is None else kept.values,
-            lambda k: (f"value {k} the input pass kept", "made by its split backward"),
-        )
+        self._guard = guard(grads, saved, describe_saved(cls, node, saved))
+
+    def input_pass(self, needed: frozenset[str]) -> Gradients:
+        """Run the input pass for the gradients ``needed``, keeping what W shares with it."""
+        return self._split.run(self, self._saved, self._grads, needed, True)
 
     def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Run the weight pass (once): the weight-side edges and their gradients."""
         self._guard.check(self.label)
-        split, saved, grads, kept = self._split, self._saved, self._grads, self._kept
+        split, saved, grads = self._split, self._saved, self._grads
         self._saved = self._grads = ()
-        self._kept = None
-        result, _ = split.run(saved, grads, self._weights, kept, False)
-        del saved, grads, kept
+        result = split.run(self, saved, grads, self._weights, False)
+        self.handoff = None
+        del saved, grads
         edges: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for name, fn, nr in self._edges:
@@ -375,7 +366,8 @@ def split_input(
             tell(cls, outcome.why)
         return None
     needed = requires - frozenset(weights)
-    result, kept = outcome.run(saved, grads, needed, None, True)
+    work = FunctionSplit(node, outcome, saved, grads, edges)
+    result = work.input_pass(needed)
     SPLIT.add(cls)
     out = tuple(result.get(n) if n is not None and n in needed else None for n in names)
-    return out, FunctionSplit(node, outcome, saved, grads, kept, edges)
+    return out, work

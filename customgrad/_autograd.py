@@ -260,7 +260,7 @@ class AutogradImpl:
         saved = call.saved
         if type(saved) is tuple and _TENSOR_OR_NONE.issuperset(map(type, saved)):
             ctx.save_for_backward(*saved)  # _save's commonest case, inline
-            record.kept = _SAVED_TENSORS
+            record.saved_layout = _SAVED_TENSORS
         else:
             _save(ctx, record, self.spec, saved)
         if call.residuals:
@@ -430,7 +430,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     if not plan.needed and not deferred:
         return tuple(out)
 
-    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)
+    saved = node.saved_tensors if record.saved_layout is _SAVED_TENSORS else _restore(node, record)
     if record.residual_slots is not None and torch.is_grad_enabled():  # create_graph=True
         saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
     out_lens = record.out_lens
@@ -533,6 +533,10 @@ class DeferredWork:
     def device(self) -> torch.device:
         """The device of the node's first tensor input (for stream handling)."""
         return next((m[2] for m in self.record.metas if m is not None), torch.device("cpu"))
+
+    def owner(self) -> Node:
+        """The node whose weight half it is."""
+        return self._node  # type: ignore[return-value]
 
     def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Compute the weight gradients; return ``(edges, gradients)`` to send through autograd."""

@@ -408,7 +408,7 @@ def describe_node(record: NodeRecord) -> str | None:
     auto = record.op.rules.auto
     if not isinstance(auto, AutoSplitter) or record.op.rules.backward is None:
         return None
-    split = record.split
+    split = record.traced
     if isinstance(split, TracedSplit):
         return split.describe()
     if split is False:

@@ -187,9 +187,6 @@ class PassPlan(NamedTuple):
     route takes them)."""
     later_input: frozenset[str]
     """Non-weight arguments that require grad but that this pass does not compute."""
-    splits: bool
-    """Whether the pass computes input gradients while weights that require grad are left for
-    a later pass (the earlier pass of a split)."""
     ctx: BackwardContext
     """The backward functions' context for this plan when the op registers no shared work
     (a context is read-only then, so every call with this plan shares one)."""
@@ -214,7 +211,6 @@ def pass_plan(
         phase = "weight" if need_weight else "input"
     later = requires - needed
     later_weight = later & sig.weight_set
-    splits = bool(later_weight) and bool(need_input)
     later_input = later - sig.weight_set
     ctx = BackwardContext(spec, phase, needed)
     return PassPlan(
@@ -224,7 +220,6 @@ def pass_plan(
         need_weight,
         later_weight,
         later_input,
-        splits,
         ctx,
         requires,
         key,
@@ -245,14 +240,14 @@ def auto_split(
         # A create_graph backward (double backward): call the backward as written, so its
         # gradients are differentiable exactly as the user wrote them.
         return None
-    split = record.split
+    split = record.traced
     layout = _layout_of(grads)
-    if split is None or layout != record.split_grads:
+    if split is None or layout != record.traced_grads:
         # A node's first backward, or a backward of a retained graph with output gradients of
         # another layout (other strides select another trace).
         split = auto.select(make_ctx, saved, grads, requires)
-        record.split = split if split is not None else False
-        record.split_grads = layout
+        record.traced = split if split is not None else False
+        record.traced_grads = layout
     return split or None
 
 

@@ -42,14 +42,14 @@ class NodeRecord:
         lens: lengths of the list arguments, or None when the op has none.
         out_lens: lengths of the list outputs (None entries for single tensors), or None when
             the node's outputs are the op's outputs as they are.
-        kept: how the saved values are laid out (see ``customgrad._autograd``).
+        saved_layout: how the saved values are laid out (see ``customgrad._autograd``).
         tag: what the forward was tagged with (see :func:`customgrad._routing.tagging`).
         route: what a planned backward told this node (see :mod:`customgrad._routing`).
         handoff: the node's hand-offs (:mod:`customgrad._handoff`: what its input pass
             computed for its weight pass), or None.
-        split: the node's traced split once its first backward chose one (False: the
+        traced: the node's traced split once its first backward chose one (False: the
             backward is called as written), or None before.
-        split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
+        traced_grads: the layout of the output gradients ``traced`` was chosen for (shapes,
             strides, dtypes: a backward with others chooses again).
         forward_ad: ``(args, outputs)`` kept for a jvp while forward AD is active.
         residual_slots: ``(position among the saved tensors, name)`` of each residual saved as
@@ -65,11 +65,11 @@ class NodeRecord:
     # The rest keep these class-level defaults until something sets them, which keeps creating
     # a record cheap (one per op call).
     out_lens: list[int | None] | None = None
-    kept: object = None
+    saved_layout: object = None
     route: Route | None = None
     handoff: HandOff[HandOffValue] | None = None
-    split: TracedSplit | Literal[False] | None = None
-    split_grads: object = None
+    traced: TracedSplit | Literal[False] | None = None
+    traced_grads: object = None
     forward_ad: tuple[object, object] | None = None
     residual_slots: tuple[tuple[int, str], ...] | None = None
     weight_edges: tuple[bool, ...] | None = None

@@ -37,7 +37,7 @@ dicts and NamedTuples. Return those instead:
 (save_for_backward defined at {loc})"""
 
 
-class _Kept(NamedTuple):
+class _SavedLayout(NamedTuple):
     """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
     in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
 
@@ -46,7 +46,7 @@ class _Kept(NamedTuple):
     tensor_idx: list[int]
 
 
-# What ``record.kept`` holds when ``save_for_backward`` returned something simple.
+# What ``record.saved_layout`` holds when ``save_for_backward`` returned something simple.
 _SAVED_NONE = object()  # None
 _SAVED_TENSOR = object()  # one Tensor: saved_tensors[0]
 _SAVED_TENSORS = object()  # a tuple of Tensors: saved_tensors
@@ -57,18 +57,18 @@ _TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
 def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
     """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
     if saved is None:
-        record.kept = _SAVED_NONE
+        record.saved_layout = _SAVED_NONE
         return
     kind = type(saved)
     if kind is _Tensor or kind is _Parameter:
         ctx.save_for_backward(saved)
-        record.kept = _SAVED_TENSOR
+        record.saved_layout = _SAVED_TENSOR
         return
     if kind is tuple:
         if _TENSOR_OR_NONE.issuperset(map(type, saved)):
             # Tensors and Nones: saved_tensors gives the same tuple back
             ctx.save_for_backward(*saved)
-            record.kept = _SAVED_TENSORS
+            record.saved_layout = _SAVED_TENSORS
             return
         tensor_idx: list[int] = []
         for i, v in enumerate(saved):
@@ -83,7 +83,7 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
                 ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
                 for i in tensor_idx:
                     leaves[i] = None
-            record.kept = _Kept(leaves, None, tensor_idx)
+            record.saved_layout = _SavedLayout(leaves, None, tensor_idx)
             return
     leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
     tensor_idx = []
@@ -96,7 +96,7 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
         ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
         for i in tensor_idx:
             leaves[i] = None
-    record.kept = _Kept(leaves, treespec, tensor_idx)
+    record.saved_layout = _SavedLayout(leaves, treespec, tensor_idx)
 
 
 def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
@@ -126,15 +126,15 @@ def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
 
 
 def _restore(node: Any, record: NodeRecord) -> Any:
-    kept = record.kept
-    if kept is _SAVED_TENSORS:
+    layout = record.saved_layout
+    if layout is _SAVED_TENSORS:
         return node.saved_tensors
-    if kept is _SAVED_TENSOR:
+    if layout is _SAVED_TENSOR:
         return node.saved_tensors[0]
-    if kept is _SAVED_NONE:
+    if layout is _SAVED_NONE:
         return None
-    assert isinstance(kept, _Kept)  # the other layouts are the sentinels above
-    leaves, treespec, tensor_idx = kept
+    assert isinstance(layout, _SavedLayout)  # the other layouts are the sentinels above
+    leaves, treespec, tensor_idx = layout
     if tensor_idx:
         leaves = list(leaves)
         for i, t in zip(tensor_idx, node.saved_tensors):

@@ -32,10 +32,11 @@ whose weights nothing else in I touches), and ``customgrad.graph.explain_split``
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -52,7 +53,10 @@ _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 """The node class that accumulates a leaf's gradient into ``.grad``."""
 
 __all__ = [
+    "STATE_KEY",
     "InputPassPlan",
+    "StageSplit",
+    "Watch",
     "WeightCall",
     "children",
     "grad_node",
@@ -62,7 +66,48 @@ __all__ = [
     "postorder",
     "runs_once",
     "reach",
+    "stage_split",
 ]
+
+
+Watch = Callable[[Node], contextlib.AbstractContextManager[object]]
+"""What runs around each piece of weight work W runs outside the engine, by its node (the
+tools count its FLOPs to that node)."""
+
+STATE_KEY = "customgrad_split"
+"""The key of the split state in the ``param_groups`` a split input pass returns."""
+
+
+@runtime_checkable
+class StageSplit(Protocol):
+    """What a stage's split input pass left for its weight pass, as the tools read it before W
+    runs (``customgrad.pipelining.stage_backward_input``'s state, found by
+    :func:`stage_split`): the one seam ``explain_split`` and ``summary()`` read."""
+
+    def deferred_nodes(self) -> set[Node]:
+        """The customgrad nodes whose weight half went to W."""
+
+    def split_functions(self) -> set[int]:
+        """The ``id`` of each plain Function node whose backward split (weight work in W)."""
+
+    def once_functions(self) -> set[int]:
+        """The ``id`` of each plain Function node that ran once in I (W sends on what it
+        returned)."""
+
+    def watch(self, watch: Watch) -> None:
+        """Have W run ``watch(node)`` around each piece of weight work it runs outside the
+        engine (deferred weight halves, split Functions' weight passes, nodes it calls)."""
+
+
+def stage_split(param_groups: object) -> StageSplit | None:
+    """The split state a split input pass left in its ``param_groups`` (None for anything
+    else, such as torch's own ``param_groups``)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(STATE_KEY) if isinstance(first, dict) else None
+        if isinstance(state, StageSplit):
+            return state
+    return None
 
 
 def grad_node(t: torch.Tensor) -> Node | None:

@@ -16,7 +16,7 @@ slots, from the graph's inputs and the kept values). :class:`SplitProgram` is th
   ``extract``); repeated pure aten ops are computed once (torch's ``CSEPass``: unsloth's LoRA
   computes ``dY @ B.t()`` for dX and again for dA; opaque ops, random ops and writes are never
   merged). A graph that still writes into one of its inputs is not cut;
-- each cut is made by the one partitioner (:func:`customgrad._partition.cut`), with the
+- each cut is made by the one partitioner (:func:`customgrad._partition.partition`), with the
   program's recompute rule, and its two passes are built and compiled once, when first asked
   for (the pass cache, :meth:`SplitProgram.cut`): a traced backward builds them as generated
   Python over aten calls, a compiled region with its backend's compiler;
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from customgrad._partition import Recompute, ancestors, cut, extract, free, written
+from customgrad._partition import Recompute, ancestors, extract, free, partition, written
 from customgrad._torch.dispatcher import OpOverload, overload_name, schema_of
 
 __all__ = ["Compiler", "Pass", "ProgramCut", "SplitProgram", "clean", "mutating", "random"]
@@ -213,7 +213,7 @@ class SplitProgram:
         weight_slots = tuple(sorted(weight))
         input_outs = self._nodes(input_slots)
         weight_outs = self._nodes(weight_slots)
-        c = cut(
+        c = partition(
             self.graph_module.graph,
             [*(n for n in input_outs if isinstance(n, fx.Node)), *self.random],
             [n for n in weight_outs if isinstance(n, fx.Node)],

@@ -461,8 +461,8 @@ def _tensors(value: Any) -> list[Tensor]:
 def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     # customgrad's split: a plain Function's weight-side gradients go from I to W (with the
     # edges they go along); W takes them, and nothing of the node outlives I.
+    from customgrad._split_plan import STATE_KEY
     from customgrad.pipelining._function_split import FunctionOnce
-    from customgrad.pipelining._split_state import STATE_KEY
 
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
     w = torch.randn(3, dtype=DT, requires_grad=True)
@@ -473,7 +473,7 @@ def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     CALLS.clear()
     _, groups = stage_backward_input([out], [g.clone()], [x], [w])
     state = groups[0][STATE_KEY]
-    (handed,) = [h for hs in state.once.values() for h in hs]
+    (handed,) = [h for hs in state.work.values() for h in hs if isinstance(h, FunctionOnce)]
     assert isinstance(handed, FunctionOnce)  # the weight-side gradients it returned, with edges
     dw = weakref.ref(handed.kept[0][1])
     del handed, out

@@ -211,6 +211,12 @@ class FunctionSplit:
         self.label = function_label(cls)
         self._guard = guard(grads, saved, describe_saved(cls, node, saved))
 
+    device = torch.device("cpu")  # (never queued: the queue defers customgrad halves only)
+
+    def owner(self) -> Node | None:
+        """The node, while it lives (W runs its weight pass outside the engine)."""
+        return self.node()
+
     def input_pass(self, needed: frozenset[str]) -> Gradients:
         """Run the input pass for the gradients ``needed``, keeping what W shares with it."""
         return self._split.run(self, self._saved, self._grads, needed, True)
@@ -269,6 +275,11 @@ class FunctionOnce:
             lambda k: (f"ctx.{attrs[k][0]}", set_at),
             weak=True,
         )
+
+    device = torch.device("cpu")  # (never queued)
+
+    def owner(self) -> Node | None:
+        return None  # it ran in I: W only sends on what it returned
 
     def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """The gradients (once), after the version check."""

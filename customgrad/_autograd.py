@@ -200,7 +200,7 @@ class AutogradImpl:
             # Kernels.checked_output only for what is not a fresh Tensor
             kernels = spec._kernels
             args = flat
-            outputs = kernels.run(kernel, flat)
+            outputs: Any = kernels.run(kernel, flat)
             residuals: tuple[Any, ...] = ()
             if type(outputs) is not _Tensor or _alias_check(flat, _EMPTY, (outputs,)):
                 outputs, residuals = kernels.checked_output(flat, outputs)
@@ -310,6 +310,36 @@ class AutogradImpl:
             arg_of = self._arg_of[lens] = tuple(out)
         return arg_of
 
+    def split_off(
+        self, record: NodeRecord, plan: PassPlan, saved: object, grads: tuple[object, ...]
+    ) -> dict[str, Gradient]:
+        """The split switched off: the whole backward, like a plain Function; the pass takes
+        what it needs."""
+        if plan.needed != plan.requires:
+            self.calls.add("split off", plan.phase)
+        found = self.compute(record, self.whole(plan), saved, grads, keep=False)
+        return {n: g for n, g in found.items() if n in plan.needed}
+
+    def listed(
+        self,
+        lens: tuple[int, ...],
+        result: dict[str, Gradient],
+        out: list[object],
+        needed_items: set[int],
+    ) -> tuple[object, ...]:
+        """``out`` (the node's backward outputs: the kernel and call, then one per flat input)
+        with the gradients of ``result`` placed, list items one by one (only those needed)."""
+        slots = self._slots.get(lens) or self.slots(lens)
+        for name, g in result.items():
+            start, n = slots[name]
+            if n is None:
+                out[start + 2] = g
+            elif g is not None:
+                for i, gi in enumerate(g):
+                    if start + i in needed_items:
+                        out[start + i + 2] = gi
+        return tuple(out)
+
     def compute(
         self,
         record: NodeRecord,
@@ -369,8 +399,7 @@ class _CustomGradNode(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: NodeCtx, *tangents: torch.Tensor | None) -> object:
-        impl: AutogradImpl = ctx._cg.impl
-        return jvp(impl.spec, ctx, tangents)
+        return jvp(ctx._cg.impl.spec, ctx, tangents)
 
     @staticmethod
     def vmap(
@@ -395,7 +424,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     customgrad node runs here, planned by a route or not, split on or off.
     """
     record: NodeRecord = node._cg
-    self = record.impl
+    self: AutogradImpl = record.impl  # type: ignore[assignment]  # (the record's, always)
     route = None if record.route is None else route_for(record)
     flags = None if route is None else route.needed
     metas = record.metas
@@ -440,11 +469,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     if not plan.needed:
         result: dict[str, Any] = {}
     elif not SWITCHES.split:
-        # Split off: the whole backward, like a plain Function; the pass takes what it needs.
-        if plan.needed != plan.requires:
-            self.calls.add("split off", plan.phase)
-        found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
-        result = {n: g for n, g in found.items() if n in plan.needed}
+        result = self.split_off(record, plan, saved, out_grads)
     else:
         rules = self.spec.rules
         run = None
@@ -463,16 +488,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
         for name, g in result.items():
             out[index[name] + 2] = g
         return tuple(out)
-    slots = self._slots.get(lens) or self.slots(lens)
-    for name, g in result.items():
-        start, n = slots[name]
-        if n is None:
-            out[start + 2] = g
-        elif g is not None:  # a list: only the items this pass needs
-            for i, gi in enumerate(g):
-                if start + i in needed_items:  # type: ignore[operator]
-                    out[start + i + 2] = gi
-    return tuple(out)
+    return self.listed(lens, result, out, needed_items)  # type: ignore[arg-type]
 
 
 def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:

@@ -39,7 +39,6 @@ import optree
 import torch
 
 from customgrad._errors import ModifiedBetweenPassesError
-from customgrad._record import NO_HANDOFF
 from customgrad._rules import Gradient
 
 if TYPE_CHECKING:
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MSG_MODIFIED",
+    "NO_HANDOFF",
     "Describe",
     "Guard",
     "HandOff",
@@ -70,6 +70,10 @@ __all__ = [
     "same_pass",
     "tensors_of",
 ]
+
+NO_HANDOFF: Any = object()
+"""What :func:`handed_over` answers when nothing was handed over (a value handed over may be
+None)."""
 
 MAX_PENDING = 4
 """The hand-offs a node keeps at most, one per pass whose later pass has not run (the oldest

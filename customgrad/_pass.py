@@ -11,13 +11,14 @@ functions a backward calls see a :class:`BackwardContext`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._record import NO_HANDOFF, NodeRecord
-from customgrad._rules import OpSpec
+from customgrad._errors import MissingRegistrationError
+from customgrad._handoff import NO_HANDOFF
+from customgrad._record import NodeRecord
+from customgrad._rules import BackwardContext, OpSpec, Phase
 from customgrad._runtime import keep_shared, shared_of
 from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import _call_user, _Watch
@@ -35,8 +36,6 @@ __all__ = [
     "keeps_for_later",
     "pass_plan",
 ]
-
-Phase = Literal["full", "input", "weight"]
 
 BackwardObserver = Callable[[str, Phase, "BackwardContext", object], None]
 """Called as ``observer(label, phase, ctx, result)`` after each registered backward function
@@ -92,76 +91,6 @@ class _Shared:
             if self.keep:
                 keep_shared(self.record, self.grads, self.value)
         return self.value
-
-
-class BackwardContext:
-    """What a customgrad backward function is told about the running pass.
-
-    Attributes:
-        op: the :class:`~customgrad.CustomOp` whose backward runs.
-        phase: ``"input"`` when the pass needs only non-weight arguments' gradients,
-            ``"weight"`` when it needs only weights', ``"full"`` otherwise (every argument that
-            requires grad is needed, or some of each kind are).
-    """
-
-    __slots__ = ("_needed", "_op", "_phase", "_shared")
-
-    def __init__(
-        self,
-        op: OpSpec,
-        phase: Phase,
-        needed: frozenset[str],
-        shared: _Shared | None = None,
-    ) -> None:
-        self._op = op
-        self._phase: Phase = phase
-        self._needed = needed
-        self._shared = shared
-
-    # Read-only: a context without shared work is made once per pass plan and reused by every
-    # backward call with that plan (:attr:`PassPlan.ctx`).
-    @property
-    def op(self) -> OpSpec:
-        return self._op
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    def needs_input_grad(self, name: str) -> bool:
-        """True if argument ``name`` requires grad and the engine will use its gradient now."""
-        if name in self._needed:
-            return True
-        if name not in self._op.signature.index:
-            raise GradientValueError(
-                f"{self._op.name}: ctx.needs_input_grad({name!r}): no such argument. "
-                f"Arguments: {', '.join(self._op.signature.names)}."
-            )
-        return False
-
-    @property
-    def shared(self) -> Any:
-        """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
-        split, kept for the later one and freed after it."""
-        if self._shared is None:
-            var = self.op.name.split("::")[1]
-            raise MissingRegistrationError(
-                f"{self.op.name}: ctx.shared was read, but the op registers no shared work. "
-                f"ctx.shared is what register_backward_shared computes for the halves of the "
-                f"input/weight pair; register the work both halves need:\n\n"
-                f"    @{var}.register_backward_shared\n"
-                f"    def _(ctx, saved, grad):\n"
-                f"        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
-                f"(A single register_backward computes such work itself: its automatic split "
-                f"runs it once and hands it from I to W.)"
-            )
-        return self._shared.get(self)
-
-    def __repr__(self) -> str:
-        return (
-            f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
-            f"needed={sorted(self._needed)})"
-        )
 
 
 def keeps_for_later(plan: PassPlan, target: DeferTarget | None) -> bool:
@@ -248,7 +177,7 @@ def auto_split(
         split = auto.select(make_ctx, saved, grads, requires)
         record.traced = split if split is not None else False
         record.traced_grads = layout
-    return split or None
+    return split or None  # type: ignore[return-value]  # what select chose: a TracedSplit
 
 
 def _layout_of(grads: tuple[Any, ...]) -> Any:

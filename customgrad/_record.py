@@ -10,26 +10,30 @@ one attribute load on the per-call path. Nothing else is stored on the node.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Protocol
 
 from customgrad._signature import ArgKind
 
 if TYPE_CHECKING:
-    from customgrad._autograd import AutogradImpl
-    from customgrad._autosplit import TracedSplit
     from customgrad._handoff import HandOff, HandOffValue
     from customgrad._routing import Route
     from customgrad._rules import OpSpec
     from customgrad._validate import TensorMeta
 
-__all__ = ["ATTR", "NO_HANDOFF", "NodeRecord", "attach", "record_of"]
+__all__ = ["ATTR", "NodeImpl", "NodeRecord", "attach", "record_of"]
 
 ATTR = "_cg"
 """The attribute of a customgrad node that holds its record."""
 
-NO_HANDOFF: Any = object()
-"""What :func:`customgrad._handoff.handed_over` answers when nothing was handed over (a value
-handed over may be None)."""
+
+class NodeImpl(Protocol):
+    """What a record reads of its op's autograd (``customgrad._autograd.AutogradImpl``)."""
+
+    spec: OpSpec
+    weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]]
+
+    def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
+        """For each flat input position, the index of its argument."""
 
 
 class NodeRecord:
@@ -58,7 +62,7 @@ class NodeRecord:
 
     # Set at forward, by the node's setup_context (``customgrad._autograd``), which makes the
     # record with ``object.__new__`` and sets these four without a call:
-    impl: AutogradImpl
+    impl: NodeImpl
     metas: list[TensorMeta]
     lens: tuple[int, ...] | None
     tag: object
@@ -68,7 +72,7 @@ class NodeRecord:
     saved_layout: object = None
     route: Route | None = None
     handoff: HandOff[HandOffValue] | None = None
-    traced: TracedSplit | Literal[False] | None = None
+    traced: object = None  # a customgrad._traced_split.TracedSplit, False, or None
     traced_grads: object = None
     forward_ad: tuple[object, object] | None = None
     residual_slots: tuple[tuple[int, str], ...] | None = None

@@ -24,11 +24,12 @@ hold no kept value themselves. This module
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol
 
 import torch
 
 from customgrad._handoff import (
+    NO_HANDOFF,
     Guard,
     HeldGradients,
     Holder,
@@ -41,7 +42,6 @@ from customgrad._handoff import (
     release,
     tensors_of,
 )
-from customgrad._record import NO_HANDOFF
 from customgrad._rules import Gradient
 from customgrad._torch.engine import (
     ACCUMULATE_GRAD,
@@ -110,8 +110,15 @@ class CaptureMemo:
         return captured
 
 
+class HasEdges(Protocol):
+    """A node, as :func:`needed_edges` reads it."""
+
+    @property
+    def next_functions(self) -> tuple[tuple[object, int], ...]: ...
+
+
 def needed_edges(
-    node: Any,
+    node: HasEdges,
     flags: Sequence[bool | None] | None,
     memo: CaptureMemo | None,
     above: int = 1,

@@ -31,7 +31,7 @@ import html
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch.autograd.graph import Node
@@ -46,9 +46,6 @@ from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node, stage_split
 from customgrad._torch.functions import custom_op_of, forward_cls
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 

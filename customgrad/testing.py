@@ -47,7 +47,7 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGrad
 from customgrad._flops import FlopCounter
 from customgrad._launches import LaunchCounter
 from customgrad._op import CustomOp, autograd_impl
-from customgrad._pass import BackwardContext
+from customgrad._rules import BackwardContext
 from customgrad._torch.dispatcher import OpOverload
 from customgrad._torch.fake import FAKE_TENSOR_LOGGER, fake_tensor_mode_type, is_fake
 

@@ -54,7 +54,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._routing import routing
+from customgrad._routing import Routed, WeightWork, routing
 from customgrad._split_plan import STATE_KEY, InputPassPlan, grad_node, plan_input_pass, reach
 from customgrad._torch.functions import forward_cls, keep_graphs, replacing, run_backward
 from customgrad.pipelining._function_split import FunctionOnce, FunctionSplit, split_input
@@ -65,7 +65,6 @@ from customgrad.pipelining._stage_io import (
     sequence,
     stage_backward,
 )
-from customgrad.pipelining._streams import WeightWork
 from customgrad.pipelining._weight_pass import Grads, stage_backward_weight
 
 __all__ = ["run_stage_backward", "stage_backward", "stage_backward_input", "stage_backward_weight"]
@@ -264,7 +263,9 @@ def _hand_to_weight_pass(
             if n not in split:
                 _tell(forward_cls(n))
     del split
-    call_of = {r: c for c, call in enumerate(plan.weight_calls) for r in call.deferred}
+    call_of: dict[Routed, int] = {
+        r: c for c, call in enumerate(plan.weight_calls) for r in call.deferred
+    }
     deferred: dict[int, list[WeightWork]] = {}
     for record, half in state.deferred.items():  # in the order I handed them over
         deferred.setdefault(call_of.get(record, 0), []).append(half)

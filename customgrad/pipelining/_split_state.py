@@ -24,11 +24,10 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._record import NodeRecord
+from customgrad._routing import Routed, WeightWork
 from customgrad._split_plan import InputPassPlan, Watch, stage_split
 from customgrad.pipelining._errors import SplitStateError
 from customgrad.pipelining._function_split import FunctionOnce, FunctionSplit
-from customgrad.pipelining._streams import WeightWork
 
 __all__ = ["Resend", "SplitState", "runtime_errors", "state_of"]
 
@@ -122,7 +121,7 @@ class SplitState:
         self.watching: Watch | None = None
         self.clear()
 
-    def defer(self, record: NodeRecord, work: WeightWork) -> None:
+    def defer(self, record: Routed, work: WeightWork) -> None:
         self.deferred[record] = work
 
     def clear(self) -> None:
@@ -130,7 +129,7 @@ class SplitState:
         # During I: the customgrad nodes' deferred weight halves (by node), the gradients that
         # reached the nodes W runs again, what each Function node that ran once or split left
         # (None: a weight-side gradient was missing), those that split until their post-hook.
-        self.deferred: dict[NodeRecord, WeightWork] = {}
+        self.deferred: dict[Routed, WeightWork] = {}
         self.captured: dict[Node, tuple[torch.Tensor | None, ...]] = {}
         self.ran: dict[Node, FunctionOnce | FunctionSplit | None] = {}
         self.splitting: dict[Node, FunctionSplit] = {}

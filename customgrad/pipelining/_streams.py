@@ -16,8 +16,9 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import GradientEdge
 
+from customgrad._routing import WeightWork
 from customgrad.pipelining._errors import StreamSyncError
 
 __all__ = ["AcceleratorStreams", "QueuedWork", "StreamPolicy", "WeightWork"]
@@ -28,24 +29,6 @@ is run from stream {current}, which has not waited for it. Make the current stre
 (current.wait_stream(queued)), or create the queue with WeightGradQueue(sync_streams=True), \
 which runs the work on the stream it was queued on and makes the current stream wait for it.
 """
-
-
-class WeightWork(Protocol):
-    """A piece of weight work, as the weight pass runs it: a customgrad node's deferred weight
-    half (``_autograd.DeferredWork``), a plain Function's split weight pass or the gradients
-    its backward returned in I, gradients I recorded for W to send again."""
-
-    @property
-    def device(self) -> torch.device:
-        """The device whose current stream the work is queued on."""
-
-    def owner(self) -> Node | None:
-        """The node whose work it is, when W runs it outside the engine (for tools that count
-        it to its node), else None."""
-
-    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        """Compute the weight gradients (once); return ``(edges, gradients)`` to send through
-        autograd."""
 
 
 class StreamPolicy(Protocol):

@@ -492,3 +492,17 @@ def test_an_argument_of_the_wrong_kind_is_refused_naming_it(
         cg.ArgumentTypeError, match=re.escape(f"argument {arg!r} must be {want}, but got {got}")
     ):
         lin(*call)
+
+
+def test_an_edge_to_no_node_is_not_needed_and_not_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (an input that requires no grad: the engine's query would raise for it, slowly)
+    from customgrad import _runtime
+
+    class Edges:
+        next_functions = ((None, 0), (object(), 0))
+
+    asked: list[object] = []
+    monkeypatch.setattr(_runtime, "_edge_query", lambda fn: asked.append(fn) or True)
+    assert list(_runtime.needed_edges(Edges(), None, None) or ()) == [False, True]
+    assert asked == [Edges.next_functions[1][0]]
+    assert list(_runtime.needed_edges(Edges(), (None, False), None) or ()) == [False, False]

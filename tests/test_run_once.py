@@ -509,3 +509,35 @@ def test_a_refused_backward_keeps_no_step_alive() -> None:
         assert sum(r() is not None for r in alive) == 0  # flat: nothing of any step is kept
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", [pytest.param("traced", marks=CAPTURE), "shared"])
+def test_a_list_output_s_gradient_written_to_between_the_passes_is_another_pass(
+    kind: str,
+) -> None:
+    # Each output gradient of a list output is matched by identity and version: written in
+    # place between the passes, it makes W another pass (which computes from its own), never
+    # one that reads what I kept from the old values (a stale dW).
+    @cg.op(unique("two"), weights=("weight",))
+    def two(x: Tensor, weight: Tensor) -> list[Tensor]:
+        y = x @ weight.mT
+        return [y, y * 2]
+
+    two.register_fake(lambda x, weight: [x.new_empty(x.shape[0], weight.shape[0])] * 2)
+    two.register_save_for_backward(lambda i, o: (i.x, i.weight))
+    if kind == "traced":  # h is shared by both gradients: computed in I, kept for W
+        two.register_backward(
+            lambda ctx, s, g: {"x": (g[0] + 2 * g[1]) @ s[1], "weight": (g[0] + 2 * g[1]).mT @ s[0]}
+        )
+    else:
+        two.register_backward_shared(lambda ctx, s, g: g[0] + 2 * g[1])
+        two.register_backward_input(lambda ctx, s, g: {"x": ctx.shared @ s[1]})
+        two.register_backward_weight(lambda ctx, s, g: {"weight": ctx.shared.mT @ s[0]})
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    ys = two(x, w)
+    gs = [torch.randn(4, 5, dtype=DT), torch.randn(4, 5, dtype=DT)]
+    torch.autograd.grad(ys, [x], gs, retain_graph=True)  # I: keeps h
+    gs[1].mul_(3)  # one output's gradient, written to: another pass's gradients
+    (gw,) = torch.autograd.grad(ys, [w], gs)
+    torch.testing.assert_close(gw, (gs[0] + 2 * gs[1]).mT @ x.detach())

@@ -226,8 +226,7 @@ class FunctionSplit:
         self._guard.check(self.label)
         split, saved, grads = self._split, self._saved, self._grads
         self._saved = self._grads = ()
-        result = split.run(self, saved, grads, self._weights, False)
-        self.handoff = None
+        result = split.run(self, saved, grads, self._weights, False)  # frees the hand-off
         del saved, grads
         edges: list[GradientEdge] = []
         values: list[torch.Tensor] = []

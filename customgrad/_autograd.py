@@ -25,7 +25,7 @@ from customgrad._calls import CallCounts
 from customgrad._codegen import Runner, Runners
 from customgrad._errors import MissingRegistrationError, UnsupportedError, where
 from customgrad._forward_ad import jvp
-from customgrad._handoff import edge_name, guard
+from customgrad._handoff import Describe, describer, edge_name, read_values, verify, versions
 from customgrad._kernels import Kernel
 from customgrad._layout import (
     _flatten_args,
@@ -523,7 +523,7 @@ class DeferredWork:
         record: the node's record.
     """
 
-    __slots__ = ("_grads", "_guard", "_impl", "_node", "_plan", "_saved", "_weights", "record")
+    __slots__ = ("_grads", "_impl", "_node", "_plan", "_saved", "_versions", "_weights", "record")
 
     def __init__(
         self,
@@ -542,8 +542,9 @@ class DeferredWork:
         self._weights = weights
         self._saved = saved
         self._grads = grads
-        # what W reads of what I had: torch's saved-tensor rule across the passes
-        self._guard = guard(grads, saved, lambda k: describe_saved(node, record, saved, k))
+        # what W reads of what I had: torch's saved-tensor rule across the passes (only the
+        # versions now; what names them is worked out if one moved)
+        self._versions = versions(read_values(grads, saved))
 
     @property
     def device(self) -> torch.device:
@@ -563,7 +564,8 @@ class DeferredWork:
             self._plan,
             self._weights,
         )
-        self._guard.check(record.label)
+        saved, grads = self._saved, self._grads
+        verify(record.label, read_values(grads, saved), self._versions, self._describer)
         sig = impl.spec.signature
         later = impl.plan(plan.key[0], _mask(sig, weights))
         if not SWITCHES.split:  # the whole backward again, like a plain Function
@@ -595,6 +597,10 @@ class DeferredWork:
                         roots.append(GradientEdge(fn, idx))
                         values.append(gi)
         return roots, values
+
+    def _describer(self) -> Describe:
+        node, record, saved = self._node, self.record, self._saved
+        return describer(self._grads, saved, lambda k: describe_saved(node, record, saved, k))
 
     def __call__(self) -> None:
         roots, values = self.gradients()

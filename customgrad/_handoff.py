@@ -31,6 +31,7 @@ weight gradients of a backward that is not split, run once in I (the run-once ru
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, Protocol, TypeAlias, TypeVar
@@ -57,6 +58,7 @@ __all__ = [
     "Kept",
     "PassRecord",
     "SharedWork",
+    "describer",
     "guard",
     "check_pass",
     "edge_name",
@@ -68,7 +70,10 @@ __all__ = [
     "record_pass",
     "release",
     "same_pass",
+    "read_values",
     "tensors_of",
+    "verify",
+    "versions",
 ]
 
 NO_HANDOFF: Any = object()
@@ -134,22 +139,22 @@ Describe = Callable[[int], tuple[str, str]]
 
 
 class Guard:
-    """The version counters of the tensors a later pass reads, as the earlier pass left them.
+    """The version counters of the tensors a later pass reads, as the earlier pass left them
+    (:func:`versions`), checked when it reads them (:func:`verify`).
 
-    ``weak``: the tensors are held by weak references (values the guard's holder does not keep
-    for W itself, such as the saved tensors of a backward that ran once): a tensor nobody
-    holds any more cannot be written to, and is not checked. ``describe(i)`` names the ``i``-th
-    tensor in the error (called only then).
+    ``values`` may hold other things besides tensors (they have no version and are not
+    checked). ``weak``: the tensors are held by weak references (values the guard's holder does
+    not keep for W itself, such as the saved tensors of a backward that ran once): a tensor
+    nobody holds any more cannot be written to, and is not checked. ``describe(i)`` names the
+    ``i``-th value in the error (called only then).
     """
 
-    __slots__ = ("_describe", "_tensors", "_versions", "_weak")
+    __slots__ = ("_describe", "_values", "_versions", "_weak")
 
-    def __init__(
-        self, tensors: Sequence[torch.Tensor], describe: Describe, weak: bool = False
-    ) -> None:
-        self._versions = [t._version for t in tensors]
-        self._tensors: tuple[Any, ...] = (
-            tuple(weakref.ref(t) for t in tensors) if weak else tuple(tensors)
+    def __init__(self, values: Sequence[object], describe: Describe, weak: bool = False) -> None:
+        self._versions = versions(values)
+        self._values: Sequence[Any] = (
+            [weakref.ref(v) if isinstance(v, _Tensor) else None for v in values] if weak else values
         )
         self._describe = describe
         self._weak = weak
@@ -157,58 +162,91 @@ class Guard:
     def check(self, label: str) -> None:
         """Raise :class:`~customgrad.ModifiedBetweenPassesError` for the first tensor written
         to in place since the guard was made (``label``: the node, as errors name it)."""
-        tensors = [r() for r in self._tensors] if self._weak else self._tensors
-        now = [None if t is None else t._version for t in tensors]
-        if now == self._versions:
-            return
-        for i, (v, then) in enumerate(zip(now, self._versions)):
-            if v is not None and v != then:
-                what, where = self._describe(i)
-                raise ModifiedBetweenPassesError(
-                    MSG_MODIFIED.format(label=label, what=what, now=v, then=then, where=where)
-                )
+        values = [r and r() for r in self._values] if self._weak else self._values
+        verify(label, values, self._versions, lambda: self._describe)
 
 
 _Tensor = torch.Tensor
-_PLAIN = frozenset((type(None), bool, int, float, complex, str, torch.dtype, torch.device))
+_VERSION = itertools.repeat("_version")
+_NO_VERSION = itertools.repeat(None)
+
+
+def versions(values: Sequence[object]) -> list[int | None]:
+    """The version counter of each of ``values`` (None for what is not a tensor)."""
+    return [*map(getattr, values, _VERSION, _NO_VERSION)]  # (in C: no Python loop)
+
+
+def verify(
+    label: str,
+    values: Sequence[object],
+    then: list[int | None],
+    describe: Callable[[], Describe],
+) -> None:
+    """torch's saved-tensor rule across the passes: raise
+    :class:`~customgrad.ModifiedBetweenPassesError` for the first of ``values`` whose version
+    moved since ``then`` was read (``describe()`` gives what names them, made only then)."""
+    now = versions(values)
+    if now == then:
+        return
+    for i, (v, was) in enumerate(zip(now, then)):
+        if v is not None and was is not None and v != was:
+            what, where = describe()(i)
+            raise ModifiedBetweenPassesError(
+                MSG_MODIFIED.format(label=label, what=what, now=v, then=was, where=where)
+            )
+
+
+def read_values(
+    grads: Sequence[object], saved: object, more: Sequence[object] = ()
+) -> tuple[object, ...]:
+    """What a guard over the output gradients ``grads`` (a list per list output), the saved
+    values ``saved`` (a pytree) and ``more`` watches, in that order (see :func:`describer`)."""
+    if type(saved) is tuple and list not in map(type, grads):  # the common case: flat
+        return (*grads, *saved, *more)  # (saved: a tuple here)
+    return (*tensors_of(list(grads)), *tensors_of(saved), *more)
+
+
+def describer(
+    grads: Sequence[object],
+    saved: object,
+    describe_saved: Describe,
+    describe_more: Describe | None = None,
+) -> Describe:
+    """What names the ``i``-th of :func:`read_values` ``(grads, saved, more)``: an output
+    gradient, the ``k``-th saved tensor (``describe_saved(k)``), or the ``k``-th of ``more``."""
+    flat = type(saved) is tuple and list not in map(type, grads)
+    n_grads = len(grads) if flat else len(tensors_of(list(grads)))
+    n_saved = len(saved) if flat else len(tensors_of(saved))  # type: ignore[arg-type]
+
+    def describe(i: int) -> tuple[str, str]:
+        if i < n_grads:
+            outputs = range(n_grads) if flat else [
+                j for j, g in enumerate(grads) for _ in tensors_of(g)
+            ]  # fmt: skip
+            return f"the gradient of output {outputs[i]}", "given to the input pass"
+        if i < n_grads + n_saved:
+            j = i - n_grads
+            k = len(tensors_of(list(saved)[:j])) if flat else j  # type: ignore[call-overload]
+            return describe_saved(k)
+        k = i - n_grads - n_saved
+        return describe_more(k) if describe_more is not None else (f"kept value {k}", "")
+
+    return describe
 
 
 def guard(
     grads: Sequence[object],
     saved: object,
     describe_saved: Describe,
-    more: Sequence[torch.Tensor] = (),
+    more: Sequence[object] = (),
     describe_more: Describe | None = None,
     weak: bool = False,
 ) -> Guard:
     """A :class:`Guard` over the output gradients ``grads`` (a list per list output), the
     tensors of ``saved`` (a pytree) and ``more``, in that order. ``describe_saved(k)`` names the
     ``k``-th saved tensor, ``describe_more(k)`` the ``k``-th of ``more``."""
-    tensors: list[Any] = []
-    if type(saved) is tuple and type(grads) is tuple:  # the common case: flat
-        for t in (*grads, *saved):
-            kind = type(t)
-            if kind is _Tensor:
-                tensors.append(t)
-            elif kind not in _PLAIN:  # a container, or a tensor subclass
-                tensors = [*tensors_of(grads), *tensors_of(saved)]
-                break
-    else:
-        tensors = [*tensors_of(grads), *tensors_of(saved)]
-    more_at = [k for k, t in enumerate(more) if isinstance(t, _Tensor)]  # (symbolic sizes)
-    tensors += [more[k] for k in more_at]
-
-    def describe(i: int) -> tuple[str, str]:
-        outputs = [j for j, g in enumerate(grads) for _ in tensors_of((g,))]
-        n_saved = len(tensors_of(saved))
-        if i < len(outputs):
-            return f"the gradient of output {outputs[i]}", "given to the input pass"
-        if i < len(outputs) + n_saved:
-            return describe_saved(i - len(outputs))
-        k = more_at[i - len(outputs) - n_saved]
-        return describe_more(k) if describe_more is not None else (f"kept value {k}", "")
-
-    return Guard(tensors, describe, weak)
+    values = read_values(grads, saved, more)
+    return Guard(values, describer(grads, saved, describe_saved, describe_more), weak)
 
 
 def tensors_of(value: object) -> list[torch.Tensor]:

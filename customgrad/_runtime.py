@@ -131,8 +131,10 @@ def needed_edges(
     "needed"); ``memo`` (with ``above``, the frames between the caller and the node's
     ``apply``) names the leaves ``autograd.grad`` captures, which are needed without asking.
     """
+    if flags is not None and None not in flags:
+        return flags  # type: ignore[return-value]  # (the route says it all)
     captured = _NOTHING
-    if memo is not None and (flags is None or None in flags):
+    if memo is not None:
         captured = memo.captured_now(above + 1)
         if flags is None and captured is _EVERY_EDGE:
             return None

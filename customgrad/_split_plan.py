@@ -36,7 +36,7 @@ import contextlib
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -78,7 +78,6 @@ STATE_KEY = "customgrad_split"
 """The key of the split state in the ``param_groups`` a split input pass returns."""
 
 
-@runtime_checkable
 class StageSplit(Protocol):
     """What a stage's split input pass left for its weight pass, as the tools read it before W
     runs (``customgrad.pipelining.stage_backward_input``'s state, found by
@@ -105,8 +104,8 @@ def stage_split(param_groups: object) -> StageSplit | None:
     if isinstance(param_groups, list) and len(param_groups) == 1:
         first = param_groups[0]
         state = first.get(STATE_KEY) if isinstance(first, dict) else None
-        if isinstance(state, StageSplit):
-            return state
+        if state is not None:
+            return cast(StageSplit, state)  # (what only customgrad's input pass puts there)
     return None
 
 
@@ -363,32 +362,36 @@ def plan_input_pass(
     return plan
 
 
-@dataclass
 class _Graph:
     """A stage's graph as :func:`plan_input_pass` reads it: the nodes in postorder, their edge
     targets, the customgrad nodes' records (with their non-weight and weight edge targets),
     the routed nodes, the leaf accumulators, and the nodes that lead to one."""
 
-    order: list[Node]
-    edges: dict[Node, list[Node | None]]
-    input_nodes: set[Node]
-    records: dict[Node, NodeRecord] = field(default_factory=dict)
-    routed: dict[Node, Routed] = field(default_factory=dict)
-    split: dict[Node, tuple[list[Node], list[Node]]] = field(default_factory=dict)
-    leaves: list[Node] = field(default_factory=list)
-    leads_w: set[Node] = field(default_factory=set)
+    __slots__ = ("edges", "input_nodes", "leads_w", "leaves", "order", "records", "routed",
+                 "split")  # fmt: skip
+
+    def __init__(
+        self, order: list[Node], edges: dict[Node, list[Node | None]], input_nodes: set[Node]
+    ) -> None:
+        self.order, self.edges, self.input_nodes = order, edges, input_nodes
+        self.records: dict[Node, NodeRecord] = {}
+        self.routed: dict[Node, Routed] = {}
+        self.split: dict[Node, tuple[list[Node], list[Node]]] = {}
+        self.leaves: list[Node] = []
+        self.leads_w: set[Node] = set()
 
 
 def _survey(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
     order, edges = _walk(roots, input_nodes)
     g = _Graph(order, edges, input_nodes)
-    for node in order:
+    records, routed, split, leaves, leads_w = g.records, g.routed, g.split, g.leaves, g.leads_w
+    for node in order:  # (locals in the loop: it runs per node of the stage, per microbatch)
         kids = edges[node]
         if node in input_nodes:
             continue
         if not kids and type(node) is _ACCUMULATE:
-            g.leaves.append(node)
-            g.leads_w.add(node)
+            leaves.append(node)
+            leads_w.add(node)
             continue
         record = record_of(node)
         if record is not None:
@@ -397,12 +400,14 @@ def _survey(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
             for fn, is_weight in zip(kids, record.edge_is_weight()):
                 if fn is not None:
                     (weights if is_weight else others).append(fn)
-            g.records[node] = g.routed[node] = record
-            g.split[node] = (others, weights)
+            records[node] = routed[node] = record
+            split[node] = (others, weights)
         elif (held := region_node(node)) is not None:
-            g.routed[node] = held
-        if any(k is not None and k in g.leads_w for k in kids):
-            g.leads_w.add(node)
+            routed[node] = held
+        for k in kids:  # (a loop, not any(): no generator per node)
+            if k is not None and k in leads_w:
+                leads_w.add(node)
+                break
     return g
 
 
@@ -423,15 +428,19 @@ def _settle(
             live_leaves = _reach_in(edges, roots, live_cut) & leaf_set
             targets |= live_leaves
         executed: set[Node] = set()
+        leads_w = g.leads_w
         for node in g.order:
             if node in input_nodes:
                 continue
-            if node in targets or any(
-                k is not None and (k in executed or k in input_nodes) for k in edges[node]
-            ):
+            if node in targets:
                 executed.add(node)
+                continue
+            for k in edges[node]:
+                if k is not None and (k in executed or k in input_nodes):
+                    executed.add(node)
+                    break
         # The weight side: nodes that lead only to leaf accumulators and that I does not run.
-        weight_side = {n for n in g.leads_w if n not in executed and n not in input_nodes}
+        weight_side = {n for n in leads_w if n not in executed and n not in input_nodes}
         bad = []
         for node in candidates:
             others, weights = split[node]

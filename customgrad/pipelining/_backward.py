@@ -263,21 +263,23 @@ def _hand_to_weight_pass(
             if n not in split:
                 _tell(forward_cls(n))
     del split
-    call_of: dict[Routed, int] = {
-        r: c for c, call in enumerate(plan.weight_calls) for r in call.deferred
-    }
-    deferred: dict[int, list[WeightWork]] = {}
-    for record, half in state.deferred.items():  # in the order I handed them over
-        deferred.setdefault(call_of.get(record, 0), []).append(half)
+    deferred: dict[int, list[WeightWork]] = {0: [*state.deferred.values()]}
+    if len(plan.weight_calls) > 1:  # each to its call, in the order I handed them over
+        call_of: dict[Routed, int] = {
+            r: c for c, call in enumerate(plan.weight_calls) for r in call.deferred
+        }
+        deferred = {}
+        for record, half in state.deferred.items():
+            deferred.setdefault(call_of.get(record, 0), []).append(half)
     state.deferred = {}
     for c, call in enumerate(plan.weight_calls):
         again = [n for n in call.once if n in ran and ran[n] is None]
-        work: list[WeightWork] = [
-            *(Resend.of(n, state.captured.pop(n, ())) for n in call.intermediates),
-            *(direct.pop(i) for i in call.direct if i in direct),
-            *(w for n in call.once if (w := ran.get(n)) is not None),
-            *deferred.pop(c, []),
-        ]
+        work: list[WeightWork] = []  # (in the order W sends them, as the engine's roots)
+        for n in call.intermediates:
+            work.append(Resend.of(n, state.captured.pop(n, ())))
+        work += [direct.pop(i) for i in call.direct if i in direct]
+        work += [w for n in call.once if (w := ran.get(n)) is not None]
+        work += deferred.pop(c, ())
         if work:
             state.work[c] = work
         if again:

@@ -282,16 +282,16 @@ def _run_weight_call(state: SplitState, index: int, call: WeightCall, retain_gra
             clamp = [*call.asked, *clamp]
             skip = [n for n in skip if n not in clamp]
         del asked
+    watch = state.watching
     while work:
         piece = work.pop(0)  # send_gradients must hold the only references (see there)
-        watch, owner = state.watching, piece.owner()
-        watching = watch(owner) if watch is not None and owner is not None else _NOTHING
-        del owner
-        with watching, torch.no_grad():  # as inside the engine: no graph of the work's own ops
+        owner = None if watch is None else piece.owner()
+        watching = _NOTHING if watch is None or owner is None else watch(owner)
+        with watching, torch.no_grad():  # as inside the engine
             edges, grads = piece.gradients()
         roots.extend(edges)
         values.extend(grads)
-        del piece, edges, grads
+        del piece, edges, grads, owner, watching
     if not roots:
         return
     # A plain Function or customgrad intermediate whose input edges lead to this call's leaves

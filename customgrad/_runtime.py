@@ -35,12 +35,10 @@ from customgrad._handoff import (
     Holder,
     Kept,
     SharedWork,
-    guard,
     hand_over,
     handed_over,
     pending,
     release,
-    tensors_of,
 )
 from customgrad._rules import Gradient
 from customgrad._torch.engine import (
@@ -176,18 +174,10 @@ class Ran(NamedTuple):
 _NOTHING_RAN = Ran(None, None, ())
 
 GuardOf = Callable[[Kept], Guard]
-"""What guards a program's kept values (the tensors W reads with them) for a holder."""
-
-
-def _kept_guard(kept: Kept) -> Guard:
-    names = [n.name for n in kept.cut.kept]
-    return guard(
-        (),
-        None,
-        lambda k: ("", ""),
-        kept.values,
-        lambda k: (f"value {names[k]!r} the input pass kept", "computed by its input pass"),
-    )
+"""What guards a program's kept values for a holder: the versions of tensors W reads with them
+that nothing else checks (a compiled region's saved tensors). A traced or a Function's split
+needs none: what its kept values are computed from, W's saved tensors and output gradients, is
+guarded by the work that holds them, and by torch's own check when the engine unpacks them."""
 
 
 def run_program(
@@ -198,7 +188,7 @@ def run_program(
     needed: frozenset[int],
     requires: frozenset[int],
     keep: bool,
-    guard_of: GuardOf = _kept_guard,
+    guard_of: GuardOf | None = None,
     on_other: Callable[[], None] | None = None,
 ) -> Ran:
     """Run the pass of ``program`` that computes the slots ``needed`` of a node whose slots
@@ -217,8 +207,12 @@ def run_program(
     output gradients (another loss, or gradients changed in place: this pass computes for
     itself).
     """
-    live = program.live
-    want = needed & live
+    pattern = program.patterns.get((needed, requires))
+    if pattern is None:  # the slots it computes and those it leaves for later
+        live = program.live
+        want = needed & live
+        pattern = program.patterns[needed, requires] = (want, (requires & live) - want)
+    want, later = pattern
     if not want:
         return _NOTHING_RAN
     if holder.handoff is not None:
@@ -233,7 +227,6 @@ def run_program(
             isinstance(h.value, Kept) and h.value.cut.serves(program, want) for h in pending(holder)
         ):
             on_other()
-    later = (requires & live) - want
     cut = program.cut_or_none(later) if later else None
     if cut is None:
         p = program.whole()
@@ -244,7 +237,7 @@ def run_program(
     kept = None
     if keep:  # (nothing to keep still tells the later pass which cut it finishes)
         kept = Kept(cut, tuple(outs[n:]))
-        hand_over(holder, grads, "kept", kept, guard_of(kept))
+        hand_over(holder, grads, "kept", kept, None if guard_of is None else guard_of(kept))
     elif holder.handoff is not None:
         release(holder, grads)
     return Ran("input", p, outs[:n] if len(outs) > n else outs, cut, kept)
@@ -264,15 +257,10 @@ def shared_of(holder: Holder, grads: Sequence[object]) -> object:
 
 
 def keep_shared(holder: Holder, grads: Sequence[object], value: object) -> None:
-    """Keep the shared work ``value`` for the node's later pass."""
-    tensors = tensors_of(value)
-    hand_over(
-        holder,
-        grads,
-        "shared",
-        SharedWork(value),
-        guard((), None, _unnamed, tensors, lambda k: ("the shared work (ctx.shared)", "")),
-    )
+    """Keep the shared work ``value`` for the node's later pass (what it was computed from, the
+    saved tensors and output gradients, is guarded by the deferred half that reads them, and
+    by torch's check when the engine unpacks them)."""
+    hand_over(holder, grads, "shared", SharedWork(value))
 
 
 def take_gradients(
@@ -298,14 +286,7 @@ def keep_gradients(
     """Of the gradients ``every`` a backward that cannot split computed at once, return those
     ``needed`` now and keep the others for the node's later pass."""
     got = {n: every.pop(n) for n in needed if n in every}
-    tensors = tensors_of(list(every.values()))
-    hand_over(
-        holder,
-        grads,
-        "gradients",
-        every,
-        guard((), None, _unnamed, tensors, lambda k: ("a gradient the input pass computed", "")),
-    )
+    hand_over(holder, grads, "gradients", every)
     return got
 
 
@@ -313,7 +294,3 @@ def free(holder: Holder, grads: Sequence[object]) -> None:
     """Free what the pass with output gradients ``grads`` kept (its later pass ran)."""
     if holder.handoff is not None:
         release(holder, grads)
-
-
-def _unnamed(k: int) -> tuple[str, str]:
-    return f"value {k}", ""

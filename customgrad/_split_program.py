@@ -135,6 +135,8 @@ class SplitProgram:
         self.boxed = boxed
         self.whole_pass: Pass | None = None
         self.failed: dict[frozenset[int], str] = {}
+        # per (slots needed, slots that require grad): those the pass computes, those it leaves
+        self.patterns: dict[tuple[frozenset[int], ...], tuple[frozenset[int], frozenset[int]]] = {}
         self.graph_module, self.mutated = clean(gm)
         self.live = frozenset(live)
         self.recompute: Recompute = recompute

@@ -134,21 +134,19 @@ def needed_edges(
     captured = _NOTHING
     if memo is not None:
         captured = memo.captured_now(above + 1)
-        if flags is None and captured is _EVERY_EDGE:
-            return None
+        if captured is _EVERY_EDGE:  # .backward() without inputs=: every edge it reaches
+            return None if flags is None else [f is not False for f in flags]
     out: list[bool] = []
     for e, (fn, _) in enumerate(node.next_functions):
         need = None if flags is None else flags[e]
         if need is None:
             if fn is None:
                 need = False
-            elif captured is _EVERY_EDGE or (
-                captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured  # type: ignore[attr-defined]
-            ):
+            elif captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[attr-defined]
                 need = True
             else:
                 try:
-                    need = bool(_edge_query(fn))
+                    need = _edge_query(fn)
                 except Exception:  # a leaf autograd.grad captures, or outside a backward
                     need = True
         out.append(need)

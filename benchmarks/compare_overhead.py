@@ -7,7 +7,8 @@ Run from the repository's root:
 ``torch.autograd.Function`` timed in the same run. This script checks out the ``customgrad``
 package of ``--against`` (``git archive``) into a temporary directory, then runs this tree's
 ``benchmarks/overhead.py`` alternately against that package and against this tree's, ``--runs``
-times each, and prints the median of each ratio for both and their difference. Alternating
+times each, and prints the median of each ratio for both and their difference (the stage's
+input and weight passes too, against the anchors ``overhead.py`` times them with). Alternating
 spreads the load of a shared machine over both; the spread between runs of the same code
 (printed too) says how large a difference is noise.
 """
@@ -29,6 +30,11 @@ ROW = re.compile(
     r"^\| (?P<op>[^|]+) \| (?P<path>backward|autograd\.grad) \| (?P<ratios>[\d., ]+) \|"
 )
 STYLES = ("pair", "phase", "auto")
+# "customgrad.pipelining passes / autograd.Function, torch's split: I 1.28, W 0.97, I + W 1.11"
+PASSES = re.compile(
+    r"^customgrad\.pipelining passes / (?P<anchor>[^:]+): I (?P<i>[\d.]+), W (?P<w>[\d.]+), "
+    r"I \+ W (?P<iw>[\d.]+)"
+)
 
 
 def _ratios(package_dir: Path, quick: bool) -> dict[tuple[str, str, str], float]:
@@ -42,6 +48,12 @@ def _ratios(package_dir: Path, quick: bool) -> dict[tuple[str, str, str], float]
     out = subprocess.run(cmd, env=env, cwd=package_dir, capture_output=True, text=True, check=True)
     found: dict[tuple[str, str, str], float] = {}
     for line in out.stdout.splitlines():
+        p = PASSES.match(line)
+        if p:  # the stage's passes (a 4-layer MLP of customgrad ops) against an anchor's
+            anchor = p["anchor"].split(" [")[0]
+            for which, v in (("I", p["i"]), ("W", p["w"]), ("I + W", p["iw"])):
+                found["4-layer MLP, " + anchor, which, "customgrad.pipelining"] = float(v)
+            continue
         m = ROW.match(line)
         if m:
             values = [float(v) for v in m["ratios"].split(",")]

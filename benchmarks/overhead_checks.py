@@ -3,9 +3,9 @@
 Run from the repository's root: ``.venv/bin/python -m benchmarks.overhead_checks`` (``--quick`` for a short run).
 
 The linear op of ``benchmarks/overhead.py`` (input/weight pair, no bias) runs the one backward of
-every customgrad node (``customgrad._autograd._node_apply``), which asks the engine
-(``_edge_query``), picks the pass plan and runs the plan's runner (``customgrad/_codegen.py``
-writes it). This script swaps
+every customgrad node (``customgrad._autograd._node_apply``), which asks the runtime which edges
+the pass needs (``customgrad._runtime.needed_edges``: the engine's ``_edge_query``), picks the
+pass plan and runs the plan's runner (``customgrad/_codegen.py`` writes it). This script swaps
 one function the core calls (or that writes a runner's lines) for a variant without the check,
 one check at a time, rewrites the runners, and times forward + ``out.backward(g)`` of each
 variant against a plain ``torch.autograd.Function``, all in the same rounds (CPU time, 1 thread,
@@ -17,7 +17,7 @@ minimum over rounds):
 - ``no gradient validation``: the runner's ``check_source`` lines take the needed gradients
   from the returned dict (``r[name]``) without checking its keys or each gradient's type,
   shape, dtype and device;
-- ``no engine query``: the node's ``_edge_query`` answers "needed" for every edge autograd
+- ``no engine query``: the runtime's ``_edge_query`` answers "needed" for every edge autograd
   marks as requiring grad, and ``captured_by_caller`` reads no frame, so every
   required gradient is computed, as a plain ``autograd.Function`` does (the query is what makes
   the split backward possible: without it, I and W both compute everything).
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 import customgrad as cg
-import customgrad._autograd as node
 import customgrad._codegen as runners
+import customgrad._runtime as runtime
 from benchmarks import overhead  # the op and the anchor, defined once
 from customgrad._codegen import call_lines
 from customgrad._op import registered_ops
@@ -110,7 +110,10 @@ def _variants() -> dict[str, Callable[[], Any]]:
         ),
         "no gradient validation": lambda: _swapped(module, where, check_source=unchecked),
         "no engine query": lambda: _swapped(
-            vars(node), "customgrad._autograd", _edge_query=every_edge, captured_by_caller=no_frame
+            vars(runtime),
+            "customgrad._runtime",
+            _edge_query=every_edge,
+            captured_by_caller=no_frame,
         ),
     }
 

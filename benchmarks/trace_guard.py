@@ -34,7 +34,7 @@ import torch
 import customgrad as cg
 from customgrad._autosplit import AutoSplitter
 from customgrad._capture import Capture
-from customgrad._pass import BackwardContext
+from customgrad._rules import BackwardContext
 
 ROUNDS = 7
 CALLS = 3000

@@ -17,6 +17,7 @@ from customgrad._errors import GradientTypeError as GradientTypeError
 from customgrad._errors import GradientValueError as GradientValueError
 from customgrad._errors import KernelOutputError as KernelOutputError
 from customgrad._errors import MissingRegistrationError as MissingRegistrationError
+from customgrad._errors import ModifiedBetweenPassesError as ModifiedBetweenPassesError
 from customgrad._errors import MutationError as MutationError
 from customgrad._errors import UnsupportedError as UnsupportedError
 from customgrad._errors import UnsupportedTorchError as UnsupportedTorchError
@@ -51,6 +52,7 @@ for _error in (
     GradientValueError,
     KernelOutputError,
     MissingRegistrationError,
+    ModifiedBetweenPassesError,
     MutationError,
     SaveError,
     UnsupportedError,
@@ -78,6 +80,7 @@ __all__ = [
     "JvpFn",
     "KernelOutputError",
     "MissingRegistrationError",
+    "ModifiedBetweenPassesError",
     "MutationError",
     "OpRow",
     "SaveError",

@@ -16,14 +16,16 @@ import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn, Protocol
 
+import optree
 import torch
 from torch.autograd.function import FunctionCtx
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._calls import CallCounts
 from customgrad._codegen import Runner, Runners
-from customgrad._errors import MissingRegistrationError, UnsupportedError
+from customgrad._errors import MissingRegistrationError, UnsupportedError, where
 from customgrad._forward_ad import jvp
+from customgrad._handoff import Describe, describer, edge_name, read_values, verify, versions
 from customgrad._kernels import Kernel
 from customgrad._layout import (
     _flatten_args,
@@ -44,17 +46,11 @@ from customgrad._record import NodeRecord
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import current_tag, route_for
 from customgrad._rules import AutogradRules, Gradient, OpSpec
+from customgrad._runtime import CaptureMemo, needed_edges
 from customgrad._saving import _SAVED_TENSORS, _TENSOR_OR_NONE, SaveError, _restore, _save
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._torch.dispatcher import alias_check
-from customgrad._torch.engine import (
-    ACCUMULATE_GRAD,
-    EVERY_EDGE,
-    captured_by_caller,
-    edge_query,
-    graph_task_id,
-)
 from customgrad._torch.functions import plain_apply, set_backward_apply
 from customgrad._torch.transforms import (
     forward_ad_level,
@@ -74,73 +70,18 @@ __all__ = [
     "DeferredWork",
     "Phase",
     "SaveError",
-    "engine_needs",
     "keeps_for_later",
 ]
 
 
-_edge_query = edge_query
-
 _Tensor = torch.Tensor
 _functorch_active = functorch_active
 _unwrap_if_dead = unwrap_if_dead
-_graph_task_id = graph_task_id
 _fwd_level = forward_ad_level
 _alias_check = alias_check
 _EMPTY: dict[str, Any] = {}
+_needed_edges = needed_edges
 _new_record = object.__new__
-
-
-_ACCUMULATE = ACCUMULATE_GRAD
-_EVERY_EDGE = EVERY_EDGE
-
-
-_NOTHING: frozenset[int] = frozenset()
-
-
-class CaptureMemo:
-    """Which leaves the running ``torch.autograd.grad`` captures, remembered per graph task.
-
-    The engine's query (``_will_engine_execute_node``) raises for a leaf that ``autograd.grad``
-    captures, and each raise costs about as much as a small op's whole backward. The caller
-    that started the pass knows its inputs: torch's own ``_engine_run_backward`` frame, below
-    the node's backward on the calling thread (the engine runs CPU graph tasks there), holds
-    them. :meth:`captured_now` reads them once per graph task; a captured leaf is then needed
-    without asking the engine. Every other edge is still asked, so a frame that is missing or
-    not what it seems costs only speed, never a gradient.
-    """
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: tuple[int, frozenset[int]] = (-2, _NOTHING)
-
-    def captured_now(self, above: int = 1) -> frozenset[int]:
-        """The ``id`` of each leaf tensor the running ``autograd.grad`` captures (none when
-        unknown, or in a ``.backward()``).
-
-        Args:
-            above: Python frames between the caller and torch's ``_engine_run_backward`` (1
-                for the node's ``apply``, which the engine calls).
-        """
-        task = _graph_task_id()
-        last = self._last  # one tuple, replaced whole: threads never see half an update
-        if last[0] == task:
-            return last[1]
-        captured = captured_by_caller(2 + above)
-        self._last = (task, captured)
-        return captured
-
-
-def engine_needs(fn: Node | None) -> bool:
-    """Whether the running graph task will use the gradient sent along an edge to ``fn``.
-
-    Any error (outside a backward, a leaf captured by ``autograd.grad``) means "needed".
-    """
-    try:
-        return _edge_query(fn)
-    except Exception:
-        return True
 
 
 class AutogradImpl:
@@ -158,6 +99,7 @@ class AutogradImpl:
         self._slots: dict[tuple[int, ...], dict[str, tuple[int, int | None]]] = {}
         self._flat_arg_of = tuple(range(sig.nargs))
         self.captures = CaptureMemo()
+        """Which leaves the running ``autograd.grad`` captures (for the engine query)."""
         self.weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]] = {}
         """Per list lengths: whether each flat input is a weight (``NodeRecord.edge_is_weight``)."""
         self._ready_for: AutogradRules | None = None
@@ -258,7 +200,7 @@ class AutogradImpl:
             # Kernels.checked_output only for what is not a fresh Tensor
             kernels = spec._kernels
             args = flat
-            outputs = kernels.run(kernel, flat)
+            outputs: Any = kernels.run(kernel, flat)
             residuals: tuple[Any, ...] = ()
             if type(outputs) is not _Tensor or _alias_check(flat, _EMPTY, (outputs,)):
                 outputs, residuals = kernels.checked_output(flat, outputs)
@@ -318,7 +260,7 @@ class AutogradImpl:
         saved = call.saved
         if type(saved) is tuple and _TENSOR_OR_NONE.issuperset(map(type, saved)):
             ctx.save_for_backward(*saved)  # _save's commonest case, inline
-            record.kept = _SAVED_TENSORS
+            record.saved_layout = _SAVED_TENSORS
         else:
             _save(ctx, record, self.spec, saved)
         if call.residuals:
@@ -367,6 +309,36 @@ class AutogradImpl:
                 out.extend([i] * (next(it) if spec.kind is ArgKind.TENSOR_LIST else 1))
             arg_of = self._arg_of[lens] = tuple(out)
         return arg_of
+
+    def split_off(
+        self, record: NodeRecord, plan: PassPlan, saved: object, grads: tuple[object, ...]
+    ) -> dict[str, Gradient]:
+        """The split switched off: the whole backward, like a plain Function; the pass takes
+        what it needs."""
+        if plan.needed != plan.requires:
+            self.calls.add("split off", plan.phase)
+        found = self.compute(record, self.whole(plan), saved, grads, keep=False)
+        return {n: g for n, g in found.items() if n in plan.needed}
+
+    def listed(
+        self,
+        lens: tuple[int, ...],
+        result: dict[str, Gradient],
+        out: list[object],
+        needed_items: set[int],
+    ) -> tuple[object, ...]:
+        """``out`` (the node's backward outputs: the kernel and call, then one per flat input)
+        with the gradients of ``result`` placed, list items one by one (only those needed)."""
+        slots = self._slots.get(lens) or self.slots(lens)
+        for name, g in result.items():
+            start, n = slots[name]
+            if n is None:
+                out[start + 2] = g
+            elif g is not None:
+                for i, gi in enumerate(g):
+                    if start + i in needed_items:
+                        out[start + i + 2] = gi
+        return tuple(out)
 
     def compute(
         self,
@@ -427,8 +399,7 @@ class _CustomGradNode(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx: NodeCtx, *tangents: torch.Tensor | None) -> object:
-        impl: AutogradImpl = ctx._cg.impl
-        return jvp(impl.spec, ctx, tangents)
+        return jvp(ctx._cg.impl.spec, ctx, tangents)
 
     @staticmethod
     def vmap(
@@ -453,15 +424,14 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     customgrad node runs here, planned by a route or not, split on or off.
     """
     record: NodeRecord = node._cg
-    self = record.impl
+    self: AutogradImpl = record.impl  # type: ignore[assignment]  # (the record's, always)
     route = None if record.route is None else route_for(record)
     flags = None if route is None else route.needed
     metas = record.metas
     lens = record.lens
     arg_of = self._flat_arg_of if lens is None else self._arg_of.get(lens) or self.arg_of(lens)
     req = node.needs_input_grad  # (impl, call, *flat)
-    next_fns = None
-    captured: frozenset[int] | None = None
+    need = _needed_edges(node, flags, self.captures, 1)  # frames above: _node_apply
     requires_mask = 0
     needed_mask = 0
     needed_items: set[int] | None = None if lens is None else set()
@@ -472,27 +442,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
             if req[j]:
                 bit = 1 << arg_of[j - 2]
                 requires_mask |= bit
-                need = None if flags is None else flags[edge]
-                if need is None:
-                    if captured is None:
-                        captured = self.captures.captured_now(1)  # frames above: _node_apply
-                    # is the edge needed? (inline: a Python call per edge costs as much as the test)
-                    if (
-                        captured is _EVERY_EDGE
-                    ):  # .backward() without inputs=: all reached nodes run
-                        need = True
-                    else:
-                        if next_fns is None:
-                            next_fns = node.next_functions
-                        fn = next_fns[edge][0]
-                        if captured and type(fn) is _ACCUMULATE and id(fn.variable) in captured:  # type: ignore[union-attr]
-                            need = True
-                        else:
-                            try:
-                                need = _edge_query(fn)
-                            except Exception:  # a captured leaf the caller's frame did not name
-                                need = True
-                if need:
+                if need is None or need[edge]:
                     needed_mask |= bit
                     if needed_items is not None:
                         needed_items.add(j - 2)
@@ -510,7 +460,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     if not plan.needed and not deferred:
         return tuple(out)
 
-    saved = node.saved_tensors if record.kept is _SAVED_TENSORS else _restore(node, record)
+    saved = node.saved_tensors if record.saved_layout is _SAVED_TENSORS else _restore(node, record)
     if record.residual_slots is not None and torch.is_grad_enabled():  # create_graph=True
         saved = _guard_residuals(self.spec, saved, grads, record.residual_slots)
     out_lens = record.out_lens
@@ -520,11 +470,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
     if not plan.needed:
         result: dict[str, Any] = {}
     elif not SWITCHES.split:
-        # Split off: the whole backward, like a plain Function; the pass takes what it needs.
-        if plan.needed != plan.requires:
-            self.calls.add("split off", plan.phase)
-        found = self.compute(record, self.whole(plan), saved, out_grads, keep=False)
-        result = {n: g for n, g in found.items() if n in plan.needed}
+        result = self.split_off(record, plan, saved, out_grads)
     else:
         rules = self.spec.rules
         run = None
@@ -543,16 +489,7 @@ def _node_apply(node: NodeCtx, *grads: Any) -> tuple[Any, ...]:
         for name, g in result.items():
             out[index[name] + 2] = g
         return tuple(out)
-    slots = self._slots.get(lens) or self.slots(lens)
-    for name, g in result.items():
-        start, n = slots[name]
-        if n is None:
-            out[start + 2] = g
-        elif g is not None:  # a list: only the items this pass needs
-            for i, gi in enumerate(g):
-                if start + i in needed_items:  # type: ignore[operator]
-                    out[start + i + 2] = gi
-    return tuple(out)
+    return self.listed(lens, result, out, needed_items)  # type: ignore[arg-type]
 
 
 def _mark_outputs(ctx: Any, sig: Signature, out_lens: Any, output: Any) -> None:
@@ -587,7 +524,7 @@ class DeferredWork:
         record: the node's record.
     """
 
-    __slots__ = ("_grads", "_impl", "_node", "_plan", "_saved", "_weights", "record")
+    __slots__ = ("_grads", "_impl", "_node", "_plan", "_saved", "_versions", "_weights", "record")
 
     def __init__(
         self,
@@ -606,11 +543,18 @@ class DeferredWork:
         self._weights = weights
         self._saved = saved
         self._grads = grads
+        # what W reads of what I had: torch's saved-tensor rule across the passes (only the
+        # versions now; what names them is worked out if one moved)
+        self._versions = versions(read_values(grads, saved))
 
     @property
     def device(self) -> torch.device:
         """The device of the node's first tensor input (for stream handling)."""
         return next((m[2] for m in self.record.metas if m is not None), torch.device("cpu"))
+
+    def owner(self) -> Node:
+        """The node whose weight half it is."""
+        return self._node  # type: ignore[return-value]
 
     def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Compute the weight gradients; return ``(edges, gradients)`` to send through autograd."""
@@ -621,6 +565,8 @@ class DeferredWork:
             self._plan,
             self._weights,
         )
+        saved, grads = self._saved, self._grads
+        verify(record.label, read_values(grads, saved), self._versions, self._describer)
         sig = impl.spec.signature
         later = impl.plan(plan.key[0], _mask(sig, weights))
         if not SWITCHES.split:  # the whole backward again, like a plain Function
@@ -653,10 +599,28 @@ class DeferredWork:
                         values.append(gi)
         return roots, values
 
+    def _describer(self) -> Describe:
+        node, record, saved = self._node, self.record, self._saved
+        return describer(self._grads, saved, lambda k: describe_saved(node, record, saved, k))
+
     def __call__(self) -> None:
         roots, values = self.gradients()
         if roots:
             torch.autograd.backward(roots, grad_tensors=values)
+
+
+def describe_saved(node: NodeCtx, record: NodeRecord, saved: object, k: int) -> tuple[str, str]:
+    """The ``k``-th tensor of ``saved`` (what ``save_for_backward`` returned for ``node``), in
+    words, with the argument it is when it is one of the op's inputs."""
+    tree: Any = saved
+    t = [v for v in optree.tree_leaves(tree, none_is_leaf=True) if isinstance(v, _Tensor)][k]
+    names = record.op.signature.names
+    arg_of = record.impl.arg_of(record.lens)
+    edges = [names[arg_of[i]] for i, m in enumerate(record.metas) if m is not None]
+    return (
+        f"saved tensor {k}{edge_name(t, node.next_functions, edges)}",
+        f"saved by save_for_backward at {where(record.op.rules.save)}",
+    )
 
 
 def _mask(sig: Signature, names: frozenset[str]) -> int:

@@ -35,7 +35,7 @@ import torch
 from customgrad._capture import INSIDE_TRACE, Capture, Fallback, capture_backward
 from customgrad._errors import where
 from customgrad._handoff import nbytes
-from customgrad._rules import OpSpec
+from customgrad._rules import BackwardContext, OpSpec
 from customgrad._torch.dispatcher import (
     INFRA_MODES,
     any_autocast_enabled,
@@ -50,7 +50,6 @@ from customgrad._torch.transforms import functorch_active, legacy_batched
 from customgrad._traced_split import TRACE_LOCK, TracedSplit, flatten
 
 if TYPE_CHECKING:
-    from customgrad._pass import BackwardContext
     from customgrad._record import NodeRecord
 
 __all__ = [
@@ -403,7 +402,7 @@ def describe_node(record: NodeRecord) -> str | None:
     auto = record.op.rules.auto
     if not isinstance(auto, AutoSplitter) or record.op.rules.backward is None:
         return None
-    split = record.split
+    split = record.traced
     if isinstance(split, TracedSplit):
         return split.describe()
     if split is False:

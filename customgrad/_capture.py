@@ -38,6 +38,7 @@ import logging
 import os
 import re
 import threading
+import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeAlias
@@ -326,6 +327,7 @@ def capture_backward(
                 )
         except Exception as e:
             why, fix, known = _refusal(e)
+            _forget(e)
             return Fallback(why, fix, retries=int(not known))
         if not got:
             return Fallback(
@@ -361,6 +363,24 @@ def capture_backward(
         # call alive through them
         got.clear()
         markers.clear()
+
+
+def _forget(error: BaseException) -> None:
+    """Clear the frames of ``error``'s tracebacks (its causes' and contexts' too): dynamo's
+    frames hold the backward's saved tensors and output gradients, and a frame that refers to
+    the exception again (``except ... as e`` inside dynamo) makes a reference cycle that the
+    cyclic GC alone would free (a refused capture would keep its step alive until then)."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [error]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if e.__traceback__ is not None:
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+        stack += [e.__cause__, e.__context__]
 
 
 def _in_words(source: str, fn: Callable[..., Any]) -> str:

@@ -27,7 +27,6 @@ import torch
 
 from customgrad._calls import CallCounts, slot
 from customgrad._errors import MissingRegistrationError
-from customgrad._handoff import hand_over, handed_over, release
 from customgrad._pass import (
     BackwardContext,
     BackwardObserver,
@@ -35,8 +34,9 @@ from customgrad._pass import (
     _Shared,
     auto_split,
 )
-from customgrad._record import NO_HANDOFF, NodeRecord
+from customgrad._record import NodeRecord
 from customgrad._rules import AutogradRules, Gradient, OpSpec
+from customgrad._runtime import free, keep_gradients, take_gradients
 from customgrad._signature import ArgKind, Signature
 from customgrad._switches import STATE as SWITCHES
 from customgrad._triton import raise_if_raw_launch
@@ -120,58 +120,64 @@ def write_runner(
         lens: for an op with list arguments, the one layout of list lengths the runner is for
             (its items are checked one by one); None: any layout, read from the record.
     """
-    sig = spec.signature
-    nondiff = rules.nondifferentiable
-    phase = plan.phase
-    lines: list[str] = ["metas = record.metas"]
-    slots = None if lens is None else slots_of(lens)
-    if sig.has_lists and slots is None:
-        lines.append("slots = _slots_of(record.lens)")
-    ns: dict[str, Any] = {
-        "_SPEC": spec,
-        "_SIG": sig,
-        "_CTX": plan.ctx,
-        "_PHASE": phase,
-        "_NEEDED": plan.needed,
-        "_NONDIFF": nondiff,
-        "_T": torch.Tensor,
-        "_MISSING": _MISSING,
-        "_NO_HANDOFF": NO_HANDOFF,
-        "_map": map,
-        "_getattr": getattr,
-        "_VERSION": _VERSION,
-        "_NO_VERSION": _NO_VERSION,
-        "_watched_values": _watched_values,
-        "_raise_mutation": _raise_mutation,
-        "_call_user": _call_user,
-        "_raise_if_raw_launch": raise_if_raw_launch,
-        "_collect": collect_grads,
-        "_OBSERVED": observed,
-        "_slots_of": slots_of,
-        "_SLOTS": slots,
-        "_auto_split": auto_split,
-        "_AUTO": rules.auto,
-        "_REQUIRES": plan.requires,
-        "_make_ctx": functools.partial(BackwardContext, spec, "full"),
-        "_handed_over": handed_over,
-        "_hand_over": hand_over,
-        "_release": release,
-        "_Shared": _Shared,
-        "_BackwardContext": BackwardContext,
-        "_missing": spec._missing_autograd_message,
-        "_Missing": MissingRegistrationError,
-        "_CALLS": observed.calls.counts,
-    }
-    watch = watch_lines()
-    partial = plan.needed != plan.requires
+    writer = _RunnerWriter(spec, rules, plan, observed, slots_of, lens)
+    body = writer.single() if rules.backward is not None else writer.pair()
+    source = "def run(record, saved, grads, keep):\n" + "".join(
+        f"    {x}\n" for x in [*writer.head, *body]
+    )
+    where = f"{spec.name}: {plan.phase} {sorted(plan.needed)}" + (
+        f", list lengths {lens}" if lens else ""
+    )
+    run_source(source, f"<customgrad pass of {where}>", writer.ns)
+    run: Runner = writer.ns["run"]
+    run.__customgrad_source__ = source  # type: ignore[attr-defined]
+    return run
 
-    def count(kind: str) -> str:
+
+class _RunnerWriter:
+    """The lines of one runner and the names they read (see :func:`write_runner`)."""
+
+    def __init__(
+        self,
+        spec: OpSpec,
+        rules: AutogradRules,
+        plan: PassPlan,
+        observed: Observed,
+        slots_of: SlotsOf,
+        lens: tuple[int, ...] | None,
+    ) -> None:
+        self.spec, self.rules, self.plan = spec, rules, plan
+        self.sig = sig = spec.signature
+        self.slots = None if lens is None else slots_of(lens)
+        self.head = ["metas = record.metas"]
+        if sig.has_lists and self.slots is None:
+            self.head.append("slots = _slots_of(record.lens)")
+        self.watch = watch_lines()
+        self.partial = plan.needed != plan.requires
+        self.ns: dict[str, Any] = {
+            "_SPEC": spec, "_SIG": sig, "_CTX": plan.ctx, "_PHASE": plan.phase,
+            "_NEEDED": plan.needed, "_NONDIFF": rules.nondifferentiable, "_T": torch.Tensor,
+            "_MISSING": _MISSING, "_map": map, "_getattr": getattr, "_VERSION": _VERSION,
+            "_NO_VERSION": _NO_VERSION, "_watched_values": _watched_values,
+            "_raise_mutation": _raise_mutation, "_call_user": _call_user,
+            "_raise_if_raw_launch": raise_if_raw_launch, "_collect": collect_grads,
+            "_OBSERVED": observed, "_slots_of": slots_of, "_SLOTS": self.slots,
+            "_auto_split": auto_split, "_AUTO": rules.auto, "_REQUIRES": plan.requires,
+            "_make_ctx": functools.partial(BackwardContext, spec, "full"),
+            "_take_gradients": take_gradients, "_keep_gradients": keep_gradients, "_free": free,
+            "_Shared": _Shared, "_BackwardContext": BackwardContext,
+            "_missing": spec._missing_autograd_message, "_Missing": MissingRegistrationError,
+            "_CALLS": observed.calls.counts,
+        }  # fmt: skip
+
+    def count(self, kind: str) -> str:
         """The line that counts this call for ``summary()`` (:mod:`customgrad._calls`)."""
-        return f"_CALLS[{slot(kind, phase)}] += 1"
+        return f"_CALLS[{slot(kind, self.plan.phase)}] += 1"
 
-    def half_lines(
+    def half(
+        self,
         half: str,
-        fn: Callable[..., Any] | None,
+        fn: Callable[..., object] | None,
         allowed: frozenset[str],
         need: frozenset[str],
         out: str,
@@ -182,59 +188,88 @@ def write_runner(
         if fn is None:  # registrations without it: the op's own message
             return ["raise _Missing(_missing())"]
         var = f"_FN_{half}"
-        ns[var] = fn
-        ns[f"_ALLOWED_{out}"] = allowed
-        ns[f"_NEEDED_{out}"] = need
+        self.ns[var] = fn
+        self.ns[f"_ALLOWED_{out}"] = allowed
+        self.ns[f"_NEEDED_{out}"] = need
         return [
-            *call_lines(half, var, half in nondiff),
+            *call_lines(half, var, half in self.rules.nondifferentiable),
             *_observe(HALF_NAMES[half], "r"),
-            *check_source(sig, half, var, allowed, need, out, slots, into),
+            *check_source(self.sig, half, var, allowed, need, out, self.slots, into),
         ]
 
-    if rules.backward is not None:
-        bwd = rules.backward
-        if rules.auto is not None and partial:
-            # The automatic split, in a pass that splits (input or weight gradients only): the
-            # captured part for this pass. A full pass calls the backward as written (below):
-            # it is the reference a capture is checked against, and nothing is captured for it.
-            ns["_FN_full"] = bwd
-            ns["_ALLOWED_got"] = sig.tensor_set
-            ns["_NEEDED_got"] = plan.needed
-            # the traced part for this pass, with the hand-off it reads and keeps; the run-once
-            # rule when the split declines
-            lines += [
-                "split = _auto_split(record, _AUTO, _make_ctx, saved, grads, _REQUIRES)",
-                "if split is not None:",
-                *_indent(
-                    [
-                        "handoff = record.handoff",
-                        "if handoff is not None:",
-                        "    handoff = _handed_over(record, grads, 'kept')",
-                        "r, kept = split.run(saved, grads, _NEEDED, "
-                        "None if handoff is _NO_HANDOFF else handoff, keep)",
-                        "if kept is not None:",
-                        "    _hand_over(record, grads, 'kept', kept)",
-                        "elif record.handoff is not None:",
-                        "    _release(record, grads)",
-                        "ctx = _CTX",
-                        *_observe(f"backward (traced {phase} part)", "r"),
-                        *check_source(
-                            sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", slots
-                        ),
-                        count("split"),
-                        "return got",
-                    ]
-                ),
-            ]
-            lines += _run_once_lines(spec, sig, plan, ns, watch, slots, "full" in nondiff, count)
-        lines += ["ctx = _CTX", *watch]
-        lines += half_lines("full", bwd, sig.tensor_set, plan.needed, "got")
-        if rules.auto is not None and not partial:
+    def single(self) -> list[str]:
+        """A single ``register_backward``: its automatic split in a pass that splits, then the
+        function as written (a full pass: the reference a capture is checked against)."""
+        sig, plan, auto = self.sig, self.plan, self.rules.auto
+        lines: list[str] = []
+        if auto is not None and self.partial:
+            lines += [*self.split(), *self.run_once()]
+        lines += ["ctx = _CTX", *self.watch]
+        lines += self.half("full", self.rules.backward, sig.tensor_set, plan.needed, "got")
+        if auto is not None and not self.partial:
             # a full pass after a split one of a retained graph: free what was kept for W
-            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
-        lines += [count("per pass" if partial and rules.auto is None else "whole"), "return got"]
-    else:
-        lines += watch
+            lines += ["if record.handoff is not None:", "    _free(record, grads)"]
+        kind = "per pass" if self.partial and auto is None else "whole"
+        return [*lines, self.count(kind), "return got"]
+
+    def split(self) -> list[str]:
+        """The captured part of a single backward for this pass (the runtime keeps and takes
+        what its passes share); none when the split declines."""
+        sig, plan = self.sig, self.plan
+        self.ns["_FN_full"] = self.rules.backward
+        self.ns["_ALLOWED_got"] = sig.tensor_set
+        self.ns["_NEEDED_got"] = plan.needed
+        body = [
+            "r = split.run(record, saved, grads, _NEEDED, keep)",
+            "ctx = _CTX",
+            *_observe(f"backward (traced {plan.phase} part)", "r"),
+            *check_source(sig, "full", "_FN_full", sig.tensor_set, plan.needed, "got", self.slots),
+            self.count("split"),
+            "return got",
+        ]
+        return [
+            "split = _auto_split(record, _AUTO, _make_ctx, saved, grads, _REQUIRES)",
+            "if split is not None:",
+            *_indent(body),
+        ]
+
+    def run_once(self) -> list[str]:
+        """The run-once rule, for a single backward that is not split: the first pass that
+        needs any gradient calls it once for every argument that requires grad and hands the
+        gradients it does not need to the node's later pass, which takes them instead of
+        calling it again. (Only ``split="phase"`` calls a backward once per pass.)"""
+        sig, plan = self.sig, self.plan
+        self.ns["_WHOLE_CTX"] = BackwardContext(self.spec, "full", plan.requires)
+        self.ns["_ALLOWED_every"] = sig.tensor_set
+        self.ns["_NEEDED_every"] = plan.requires
+        nondifferentiable = "full" in self.rules.nondifferentiable
+        body = [
+            "ctx = _WHOLE_CTX",
+            *self.watch,
+            *call_lines("full", "_FN_full", nondifferentiable),
+            *_observe(HALF_NAMES["full"], "r"),
+            *check_source(
+                sig, "full", "_FN_full", sig.tensor_set, plan.requires, "every", self.slots
+            ),
+            "got = _keep_gradients(record, grads, every, _NEEDED)",
+            "_AUTO.held(every)",
+            self.count("ran once"),
+            "return got",
+        ]
+        return [
+            "if record.handoff is not None:",
+            "    got = _take_gradients(record, grads, _NEEDED)",
+            "    if got is not None:",
+            f"        {self.count('handed')}",
+            "        return got",
+            "if keep:",
+            *_indent(body),
+        ]
+
+    def pair(self) -> list[str]:
+        """The pair (and its shared work): each half this pass needs."""
+        sig, plan, rules = self.sig, self.plan, self.rules
+        lines = [*self.watch]
         shared = rules.backward_shared is not None
         if shared:
             keep_now = bool(plan.need_input) and not plan.need_weight
@@ -247,72 +282,18 @@ def write_runner(
             lines.append("ctx = _CTX")
         lines.append("got = {}")
         if plan.need_input:
-            lines += half_lines(
+            lines += self.half(
                 "input", rules.backward_input, sig.input_set, plan.need_input, "got_in", "got"
             )
         if plan.need_weight:
-            lines += half_lines(
+            lines += self.half(
                 "weight", rules.backward_weight, sig.weight_set, plan.need_weight, "got_w", "got"
             )
             # the later pass ran: free what was kept for it
-            lines += ["if record.handoff is not None:", "    _release(record, grads)"]
+            lines += ["if record.handoff is not None:", "    _free(record, grads)"]
         if shared:
             lines += ["if shared.computed:", *_indent(_observe("backward_shared", "shared.value"))]
-        lines += [count("split" if partial else "whole"), "return got"]
-    source = "def run(record, saved, grads, keep):\n" + "".join(f"    {x}\n" for x in lines)
-    where = f"{spec.name}: {phase} {sorted(plan.needed)}" + (
-        f", list lengths {lens}" if lens else ""
-    )
-    run_source(source, f"<customgrad pass of {where}>", ns)
-    run: Runner = ns["run"]
-    run.__customgrad_source__ = source  # type: ignore[attr-defined]
-    return run
-
-
-def _run_once_lines(
-    spec: OpSpec,
-    sig: Any,
-    plan: PassPlan,
-    ns: dict[str, Any],
-    watch: list[str],
-    slots: Any,
-    nondifferentiable: bool,
-    count: Callable[[str], str],
-) -> list[str]:
-    """Lines of a partial pass of a single backward that is not split (the run-once rule): the
-    first pass that needs any gradient calls it once for every argument that requires grad and
-    hands the gradients it does not need to the node's later pass, which takes them instead of
-    calling it again. (Only ``split="phase"`` calls a backward once per pass.)"""
-    ns["_WHOLE_CTX"] = BackwardContext(spec, "full", plan.requires)
-    ns["_ALLOWED_every"] = sig.tensor_set
-    ns["_NEEDED_every"] = plan.requires
-    return [
-        "if record.handoff is not None:",
-        "    handed = _handed_over(record, grads, 'gradients')",
-        "    if handed is not _NO_HANDOFF:",
-        "        got = {n: handed.pop(n) for n in _NEEDED if n in handed}",
-        "        if not handed:",
-        "            _release(record, grads)",
-        f"        {count('handed')}",
-        "        return got",
-        "if keep:",
-        *_indent(
-            [
-                "ctx = _WHOLE_CTX",
-                *watch,
-                *call_lines("full", "_FN_full", nondifferentiable),
-                *_observe(HALF_NAMES["full"], "r"),
-                *check_source(
-                    sig, "full", "_FN_full", sig.tensor_set, plan.requires, "every", slots
-                ),
-                "got = {n: every.pop(n) for n in _NEEDED if n in every}",
-                "_hand_over(record, grads, 'gradients', every)",
-                "_AUTO.held(every)",
-                count("ran once"),
-                "return got",
-            ]
-        ),
-    ]
+        return [*lines, self.count("split" if self.partial else "whole"), "return got"]
 
 
 class Runners:

@@ -28,6 +28,7 @@ grad, gradients that do not line up with the node's edges.
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,7 +36,6 @@ import torch
 from torch import fx, nn
 from torch.autograd.graph import Node
 
-from customgrad._autograd import engine_needs
 from customgrad._compiled_region import (
     ATTR,
     LOCK,
@@ -44,11 +44,12 @@ from customgrad._compiled_region import (
     RegionNode,
     region_node,
 )
-from customgrad._handoff import Kept, hand_over, handed_over, nbytes, pending, release
+from customgrad._handoff import Guard, Kept, guard, nbytes
 from customgrad._origin import origin_of
 from customgrad._releases import refuse_torch_split
 from customgrad._routing import route_for
-from customgrad._split_program import ProgramCut, SplitProgram
+from customgrad._runtime import Ran, needed_edges, run_program
+from customgrad._split_program import Pass, ProgramCut, SplitProgram
 from customgrad._switches import split_enabled
 from customgrad._torch.aot import is_tangent, tracing_metadata
 from customgrad._torch.dynamo import compiled_autograd_on
@@ -158,17 +159,13 @@ def watching(region: CompiledRegion, compiled: Callable[..., object]) -> Callabl
     return run
 
 
-_FULL: tuple[str, None, None, tuple[()], None] = ("full", None, None, (), None)
-
-
 class _Backward:
-    """The compiled backward AOTAutograd calls (boxed): full, I or W, picked per call.
+    """The compiled backward AOTAutograd calls (boxed): an adapter of the node's pass to the
+    runtime (:func:`customgrad._runtime.run_program`), which runs the full graph, a cut's input
+    pass (keeping its values on the node's :class:`RegionNode`) or its weight pass.
 
-    A pass that needs every gradient that requires grad runs the full graph. A pass that needs
-    some runs the input pass of the cut "these now, the rest later" (compiled once per such
-    pattern, when first met) and keeps what its weight pass needs on the node; the next pass
-    through the node with the same output gradients that needs only what that cut left for
-    later runs its weight pass.
+    A region that cannot split (no program: CUDA graphs, compiled autograd, ...) runs the full
+    graph in every pass.
     """
 
     def __init__(
@@ -187,121 +184,131 @@ class _Backward:
         self.n_outputs = n_outputs
         self.program = program
         self.tangents = list(tangents)
-        self.failed: set[frozenset[int]] = set()  # cuts the backend could not compile
+        graph = None if program is None else program.graph_module
+        self._placeholders = [] if graph is None else list(graph.graph.find_nodes(op="placeholder"))
+        if program is not None:  # the runtime's full pass: AOTAutograd's own compiled graph
+            assert graph is not None
+            program.whole_pass = Pass(full, tuple(range(n_outputs)), 0, graph)  # type: ignore[arg-type]
 
     def __call__(self, args: list[object]) -> object:
         region = self.region
         node = current_node()
-        mode, state, cut, grads, found = self._mode(node, args)
-        if node is not None and not graph_kept():
-            held = region_node(node)
-            if held is not None:
-                held.handoff = None  # no pass comes through the node after this one
-        if mode == "full":
+        state = self._state(node)
+        if state is None:
             with LOCK:
                 region.runs["full"] += 1
             return self.full(args)
-        assert state is not None and cut is not None
-        out: list[Any] = [None] * self.n_outputs
-        if mode == "input":
-            refuse_torch_split(f"customgrad.compile region {region.name}")  # torch 2.11, 2.12
-            p = cut.input_pass
-            results = list(p.fn(args))
-            n = len(p.slots)
-            for j, g in zip(p.slots, results[:n]):
-                out[j] = g
-            if graph_kept():  # a later pass can come through this node
-                kept = Kept(cut, tuple(results[n:]))
-                hand_over(state, grads, "kept", kept)
-                region.handoff_bytes = nbytes(kept.values)
-            with LOCK:
-                region.runs["input"] += 1
-            return out
-        assert found is not None
-        release(state, grads)
-        with LOCK:
-            region.runs["weight"] += 1
-        args.extend(found.values)
-        del found
-        p = cut.weight_pass
-        for j, g in zip(p.slots, p.fn(args)):
-            out[j] = g
-        return out
-
-    def _mode(
-        self, node: Any, args: list[Any]
-    ) -> tuple[str, RegionNode | None, ProgramCut | None, Sequence[Any], Kept | None]:
-        """``(mode, node state, cut, the pass's output gradients, kept values)``: ``"input"``
-        or ``"weight"`` (with what its input pass kept) with the cut to run, or ``"full"``."""
-        program = self.program
-        if program is None or not split_enabled():
-            return _FULL
-        region = self.region
-        if node is None:
-            region.fall_back(
-                "no autograd node is running its backward (compiled autograd traces it whole)"
-            )
-            return _FULL
-        edges = node.next_functions
-        if len(edges) != len(self.positions):
-            region.fall_back(
-                f"its node has {len(edges)} edges for {len(self.positions)} tensor inputs"
-            )
-            return _FULL
-        state = attach(node, region)
+        assert self.program is not None
         grads = _pass_grads(state, [args[i] for i in self.tangents if i < len(args)])
-        # What the pass needs, by the one rule of customgrad nodes: the route, else the engine.
         route = None if state.route is None else route_for(state)
-        flags = None if route is None else route.needed
+        need = needed_edges(node, None if route is None else route.needed, None)
         requires: set[int] = set()
         needed: set[int] = set()
-        for e, ((fn, _), slot) in enumerate(zip(edges, self.positions)):
-            if fn is None:
-                continue
-            requires.add(slot)
-            need = None if flags is None else flags[e]
-            if need if need is not None else engine_needs(fn):
-                needed.add(slot)
-        live = program.live
-        want = frozenset(needed) & live
-        if state.handoff is not None:
-            found = handed_over(state, grads, "kept")
-            if isinstance(found, Kept) and found.cut.serves(program, want):
-                return "weight", state, found.cut, grads, found
-            if want and any(
-                isinstance(h.value, Kept) and h.value.cut.serves(program, want)
-                for h in pending(state)
-            ):
-                region.note_repeat(
-                    "a pass needing only the gradients its input pass left for later came with "
-                    "other output gradients than that input pass (another loss, or gradients "
-                    "replaced by a hook), so it computes them from its own"
-                )
-        weight = frozenset(requires - needed) & live
-        if not needed or not weight:
-            return _FULL
-        cut = self._cut(weight)
-        return ("input", state, cut, grads, None) if cut is not None else _FULL
+        for e, ((fn, _), slot) in enumerate(zip(node.next_functions, self.positions)):
+            if fn is not None:
+                requires.add(slot)
+                if need is None or need[e]:
+                    needed.add(slot)
+        if route is None and needed != requires:
+            refuse_torch_split(f"customgrad.compile region {region.name}")  # torch 2.11, 2.12
+        keep = graph_kept()  # a later pass can come through this node
+        saved = self._saved(args) if keep and needed != requires else []  # before args empty
+        ran = run_program(
+            state,
+            self.program,
+            grads,
+            args,
+            frozenset(needed),
+            frozenset(requires),
+            keep,
+            lambda kept: self._guard(saved, kept),
+            self._repeat,
+        )
+        if not keep:
+            state.handoff = None  # no pass comes through the node after this one
+        return self._outputs(ran)
 
-    def _cut(self, weight: frozenset[int]) -> ProgramCut | None:
-        """The cut whose W computes the slots ``weight``, compiled when a pass first needs it
-        (blocks of one class share a graph whose inputs hold activations in one block and
-        weights made from parameters in another)."""
-        program = self.program
-        if program is None or weight in self.failed:
+    def _state(self, node: Any) -> RegionNode | None:
+        """The node's :class:`RegionNode`, or None where the pass runs the full graph (the
+        region does not split, or this call cannot: the fallback logged)."""
+        if self.program is None or not split_enabled():
             return None
-        try:
-            cut = program.cut(weight)
-        except Exception as e:  # the backend could not compile it here: run the full graph
-            self.failed.add(weight)
-            self.region.note_repeat(
-                f"the backend could not compile its cut for this pattern of gradients "
-                f"({type(e).__name__}: {e})"
+        if node is None:
+            self.region.fall_back(
+                "no autograd node is running its backward (compiled autograd traces it whole)"
             )
             return None
-        if self.region.input_pass is None:
-            _describe(self.region, cut)
-        return cut
+        edges = node.next_functions
+        if len(edges) != len(self.positions):
+            self.region.fall_back(
+                f"its node has {len(edges)} edges for {len(self.positions)} tensor inputs"
+            )
+            return None
+        return attach(node, self.region)
+
+    def _outputs(self, ran: Ran) -> list[Any]:
+        """The backward's outputs (one per region input) from what the runtime ran."""
+        region = self.region
+        out: list[Any] = [None] * self.n_outputs
+        if ran.p is not None:
+            for j, g in zip(ran.p.slots, ran.outputs):
+                out[j] = g
+        if ran.mode is not None:
+            with LOCK:
+                region.runs[ran.mode] += 1
+        if ran.cut is not None and region.input_pass is None:
+            _describe(region, ran.cut)
+        if ran.kept is not None:
+            region.handoff_bytes = nbytes(ran.kept.values)
+        program = self.program
+        if program is not None and program.failed and not region.repeated:
+            why = next(iter(program.failed.values()))
+            region.note_repeat(
+                f"the backend could not compile its cut for this pattern of gradients ({why})"
+            )
+        return out
+
+    def _repeat(self) -> None:
+        self.region.note_repeat(
+            "a pass needing only the gradients its input pass left for later came with "
+            "other output gradients than that input pass (another loss, or gradients "
+            "replaced by a hook), so it computes them from its own"
+        )
+
+    def _saved(self, args: list[Any]) -> list[tuple[int, torch.Tensor]]:
+        """The saved tensors among the backward's ``args``, with their positions (detached: a
+        saved output's tensor leads back to this node, which would hold it in a cycle)."""
+        tangents = set(self.tangents)
+        return [
+            (i, a.detach())
+            for i, a in enumerate(args)
+            if i not in tangents and isinstance(a, torch.Tensor)
+        ]
+
+    def _guard(self, saved: list[tuple[int, torch.Tensor]], kept: Kept) -> Guard:
+        """The versions of what W reads besides the output gradients: the saved tensors of
+        the region's backward and the values its input pass kept."""
+        at = [i for i, _ in saved]
+        placeholders = self._placeholders
+        names = self.region.input_names
+        cut = kept.cut
+
+        def describe(i: int) -> tuple[str, str]:
+            if i < len(at):
+                node = placeholders[at[i]] if at[i] < len(placeholders) else None
+                what = "a saved tensor" if node is None else f"saved tensor {node.name!r}"
+                primal = None if node is None else re.fullmatch(r"primals_(\d+)", node.name)
+                if primal and int(primal[1]) <= len(names):  # an input of the region, as it is
+                    what = f"the region's input {names[int(primal[1]) - 1]!r}"
+            else:
+                node = cut.kept[i - len(at)]
+                what = f"value {node.name!r} the input pass kept"
+            origin = None if node is None else origin_of(node)
+            if origin is None or not origin.source:
+                return what, "made by the region's forward"
+            return f"{what} ({origin.where})", f"made at {origin.source}"
+
+        return guard((), None, describe, [*(t for _, t in saved), *kept.values], describe)
 
 
 def _describe(region: CompiledRegion, cut: ProgramCut) -> None:
@@ -368,7 +375,7 @@ class SplitCompiler:
             def compiler(g: fx.GraphModule, examples: list[Any]) -> Callable[..., Any]:
                 return _boxed(self.compile_one(g, examples, **kwargs))
 
-            program = SplitProgram(gm, live, "from_inputs", compiler, example_inputs)
+            program = SplitProgram(gm, live, "from_inputs", compiler, example_inputs, boxed=True)
             if program.mutated:
                 reason = "its backward graph mutates a tensor in place"
                 program = None

@@ -16,7 +16,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from customgrad._handoff import pending
+from customgrad._handoff import check_pass, pending
 from customgrad._origin import ValueOrigin
 from customgrad._origin import summary as origin_summary
 
@@ -197,6 +197,8 @@ class RegionNode:
 
     def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         self.grads = grads
+        if self.handoff is not None:  # before AOTAutograd unpacks its saved tensors
+            check_pass(self, grads)
 
 
 def region_node(node: object) -> RegionNode | None:

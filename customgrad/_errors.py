@@ -20,6 +20,7 @@ __all__ = [
     "GradientValueError",
     "KernelOutputError",
     "MissingRegistrationError",
+    "ModifiedBetweenPassesError",
     "MutationError",
     "UnsupportedError",
     "UnsupportedTorchError",
@@ -64,6 +65,12 @@ class ArgumentValueError(CustomGradError, ValueError):
 class MutationError(CustomGradError, RuntimeError):
     """Something was modified in place that must not be: a mutated argument that requires grad,
     or a gradient or saved tensor written to by a backward."""
+
+
+class ModifiedBetweenPassesError(MutationError):
+    """A tensor the weight pass (W) reads was modified in place after the input pass (I) used
+    it: a saved tensor, an output gradient or a value I kept for W (torch's saved-tensor rule,
+    "modified by an inplace operation", across the split)."""
 
 
 class KernelOutputError(CustomGradError, RuntimeError):

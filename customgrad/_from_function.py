@@ -113,6 +113,7 @@ class _ByReference:
     backward, or appended to by backward, is the user's own."""
 
     __slots__ = ("value",)
+    __customgrad_by_reference__ = True  # a tensor argument kept on ctx is held on purpose
 
     def __init__(self, value: object) -> None:
         self.value = value
@@ -122,10 +123,12 @@ class _ByReference:
 
 
 class _LeafByReference:
-    """A leaf tensor (a weight) ``forward`` kept on ctx without saving it (``ctx.w = w``), for
-    ``backward`` to read as it is then, as plain autograd does: without a saved tensor's version
-    check, so an in-place change between the passes (an optimizer step, ``w.data``) raises
-    nothing. A weak reference: the leaf lives on its own (the module holds it)."""
+    """A leaf tensor that requires grad (a weight) ``forward`` kept on ctx without saving it
+    (``ctx.w = w``), for ``backward`` to read as it is then, as plain autograd does: without a
+    saved tensor's version check, so an in-place change before backward (an optimizer step,
+    ``w.mul_``) raises nothing and gives plain autograd's gradients. A weak reference: the leaf
+    lives on its own (the graph's accumulator holds it). A non-leaf argument kept on ctx goes
+    the same way, held (:class:`_ByReference`)."""
 
     __slots__ = ("ref",)
 
@@ -133,14 +136,17 @@ class _LeafByReference:
         self.ref = weakref.ref(value)
 
 
-def _leaf_by_reference(value: object, args: Sequence[object]) -> TypeGuard[torch.nn.Parameter]:
-    """Whether ``value`` is a parameter among ``args`` of an eager call (see
-    :class:`_LeafByReference`)."""
-    return (
-        isinstance(value, torch.nn.Parameter)
-        and not _traced(value)
-        and any(value is a for a in args)
-    )
+def _arg_by_reference(
+    value: object, args: Sequence[object], weights: Sequence[object]
+) -> TypeGuard[_Tensor]:
+    """Whether ``value`` is a parameter among ``args`` of an eager call, or one of its
+    ``weights`` (weight arguments: a tensor made from a parameter) that requires grad: kept on
+    ctx, it reaches backward by reference (see :class:`_LeafByReference`)."""
+    if not isinstance(value, _Tensor) or _traced(value):
+        return False
+    if isinstance(value, torch.nn.Parameter):
+        return any(value is a for a in args)
+    return value.requires_grad and any(value is a for a in weights)
 
 
 def _by_reference(value: object, args: Sequence[object]) -> bool:
@@ -715,6 +721,8 @@ def _define(
     names = [p.name for p in params]
     forward = function.forward
     qualname = name
+    weights = tuple(weights)
+    weight_at = [i for i, n in enumerate(names) if n in weights]
 
     def kernel(*args: Any) -> Any:
         needs = _needs(args)
@@ -751,8 +759,9 @@ def _define(
             if _by_reference(value, args):
                 attrs[attr] = (None, [_ByReference(value)])
                 continue
-            if _leaf_by_reference(value, args):
-                attrs[attr] = (None, [_LeafByReference(value)])
+            if _arg_by_reference(value, args, [args[i] for i in weight_at if i < len(args)]):
+                held = _LeafByReference(value) if value.is_leaf else _ByReference(value)
+                attrs[attr] = (None, [held])
                 continue
             if type(value) in _LEAVES:  # a plain value or a tensor: no flattening
                 attrs[attr] = (None, [place(value)])

@@ -149,9 +149,18 @@ class Kernels:
             call goes through the dispatcher, whose ``ADInplaceOrView`` kernel records the
             writes). Every other Tensor argument is watched: a kernel that writes into one
             raises :class:`~customgrad.MutationError` (:meth:`run`).
+        write_run: writes :attr:`run` for these kernels
+            (:func:`customgrad._codegen.write_kernel_run`, passed in: the code writer reads
+            this module, not the other way round).
     """
 
-    def __init__(self, sig: Signature, var: str, mutates: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        sig: Signature,
+        var: str,
+        mutates: Sequence[str],
+        write_run: Callable[[Kernels], Callable[[Kernel, tuple[Any, ...]], Any]],
+    ) -> None:
         self.sig = sig
         self.qualname = sig.qualname
         self.var = var
@@ -163,9 +172,7 @@ class Kernels:
             if kind is not ArgKind.OTHER and name not in mutates
         )
         """The arguments (indices) whose tensors a kernel must not write into."""
-        from customgrad._codegen import write_kernel_run  # _codegen imports this module
-
-        self.run: Callable[[Kernel, tuple[Any, ...]], Any] = write_kernel_run(self)
+        self.run: Callable[[Kernel, tuple[Any, ...]], Any] = write_run(self)
         """``run(kernel, args)``: call ``kernel`` on schema-ordered ``args`` and return what it
         returns; a write into an argument that is not in ``mutates_args`` raises
         (:meth:`raise_if_mutated`). Every call of a kernel goes through it (the written forward

@@ -22,6 +22,7 @@ import torch
 from typing_extensions import ParamSpec
 
 from customgrad._autograd import AutogradImpl
+from customgrad._codegen import write_kernel_run
 from customgrad._dispatch import OpLibrary, has_tangent
 from customgrad._errors import MissingRegistrationError, MutationError, where
 from customgrad._kernels import DISPATCH as _DISPATCH
@@ -118,7 +119,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
         """Whether a call with grad needed goes straight to ``AutogradImpl.apply`` (what
         :meth:`run_call` does for it; ``__call__`` skips that frame)."""
         self._var = opname
-        self._kernels = Kernels(self._sig, opname, mutates)
+        self._kernels = Kernels(self._sig, opname, mutates, write_kernel_run)
         self.signature: Signature = self._sig
         """Arguments, outputs, weights and residuals of the op."""
         self.rules = AutogradRules()

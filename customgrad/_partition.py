@@ -2,7 +2,7 @@
 
 The split program (:mod:`customgrad._split_program`) uses it for both kinds of graph customgrad
 splits: a traced single backward and a compiled region's AOTAutograd backward. Given the
-graph's outputs each pass must produce, :func:`cut` says which nodes each pass runs and what the
+graph's outputs each pass must produce, :func:`partition` says which nodes each pass runs and what the
 input pass hands to the weight pass:
 
 - a node only the input pass's outputs need runs in the input pass, one only the weight pass's
@@ -33,11 +33,11 @@ from customgrad._torch.dispatcher import OpOverload, schema_of
 
 __all__ = [
     "REBUILD_DEPTH",
-    "Cut",
+    "Partition",
     "Recompute",
     "ancestors",
     "cheap",
-    "cut",
+    "partition",
     "extract",
     "free",
     "rebuildable",
@@ -88,8 +88,8 @@ def written(t: torch.Tensor, writer: object) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class Cut:
-    """Where :func:`cut` put each node.
+class Partition:
+    """Where :func:`partition` put each node.
 
     Attributes:
         input: the nodes the input pass runs.
@@ -128,13 +128,13 @@ backward); or only cheap chains that rebuild them from the graph's inputs (nothi
 for them: a compiled region's policy)."""
 
 
-def cut(
+def partition(
     graph: fx.Graph,
     input_outputs: Iterable[fx.Node],
     weight_outputs: Iterable[fx.Node],
     recompute: Recompute = "none",
-) -> Cut:
-    """Cut ``graph`` into an input pass producing ``input_outputs`` and a weight pass producing
+) -> Partition:
+    """Partition ``graph`` into an input pass producing ``input_outputs`` and a weight pass producing
     ``weight_outputs`` (see the module's docstring and :data:`Recompute`)."""
     rule: Callable[[fx.Node], bool] | None = None
     if recompute == "cheap":
@@ -164,7 +164,7 @@ def cut(
         else:
             keep.add(node)
     kept = tuple(n for n in graph.nodes if n in keep)
-    return Cut(frozenset(in_input), frozenset(weight_only | again), kept, frozenset(again))
+    return Partition(frozenset(in_input), frozenset(weight_only | again), kept, frozenset(again))
 
 
 def extract(

@@ -11,14 +11,15 @@ functions a backward calls see a :class:`BackwardContext`.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from customgrad._errors import GradientValueError, MissingRegistrationError
-from customgrad._handoff import SharedWork, hand_over, handed_over
-from customgrad._record import NO_HANDOFF, NodeRecord
-from customgrad._rules import OpSpec
+from customgrad._errors import MissingRegistrationError
+from customgrad._handoff import NO_HANDOFF
+from customgrad._record import NodeRecord
+from customgrad._rules import BackwardContext, OpSpec, Phase
+from customgrad._runtime import keep_shared, shared_of
 from customgrad._torch.engine import graph_kept, graph_task_id
 from customgrad._user_calls import _call_user, _Watch
 
@@ -35,8 +36,6 @@ __all__ = [
     "keeps_for_later",
     "pass_plan",
 ]
-
-Phase = Literal["full", "input", "weight"]
 
 BackwardObserver = Callable[[str, Phase, "BackwardContext", object], None]
 """Called as ``observer(label, phase, ctx, result)`` after each registered backward function
@@ -71,8 +70,7 @@ class _Shared:
         self.grads = grads
         self.watch = watch
         self.keep = keep
-        found = handed_over(record, grads, "shared")
-        self.value: Any = found.value if isinstance(found, SharedWork) else NO_HANDOFF
+        self.value: Any = shared_of(record, grads)
         self.computed = False  # by this call (not handed over from an earlier pass)
 
     def get(self, ctx: BackwardContext) -> object:
@@ -91,78 +89,8 @@ class _Shared:
             self.value = _call_user(ctx, "shared", fn, self.saved, self.grads, self.watch, nondiff)
             self.computed = True
             if self.keep:
-                hand_over(self.record, self.grads, "shared", SharedWork(self.value))
+                keep_shared(self.record, self.grads, self.value)
         return self.value
-
-
-class BackwardContext:
-    """What a customgrad backward function is told about the running pass.
-
-    Attributes:
-        op: the :class:`~customgrad.CustomOp` whose backward runs.
-        phase: ``"input"`` when the pass needs only non-weight arguments' gradients,
-            ``"weight"`` when it needs only weights', ``"full"`` otherwise (every argument that
-            requires grad is needed, or some of each kind are).
-    """
-
-    __slots__ = ("_needed", "_op", "_phase", "_shared")
-
-    def __init__(
-        self,
-        op: OpSpec,
-        phase: Phase,
-        needed: frozenset[str],
-        shared: _Shared | None = None,
-    ) -> None:
-        self._op = op
-        self._phase: Phase = phase
-        self._needed = needed
-        self._shared = shared
-
-    # Read-only: a context without shared work is made once per pass plan and reused by every
-    # backward call with that plan (:attr:`PassPlan.ctx`).
-    @property
-    def op(self) -> OpSpec:
-        return self._op
-
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
-    def needs_input_grad(self, name: str) -> bool:
-        """True if argument ``name`` requires grad and the engine will use its gradient now."""
-        if name in self._needed:
-            return True
-        if name not in self._op.signature.index:
-            raise GradientValueError(
-                f"{self._op.name}: ctx.needs_input_grad({name!r}): no such argument. "
-                f"Arguments: {', '.join(self._op.signature.names)}."
-            )
-        return False
-
-    @property
-    def shared(self) -> Any:
-        """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
-        split, kept for the later one and freed after it."""
-        if self._shared is None:
-            var = self.op.name.split("::")[1]
-            raise MissingRegistrationError(
-                f"{self.op.name}: ctx.shared was read, but the op registers no shared work. "
-                f"ctx.shared is what register_backward_shared computes for the halves of the "
-                f"input/weight pair; register the work both halves need:\n\n"
-                f"    @{var}.register_backward_shared\n"
-                f"    def _(ctx, saved, grad):\n"
-                f"        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
-                f"(A single register_backward computes such work itself: its automatic split "
-                f"runs it once and hands it from I to W.)"
-            )
-        return self._shared.get(self)
-
-    def __repr__(self) -> str:
-        return (
-            f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
-            f"needed={sorted(self._needed)})"
-        )
 
 
 def keeps_for_later(plan: PassPlan, target: DeferTarget | None) -> bool:
@@ -188,9 +116,6 @@ class PassPlan(NamedTuple):
     route takes them)."""
     later_input: frozenset[str]
     """Non-weight arguments that require grad but that this pass does not compute."""
-    splits: bool
-    """Whether the pass computes input gradients while weights that require grad are left for
-    a later pass (the earlier pass of a split)."""
     ctx: BackwardContext
     """The backward functions' context for this plan when the op registers no shared work
     (a context is read-only then, so every call with this plan shares one)."""
@@ -215,7 +140,6 @@ def pass_plan(
         phase = "weight" if need_weight else "input"
     later = requires - needed
     later_weight = later & sig.weight_set
-    splits = bool(later_weight) and bool(need_input)
     later_input = later - sig.weight_set
     ctx = BackwardContext(spec, phase, needed)
     return PassPlan(
@@ -225,7 +149,6 @@ def pass_plan(
         need_weight,
         later_weight,
         later_input,
-        splits,
         ctx,
         requires,
         key,
@@ -246,15 +169,15 @@ def auto_split(
         # A create_graph backward (double backward): call the backward as written, so its
         # gradients are differentiable exactly as the user wrote them.
         return None
-    split = record.split
+    split = record.traced
     layout = _layout_of(grads)
-    if split is None or layout != record.split_grads:
+    if split is None or layout != record.traced_grads:
         # A node's first backward, or a backward of a retained graph with output gradients of
         # another layout (other strides select another trace).
         split = auto.select(make_ctx, saved, grads, requires)
-        record.split = split if split is not None else False
-        record.split_grads = layout
-    return split or None
+        record.traced = split if split is not None else False
+        record.traced_grads = layout
+    return split or None  # type: ignore[return-value]  # what select chose: a TracedSplit
 
 
 def _layout_of(grads: tuple[Any, ...]) -> Any:

@@ -10,26 +10,30 @@ one attribute load on the per-call path. Nothing else is stored on the node.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Protocol
 
 from customgrad._signature import ArgKind
 
 if TYPE_CHECKING:
-    from customgrad._autograd import AutogradImpl
-    from customgrad._autosplit import TracedSplit
     from customgrad._handoff import HandOff, HandOffValue
     from customgrad._routing import Route
     from customgrad._rules import OpSpec
     from customgrad._validate import TensorMeta
 
-__all__ = ["ATTR", "NO_HANDOFF", "NodeRecord", "attach", "record_of"]
+__all__ = ["ATTR", "NodeImpl", "NodeRecord", "attach", "record_of"]
 
 ATTR = "_cg"
 """The attribute of a customgrad node that holds its record."""
 
-NO_HANDOFF: Any = object()
-"""What :func:`customgrad._handoff.handed_over` answers when nothing was handed over (a value
-handed over may be None)."""
+
+class NodeImpl(Protocol):
+    """What a record reads of its op's autograd (``customgrad._autograd.AutogradImpl``)."""
+
+    spec: OpSpec
+    weight_flags: dict[tuple[int, ...] | None, tuple[bool, ...]]
+
+    def arg_of(self, lens: tuple[int, ...] | None) -> tuple[int, ...]:
+        """For each flat input position, the index of its argument."""
 
 
 class NodeRecord:
@@ -42,14 +46,14 @@ class NodeRecord:
         lens: lengths of the list arguments, or None when the op has none.
         out_lens: lengths of the list outputs (None entries for single tensors), or None when
             the node's outputs are the op's outputs as they are.
-        kept: how the saved values are laid out (see ``customgrad._autograd``).
+        saved_layout: how the saved values are laid out (see ``customgrad._autograd``).
         tag: what the forward was tagged with (see :func:`customgrad._routing.tagging`).
         route: what a planned backward told this node (see :mod:`customgrad._routing`).
         handoff: the node's hand-offs (:mod:`customgrad._handoff`: what its input pass
             computed for its weight pass), or None.
-        split: the node's traced split once its first backward chose one (False: the
+        traced: the node's traced split once its first backward chose one (False: the
             backward is called as written), or None before.
-        split_grads: the layout of the output gradients ``split`` was chosen for (shapes,
+        traced_grads: the layout of the output gradients ``traced`` was chosen for (shapes,
             strides, dtypes: a backward with others chooses again).
         forward_ad: ``(args, outputs)`` kept for a jvp while forward AD is active.
         residual_slots: ``(position among the saved tensors, name)`` of each residual saved as
@@ -58,18 +62,18 @@ class NodeRecord:
 
     # Set at forward, by the node's setup_context (``customgrad._autograd``), which makes the
     # record with ``object.__new__`` and sets these four without a call:
-    impl: AutogradImpl
+    impl: NodeImpl
     metas: list[TensorMeta]
     lens: tuple[int, ...] | None
     tag: object
     # The rest keep these class-level defaults until something sets them, which keeps creating
     # a record cheap (one per op call).
     out_lens: list[int | None] | None = None
-    kept: object = None
+    saved_layout: object = None
     route: Route | None = None
     handoff: HandOff[HandOffValue] | None = None
-    split: TracedSplit | Literal[False] | None = None
-    split_grads: object = None
+    traced: object = None  # a customgrad._traced_split.TracedSplit, False, or None
+    traced_grads: object = None
     forward_ad: tuple[object, object] | None = None
     residual_slots: tuple[tuple[int, str], ...] | None = None
     weight_edges: tuple[bool, ...] | None = None

@@ -21,15 +21,17 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+import torch
+
 from customgrad._errors import UnsupportedError
 from customgrad._torch.engine import graph_task_id
 
 if TYPE_CHECKING:
-    from customgrad._autograd import DeferredWork
-    from customgrad._record import NodeRecord
+    from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
     "DeferTarget",
+    "WeightWork",
     "Route",
     "Routed",
     "current_tag",
@@ -56,11 +58,29 @@ class Routed(Protocol):
 _R = TypeVar("_R", bound=Routed)
 
 
+class WeightWork(Protocol):
+    """A piece of weight work, as the weight pass runs it: a customgrad node's deferred weight
+    half (``customgrad._autograd.DeferredWork``), a plain Function's split weight pass or the
+    gradients its backward returned in I, gradients I recorded for W to send again."""
+
+    @property
+    def device(self) -> torch.device:
+        """The device whose current stream the work is queued on."""
+
+    def owner(self) -> Node | None:
+        """The node whose work it is, when W runs it outside the engine (for tools that count
+        it to its node), else None."""
+
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """Compute the weight gradients (once); return ``(edges, gradients)`` to send through
+        autograd."""
+
+
 class DeferTarget(Protocol):
     """Where a customgrad node's weight half goes when the pass leaves it for later."""
 
-    def defer(self, record: NodeRecord, work: DeferredWork) -> None:
-        """Keep ``work`` for the weight pass."""
+    def defer(self, record: Routed, work: WeightWork) -> None:
+        """Keep ``work`` (the weight half of the node whose record is ``record``) for W."""
 
 
 @dataclasses.dataclass(frozen=True)

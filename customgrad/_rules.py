@@ -14,14 +14,17 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from customgrad._errors import GradientValueError, MissingRegistrationError
+
 if TYPE_CHECKING:
-    from customgrad._autosplit import AutoSplitter
-    from customgrad._kernels import Kernels
-    from customgrad._pass import BackwardContext
     from customgrad._signature import Signature
 
 __all__ = [
     "AutogradRules",
+    "BackwardContext",
+    "KernelCalls",
+    "Phase",
+    "SharedSource",
     "BackwardFn",
     "Gradient",
     "Half",
@@ -41,6 +44,8 @@ SplitMode = Literal["auto", "phase"]
 into an input and a weight part (falling back to ``"phase"`` when it can't be traced);
 ``"phase"`` calls it once per pass with ``ctx.needs_input_grad`` set for that pass."""
 
+
+Phase = Literal["full", "input", "weight"]
 
 Gradient = torch.Tensor | list[torch.Tensor | None] | None
 """The gradient of one output or argument (a list for a list of Tensors; None where none
@@ -117,7 +122,9 @@ class AutogradRules:
     split: SplitMode = "auto"
     recompute: Literal["none", "cheap"] = "none"
     nondifferentiable: frozenset[Half] = frozenset()
-    auto: AutoSplitter | None = None
+    auto: object = None
+    """The automatic split of the single backward (a ``customgrad._autosplit.AutoSplitter``),
+    or None."""
 
     def missing(self, *, has_inputs: bool, has_weights: bool) -> list[str]:
         """The ``register_*`` calls still needed before the op can be differentiated.
@@ -164,7 +171,7 @@ class OpSpec(Protocol):
         """The current autograd registrations."""
 
     @property
-    def _kernels(self) -> Kernels:
+    def _kernels(self) -> KernelCalls:
         """The op's kernels (the node's forward calls ``Kernels.run`` directly when it can)."""
 
     def _run_kernel(self, args: tuple[Any, ...], kernel: Callable[..., Any] | None) -> Any:
@@ -174,3 +181,97 @@ class OpSpec(Protocol):
 
     def _missing_autograd_message(self) -> str:
         """The error message for an op whose autograd registrations are incomplete."""
+
+
+class KernelCalls(Protocol):
+    """How the node's forward calls the op's kernel directly (``customgrad._kernels.Kernels``)."""
+
+    @property
+    def run(self) -> Callable[..., object]:
+        """``run(kernel, args)``: the kernel called, its writes into arguments checked."""
+
+    def checked_output(
+        self, args: tuple[object, ...], out: object
+    ) -> tuple[object, tuple[object, ...]]:
+        """The kernel's return checked against the schema: ``(outputs, residuals)``."""
+
+
+class SharedSource(Protocol):
+    """Where ``ctx.shared`` comes from for one backward call (``customgrad._pass._Shared``)."""
+
+    def get(self, ctx: BackwardContext) -> object:
+        """The shared work: handed over from an earlier pass, or computed now."""
+
+
+# --------------------------------------------------------------------------------------------
+# What a backward function sees
+
+
+class BackwardContext:
+    """What a customgrad backward function is told about the running pass.
+
+    Attributes:
+        op: the :class:`~customgrad.CustomOp` whose backward runs.
+        phase: ``"input"`` when the pass needs only non-weight arguments' gradients,
+            ``"weight"`` when it needs only weights', ``"full"`` otherwise (every argument that
+            requires grad is needed, or some of each kind are).
+    """
+
+    __slots__ = ("_needed", "_op", "_phase", "_shared")
+
+    def __init__(
+        self,
+        op: OpSpec,
+        phase: Phase,
+        needed: frozenset[str],
+        shared: SharedSource | None = None,
+    ) -> None:
+        self._op = op
+        self._phase: Phase = phase
+        self._needed = needed
+        self._shared = shared
+
+    # Read-only: a context without shared work is made once per pass plan and reused by every
+    # backward call with that plan (:attr:`PassPlan.ctx`).
+    @property
+    def op(self) -> OpSpec:
+        return self._op
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def needs_input_grad(self, name: str) -> bool:
+        """True if argument ``name`` requires grad and the engine will use its gradient now."""
+        if name in self._needed:
+            return True
+        if name not in self._op.signature.index:
+            raise GradientValueError(
+                f"{self._op.name}: ctx.needs_input_grad({name!r}): no such argument. "
+                f"Arguments: {', '.join(self._op.signature.names)}."
+            )
+        return False
+
+    @property
+    def shared(self) -> Any:
+        """What ``register_backward_shared`` computes: once per node, in the earlier pass of a
+        split, kept for the later one and freed after it."""
+        if self._shared is None:
+            var = self.op.name.split("::")[1]
+            raise MissingRegistrationError(
+                f"{self.op.name}: ctx.shared was read, but the op registers no shared work. "
+                f"ctx.shared is what register_backward_shared computes for the halves of the "
+                f"input/weight pair; register the work both halves need:\n\n"
+                f"    @{var}.register_backward_shared\n"
+                f"    def _(ctx, saved, grad):\n"
+                f"        return grad @ saved.w_down      # read as ctx.shared in both halves\n\n"
+                f"(A single register_backward computes such work itself: its automatic split "
+                f"runs it once and hands it from I to W.)"
+            )
+        return self._shared.get(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"BackwardContext(op={self.op.name!r}, phase={self.phase!r}, "
+            f"needed={sorted(self._needed)})"
+        )

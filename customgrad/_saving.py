@@ -81,7 +81,7 @@ dicts, NamedTuples and dataclasses. Return those instead:
 (save_for_backward defined at {loc})"""
 
 
-class _Kept(NamedTuple):
+class _SavedLayout(NamedTuple):
     """How a saved pytree is kept: its leaves with the tensors taken out (saved through autograd,
     in ``tensor_idx`` order), and its structure (None for a flat tuple)."""
 
@@ -90,7 +90,7 @@ class _Kept(NamedTuple):
     tensor_idx: list[int]
 
 
-# What ``record.kept`` holds when ``save_for_backward`` returned something simple.
+# What ``record.saved_layout`` holds when ``save_for_backward`` returned something simple.
 _SAVED_NONE = object()  # None
 _SAVED_TENSOR = object()  # one Tensor: saved_tensors[0]
 _SAVED_TENSORS = object()  # a tuple of Tensors: saved_tensors
@@ -101,18 +101,18 @@ _TENSOR_OR_NONE = frozenset((_Tensor, _Parameter, type(None)))
 def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
     """Keep what ``save_for_backward`` returned: its tensors through ``ctx.save_for_backward``."""
     if saved is None:
-        record.kept = _SAVED_NONE
+        record.saved_layout = _SAVED_NONE
         return
     kind = type(saved)
     if kind is _Tensor or kind is _Parameter:
         ctx.save_for_backward(saved)
-        record.kept = _SAVED_TENSOR
+        record.saved_layout = _SAVED_TENSOR
         return
     if kind is tuple:
         if _TENSOR_OR_NONE.issuperset(map(type, saved)):
             # Tensors and Nones: saved_tensors gives the same tuple back
             ctx.save_for_backward(*saved)
-            record.kept = _SAVED_TENSORS
+            record.saved_layout = _SAVED_TENSORS
             return
         tensor_idx: list[int] = []
         for i, v in enumerate(saved):
@@ -127,7 +127,7 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
                 ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
                 for i in tensor_idx:
                     leaves[i] = None
-            record.kept = _Kept(leaves, None, tensor_idx)
+            record.saved_layout = _SavedLayout(leaves, None, tensor_idx)
             return
     leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True, namespace=SAVED)
     if register_dataclasses(leaves):
@@ -142,12 +142,16 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
         ctx.save_for_backward(*[leaves[i] for i in tensor_idx])
         for i in tensor_idx:
             leaves[i] = None
-    record.kept = _Kept(leaves, treespec, tensor_idx)
+    record.saved_layout = _SavedLayout(leaves, treespec, tensor_idx)
 
 
 def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
     """Refuse a saved leaf that hides tensors from autograd (an object with Tensor attributes);
-    an object without tensors (a quantization state, a config) is kept."""
+    an object without tensors (a quantization state, a config) is kept, and so is one whose class
+    says it hands its value to backward by reference on purpose (``__customgrad_by_reference__``:
+    ``from_function``'s ctx attributes, as plain autograd hands them)."""
+    if getattr(type(leaf), "__customgrad_by_reference__", False):
+        return
     attrs = getattr(leaf, "__dict__", None)
     values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
     for name in getattr(type(leaf), "__slots__", ()):
@@ -162,15 +166,15 @@ def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
 
 
 def _restore(node: Any, record: NodeRecord) -> Any:
-    kept = record.kept
-    if kept is _SAVED_TENSORS:
+    layout = record.saved_layout
+    if layout is _SAVED_TENSORS:
         return node.saved_tensors
-    if kept is _SAVED_TENSOR:
+    if layout is _SAVED_TENSOR:
         return node.saved_tensors[0]
-    if kept is _SAVED_NONE:
+    if layout is _SAVED_NONE:
         return None
-    assert isinstance(kept, _Kept)  # the other layouts are the sentinels above
-    leaves, treespec, tensor_idx = kept
+    assert isinstance(layout, _SavedLayout)  # the other layouts are the sentinels above
+    leaves, treespec, tensor_idx = layout
     if tensor_idx:
         leaves = list(leaves)
         for i, t in zip(tensor_idx, node.saved_tensors):

@@ -32,10 +32,11 @@ whose weights nothing else in I touches), and ``customgrad.graph.explain_split``
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 from torch.autograd.function import BackwardCFunction
@@ -52,7 +53,10 @@ _target = operator.itemgetter(0)  # the node of a (node, input_nr) edge
 """The node class that accumulates a leaf's gradient into ``.grad``."""
 
 __all__ = [
+    "STATE_KEY",
     "InputPassPlan",
+    "StageSplit",
+    "Watch",
     "WeightCall",
     "children",
     "grad_node",
@@ -62,7 +66,47 @@ __all__ = [
     "postorder",
     "runs_once",
     "reach",
+    "stage_split",
 ]
+
+
+Watch = Callable[[Node], contextlib.AbstractContextManager[object]]
+"""What runs around each piece of weight work W runs outside the engine, by its node (the
+tools count its FLOPs to that node)."""
+
+STATE_KEY = "customgrad_split"
+"""The key of the split state in the ``param_groups`` a split input pass returns."""
+
+
+class StageSplit(Protocol):
+    """What a stage's split input pass left for its weight pass, as the tools read it before W
+    runs (``customgrad.pipelining.stage_backward_input``'s state, found by
+    :func:`stage_split`): the one seam ``explain_split`` and ``summary()`` read."""
+
+    def deferred_nodes(self) -> set[Node]:
+        """The customgrad nodes whose weight half went to W."""
+
+    def split_functions(self) -> set[int]:
+        """The ``id`` of each plain Function node whose backward split (weight work in W)."""
+
+    def once_functions(self) -> set[int]:
+        """The ``id`` of each plain Function node that ran once in I (W sends on what it
+        returned)."""
+
+    def watch(self, watch: Watch) -> None:
+        """Have W run ``watch(node)`` around each piece of weight work it runs outside the
+        engine (deferred weight halves, split Functions' weight passes, nodes it calls)."""
+
+
+def stage_split(param_groups: object) -> StageSplit | None:
+    """The split state a split input pass left in its ``param_groups`` (None for anything
+    else, such as torch's own ``param_groups``)."""
+    if isinstance(param_groups, list) and len(param_groups) == 1:
+        first = param_groups[0]
+        state = first.get(STATE_KEY) if isinstance(first, dict) else None
+        if state is not None:
+            return cast(StageSplit, state)  # (what only customgrad's input pass puts there)
+    return None
 
 
 def grad_node(t: torch.Tensor) -> Node | None:
@@ -293,13 +337,55 @@ def plan_input_pass(
             side run once, in I (:attr:`InputPassPlan.once`); False: W runs them again, as
             torch's split does.
     """
+    g = _survey(roots, input_nodes)
+    # Candidates: customgrad nodes on the activation side (reached without crossing a
+    # customgrad node's weight edges) with weight edges that need a gradient.
+    activation = _reach_in(g.edges, roots, {n: others for n, (others, _) in g.split.items()})
+    candidates: dict[Node, DeferTarget] = {}
+    for node, (_, weights) in g.split.items():
+        if weights and node in activation:
+            target = target_of(g.records[node])
+            if target is not None:
+                candidates[node] = target
+    executed, live_leaves = _settle(g, roots, candidates, defer_native)
+    plan = InputPassPlan(executed=executed, deferred=candidates)
+    plan.weight_side = {n for n in g.leads_w if n not in executed}
+    plan.targets = [n for n in g.order if n in candidates or n in live_leaves]
+    for node, holder in g.routed.items():
+        if node in executed:
+            needed = tuple(
+                fn is not None and (fn in executed or fn in input_nodes) for fn in g.edges[node]
+            )
+            plan.input_routes[holder] = Route(needed=needed, defer=candidates.get(node))
+    if defer_native:
+        _plan_weight_pass(plan, g, roots, run_once)
+    return plan
+
+
+class _Graph:
+    """A stage's graph as :func:`plan_input_pass` reads it: the nodes in postorder, their edge
+    targets, the customgrad nodes' records (with their non-weight and weight edge targets),
+    the routed nodes, the leaf accumulators, and the nodes that lead to one."""
+
+    __slots__ = ("edges", "input_nodes", "leads_w", "leaves", "order", "records", "routed",
+                 "split")  # fmt: skip
+
+    def __init__(
+        self, order: list[Node], edges: dict[Node, list[Node | None]], input_nodes: set[Node]
+    ) -> None:
+        self.order, self.edges, self.input_nodes = order, edges, input_nodes
+        self.records: dict[Node, NodeRecord] = {}
+        self.routed: dict[Node, Routed] = {}
+        self.split: dict[Node, tuple[list[Node], list[Node]]] = {}
+        self.leaves: list[Node] = []
+        self.leads_w: set[Node] = set()
+
+
+def _survey(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
     order, edges = _walk(roots, input_nodes)
-    records: dict[Node, NodeRecord] = {}
-    routed: dict[Node, Routed] = {}  # customgrad nodes and compiled regions' nodes alike
-    split: dict[Node, tuple[list[Node], list[Node]]] = {}
-    leaves: list[Node] = []
-    leads_w: set[Node] = set()
-    for node in order:
+    g = _Graph(order, edges, input_nodes)
+    records, routed, split, leaves, leads_w = g.records, g.routed, g.split, g.leaves, g.leads_w
+    for node in order:  # (locals in the loop: it runs per node of the stage, per microbatch)
         kids = edges[node]
         if node in input_nodes:
             continue
@@ -318,22 +404,20 @@ def plan_input_pass(
             split[node] = (others, weights)
         elif (held := region_node(node)) is not None:
             routed[node] = held
-        for k in kids:
+        for k in kids:  # (a loop, not any(): no generator per node)
             if k is not None and k in leads_w:
                 leads_w.add(node)
                 break
-    leaf_set = set(leaves)
+    return g
 
-    # Candidates: customgrad nodes on the activation side (reached without crossing a
-    # customgrad node's weight edges) with weight edges that need a gradient.
-    activation = _reach_in(edges, roots, {n: others for n, (others, _) in split.items()})
-    candidates: dict[Node, DeferTarget] = {}
-    for node, (_, weights) in split.items():
-        if weights and node in activation:
-            target = target_of(records[node])
-            if target is not None:
-                candidates[node] = target
 
+def _settle(
+    g: _Graph, roots: Sequence[Node], candidates: dict[Node, DeferTarget], defer_native: bool
+) -> tuple[set[Node], set[Node]]:
+    """Drop the candidates that cannot defer, until every one left can: ``(the nodes I runs,
+    the leaves the queue's I accumulates)``."""
+    edges, input_nodes, split = g.edges, g.input_nodes, g.split
+    leaf_set = set(g.leaves)
     while True:
         targets: set[Node] = set(candidates)
         live_leaves: set[Node] = set()
@@ -344,7 +428,8 @@ def plan_input_pass(
             live_leaves = _reach_in(edges, roots, live_cut) & leaf_set
             targets |= live_leaves
         executed: set[Node] = set()
-        for node in order:
+        leads_w = g.leads_w
+        for node in g.order:
             if node in input_nodes:
                 continue
             if node in targets:
@@ -354,7 +439,6 @@ def plan_input_pass(
                 if k is not None and (k in executed or k in input_nodes):
                     executed.add(node)
                     break
-
         # The weight side: nodes that lead only to leaf accumulators and that I does not run.
         weight_side = {n for n in leads_w if n not in executed and n not in input_nodes}
         bad = []
@@ -367,38 +451,34 @@ def plan_input_pass(
                 if not side.isdisjoint(executed) or not side.isdisjoint(input_nodes):
                     bad.append(node)  # its weights also get gradients in I
         if not bad:
-            break
+            return executed, live_leaves
         for node in bad:
             del candidates[node]
 
-    plan = InputPassPlan(executed=executed, deferred=candidates)
-    side = plan.weight_side = {n for n in leads_w if n not in executed}
-    plan.targets = [n for n in order if n in candidates or n in live_leaves]
-    for node, holder in routed.items():
-        if node in executed:
-            needed = tuple(
-                fn is not None and (fn in executed or fn in input_nodes) for fn in edges[node]
+
+def _plan_weight_pass(
+    plan: InputPassPlan, g: _Graph, roots: Sequence[Node], run_once: bool
+) -> None:
+    """What W runs (customgrad's split): the nodes of I it runs again or whose Functions ran
+    once, the roots that lead only to weights, the leaves it fills, its routes and calls."""
+    side, executed, edges = plan.weight_side, plan.executed, g.edges
+    for node in g.order:
+        if (
+            node in executed
+            and node not in plan.deferred
+            and any(k is not None and k in side for k in edges[node])
+        ):
+            (plan.once if run_once and runs_once(node) else plan.intermediates).append(node)
+    plan.direct = [i for i, r in enumerate(roots) if r not in executed and r in g.leads_w]
+    plan.weight_leaves = [n for n in g.leaves if n in side]
+    for node in plan.deferred:
+        plan.weight_routes[g.records[node]] = Route(needed=(False,) * len(edges[node]))
+    for node in plan.intermediates:
+        if node in g.routed:
+            plan.weight_routes[g.routed[node]] = Route(
+                needed=tuple(k is not None and k in side for k in edges[node])
             )
-            plan.input_routes[holder] = Route(needed=needed, defer=candidates.get(node))
-    if defer_native:
-        for node in order:
-            if (
-                node in executed
-                and node not in candidates
-                and any(k is not None and k in side for k in edges[node])
-            ):
-                (plan.once if run_once and runs_once(node) else plan.intermediates).append(node)
-        plan.direct = [i for i, r in enumerate(roots) if r not in executed and r in leads_w]
-        plan.weight_leaves = [n for n in leaves if n in side]
-        for node in candidates:
-            plan.weight_routes[records[node]] = Route(needed=(False,) * len(edges[node]))
-        for node in plan.intermediates:
-            if node in routed:
-                plan.weight_routes[routed[node]] = Route(
-                    needed=tuple(k is not None and k in side for k in edges[node])
-                )
-        plan.weight_calls = _weight_calls(plan, roots, order, edges, split, records)
-    return plan
+    plan.weight_calls = _weight_calls(plan, roots, g.order, edges, g.split, g.records)
 
 
 def _weight_calls(
@@ -417,13 +497,48 @@ def _weight_calls(
                 deferred=deferred, once=plan.once, direct=plan.direct, leaves=plan.weight_leaves
             )
         ]
-    side, executed = plan.weight_side, plan.executed
+    side = plan.weight_side
     # Units of work, each with the weight-side nodes it sends gradients to.
     starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]
     starts += [split[n][1] for n in plan.deferred]
     starts += [[k for k in edges[n] if k in side] for n in plan.once]
     starts += [[roots[i]] for i in plan.direct]
-    # Units whose weight sides meet go together (union-find over the weight-side nodes).
+    group, owner, n_groups = _groups(starts, edges)
+    units = [*plan.intermediates, *plan.deferred, *plan.once]
+    n_int = len(plan.intermediates)
+    reaches, below_units = _below(plan.executed, order, edges, units, group)
+    under = [0] * n_groups  # per group: the groups below its intermediates
+    for u in range(n_int):
+        under[group[u]] |= reaches[u]
+    sets = _joined(under, group, reaches, below_units, units, n_int)
+    calls, masks, call_of = _first_fit(sets, under)
+    for u, node in enumerate(plan.intermediates):
+        call = calls[call_of[group[u]]]
+        if not reaches[u] & masks[call_of[group[u]]][0]:
+            call.intermediates.append(node)
+        elif is_native(node) or node in records:
+            call.asked.append(node)
+        else:
+            call.intermediates.append(node)
+            call.clamp.append(node)
+    for u, node in enumerate(plan.deferred, n_int):
+        calls[call_of[group[u]]].deferred.append(records[node])
+    for u, node in enumerate(plan.once, n_int + len(plan.deferred)):
+        calls[call_of[group[u]]].once.append(node)
+    for u, i in enumerate(plan.direct, len(units)):
+        calls[call_of[group[u]]].direct.append(i)
+    for leaf in plan.weight_leaves:
+        unit = owner.get(leaf)
+        if unit is not None:
+            calls[call_of[group[unit]]].leaves.append(leaf)
+    return calls
+
+
+def _groups(
+    starts: list[list[Node]], edges: dict[Node, list[Any]]
+) -> tuple[list[int], dict[Node, int], int]:
+    """Units whose weight sides meet go together (union-find over the weight-side nodes):
+    each unit's group, the unit that first reached each weight-side node, and the count."""
     parent = list(range(len(starts)))
 
     def find(u: int) -> int:
@@ -444,11 +559,18 @@ def _weight_calls(
             stack.extend(k for k in edges[node] if k is not None)
     group_ids: dict[int, int] = {}
     group = [group_ids.setdefault(find(u), len(group_ids)) for u in range(len(starts))]
+    return group, owner, len(group_ids)
 
-    # For each node I ran: the groups and the units (as bits) below it, through nodes I ran.
-    # A unit's children that I ran are those of its input edges.
-    units = [*plan.intermediates, *plan.deferred, *plan.once]
-    n_int = len(plan.intermediates)
+
+def _below(
+    executed: set[Node],
+    order: list[Node],
+    edges: dict[Node, list[Any]],
+    units: list[Node],
+    group: list[int],
+) -> tuple[list[int], dict[Node, int]]:
+    """For each unit, the groups (as bits) below it, through nodes I ran; for each node I ran,
+    the units below it. A unit's children that I ran are those of its input edges."""
     group_bit = {node: 1 << group[u] for u, node in enumerate(units)}
     unit_bit = {node: 1 << u for u, node in enumerate(units)}
     below: dict[Node, int] = {}
@@ -462,15 +584,22 @@ def _weight_calls(
                     found |= below_units[k] | unit_bit.get(k, 0)
             below[node] = groups
             below_units[node] = found
-    reaches = [below[node] for node in units]
-    under = [0] * len(group_ids)  # per group: the groups below its intermediates
-    for u in range(n_int):
-        under[group[u]] |= reaches[u]
+    return [below[node] for node in units], below_units
 
-    # A group below its own intermediates (a weight shared with a layer before them): its call
-    # runs the nodes in between, so the groups of the units in between join it, and have their
-    # input edges' gradients dropped too (each such unit then runs once, from what I recorded).
-    joined = list(range(len(group_ids)))
+
+def _joined(
+    under: list[int],
+    group: list[int],
+    reaches: list[int],
+    below_units: dict[Node, int],
+    units: list[Node],
+    n_int: int,
+) -> list[int]:
+    """The sets of groups (as bits) that must share a call. A group below its own
+    intermediates (a weight shared with a layer before them): its call runs the nodes in
+    between, so the groups of the units in between join it, and have their input edges'
+    gradients dropped too (each such unit then runs once, from what I recorded)."""
+    joined = list(range(len(under)))
     for g, low in enumerate(under):
         if not low >> g & 1 or joined[g] != g:
             continue
@@ -493,15 +622,21 @@ def _weight_calls(
     sets: dict[int, int] = {}
     for h, r in enumerate(joined):
         sets[r] = sets.get(r, 0) | 1 << h
+    return list(sets.values())
 
-    # First fit: a set of groups joins a call when neither lies below the other's
-    # intermediates. The nodes in between a set's groups that belong to other calls run there
-    # with no gradient (computing nothing) and again in their own call, which is why every
-    # call but the last keeps the graph.
+
+def _first_fit(
+    sets: list[int], under: list[int]
+) -> tuple[list[WeightCall], list[tuple[int, int]], list[int]]:
+    """First fit: a set of groups joins a call when neither lies below the other's
+    intermediates. The nodes in between a set's groups that belong to other calls run there
+    with no gradient (computing nothing) and again in their own call, which is why every call
+    but the last keeps the graph. ``(calls, per call its groups and what lies below them, the
+    call of each group)``."""
     calls: list[WeightCall] = []
-    masks: list[tuple[int, int]] = []  # per call: its groups, what lies below them
-    call_of = [0] * len(group_ids)
-    for mine in sets.values():
+    masks: list[tuple[int, int]] = []
+    call_of = [0] * len(under)
+    for mine in sets:
         low = 0
         for h in _bits(mine):
             low |= under[h]
@@ -515,23 +650,4 @@ def _weight_calls(
             calls.append(WeightCall())
         for h in _bits(mine):
             call_of[h] = c
-    for u, node in enumerate(plan.intermediates):
-        call = calls[call_of[group[u]]]
-        if not reaches[u] & masks[call_of[group[u]]][0]:
-            call.intermediates.append(node)
-        elif is_native(node) or node in records:
-            call.asked.append(node)
-        else:
-            call.intermediates.append(node)
-            call.clamp.append(node)
-    for u, node in enumerate(plan.deferred, n_int):
-        calls[call_of[group[u]]].deferred.append(records[node])
-    for u, node in enumerate(plan.once, n_int + len(plan.deferred)):
-        calls[call_of[group[u]]].once.append(node)
-    for u, i in enumerate(plan.direct, len(units)):
-        calls[call_of[group[u]]].direct.append(i)
-    for leaf in plan.weight_leaves:
-        unit = owner.get(leaf)
-        if unit is not None:
-            calls[call_of[group[unit]]].leaves.append(leaf)
-    return calls
+    return calls, masks, call_of

@@ -16,7 +16,7 @@ slots, from the graph's inputs and the kept values). :class:`SplitProgram` is th
   ``extract``); repeated pure aten ops are computed once (torch's ``CSEPass``: unsloth's LoRA
   computes ``dY @ B.t()`` for dX and again for dA; opaque ops, random ops and writes are never
   merged). A graph that still writes into one of its inputs is not cut;
-- each cut is made by the one partitioner (:func:`customgrad._partition.cut`), with the
+- each cut is made by the one partitioner (:func:`customgrad._partition.partition`), with the
   program's recompute rule, and its two passes are built and compiled once, when first asked
   for (the pass cache, :meth:`SplitProgram.cut`): a traced backward builds them as generated
   Python over aten calls, a compiled region with its backend's compiler;
@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.fx as fx
 
-from customgrad._partition import Recompute, ancestors, cut, extract, free, written
+from customgrad._partition import Recompute, ancestors, extract, free, partition, written
 from customgrad._torch.dispatcher import OpOverload, overload_name, schema_of
 
 __all__ = ["Compiler", "Pass", "ProgramCut", "SplitProgram", "clean", "mutating", "random"]
@@ -111,11 +111,16 @@ class SplitProgram:
         recompute: the recompute rule of every cut (:data:`customgrad._partition.Recompute`).
         compiler: builds each pass (:data:`Compiler`).
         examples: example inputs of the graph, for the compiler (fake or real tensors).
+        boxed: the compiler's passes take their inputs as one list, which they empty (a
+            compiled region's), rather than as arguments.
 
     Attributes:
         graph_module: the cleaned graph.
         mutated: nodes that still write in place after the clean-up (then nothing is cut: the
             caller runs the graph whole).
+        whole_pass: the pass that computes every live slot, when the caller built it (else
+            built from the graph when first asked for, :meth:`whole`).
+        failed: the cuts the compiler could not build, with why.
     """
 
     def __init__(
@@ -125,7 +130,13 @@ class SplitProgram:
         recompute: Recompute,
         compiler: Compiler,
         examples: Sequence[object] = (),
+        boxed: bool = False,
     ) -> None:
+        self.boxed = boxed
+        self.whole_pass: Pass | None = None
+        self.failed: dict[frozenset[int], str] = {}
+        # per (slots needed, slots that require grad): those the pass computes, those it leaves
+        self.patterns: dict[tuple[frozenset[int], ...], tuple[frozenset[int], frozenset[int]]] = {}
         self.graph_module, self.mutated = clean(gm)
         self.live = frozenset(live)
         self.recompute: Recompute = recompute
@@ -147,6 +158,25 @@ class SplitProgram:
             with self._lock:
                 found = self._cuts.get(weight) or self._cuts.setdefault(weight, self._cut(weight))
         return found
+
+    def cut_or_none(self, weight: frozenset[int]) -> ProgramCut | None:
+        """:meth:`cut`, or None where the compiler could not build it (remembered, with why, in
+        :attr:`failed`: that pattern then runs the whole program)."""
+        found = self._cuts.get(weight)
+        if found is not None:
+            return found
+        if weight in self.failed:
+            return None
+        try:
+            return self.cut(weight)
+        except Exception as e:  # a backend that cannot compile this cut
+            self.failed[weight] = f"{type(e).__name__}: {e}"
+            return None
+
+    def whole(self) -> Pass:
+        """The pass that computes every live slot (:attr:`whole_pass` when the caller gave one:
+        a compiled region's own full backward)."""
+        return self.whole_pass if self.whole_pass is not None else self.full(self.live)
 
     def full(self, slots: frozenset[int]) -> Pass:
         """The full pass for ``slots``: computes them, keeps nothing (random ops all drawn)."""
@@ -185,7 +215,7 @@ class SplitProgram:
         weight_slots = tuple(sorted(weight))
         input_outs = self._nodes(input_slots)
         weight_outs = self._nodes(weight_slots)
-        c = cut(
+        c = partition(
             self.graph_module.graph,
             [*(n for n in input_outs if isinstance(n, fx.Node)), *self.random],
             [n for n in weight_outs if isinstance(n, fx.Node)],

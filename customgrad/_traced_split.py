@@ -3,9 +3,9 @@
 A :class:`TracedSplit` is the aten graph of one capture (:mod:`customgrad._capture`) as a
 :class:`customgrad._split_program.SplitProgram` whose gradient slots are the backward's
 gradients by argument name. It is shared by every node of the op whose call selects that
-capture; a node's own state (what its input pass kept for its weight pass) travels through
-:meth:`TracedSplit.run`'s ``handoff`` (a :class:`customgrad._handoff.Kept`, kept on the node's
-record by the generated runner). Each pass is a generated :class:`torch.fx.GraphModule`
+capture, and holds nothing of any node: which pass runs, and what it keeps for the node's
+later pass, is the runtime's (:func:`customgrad._runtime.run_program`, on the node's holder).
+Each pass is a generated :class:`torch.fx.GraphModule`
 (straight-line Python calling aten ops, through torch's C++-parsed bindings where they run
 exactly the node's op), so a call costs about what a hand-written pair costs.
 """
@@ -20,10 +20,11 @@ import optree
 import torch
 import torch.fx as fx
 
-from customgrad._handoff import Kept
+from customgrad._handoff import Holder
 from customgrad._rules import Gradient, OpSpec
+from customgrad._runtime import run_program
 from customgrad._saving import SAVED
-from customgrad._split_program import Pass, ProgramCut, SplitProgram
+from customgrad._split_program import SplitProgram
 from customgrad._torch.dispatcher import OpOverload, TorchDispatchMode, aten_callables
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.fake import detect_fake_mode
@@ -56,20 +57,17 @@ def flatten(saved: object, grads: tuple[object, ...]) -> tuple[list[object], Str
     return [*saved_leaves, *grad_leaves], (len(saved_leaves), saved_spec, grads_spec)
 
 
-class _Run:
-    """One pass as a node runs it: the pass's function and, per gradient it computes, where it
-    sits in the outputs (a position, None, or a list of those for a list argument)."""
+class _Positions:
+    """Where each gradient a pass computes sits among its outputs: per gradient name, a
+    position, None, or a list of those for a list argument (for one pass and needed set)."""
 
-    __slots__ = ("at", "cut", "fn", "n_out")
+    __slots__ = ("at",)
 
-    def __init__(self, p: Pass, layout: Layout, needed: frozenset[str]) -> None:
-        self.fn = p.fn
-        self.n_out = len(p.slots)
-        self.cut: ProgramCut | None = None
-        pos: dict[int | None, int | None] = {slot: k for k, slot in enumerate(p.slots)}
+    def __init__(self, slots: Sequence[int], layout: Layout, needed: frozenset[str]) -> None:
+        pos: dict[int | None, int | None] = {slot: k for k, slot in enumerate(slots)}
         pos[None] = None
         self.at: tuple[tuple[str, Any], ...] = tuple(
-            (name, [pos[i] for i in slot] if isinstance(slot, list) else pos[slot])
+            (name, [pos.get(i) for i in slot] if isinstance(slot, list) else pos.get(slot))
             for name, slot in layout
             if name in needed
         )
@@ -126,85 +124,46 @@ class TracedSplit:
                 vals = [None if i is None else outputs[i].meta.get("val") for i in slots]
                 if all(v is None or isinstance(v, _Tensor) for v in vals):
                     self._fakes[name] = vals[0] if isinstance(slot, int) else vals
-        self._runs: dict[tuple[Any, ...], _Run] = {}
+        self._requires = self._slots(requires)
+        self._slots_of: dict[frozenset[str], frozenset[int]] = {}
+        self._positions: dict[tuple[Any, ...], _Positions] = {}
 
     def run(
         self,
+        holder: Holder,
         saved: object,
         grads: tuple[object, ...],
         needed: frozenset[str],
-        handoff: Kept | None,
         keep: bool,
-    ) -> tuple[Gradients, Kept | None]:
-        """Compute the gradients ``needed``: ``(gradients by name, what to keep for later)``.
-
-        ``handoff`` is what this node's input pass kept (or None); ``keep``: a later pass of
-        this node will compute the remaining gradients, so keep what it shares with this one.
-        """
+    ) -> Gradients:
+        """The gradients ``needed`` for the node whose hand-offs ``holder`` holds, by the
+        runtime's pass decision (:func:`customgrad._runtime.run_program`): ``keep``, a later
+        pass of the node can come to compute the rest, from what this one keeps."""
         if torch.is_grad_enabled():
             # Outside the engine (a create_graph backward calls the function as written): a
             # deferred weight pass, whose gradients go to .grad. Build no graph for them.
             with torch.no_grad():
-                return self.run(saved, grads, needed, handoff, keep)
+                return self.run(holder, saved, grads, needed, keep)
         leaves: Sequence[object] = (
             cast(tuple[object, ...], saved) + grads if self._flat else flatten(saved, grads)[0]
         )
-        args = leaves if self._all_tensors else [leaves[i] for i in self._tensor_idx]
-        kept: Kept | None = None
-        run = None if handoff is None else self._weight_run(handoff.cut, needed)
-        if run is not None:
-            result = run.result(run.fn(*args, *handoff.values))  # type: ignore[union-attr]
-        elif keep:
-            run = self._input_run(needed)
-            outs = run.fn(*args)
-            result = run.result(outs)
-            if len(outs) > run.n_out:
-                assert run.cut is not None
-                kept = Kept(run.cut, tuple(outs[run.n_out :]))
-        else:
-            run = self._runs.get(("full", needed)) or self._full_run(needed)
-            result = run.result(run.fn(*args))
+        args = list(leaves) if self._all_tensors else [leaves[i] for i in self._tensor_idx]
+        slots = self._slots_of.get(needed)
+        if slots is None:
+            slots = self._slots_of[needed] = self._slots(needed)
+        ran = run_program(holder, self.program, grads, args, slots, self._requires, keep)
+        key = (None if ran.p is None else ran.p.slots, needed)
+        at = self._positions.get(key)
+        if at is None:
+            at = self._positions[key] = _Positions(key[0] or (), self._layout, needed)
+        result = at.result(ran.outputs)
         if self._fakes:
             # The gradients no pass computes (of arguments that don't require grad), as the
             # capture's fake tensors: customgrad's validation sees every gradient the backward
             # returns, on every call, as it does for a backward called as written.
             for name, value in self._fakes.items():
                 result.setdefault(name, value)
-        return result, kept
-
-    # -- the runs of the program's passes, per pattern -------------------------------------------
-    def _weight_run(self, cut: ProgramCut, needed: frozenset[str]) -> _Run | None:
-        """The run of ``cut``'s weight pass for ``needed``, or None where it does not serve."""
-        if cut.program is not self.program:
-            return None  # kept by another capture's cut
-        key = (cut.weight, needed)
-        run = self._runs.get(key)
-        if run is None:
-            slots = self._slots(needed)
-            if not slots <= cut.weight:
-                return None
-            run = self._remember(key, self.program.weight_pass(cut, slots), needed)
-        return run
-
-    def _input_run(self, needed: frozenset[str]) -> _Run:
-        key = ("input", needed)
-        run = self._runs.get(key)
-        if run is None:
-            cut = self.program.cut(self._slots(self.requires - needed))
-            run = self._remember(key, cut.input_pass, needed)
-            run.cut = cut
-        return run
-
-    def _full_run(self, needed: frozenset[str]) -> _Run:
-        key = ("full", needed)
-        run = self._runs.get(key)
-        if run is None:
-            run = self._remember(key, self.program.full(self._slots(needed)), needed)
-        return run
-
-    def _remember(self, key: tuple[Any, ...], p: Pass, needed: frozenset[str]) -> _Run:
-        run = self._runs[key] = _Run(p, self._layout, needed)
-        return run
+        return result
 
     def _slots(self, names: frozenset[str]) -> frozenset[int]:
         """The program's slots of the gradients of ``names``."""

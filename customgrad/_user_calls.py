@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn, TypeAlias
+from typing import Any, NoReturn, TypeAlias
 
 import optree
 import torch
@@ -16,13 +16,10 @@ from customgrad._errors import (
     MutationError,
     where,
 )
-from customgrad._rules import Half, OpSpec
+from customgrad._rules import BackwardContext, Half, OpSpec
 from customgrad._saving import SAVED
 from customgrad._triton import raise_if_raw_launch
 from customgrad._validate import HALF_NAMES
-
-if TYPE_CHECKING:
-    from customgrad._pass import BackwardContext
 
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter

@@ -28,13 +28,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import html
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
-from torch.autograd.graph import GradientEdge, Node
+from torch.autograd.graph import Node
 from torch.utils.hooks import RemovableHandle
 
 from customgrad import _render
@@ -44,12 +44,9 @@ from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
 from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
-from customgrad._split_plan import children, grad_node
+from customgrad._split_plan import children, grad_node, stage_split
 from customgrad._split_run import PASSES, SplitRun, differences
 from customgrad._torch.functions import custom_op_of, forward_cls
-
-if TYPE_CHECKING:
-    from customgrad.pipelining._streams import WeightWork
 
 __all__ = ["ModuleInfo", "NodeInfo", "NodeKind", "SplitExplanation", "explain_split"]
 
@@ -504,12 +501,12 @@ def explain_split(
                 [o.clone() for o in outs], [g.clone() for g in gouts], inputs, iter(weights)
             ),
         )
-        handed_over = _deferred_nodes(param_groups)
-        # The weight halves I deferred run outside any node in W: count them to their node.
-        _count_deferred_to_nodes(param_groups, index, measured.counter("weight"))
-        _count_direct_calls_to_nodes(param_groups, index, measured.counter("weight"), ran["weight"])
-        once_ids = _ran_once(param_groups)
-        split_ids = _split_functions(param_groups)
+        split = stage_split(param_groups)  # customgrad's split (None: torch's)
+        handed_over = set() if split is None else split.deferred_nodes()
+        once_ids = set() if split is None else split.once_functions()
+        split_ids = set() if split is None else split.split_functions()
+        if split is not None:  # what W runs outside the engine counts to its node
+            split.watch(_counting_to(index, measured.counter("weight"), ran["weight"]))
         measured.run("weight", lambda: backward_weight(iter(weights), param_groups))
         split_grads = {id(t): t.grad for t in weights if isinstance(t, torch.Tensor)}
         split_grads.update({id(t): g for t, g in zip(inputs, dinputs)})
@@ -706,60 +703,12 @@ def _depths(n: int, roots: list[int], edges: list[tuple[int, int]]) -> list[int]
     return depth
 
 
-class _CountedWork:
-    """A deferred weight half whose FLOPs count to its node's row (``key``) while it runs."""
-
-    __slots__ = ("_counter", "_key", "_work")
-
-    def __init__(self, work: WeightWork, counter: FlopCounter, key: int) -> None:
-        self._work = work
-        self._counter = counter
-        self._key = key
-
-    @property
-    def device(self) -> torch.device:
-        return self._work.device
-
-    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        before = self._counter.key
-        self._counter.key = self._key
-        try:
-            return self._work.gradients()
-        finally:
-            self._counter.key = before
-
-    def __call__(self) -> None:
-        roots, values = self.gradients()
-        if roots:
-            torch.autograd.backward(roots, grad_tensors=values)
-
-
-def _count_deferred_to_nodes(
-    param_groups: object, index: Mapping[Node, int], counter: FlopCounter
-) -> None:
-    """Make the weight halves customgrad's I deferred count their FLOPs to their nodes when W
-    runs them (nothing to do for torch's split, which defers none)."""
-    try:
-        from customgrad.pipelining._split_state import deferred_work
-    except ImportError:  # pragma: no cover - torch without pipelining
-        return
-    works = deferred_work(param_groups)
-    key_of = {id(record_of(node)): i for node, i in index.items() if record_of(node) is not None}
-    for record, work in works.items():
-        key = key_of.get(id(record))
-        if key is not None:
-            works[record] = _CountedWork(work, counter, key)
-
-
-def _count_direct_calls_to_nodes(
-    param_groups: object, index: Mapping[Node, int], counter: FlopCounter, ran: set[int]
-) -> None:
-    """Make the nodes customgrad's W calls itself (for their weight side only, outside the
-    engine: their hooks do not fire) count as running in W, with their FLOPs."""
-    try:
-        from customgrad.pipelining._split_state import watch_direct_calls
-    except ImportError:  # pragma: no cover - torch without pipelining
-        return
+def _counting_to(
+    index: Mapping[Node, int], counter: FlopCounter, ran: set[int]
+) -> Callable[[Node], contextlib.AbstractContextManager[None]]:
+    """What counts the work W runs outside the engine (deferred weight halves, split Functions'
+    weight passes, nodes it asks for their weight side: no hook of theirs fires) to its node,
+    as running in W, with its FLOPs."""
 
     @contextlib.contextmanager
     def watch(node: Node) -> Iterator[None]:
@@ -773,16 +722,7 @@ def _count_direct_calls_to_nodes(
         finally:
             counter.key = before
 
-    watch_direct_calls(param_groups, watch)
-
-
-def _deferred_nodes(param_groups: object) -> set[Node]:
-    """The nodes whose weight half customgrad's split handed to W (none for torch's split)."""
-    try:
-        from customgrad.pipelining._split_state import deferred_nodes
-    except ImportError:  # pragma: no cover - torch without pipelining
-        return set()
-    return deferred_nodes(param_groups)
+    return watch
 
 
 # --- plain autograd.Functions: how each ran, and whether the split's gradients are right -----
@@ -861,21 +801,3 @@ def _functions_section(report: SplitExplanation) -> str:
             f"relative to the gradient): {shown}."
         )
     return "".join(f"\n{line}" for line in lines)
-
-
-def _split_functions(param_groups: object) -> set[int]:
-    """The ids of the plain Function nodes customgrad's split split (none for torch's)."""
-    try:
-        from customgrad.pipelining._split_state import split_functions_of
-    except ImportError:  # pragma: no cover - torch without pipelining
-        return set()
-    return split_functions_of(param_groups)
-
-
-def _ran_once(param_groups: object) -> set[int]:
-    """The ids of the plain Function nodes customgrad's split ran once (none for torch's)."""
-    try:
-        from customgrad.pipelining._split_state import ran_once
-    except ImportError:  # pragma: no cover - torch without pipelining
-        return set()
-    return ran_once(param_groups)

@@ -55,7 +55,7 @@ from customgrad._errors import (
 )
 from customgrad._from_function import DeferredFunctionOp, FunctionPatch
 from customgrad._op import CustomOp, autograd_impl
-from customgrad._pass import BackwardContext
+from customgrad._rules import BackwardContext
 from customgrad._split_run import SplitRun, differences
 from customgrad._torch.dispatcher import OpOverload
 from customgrad._torch.errors import wrapped_error

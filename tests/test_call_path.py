@@ -259,19 +259,19 @@ def test_autograd_grad_finds_captured_leaves_without_asking_the_engine(
 ) -> None:
     """``autograd.grad`` captures its inputs; the engine's query raises (slowly) for a captured
     leaf, so the node reads the inputs from the caller instead and asks only about the rest
-    (``customgrad._autograd._node_apply``'s edge loop). A ``.backward()`` without ``inputs=``
-    runs every node: nothing is asked."""
-    from customgrad import _autograd
+    (``customgrad._runtime.needed_edges``). A ``.backward()`` without ``inputs=`` runs every
+    node: nothing is asked."""
+    from customgrad import _runtime
 
     op = _define("TT", (1,), "pair", "none")
     asked: list[object] = []
-    will = _autograd._edge_query
+    will = _runtime._edge_query
 
     def counting(fn: object) -> bool:
         asked.append(fn)
         return bool(will(fn))
 
-    monkeypatch.setattr(_autograd, "_edge_query", counting)
+    monkeypatch.setattr(_runtime, "_edge_query", counting)
     x, w = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
     out = op(x, w)
     (gw,) = torch.autograd.grad(out.sum(), [w], retain_graph=True)
@@ -492,3 +492,17 @@ def test_an_argument_of_the_wrong_kind_is_refused_naming_it(
         cg.ArgumentTypeError, match=re.escape(f"argument {arg!r} must be {want}, but got {got}")
     ):
         lin(*call)
+
+
+def test_an_edge_to_no_node_is_not_needed_and_not_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (an input that requires no grad: the engine's query would raise for it, slowly)
+    from customgrad import _runtime
+
+    class Edges:
+        next_functions = ((None, 0), (object(), 0))
+
+    asked: list[object] = []
+    monkeypatch.setattr(_runtime, "_edge_query", lambda fn: asked.append(fn) or True)
+    assert list(_runtime.needed_edges(Edges(), None, None) or ()) == [False, True]
+    assert asked == [Edges.next_functions[1][0]]
+    assert list(_runtime.needed_edges(Edges(), (None, False), None) or ()) == [False, False]

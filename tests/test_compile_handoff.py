@@ -449,3 +449,30 @@ def test_compiled_autograd_is_said_to_run_the_backward_whole(
     assert region.reason.startswith("compiled autograd runs its backward graph itself")
     lines = [r for r in caplog.records if "compiled autograd runs" in r.getMessage()]
     assert len(lines) == 1
+
+
+class Detached(nn.Module):
+    """A block with a parameter that requires grad but gets no gradient (only its detached
+    value is read): an input of the region whose slot no pass computes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * self.scale.detach()
+
+
+def test_a_full_backward_runs_the_full_graph_though_an_input_gets_no_gradient() -> None:
+    # What a pass leaves for later is what it does not compute among the slots a pass can
+    # compute: an input that never gets a gradient leaves nothing, so a full backward is full.
+    _, m = compiled(Detached())
+    (region,) = [r for r in regions() if r.name.startswith("Detached")]
+    before = dict(region.runs)
+    m(x_(seed=3)).sum().backward()
+    assert {k: n - before[k] for k, n in region.runs.items()} == {
+        "full": 1,
+        "input": 0,
+        "weight": 0,
+    }

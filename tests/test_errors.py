@@ -2659,3 +2659,47 @@ def test_grouped_mm_fake_kernel_checks_the_arguments_under_compile() -> None:
     )
     with pytest.raises(Exception, match=re.escape(message)):
         fn(torch.randn(12, 16), torch.randn(2, 16, 8), offs)
+
+
+def test_a_saved_tensor_written_between_the_passes_is_pinned() -> None:
+    from customgrad.pipelining import stage_backward_input, stage_backward_weight
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    h = torch.tanh(x)
+    _, groups = stage_backward_input([op(h, w, b).sum()], None, [x], [w, b])
+    with torch.no_grad():
+        h.mul_(2)
+    msg = (
+        f"{op.name}: saved tensor 0 (argument 'x'), which the weight pass (W) reads, was "
+        "modified by an inplace operation after the input pass (I) used it: it is at version 1; "
+        "expected version 0 instead. W would compute gradients from the changed value (torch's "
+        'autograd refuses a plain backward the same way: "one of the variables needed for '
+        'gradient computation has been modified by an inplace operation"). Between the input '
+        "and the weight pass (stage_backward_input and stage_backward_weight, a "
+        "WeightGradQueue's backward and run), do not write in place into the tensors a backward "
+        "saved or its output gradients: write out of place (h = h * 2, not h.mul_(2)), or clone "
+        "the tensor and change the clone. (saved by save_for_backward at "
+        f"{where(op.rules.save)})"
+    )
+    with pytest.raises(cg.ModifiedBetweenPassesError, match=re.escape(msg)) as e:
+        stage_backward_weight([w, b], groups)
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, cg.MutationError)
+
+
+def test_modified_between_passes_advice_applied_write_out_of_place() -> None:
+    # "write out of place (h = h * 2, not h.mul_(2))": W then gives the gradient of the h I saw
+    from customgrad.pipelining import stage_backward_input, stage_backward_weight
+
+    op = linear_op(backward_input=good_input, backward_weight=good_weight)
+    x = torch.randn(2, 3, requires_grad=True)
+    w = torch.randn(4, 3, requires_grad=True)
+    b = torch.randn(4, requires_grad=True)
+    h = torch.tanh(x)
+    _, groups = stage_backward_input([op(h, w, b).sum()], None, [x], [w, b])
+    want = torch.autograd.grad((h @ w.mT + b).sum(), w)[0]
+    h = h * 2
+    stage_backward_weight([w, b], groups)
+    torch.testing.assert_close(w.grad, want)

@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 import customgrad.pipelining as cgp
+from customgrad._split_plan import stage_split
 from customgrad._torch import dynamo
 from customgrad.pipelining import (
     _backward,
@@ -372,3 +373,35 @@ def test_pipeline_stage_splits_functions_unless_told_not_to(group: None, split: 
     assert re.search(
         re.escape(heading) + r"[^\n]*:\n(  .*\n)*" + re.escape(f"  {name}"), str(report)
     )
+
+
+class FourWeights(torch.autograd.Function):
+    """``x*a + x²*b + x³*c + sin(x)*d``: four weights of one shape, whose gradients differ only
+    in value (one sent along another's edge would be a silently wrong gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, a: Tensor, b: Tensor, c: Tensor, d: Tensor) -> Tensor:
+        ctx.save_for_backward(x, a, b, c, d)
+        return x * a + x * x * b + x**3 * c + torch.sin(x) * d
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, ...]:
+        x, a, b, c, d = ctx.saved_tensors
+        dx = g * (a + 2 * x * b + 3 * x * x * c + torch.cos(x) * d)
+        return dx, (g * x).sum(0), (g * x * x).sum(0), (g * x**3).sum(0), (g * torch.sin(x)).sum(0)
+
+
+@CAPTURE
+def test_same_shaped_weights_get_their_own_gradients_along_their_own_edges() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, dtype=DT, requires_grad=True)
+    ws = [torch.randn(5, dtype=DT, requires_grad=True) for _ in range(4)]
+    out = FourWeights.apply(torch.tanh(x), *ws)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], ws)
+    split = stage_split(groups)
+    assert split is not None and split.split_functions()  # it split: W runs its weight pass
+    stage_backward_weight(ws, groups)
+    h = torch.tanh(x).detach()
+    want = [h.sum(0), (h * h).sum(0), (h**3).sum(0), torch.sin(h).sum(0)]
+    for w, g in zip(ws, want):
+        torch.testing.assert_close(w.grad, g)

@@ -288,3 +288,56 @@ def test_two_losses_in_torch_s_order_each_find_their_hand_off(style: str) -> Non
         while h is not None:
             pending, h = pending + 1, h.next
         assert pending == n  # each W took its own
+
+
+def _two_weights() -> cg.CustomOp[..., torch.Tensor]:
+    """``(x @ u.mT + 3x @ v.mT) * 2``, one backward, its ``2 * g`` shared by every gradient
+    (kept by I for W)."""
+
+    @cg.op(f"test_handoff{next(_ids)}::two", weights=("u", "v"))
+    def two(x: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return (x @ u.mT + (x * 3) @ v.mT) * 2
+
+    two.register_fake(lambda x, u, v: x.new_empty(x.shape[0], u.shape[0]))
+    two.register_save_for_backward(lambda i, o: (i.x, i.u, i.v))
+
+    @two.register_backward
+    def _(ctx: cg.BackwardContext, s: Any, g: torch.Tensor) -> dict[str, Any]:
+        x, u, v = s
+        h = g * 2
+        return {"x": h @ u + (h @ v) * 3, "u": h.mT @ x, "v": h.mT @ (x * 3)}
+
+    return two
+
+
+@CAPTURE
+def test_a_pass_needing_what_its_input_pass_computed_again_leaves_the_hand_off_for_w() -> None:
+    # Only a pass that needs what the cut's weight pass computes reads the kept values: a
+    # second input pass (the same gradients) computes for itself, and W still finds them.
+    op = _two_weights()
+    x, u, v = (torch.randn(6, 4, dtype=DT, requires_grad=True) for _ in range(3))
+    out = op(x, u, v)
+    g = torch.randn(6, 6, dtype=DT)
+    torch.autograd.grad(out, [x], g, retain_graph=True)  # I: keeps 2g
+    (gx,) = torch.autograd.grad(out, [x], g, retain_graph=True)  # I again
+    record = record_of(out.grad_fn)
+    assert record is not None and record.handoff is not None  # still there for W
+    with FlopCounterMode(display=False) as flops:
+        gu, gv = torch.autograd.grad(out, [u, v], g)  # W
+    assert flops.get_total_flops() == 2 * (2 * 6 * 6 * 4)  # dU and dV only: 2g was kept
+    torch.testing.assert_close(gx, (2 * g) @ (u + 3 * v).detach())
+    torch.testing.assert_close(gu, (2 * g).mT @ x.detach())
+    torch.testing.assert_close(gv, (2 * g).mT @ (3 * x).detach())
+
+
+@CAPTURE
+def test_a_weight_pass_computes_only_the_weights_it_needs() -> None:
+    op = _two_weights()
+    x, u, v = (torch.randn(6, 4, dtype=DT, requires_grad=True) for _ in range(3))
+    out = op(x, u, v)
+    g = torch.randn(6, 6, dtype=DT)
+    torch.autograd.grad(out, [x], g, retain_graph=True)  # I: keeps 2g for dU and dV
+    with FlopCounterMode(display=False) as flops:
+        (gu,) = torch.autograd.grad(out, [u], g)  # W for u alone
+    assert flops.get_total_flops() == 2 * 6 * 6 * 4  # dU's matmul, not dV's
+    torch.testing.assert_close(gu, (2 * g).mT @ x.detach())

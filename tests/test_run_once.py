@@ -461,7 +461,8 @@ def _tensors(value: Any) -> list[Tensor]:
 def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     # customgrad's split: a plain Function's weight-side gradients go from I to W (with the
     # edges they go along); W takes them, and nothing of the node outlives I.
-    from customgrad.pipelining._split_state import STATE_KEY
+    from customgrad._split_plan import STATE_KEY
+    from customgrad.pipelining._function_split import FunctionOnce
 
     x = torch.randn(4, 3, dtype=DT, requires_grad=True)
     w = torch.randn(3, dtype=DT, requires_grad=True)
@@ -472,9 +473,9 @@ def test_a_plain_function_s_hand_off_is_taken_in_w_and_freed() -> None:
     CALLS.clear()
     _, groups = stage_backward_input([out], [g.clone()], [x], [w])
     state = groups[0][STATE_KEY]
-    (handed,) = [h for hs in state.once.values() for h in hs]
-    assert isinstance(handed, list)  # the weight-side gradients it returned, with their edges
-    dw = weakref.ref(handed[0][1])
+    (handed,) = [h for hs in state.work.values() for h in hs if isinstance(h, FunctionOnce)]
+    assert isinstance(handed, FunctionOnce)  # the weight-side gradients it returned, with edges
+    dw = weakref.ref(handed.kept[0][1])
     del handed, out
     assert node() is None  # W needs only the gradients, not the node
     stage_backward_weight([w], groups)
@@ -508,3 +509,35 @@ def test_a_refused_backward_keeps_no_step_alive() -> None:
         assert sum(r() is not None for r in alive) == 0  # flat: nothing of any step is kept
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("kind", [pytest.param("traced", marks=CAPTURE), "shared"])
+def test_a_list_output_s_gradient_written_to_between_the_passes_is_another_pass(
+    kind: str,
+) -> None:
+    # Each output gradient of a list output is matched by identity and version: written in
+    # place between the passes, it makes W another pass (which computes from its own), never
+    # one that reads what I kept from the old values (a stale dW).
+    @cg.op(unique("two"), weights=("weight",))
+    def two(x: Tensor, weight: Tensor) -> list[Tensor]:
+        y = x @ weight.mT
+        return [y, y * 2]
+
+    two.register_fake(lambda x, weight: [x.new_empty(x.shape[0], weight.shape[0])] * 2)
+    two.register_save_for_backward(lambda i, o: (i.x, i.weight))
+    if kind == "traced":  # h is shared by both gradients: computed in I, kept for W
+        two.register_backward(
+            lambda ctx, s, g: {"x": (g[0] + 2 * g[1]) @ s[1], "weight": (g[0] + 2 * g[1]).mT @ s[0]}
+        )
+    else:
+        two.register_backward_shared(lambda ctx, s, g: g[0] + 2 * g[1])
+        two.register_backward_input(lambda ctx, s, g: {"x": ctx.shared @ s[1]})
+        two.register_backward_weight(lambda ctx, s, g: {"weight": ctx.shared.mT @ s[0]})
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(5, 3, dtype=DT, requires_grad=True)
+    ys = two(x, w)
+    gs = [torch.randn(4, 5, dtype=DT), torch.randn(4, 5, dtype=DT)]
+    torch.autograd.grad(ys, [x], gs, retain_graph=True)  # I: keeps h
+    gs[1].mul_(3)  # one output's gradient, written to: another pass's gradients
+    (gw,) = torch.autograd.grad(ys, [w], gs)
+    torch.testing.assert_close(gw, (gs[0] + 2 * gs[1]).mT @ x.detach())

@@ -589,3 +589,27 @@ def test_drop_in_errors_are_runtime_errors_too() -> None:
     with pytest.raises(cg.ArgumentTypeError) as raised_type:
         stage_backward_input(out.sum(), None, [x], model.parameters())  # type: ignore[arg-type]
     assert isinstance(raised_type.value, RuntimeError)
+
+
+@cg.op("split_bw::gap", weights=("u", "v"))
+def gap(x: Tensor, b: Tensor | None, u: Tensor, v: Tensor) -> Tensor:
+    return x * u + x * x * v + (0 if b is None else b)
+
+
+gap.register_fake(lambda x, b, u, v: torch.empty_like(x))
+gap.register_save_for_backward(lambda i, o: (i.x, i.u, i.v))
+gap.register_backward_input(lambda ctx, s, g: {"x": g * (s[1] + 2 * s[0] * s[2])})
+gap.register_backward_weight(lambda ctx, s, g: {"u": g * s[0], "v": g * s[0] * s[0]})
+
+
+def test_a_deferred_weight_half_sends_each_gradient_along_its_own_edge() -> None:
+    # A None argument before the weights has no edge: the node's edges are x, u, v, and W sends
+    # each weight's gradient along the edge of its argument, not of its position among them.
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    u, v = (torch.randn(5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    h = torch.tanh(x)
+    out = gap(h, None, u, v)
+    _, groups = stage_backward_input([out], [torch.ones_like(out)], [x], [u, v])
+    stage_backward_weight([u, v], groups)
+    torch.testing.assert_close(u.grad, h.detach())
+    torch.testing.assert_close(v.grad, h.detach() ** 2)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import _backward as torch_backward
 
-from customgrad import _autograd
+from customgrad import _runtime
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import _weight_pass, stage_backward_input, stage_backward_weight
 from tests._skips import CAPTURE, TORCH_SPLIT, TORCH_SPLIT_RUNS_FUNCTIONS
@@ -173,7 +173,7 @@ def test_customgrad_split_needs_no_engine_query(
     from customgrad._torch import engine
 
     monkeypatch.setattr(engine, "_warned_no_query", True)
-    monkeypatch.setattr(_autograd, "_edge_query", engine._every_edge)
+    monkeypatch.setattr(_runtime, "_edge_query", engine._every_edge)
     flops, full_halves, split_halves = _measure("pair", shared, _customgrad_split)
     assert flops["I"] + flops["W"] == flops["full"]
     assert sum(split_halves.values()) == sum(full_halves.values())

@@ -101,7 +101,7 @@ def bare_any(source: str) -> list[str]:
 # The user's own values, typed by the user: ``ctx.shared`` is what the op's
 # ``register_backward_shared`` returned (as torch's ``ctx.saved_tensors`` holds what the user saved);
 # typed ``object``, every backward would need a cast to read its own value.
-USER_VALUES: dict[str, set[str]] = {"_pass.py": {"BackwardContext.shared"}}
+USER_VALUES: dict[str, set[str]] = {"_rules.py": {"BackwardContext.shared"}}
 
 
 def core_modules() -> list[str]:

@@ -54,11 +54,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._routing import routing
-from customgrad._split_plan import InputPassPlan, grad_node, plan_input_pass, reach
+from customgrad._routing import Routed, WeightWork, routing
+from customgrad._split_plan import STATE_KEY, InputPassPlan, grad_node, plan_input_pass, reach
 from customgrad._torch.functions import forward_cls, keep_graphs, replacing, run_backward
-from customgrad.pipelining._function_split import FunctionSplit, split_input
-from customgrad.pipelining._split_state import STATE_KEY, SplitState, runtime_errors
+from customgrad.pipelining._function_split import FunctionOnce, FunctionSplit, split_input
+from customgrad.pipelining._split_state import Resend, SplitState, runtime_errors
 from customgrad.pipelining._stage_io import (
     pair_outputs,
     run_stage_backward,
@@ -172,73 +172,116 @@ def _stage_backward_input(
     ]
     input_nodes = {n for _, v in inputs if (n := grad_node(v)) is not None}
     state = SplitState()
-    plan = plan_input_pass(
+    plan = state.plan = plan_input_pass(
         [n for n, _ in out_edges],
         input_nodes,
         lambda record: state,
         defer_native=True,
         run_once=run_once,
     )
-    state.plan = plan
-    state.direct = {i: (*out_edges[i], grads[i]) for i in plan.direct}
     if plan.once and not split_functions:
         for n in plan.once:
             _tell(forward_cls(n))
-
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
     targets.extend(GradientEdge(n, 0) for n in plan.targets)
     if targets and outputs:
-        captured = state.captured
+        _run_input_pass(state, outputs, grads, targets, inputs, dinputs, split_functions)
+    direct = {i: Resend([(GradientEdge(*out_edges[i]), g)])
+              for i in plan.direct if (g := grads[i]) is not None}  # fmt: skip
+    _hand_to_weight_pass(state, direct, input_nodes, split_functions)
+    state.keep = keep_graphs(stage_outputs_or_loss)
+    for out in stage_outputs_or_loss:
+        if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
+            out.detach_()
+    return tuple(dinputs), [{STATE_KEY: state}]
 
-        def capture(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
-            def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-                captured[node] = tuple(grad_outputs)
 
-            return hook
+def _run_input_pass(
+    state: SplitState,
+    outputs: Sequence[torch.Tensor | GradientEdge],
+    grads: Sequence[torch.Tensor | None],
+    targets: list[torch.Tensor | GradientEdge],
+    inputs: list[tuple[int, torch.Tensor]],
+    dinputs: list[torch.Tensor | None],
+    split_functions: bool,
+) -> None:
+    """The engine call of I, with the plan's routes, the hooks that record what reached the
+    nodes W runs again and what the Functions that run once returned, and the Functions'
+    split input passes in place of their backward; the inputs' gradients into ``dinputs``
+    (and ``.grad``)."""
+    plan = state.plan
+    captured = state.captured
 
-        handles = [n.register_prehook(capture(n)) for n in [*plan.intermediates, *plan.once]]
-        handles += [n.register_hook(_keep_weight_gradients(state, plan, n)) for n in plan.once]
-        splits = [(n, _split_apply(state, plan, n)) for n in plan.once] if split_functions else []
-        before = [v.grad for _, v in inputs]
-        for _, v in inputs:
-            v.grad = None
-        try:
-            with routing(plan.input_routes), replacing(splits):
-                torch.autograd.backward(
-                    outputs,  # type: ignore[arg-type]
-                    grad_tensors=grads,
-                    inputs=targets,  # type: ignore[arg-type]
-                    # A Function that asks the engine what to compute may need W to ask again.
-                    retain_graph=bool(plan.intermediates or plan.once),
-                )
-        finally:
-            for h in handles:
-                h.remove()
-            for (i, v), old in zip(inputs, before):
-                g = v.grad
-                dinputs[i] = g
-                if g is None:
-                    v.grad = old
-                else:
-                    v.grad = g.clone() if old is None else old + g
-    # The Function nodes that ran once: their hand-offs go by W's call, so that nothing keeps
-    # the nodes (and, through their edges, the activation side below them) alive until W.
+    def capture(node: Node) -> Callable[[tuple[torch.Tensor | None, ...]], None]:
+        def hook(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            captured[node] = tuple(grad_outputs)
+
+        return hook
+
+    handles = [n.register_prehook(capture(n)) for n in [*plan.intermediates, *plan.once]]
+    handles += [n.register_hook(_keep_weight_gradients(state, plan, n)) for n in plan.once]
+    splits = [(n, _split_apply(state, plan, n)) for n in plan.once] if split_functions else []
+    before = [v.grad for _, v in inputs]
+    for _, v in inputs:
+        v.grad = None
+    try:
+        with routing(plan.input_routes), replacing(splits):
+            torch.autograd.backward(
+                outputs,  # type: ignore[arg-type]
+                grad_tensors=grads,
+                inputs=targets,  # type: ignore[arg-type]
+                # A Function that asks the engine what to compute may need W to ask again.
+                retain_graph=bool(plan.intermediates or plan.once),
+            )
+    finally:
+        for h in handles:
+            h.remove()
+        for (i, v), old in zip(inputs, before):
+            g = v.grad
+            dinputs[i] = g
+            if g is None:
+                v.grad = old
+            else:
+                v.grad = g.clone() if old is None else old + g
+
+
+def _hand_to_weight_pass(
+    state: SplitState, direct: dict[int, Resend], input_nodes: set[Node], split_functions: bool
+) -> None:
+    """Sort what I left into W's engine calls (the pieces of weight work of each, and the
+    Function nodes each runs again), and drop the plan's references to nodes W does not run,
+    which would keep their saved tensors (and the graph below them) alive until W."""
+    plan = state.plan
     ran = state.ran
     split = {n for n, h in ran.items() if isinstance(h, FunctionSplit)}
     state.once_ids = frozenset(id(n) for n, h in ran.items() if h is not None and n not in split)
     state.split_ids = frozenset(id(n) for n in split)
-    state.split = {}
+    state.splitting = {}
     if split_functions:  # the classes that did not split (those that did say nothing)
         for n in plan.once:
             if n not in split:
                 _tell(forward_cls(n))
     del split
+    deferred: dict[int, list[WeightWork]] = {0: [*state.deferred.values()]}
+    if len(plan.weight_calls) > 1:  # each to its call, in the order I handed them over
+        call_of: dict[Routed, int] = {
+            r: c for c, call in enumerate(plan.weight_calls) for r in call.deferred
+        }
+        deferred = {}
+        for record, half in state.deferred.items():
+            deferred.setdefault(call_of.get(record, 0), []).append(half)
+    state.deferred = {}
     for c, call in enumerate(plan.weight_calls):
-        handed = [ho for n in call.once if (ho := ran.get(n)) is not None]
         again = [n for n in call.once if n in ran and ran[n] is None]
-        if handed:
-            state.once[c] = handed
+        work: list[WeightWork] = []  # (in the order W sends them, as the engine's roots)
+        for n in call.intermediates:
+            work.append(Resend.of(n, state.captured.pop(n, ())))
+        work += [direct.pop(i) for i in call.direct if i in direct]
+        work += [w for n in call.once if (w := ran.get(n)) is not None]
+        work += deferred.pop(c, ())
+        if work:
+            state.work[c] = work
         if again:
             # Each group of them runs in an engine call of its own, where nothing else runs.
             state.asked_once[c] = [
@@ -254,22 +297,15 @@ def _stage_backward_input(
         call.once = []
     state.ran = {}
     plan.once = []
-    # Drop the output side of the graph (views cannot be detached in place; their graph goes
-    # when the caller drops them), and the plan's references to nodes W does not run, which
-    # would keep their saved tensors alive until W.
+    # The output side of the graph goes (views cannot be detached in place; their graph goes
+    # when the caller drops them); W reads only which nodes were deferred: their targets (this
+    # state) would make a cycle (state -> plan -> state) that keeps the nodes and their saved
+    # tensors alive past an aborted step until the cyclic GC runs.
     plan.executed = set()
     plan.input_routes = {}
-    # W reads only which nodes were deferred: their targets (this state) would make a cycle
-    # (state -> plan -> state) that keeps the nodes and their saved tensors alive past an
-    # aborted step until the cyclic GC runs.
     plan.deferred = dict.fromkeys(plan.deferred)  # type: ignore[assignment]
     plan.targets = []
     plan.intermediates = []
-    state.keep = keep_graphs(stage_outputs_or_loss)
-    for out in stage_outputs_or_loss:
-        if isinstance(out, torch.Tensor) and out.grad_fn is not None and not out._is_view():
-            out.detach_()
-    return tuple(dinputs), [{STATE_KEY: state}]
 
 
 def _skipped_below(
@@ -315,7 +351,7 @@ def _keep_weight_gradients(
     side = plan.weight_side_edges(node)
 
     def hook(grad_inputs: Grads, grad_outputs: Grads) -> None:
-        work = state.split.pop(node, None)
+        work = state.splitting.pop(node, None)
         if work is not None:  # split: its weight pass runs in W
             state.captured.pop(node, None)
             state.ran[node] = work
@@ -333,7 +369,7 @@ def _keep_weight_gradients(
             state.ran[node] = None
             return
         state.captured.pop(node, None)
-        state.ran[node] = kept
+        state.ran[node] = FunctionOnce(node, kept)
 
     return hook
 
@@ -351,7 +387,7 @@ def _split_apply(
         if found is None:
             return run_backward(node, grads)  # type: ignore[no-any-return]
         out, work = found
-        state.split[node] = work
+        state.splitting[node] = work
         return out
 
     return apply

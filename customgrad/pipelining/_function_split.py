@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -31,14 +31,15 @@ from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _tracing_now, ambient
 from customgrad._capture import Capture, Fallback, capture_backward
+from customgrad._errors import where
 from customgrad._function_ctx import of_node
-from customgrad._handoff import Kept
+from customgrad._handoff import Describe, HandOff, HandOffValue, edge_name, guard
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
-from customgrad._torch.functions import edge_metadata, forward_cls
-from customgrad._traced_split import TRACE_LOCK, TracedSplit
+from customgrad._torch.functions import edge_metadata, forward_cls, setup_context_defined
+from customgrad._traced_split import TRACE_LOCK, Gradients, TracedSplit
 
-__all__ = ["FunctionSplit", "split_input"]
+__all__ = ["FunctionOnce", "FunctionSplit", "split_input"]
 
 log = logging.getLogger("customgrad")
 
@@ -182,10 +183,14 @@ SPLIT: set[type] = set()
 
 
 class FunctionSplit:
-    """What a Function node's input pass left for its weight pass: the weight-side edges, and
-    what the weight pass of its split program takes."""
+    """A Function node's split backward between its passes: what W needs besides the values
+    its input pass kept (the saved tensors, the output gradients and the weight-side edges),
+    and the node's hand-off store, which holds those (:mod:`customgrad._runtime` runs both
+    passes on it: the node is not kept for W)."""
 
-    __slots__ = ("_edges", "_grads", "_kept", "_saved", "_split", "_weights", "node")
+    __slots__ = ("_edges", "_grads", "_guard", "_saved", "_split", "_weights", "handoff",
+                 "label", "node")  # fmt: skip
+    differentiable = None  # every output's gradient is compared (the store's Holder)
 
     def __init__(
         self,
@@ -193,24 +198,36 @@ class FunctionSplit:
         split: TracedSplit,
         saved: tuple[object, ...],
         grads: tuple[torch.Tensor | None, ...],
-        kept: Kept | None,
         edges: list[tuple[str, Node, int]],
     ) -> None:
         self.node = weakref.ref(node)  # for tools that watch W: not kept alive for it
+        self.handoff: HandOff[HandOffValue] | None = None
         self._split = split
         self._saved = saved
         self._grads = grads
-        self._kept = kept
         self._edges = edges
         self._weights = frozenset(name for name, _, _ in edges)
+        cls = forward_cls(node)
+        self.label = function_label(cls)
+        self._guard = guard(grads, saved, describe_saved(cls, node, saved))
+
+    device = torch.device("cpu")  # (never queued: the queue defers customgrad halves only)
+
+    def owner(self) -> Node | None:
+        """The node, while it lives (W runs its weight pass outside the engine)."""
+        return self.node()
+
+    def input_pass(self, needed: frozenset[str]) -> Gradients:
+        """Run the input pass for the gradients ``needed``, keeping what W shares with it."""
+        return self._split.run(self, self._saved, self._grads, needed, True)
 
     def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
         """Run the weight pass (once): the weight-side edges and their gradients."""
-        split, saved, grads, kept = self._split, self._saved, self._grads, self._kept
+        self._guard.check(self.label)
+        split, saved, grads = self._split, self._saved, self._grads
         self._saved = self._grads = ()
-        self._kept = None
-        result, _ = split.run(saved, grads, self._weights, kept, False)
-        del saved, grads, kept
+        result = split.run(self, saved, grads, self._weights, False)  # frees the hand-off
+        del saved, grads
         edges: list[GradientEdge] = []
         values: list[torch.Tensor] = []
         for name, fn, nr in self._edges:
@@ -228,6 +245,78 @@ class FunctionSplit:
             values.append(g)
         self._edges = []
         return edges, values
+
+
+class FunctionOnce:
+    """What a Function node that ran once in I leaves for W: the weight-side gradients its
+    backward returned, with the edges they go along, and the versions of the tensors its
+    backward read (its saved tensors and the tensors on its ctx; weak references: W does not
+    need them), checked when W takes the gradients."""
+
+    __slots__ = ("_guard", "kept", "label")
+
+    def __init__(self, node: Node, kept: list[tuple[GradientEdge, torch.Tensor]]) -> None:
+        self.kept = kept  # the weight-side gradients, with their edges, until W takes them
+        cls = forward_cls(node)
+        self.label = function_label(cls)
+        try:
+            saved = tuple(node.saved_tensors)  # type: ignore[attr-defined]
+        except RuntimeError:  # freed by its backward: W computes nothing from it
+            saved = ()
+        attrs = [(k, v) for k, v in vars(node).items() if isinstance(v, torch.Tensor)]
+        forward = None if cls is None else cls.forward
+        set_at = f"set by {cls.__qualname__ if cls else 'the'}.forward at {where(forward)}"
+        self._guard = guard(
+            (),
+            saved,
+            describe_saved(cls, node, saved),
+            [v for _, v in attrs],
+            lambda k: (f"ctx.{attrs[k][0]}", set_at),
+            weak=True,
+        )
+
+    device = torch.device("cpu")  # (never queued)
+
+    def owner(self) -> Node | None:
+        return None  # it ran in I: W only sends on what it returned
+
+    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
+        """The gradients (once), after the version check."""
+        self._guard.check(self.label)
+        kept, self.kept = self.kept, []
+        return [edge for edge, _ in kept], [g for _, g in kept]
+
+
+def function_label(cls: type | None) -> str:
+    """What errors call a plain Function's node."""
+    return "a plain autograd.Function" if cls is None else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def describe_saved(
+    cls: type[torch.autograd.Function] | None, node: Node, saved: Sequence[object]
+) -> Describe:
+    """What names the saved tensors of ``node`` (a Function's: ``saved``) in errors, worked out
+    now (the node is not kept for W)."""
+    forward = None if cls is None else cls.forward
+    where_saved = f"saved by {cls.__qualname__ if cls else 'the'}.forward at {where(forward)}"
+    try:
+        params = list(inspect.signature(forward).parameters) if forward else []
+    except (TypeError, ValueError):
+        params = []
+    if cls is not None and not setup_context_defined(cls):
+        params = params[1:]  # forward(ctx, ...)
+    positions = _positions(node)
+    edges = node.next_functions
+    names = (
+        [params[p] for p in positions]
+        if positions is not None and all(p < len(params) for p in positions)
+        else [f"input {i}" for i in range(len(edges))]
+    )
+    found = [
+        f"saved tensor {k}{edge_name(t, edges, names)}"
+        for k, t in enumerate(v for v in saved if isinstance(v, torch.Tensor))
+    ]
+    return lambda k: (found[k], where_saved)
 
 
 def _positions(node: Node) -> tuple[int, ...] | None:
@@ -285,7 +374,8 @@ def split_input(
             tell(cls, outcome.why)
         return None
     needed = requires - frozenset(weights)
-    result, kept = outcome.run(saved, grads, needed, None, True)
+    work = FunctionSplit(node, outcome, saved, grads, edges)
+    result = work.input_pass(needed)
     SPLIT.add(cls)
     out = tuple(result.get(n) if n is not None and n in needed else None for n in names)
-    return out, FunctionSplit(node, outcome, saved, grads, kept, edges)
+    return out, work

@@ -342,6 +342,17 @@ class WeightGradQueue:
                 return
             roots.append(node)
         stage_inputs = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad]
+        self._input_pass(outs, grads, roots, stage_inputs)
+
+    def _input_pass(
+        self,
+        outs: list[torch.Tensor | GradientEdge],
+        grads: list[torch.Tensor | None] | None,
+        roots: list[Node],
+        stage_inputs: list[torch.Tensor],
+    ) -> None:
+        """Plan I (the tagged customgrad nodes whose weights nothing else in it reaches defer
+        their weight half here) and run it."""
         stop = {n for v in stage_inputs if (n := grad_node(v)) is not None}
 
         def target_of(record: NodeRecord) -> Tag | None:

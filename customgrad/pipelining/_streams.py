@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 from torch.autograd.graph import GradientEdge
 
+from customgrad._routing import WeightWork
 from customgrad.pipelining._errors import StreamSyncError
 
 __all__ = ["AcceleratorStreams", "QueuedWork", "StreamPolicy", "WeightWork"]
@@ -28,18 +29,6 @@ is run from stream {current}, which has not waited for it. Make the current stre
 (current.wait_stream(queued)), or create the queue with WeightGradQueue(sync_streams=True), \
 which runs the work on the stream it was queued on and makes the current stream wait for it.
 """
-
-
-class WeightWork(Protocol):
-    """A node's deferred weight work, as the weight pass runs it (``_autograd.DeferredWork``)."""
-
-    @property
-    def device(self) -> torch.device:
-        """The device whose current stream the work is queued on."""
-
-    def gradients(self) -> tuple[list[GradientEdge], list[torch.Tensor]]:
-        """Compute the weight gradients; return ``(edges, gradients)`` to send through
-        autograd."""
 
 
 class StreamPolicy(Protocol):

@@ -18,13 +18,12 @@ import torch
 from torch.autograd.graph import Node
 
 from customgrad._record import NodeRecord, record_of
-from customgrad._routing import Route, install_for_task, tagging
+from customgrad._routing import Route, Routed, WeightWork, install_for_task, tagging
 from customgrad._split_plan import is_leaf_accumulator, plan_input_pass, reach
 from customgrad._torch import engine
 from customgrad._torch.functions import keep_graphs
 
 if TYPE_CHECKING:
-    from customgrad._autograd import DeferredWork
     from customgrad.pipelining._queue import WeightGradQueue
 
 __all__ = ["Attachment", "Key", "Tag"]
@@ -45,7 +44,7 @@ class Tag:
         self.key = key
         self.attached = attached
 
-    def defer(self, record: NodeRecord, work: DeferredWork) -> None:
+    def defer(self, record: Routed, work: WeightWork) -> None:
         self.queue._enqueue(self.key, work)
 
 

@@ -15,7 +15,6 @@ sends its work with it too).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeAlias, cast
 
@@ -25,11 +24,10 @@ from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._record import record_of
 from customgrad._routing import routing
-from customgrad._split_plan import WeightCall, is_leaf_accumulator, is_native, reach
+from customgrad._split_plan import Watch, WeightCall, is_leaf_accumulator, is_native, reach
 from customgrad._torch.engine import input_shape
 from customgrad._torch.functions import skipping
-from customgrad.pipelining._function_split import FunctionSplit
-from customgrad.pipelining._split_state import SplitState, Watch, runtime_errors, state_of
+from customgrad.pipelining._split_state import Resend, SplitState, runtime_errors, state_of
 
 __all__ = [
     "Grads",
@@ -40,6 +38,7 @@ __all__ = [
 ]
 
 Grads: TypeAlias = tuple[torch.Tensor | None, ...]
+_NOTHING = contextlib.nullcontext()
 
 
 def weight_side_only(side: tuple[bool, ...]) -> Callable[[Grads, Grads], Grads]:
@@ -263,71 +262,38 @@ def _run_weight_pass(state: SplitState, retain_graph: bool) -> None:
 
 
 def _run_weight_call(state: SplitState, index: int, call: WeightCall, retain_graph: bool) -> None:
-    """W's engine call number ``index`` (see :class:`customgrad._split_plan.WeightCall`)."""
+    """W's engine call number ``index`` (see :class:`customgrad._split_plan.WeightCall`): the
+    Function nodes it runs again in calls of their own first, then its pieces of weight work
+    and the nodes it asks for their weight side, sent through the engine in one call."""
     plan = state.plan
-    roots: list[GradientEdge] = []
-    values: list[torch.Tensor] = []
     for group, skip_again in state.asked_once.pop(index, []):
         with skipping(skip_again):
             _run_again(state, group)
+    roots: list[GradientEdge] = []
+    values: list[torch.Tensor] = []
     skip = state.skip.pop(index, [])
     clamp = call.clamp
+    work = state.work.pop(index, [])
     if call.asked:
         asked = [(n, plan.weight_side_edges(n), state.captured.pop(n, ())) for n in call.asked]
-        if not ask_weight_sides(asked, roots, values, state.watch):  # else the engine, clamped
-            for node, _, grads in asked:
-                state.captured[node] = grads
-            call = dataclasses.replace(call, intermediates=[*call.asked, *call.intermediates])
+        if not ask_weight_sides(asked, roots, values, state.watching):
+            # torch does not say what the weight side takes: the engine runs them, clamped
+            work = [*(Resend.of(n, grads) for n, _, grads in asked), *work]
             clamp = [*call.asked, *clamp]
             skip = [n for n in skip if n not in clamp]
         del asked
-    for node in call.intermediates:
-        grads = state.captured.pop(node, ())
-        for i, g in enumerate(grads):
-            if g is not None:
-                roots.append(GradientEdge(node, i))
-                values.append(g)
-        del grads
-    for i in call.direct:
-        node, nr, g = state.direct.pop(i)
-        roots.append(GradientEdge(node, nr))
-        values.append(g)
-    ran = state.once.pop(index, [])
-    while ran:
-        value = ran.pop(0)  # send_gradients must hold the only references (see there)
-        if isinstance(value, FunctionSplit):
-            owner = value.node()
-            watching = (
-                state.watch(owner)
-                if state.watch is not None and owner is not None
-                else contextlib.nullcontext()
-            )
-            del owner
-            with watching, torch.no_grad():  # its weight pass, as inside the engine
-                split_edges, split_grads = value.gradients()
-            roots.extend(split_edges)
-            values.extend(split_grads)
-            del split_edges, split_grads
-        else:
-            roots.extend(edge for edge, _ in value)
-            values.extend(grad for _, grad in value)
-        del value  # send_gradients must hold the only references (see there)
-    deferred = state.deferred
-    if len(state.plan.weight_calls) == 1:  # all of it belongs to this call
-        works = [*deferred.values()]
-        deferred.clear()
-    else:  # in the order I handed them over
-        mine = set(call.deferred)
-        works = [deferred.pop(r) for r in [r for r in deferred if r in mine]]
-    for work in works:
-        with torch.no_grad():  # as inside the engine: no graph of the weight halves' own ops
-            half_edges, half_grads = work.gradients()
-        roots.extend(half_edges)
-        values.extend(half_grads)
-        del half_edges, half_grads  # send_gradients must hold the only references (see there)
+    watch = state.watching
+    while work:
+        piece = work.pop(0)  # send_gradients must hold the only references (see there)
+        owner = None if watch is None else piece.owner()
+        watching = _NOTHING if watch is None or owner is None else watch(owner)
+        with watching, torch.no_grad():  # as inside the engine
+            edges, grads = piece.gradients()
+        roots.extend(edges)
+        values.extend(grads)
+        del piece, edges, grads, owner, watching
     if not roots:
         return
-
     # A plain Function or customgrad intermediate whose input edges lead to this call's leaves
     # (a weight it shares with a layer before it) sends its input gradients again: drop them
     # (I sent them already). Native ones were asked for their weight side only, above.

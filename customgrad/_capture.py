@@ -11,11 +11,20 @@ attributes, objects' fields, torch's global state, the arguments' metadata); cus
 those guards per node, in C++, through the guard manager dynamo keeps for the captured code
 (:func:`customgrad._torch.dynamo.guard_check`), and adds what dynamo's guards miss: each tensor
 argument's ``is_leaf``, floats and complex numbers compared by their exact bits (``0j`` and
-``-0j``), attributes added later to a module the backward read (``getattr(torch, name,
-default)``), the values of plain saved values and the ambient state (:func:`customgrad._autosplit.ambient`). Each
+``-0j``), attributes added to or removed from a module the backward read, whatever names them
+(``getattr(torch, NAME, default)``, ``hasattr``), the values of plain saved values and the
+ambient state (:func:`customgrad._autosplit.ambient`). Each
 capture has its own code object, so dynamo's caches, recompile limits and the user's own
 ``torch.compile`` calls are not shared with it; a guard that fails captures again, up to
 :data:`customgrad._autosplit.RECAPTURES` times per signature, then the op runs once.
+
+**Never stale, never twice.** A backward that asks whether dynamo is compiling
+(``torch.compiler.is_compiling()``: True while dynamo traces it, False when it is called) runs
+once. The capture's wrapper asks dynamo whether it is being traced before it calls the backward:
+where torch.compile is off (``torch.compiler.set_stance("force_eager")``,
+``torch._dynamo.config.disable``, ``TORCHDYNAMO_DISABLE=1``) the backward runs once, never
+eagerly inside the capture, and nothing of the try is kept: it is captured once torch.compile
+runs again. The capture returns meta stand-ins once, so dynamo's cache entry keeps no tensor.
 
 **What runs once.** A backward dynamo cannot capture whole (a graph break: Python control flow
 on tensor values, ``print``, a function dynamo skips such as ``torch.manual_seed``, a raw Triton
@@ -55,10 +64,20 @@ from customgrad._torch.fake import FAKE_TENSOR_LOGGER, data_dependent_errors
 from customgrad._traced_split import Layout, Structure, TracedSplit
 from customgrad._triton import RawLaunch, raw_launch
 
-__all__ = ["INSIDE_TRACE", "Capture", "Fallback", "bits", "capture_backward", "quiet_tracing"]
+__all__ = [
+    "INSIDE_TRACE",
+    "NOT_COMPILING",
+    "Capture",
+    "Fallback",
+    "bits",
+    "capture_backward",
+    "quiet_tracing",
+]
 
 _Tensor = torch.Tensor
 _dispatch_stack_len = dispatch_stack_len
+_dict_version = dynamo.dict_version
+_bookkeeping = dynamo.bookkeeping
 
 
 class Fallback:
@@ -96,6 +115,19 @@ INSIDE_TRACE = Fallback(
     "",
     logged=False,
 )
+
+
+NOT_COMPILING = Fallback(
+    "torch.compile is off here (torch.compiler.set_stance('force_eager'), "
+    "torch._dynamo.config.disable or TORCHDYNAMO_DISABLE=1), so dynamo cannot capture it; it "
+    "is captured again once torch.compile runs",
+    "let torch.compile run where the split backward runs",
+)
+"""Dynamo does not trace here now: the backward runs once, and nothing is kept of the try."""
+
+
+class _NotCompiling(Exception):
+    """The capture's wrapper was called rather than traced (dynamo is off)."""
 
 
 class _Invalid(Exception):
@@ -177,11 +209,20 @@ Reader: TypeAlias = Callable[[dict[str, object], dict[str, object]], tuple[objec
 
 @dataclasses.dataclass(slots=True)
 class ModuleSeen:
-    """A module a capture read, with its attributes when last seen."""
+    """The namespace of a module a capture read, as last seen: its version, and the identity of
+    each value by name (dynamo's and Python's bookkeeping names left out)."""
 
-    module: object
-    size: int
-    keys: frozenset[str]
+    namespace: dict[str, object]
+    version: int
+    values: dict[str, int]
+
+    @staticmethod
+    def of(namespace: dict[str, object]) -> ModuleSeen:
+        return ModuleSeen(namespace, _dict_version(namespace), _values(namespace))
+
+
+def _values(namespace: dict[str, object]) -> dict[str, int]:
+    return {k: id(v) for k, v in list(namespace.items()) if not _bookkeeping(k)}
 
 
 class Capture:
@@ -189,10 +230,12 @@ class Capture:
 
     ``holds(frame)`` is dynamo's guard check for the capture's code (C++), then customgrad's
     checks of what those guards compare too loosely: floats and complex numbers read by exact
-    bits, and modules the backward read that gained an attribute its code names.
+    bits, and the modules the backward read, whose names must be those it saw (an attribute
+    added or removed, whatever expression names it) and, where dynamo misses guards on values
+    it treats as constants, whose namespace must not have been written to since.
     """
 
-    __slots__ = ("_bits", "_check", "_globals", "_modules", "_names", "_read", "split")
+    __slots__ = ("_bits", "_check", "_globals", "_modules", "_read", "_values_guarded", "split")
 
     def __init__(
         self,
@@ -201,14 +244,13 @@ class Capture:
         scope: dict[str, object],
         constants: tuple[Reader | None, tuple[object, ...]],
         modules: list[ModuleSeen],
-        names: frozenset[str],
     ) -> None:
         self.split = split
         self._check = check
         self._globals = scope
         self._read, self._bits = constants
         self._modules = modules
-        self._names = names
+        self._values_guarded = dynamo.guards_instance_attributes()
 
     def holds(self, frame: dict[str, object]) -> bool:
         if _dispatch_stack_len():
@@ -226,13 +268,19 @@ class Capture:
                     return False
             except Exception:
                 return False
-        for entry in self._modules:
-            now = entry.module.__dict__
-            if len(now) != entry.size:
-                added = now.keys() - entry.keys
-                if added & self._names:
-                    return False  # getattr(module, name, default) reads something else now
-                entry.size, entry.keys = len(now), frozenset(now)  # unrelated (a lazy import)
+        for seen in self._modules:
+            version = _dict_version(seen.namespace)
+            if version != seen.version:
+                # Written to since. A name added or removed is what getattr(module, name,
+                # default) or hasattr read, whatever expression made the name (dynamo guards
+                # neither); a value rebound is guarded by dynamo where it was read, except by a
+                # dynamo that misses guards on what it treats as constants (torch 2.11).
+                values = _values(seen.namespace)
+                if values.keys() != seen.values.keys():
+                    return False
+                if not self._values_guarded and values != seen.values:
+                    return False
+                seen.version, seen.values = version, values
         return True
 
 
@@ -256,16 +304,26 @@ class _Refused(Exception):
 
 
 def _calls_fn(ctx: Any, saved: Any, grads: Any) -> Any:
-    """The code of every capture's wrapper: ``fn`` is the wrapper's own global (see below)."""
+    """The code of every capture's wrapper: ``fn``, ``tracing`` and ``NotCompiling`` are the
+    wrapper's own globals (see below). Called rather than traced (dynamo is off), it raises
+    before the user's backward runs: a capture never runs it eagerly."""
+    if not tracing():  # type: ignore[name-defined]  # noqa: F821
+        raise NotCompiling  # type: ignore[name-defined]  # noqa: F821
     return fn(ctx, saved, *grads)  # type: ignore[name-defined]  # noqa: F821
 
 
 def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
     """A new function (with its own code object: dynamo's cache, guards and recompile count are
-    per code object) that calls ``fn``."""
+    per code object) that calls ``fn`` where dynamo traces it."""
     # ``__name__``: an importable module (torch 2.11's dynamo keeps no cache entry, hence no
     # guard manager, for a frame whose globals have none, and imports the one named).
-    scope: dict[str, Any] = {"fn": fn, "__name__": __name__, "__builtins__": builtins}
+    scope: dict[str, Any] = {
+        "fn": fn,
+        "tracing": dynamo.tracing,
+        "NotCompiling": _NotCompiling,
+        "__name__": __name__,
+        "__builtins__": builtins,
+    }
     code = _calls_fn.__code__.replace(
         co_name="backward", co_filename=f"<customgrad capture of {op.name}>"
     )
@@ -293,8 +351,20 @@ def capture_backward(
     wrapper = _wrapper(op, fn)
     got: list[dynamo.Captured] = []
     markers: list[Any] = []
+    extra: list[tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen]]] = []
+    # dynamo's cache entry keeps the backend (and so what it closes over): the frame reaches it
+    # through a list emptied once the capture returns, so no tensor of the call stays alive.
+    frames = [frame]
 
     def on_graph(captured: dynamo.Captured) -> Callable[..., Any]:
+        if captured.reads_compiling:
+            raise _Refused(
+                "it asks whether dynamo is compiling (torch.compiler.is_compiling(), "
+                "torch._dynamo.is_compiling()), which is True while dynamo captures it and "
+                "False when it is called, so a capture would not compute what a call does",
+                "decide it outside the backward (in the forward, saved as a plain value with "
+                "save_for_backward), or drop the check",
+            )
         if captured.side_effects:
             changed = ", ".join(_in_words(source, fn) for source in captured.side_effects)
             raise _Refused(
@@ -311,15 +381,17 @@ def capture_backward(
                     "keep shapes fixed and compute with tensor ops (torch.where, masks)",
                 )
             # Stand-ins: the capture call returns them in place of the gradients, so that the
-            # dict dynamo rebuilds says which graph output each gradient is.
+            # dict dynamo rebuilds says which graph output each gradient is. On the meta
+            # device (no memory), and handed out once: dynamo's cache entry keeps the function
+            # returned, never a tensor.
             markers.append(
-                torch.empty_strided(
-                    value.shape, value.stride(), dtype=value.dtype, device=value.device
-                )
+                torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
             )
+        # What customgrad checks besides dynamo's guards, read as dynamo read it.
+        extra.append(_extra_checks(captured, wrapper.__globals__, frames[0]))
         got.append(captured)
-        outs = tuple(markers)
-        return lambda *args: outs
+        once = [tuple(markers)]
+        return lambda *args: once.pop()
 
     try:
         try:
@@ -327,14 +399,15 @@ def capture_backward(
                 result = dynamo.capture(
                     wrapper, (frame["ctx"], frame["saved"], frame["grads"]), on_graph
                 )
+        except _NotCompiling:
+            return NOT_COMPILING
         except Exception as e:
             why, fix, known = _refusal(e)
             return Fallback(why, fix, retries=int(not known))
         if not got:
             return Fallback(
-                "dynamo did not capture it (torch.compile is disabled here: "
-                "torch.compiler.set_stance, TORCHDYNAMO_DISABLE)",
-                "let torch.compile run",
+                "dynamo made no graph of it (it runs no tensor operation)",
+                "nothing to split: register the register_backward_input/_weight pair",
             )
         captured = got[0]
         try:
@@ -351,19 +424,20 @@ def capture_backward(
             check = dynamo.guard_check(wrapper.__code__)
             if check is None:
                 raise _Refused("dynamo kept no single guard set for it", "report it")
-            extra = _extra_checks(captured, wrapper.__globals__, frame)
         except _Refused as e:
             return Fallback(e.why, e.fix, retries=int(not e.known))
         except _Invalid:
             # Called as written, the backward raises customgrad's own error, which says it all.
             return Fallback("it returned what customgrad's validation refuses", "", logged=False)
-        return Capture(split, check, wrapper.__globals__, *extra, captured.names)
+        return Capture(split, check, wrapper.__globals__, *extra[0])
 
     finally:
         # dynamo's cache entry keeps the backend (and so these lists): keep no tensor of the
         # call alive through them
         got.clear()
         markers.clear()
+        extra.clear()
+        frames.clear()
 
 
 def _in_words(source: str, fn: Callable[..., Any]) -> str:
@@ -381,7 +455,7 @@ def _extra_checks(
 ) -> tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen]]:
     """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
     compares by ``==``, compared by its bits; each module it guards by identity, with its
-    attributes as they are now."""
+    names and namespace version as they are now."""
     names = {"G": scope, "L": frame}
     exact: list[str] = []
     for source in captured.constants:
@@ -403,8 +477,7 @@ def _extra_checks(
             module = eval(source, dict(names))
         except Exception:
             continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
-        held = vars(module)
-        modules.append(ModuleSeen(module, len(held), frozenset(held)))
+        modules.append(ModuleSeen.of(vars(module)))
     return constants, modules
 
 

@@ -23,12 +23,15 @@ Imported lazily (dynamo is large).
   :class:`Captured` (the FX graph, its inputs' example values, the side effects dynamo would
   replay, the guards on constants and modules) to a callback; :func:`guard_check` is the C++
   check of the guards dynamo keeps for the captured code (its cache entry's guard manager);
-  :func:`unsupported` reads why dynamo refused (an ``Unsupported`` or a graph break).
+  :func:`unsupported` reads why dynamo refused (an ``Unsupported`` or a graph break);
+  :func:`tracing` tells a function whether dynamo traces it;
+  :func:`dict_version` reads when a module's namespace was last written.
 """
 
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +54,9 @@ __all__ = [
     "capture",
     "guard_check",
     "backend_error",
+    "bookkeeping",
+    "dict_version",
+    "tracing",
     "readable",
     "unsupported",
     "guards_instance_attributes",
@@ -186,6 +192,11 @@ class Captured:
             to it later, read by ``getattr(module, name, default)``, goes unguarded).
         names: the attribute names and string constants of the code dynamo traced (the
             frame's and every function it inlined).
+        reads_compiling: the frame (or a function it inlined) called one of the functions
+            that say whether dynamo is compiling (``torch.compiler.is_compiling``,
+            ``torch._dynamo.is_compiling``, ``torch.compiler.is_dynamo_compiling``): dynamo
+            traced them as True, which a call never sees (dynamo's own flag for that,
+            ``inconsistent_side_effects``; :func:`tracing` does not set it).
     """
 
     graph: Any
@@ -195,6 +206,7 @@ class Captured:
     constants: list[str]
     modules: list[str]
     names: frozenset[str]
+    reads_compiling: bool
 
 
 def capture(
@@ -239,10 +251,64 @@ def capture(
         for code in getattr(out.tracing_context, "traced_code", None) or ():
             names.update(code.co_names)
             names.update(c for c in code.co_consts if isinstance(c, str))
-        found = Captured(gm, inputs, outputs, changed, constants, modules, frozenset(names))
+        compiling = bool(getattr(out.root_tx, "inconsistent_side_effects", False))
+        found = Captured(
+            gm, inputs, outputs, changed, constants, modules, frozenset(names), compiling
+        )
         return on_graph(found)
 
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+
+
+def tracing() -> bool:
+    """Whether dynamo is tracing the caller: True where dynamo traces a call of it, False where
+    it is called (also while dynamo compiles another frame's graph: the call then belongs to
+    that compile).
+
+    Marked as ``torch._dynamo.assume_constant_result`` marks a function, so dynamo runs it while
+    tracing and takes its result as a constant, and it then sees dynamo's current translator.
+    Unlike ``torch.compiler.is_compiling()``, dynamo does not mark the traced frame for it (as
+    it does for the functions whose traced value a call never sees), and it imports nothing: a
+    dictionary lookup when called. A capture's wrapper asks it before it calls the backward, so
+    that the backward never runs eagerly where dynamo does not trace it
+    (``torch.compiler.set_stance("force_eager")``, ``torch._dynamo.config.disable``,
+    ``TORCHDYNAMO_DISABLE=1``, the stances that run a new frame eagerly)."""
+    translator = sys.modules.get("torch._dynamo.symbolic_convert")
+    return translator is not None and getattr(translator.tls, "current_tx", None) is not None
+
+
+tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]  # assume_constant_result
+
+
+def dict_version(namespace: dict[str, Any]) -> int:
+    """A number that changes whenever ``namespace`` (a module's ``__dict__``) is written to
+    (dynamo's ``DICT_VERSION`` guard's own reading)."""
+    return _dict_version()(namespace)
+
+
+def bookkeeping(name: str) -> bool:
+    """Whether ``name`` in a module's namespace is bookkeeping a backward does not read:
+    dunders (``__warningregistry__``, which a warning adds) and the globals dynamo installs in
+    the namespace of a frame it compiles (``__compiled_fn_*``, ``__resume_at_*``,
+    ``__import_*``, ``__builtins_dict___*``, ``_<id>_c<n>``)."""
+    return name.startswith("__") or _BY_ID.fullmatch(name) is not None
+
+
+_BY_ID = re.compile(r"_\d+_c\d+")
+
+
+@functools.cache
+def _dict_version() -> Callable[[dict[str, Any]], int]:
+    try:
+        from torch._C._dynamo.guards import dict_version
+
+        version: Callable[[dict[str, Any]], int] = dict_version
+    except ImportError:  # a torch without it: every value by identity (slower, as exact)
+
+        def version(namespace: dict[str, Any]) -> int:
+            return hash((len(namespace), *map(id, namespace.values())))
+
+    return version
 
 
 def _name(source: Any) -> str:
@@ -255,7 +321,6 @@ def _name(source: Any) -> str:
 def readable(source: str) -> str:
     """dynamo's name of a value in words a user reads: ``G['__import___main__'].seen`` is
     ``__main__.seen``, ``L['saved'][0]`` is ``saved[0]``."""
-    import re
 
     def module(m: re.Match[str]) -> str:
         return m.group(1).replace("_dot_", ".")
@@ -331,8 +396,6 @@ def _observed_name_error(e: BaseException) -> str | None:
     """The undefined name, where dynamo reports a ``NameError`` of the traced code as an
     observed exception (torch 2.14 and later: ``Unsupported`` caused by
     ``ObservedNameError``); else None."""
-    import re
-
     seen: BaseException | None = e.__cause__
     for _ in range(4):
         if seen is None:

@@ -29,14 +29,14 @@ from typing import Any, cast
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _tracing_now, ambient
-from customgrad._capture import Capture, Fallback, capture_backward
+from customgrad._autosplit import AutoSplitter
+from customgrad._capture import Fallback
 from customgrad._from_function import _BackwardContext
 from customgrad._handoff import Kept
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
 from customgrad._torch.functions import edge_metadata, forward_cls
-from customgrad._traced_split import TRACE_LOCK, TracedSplit
+from customgrad._traced_split import TracedSplit
 
 __all__ = ["FunctionSplit", "split_input"]
 
@@ -50,7 +50,7 @@ NOT_TENSOR_POSITIONS = Fallback(
 )
 
 
-class _FunctionOp:
+class _FunctionSpec:
     """What the capture and the split program read of an op, for a Function's backward with its
     tensor arguments named ``arg<position>``."""
 
@@ -96,86 +96,27 @@ def _calling(backward: Callable[..., Any], names: tuple[str | None, ...]) -> Cal
     return fn
 
 
-class _Entry:
-    __slots__ = ("captures", "fallback", "tries")
-
-    def __init__(self) -> None:
-        self.captures: list[Capture] = []
-        self.tries = 0
-        self.fallback: Fallback | None = None
+_SPLITTERS: dict[tuple[type, tuple[str | None, ...], tuple[str, ...]], AutoSplitter] = {}
+"""The automatic split of each Function class seen, per layout of its arguments (their names,
+the weight-side ones): the captures and retry rule of customgrad's own single backwards."""
 
 
-class _Splitter:
-    """The captures of one Function class's backward, per layout of its arguments.
+def _splitter(
+    cls: type[torch.autograd.Function], names: tuple[str | None, ...], weights: tuple[str, ...]
+) -> AutoSplitter:
+    """The splitter of ``cls``'s backward for arguments ``names`` with weights ``weights``.
 
     The backward is called as a plain function (``cls.backward``): dynamo takes
-    ``Function.backward(...)`` for compiled autograd's call.
-    """
+    ``Function.backward(...)`` for compiled autograd's call."""
+    key = (cls, names, weights)
+    found = _SPLITTERS.get(key)
+    if found is None:
+        tensors = tuple(n for n in names if n is not None)
+        # The capture and the split program read an op's name and signature only.
+        spec = cast(OpSpec, _FunctionSpec(cls, tensors, weights))
+        found = _SPLITTERS[key] = AutoSplitter(spec, _calling(cls.backward, names), "none")
+    return found
 
-    def __init__(self, cls: type[torch.autograd.Function]) -> None:
-        self.cls = cls
-        self._ops: dict[tuple[Any, ...], tuple[_FunctionOp, Callable[..., Any]]] = {}
-        self._cache: dict[Any, _Entry] = {}
-
-    def select(
-        self,
-        ctx: object,
-        saved: tuple[object, ...],
-        grads: tuple[torch.Tensor | None, ...],
-        names: tuple[str | None, ...],
-        weights: tuple[str, ...],
-        requires: frozenset[str],
-    ) -> TracedSplit | Fallback:
-        layout = (names, weights)
-        made = self._ops.get(layout)
-        if made is None:
-            tensors = tuple(n for n in names if n is not None)
-            made = self._ops[layout] = (
-                _FunctionOp(self.cls, tensors, weights),
-                _calling(self.cls.backward, names),
-            )
-        op, fn = made
-        leaves = saved + grads
-        signature = _signature(leaves, (len(saved), layout, requires), flat=False)
-        if isinstance(signature, Fallback):
-            return signature
-        key = (signature, ambient())
-        frame = {"ctx": ctx, "saved": saved, "grads": grads}
-        with TRACE_LOCK:
-            entry = self._cache.get(key)
-            if entry is None:
-                if len(self._cache) >= MAX_SIGNATURES:
-                    return Fallback(
-                        f"it was captured for {MAX_SIGNATURES} input signatures already "
-                        f"(shapes, dtypes or saved values change from call to call)",
-                        "call it with a few distinct shapes (pad to buckets)",
-                    )
-                entry = self._cache[key] = _Entry()
-            for capture in entry.captures:
-                if capture.holds(frame):
-                    return capture.split
-            if entry.fallback is not None:
-                return entry.fallback
-            if entry.tries >= RECAPTURES:
-                return Fallback(
-                    f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a ctx "
-                    f"attribute, a global), and each change needs a new capture",
-                    "pass what changes as a tensor, or keep it fixed during training",
-                )
-            entry.tries += 1
-            # The capture and the split program read an op's name and signature only.
-            spec = cast(OpSpec, op)
-            outcome = capture_backward(spec, fn, frame, leaves, len(saved), requires, False)
-            if isinstance(outcome, Capture):
-                entry.captures.insert(0, outcome)
-                return outcome.split
-            if not entry.captures and not outcome.retries:
-                entry.fallback = outcome
-            return outcome
-
-
-_SPLITTERS: dict[type, _Splitter] = {}
-"""The splitter of each Function class seen."""
 
 SPLIT: set[type] = set()
 """The Function classes whose backward split at least once (for :func:`customgrad.summary`)."""
@@ -254,8 +195,8 @@ def split_input(
     when it does not split (``tell(cls, why)`` is called with the reason; the caller runs the
     backward as written)."""
     cls = forward_cls(node)
-    if cls is None or torch.is_grad_enabled() or _tracing_now():
-        return None  # a create_graph backward, or one inside a trace: as written
+    if cls is None or torch.is_grad_enabled():
+        return None  # a create_graph backward: as written
     positions = _positions(node)
     if positions is None:
         tell(cls, NOT_TENSOR_POSITIONS.why)
@@ -278,10 +219,7 @@ def split_input(
         return None  # freed: the backward as written raises torch's error
     attrs = {k: v for k, v in vars(node).items() if k != "apply"}
     ctx = _BackwardContext(saved, attrs, needs)
-    splitter = _SPLITTERS.get(cls)
-    if splitter is None:
-        splitter = _SPLITTERS[cls] = _Splitter(cls)
-    outcome = splitter.select(ctx, saved, grads, names, weights, requires)
+    outcome = _splitter(cls, names, weights).find(ctx, saved, grads, requires)
     if isinstance(outcome, Fallback):
         if outcome.logged:
             tell(cls, outcome.why)

@@ -43,12 +43,13 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import re
 import threading
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -205,6 +206,8 @@ def quiet_tracing() -> Iterator[None]:
 
 Reader: TypeAlias = Callable[[dict[str, object], dict[str, object]], tuple[object, ...]]
 """Reads the values compared by their bits from the globals (``G``) and the frame (``L``)."""
+Extra: TypeAlias = "tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen], list[tuple[object, Hashable]]]"
+"""What customgrad checks besides dynamo's guards (see :func:`_extra_checks`)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -225,6 +228,34 @@ def _values(namespace: dict[str, object]) -> dict[str, int]:
     return {k: id(v) for k, v in list(namespace.items()) if not _bookkeeping(k)}
 
 
+def _constants_of(cls: object) -> Hashable:
+    """What a dynamo that misses guards on values it treats as constants (torch 2.11) reads of
+    ``cls`` unguarded: its enum members' attributes, its namedtuple defaults (None: nothing)."""
+    if isinstance(cls, enum.EnumMeta):
+        return tuple(_frozen(vars(member)) for member in cls)  # type: ignore[var-annotated]
+    defaults = getattr(cls, "_field_defaults", None)
+    if isinstance(defaults, dict) and issubclass(cls, tuple):  # type: ignore[arg-type]
+        return _frozen(defaults)
+    return None
+
+
+def _frozen(value: object, depth: int = 4) -> Hashable:
+    """``value`` compared exactly: plain values by :func:`bits`, the items of lists, tuples and
+    dicts (``depth`` levels down) by theirs, anything else by identity."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return bits(value)
+    if depth and kind in (list, tuple):
+        return (kind, *(_frozen(v, depth - 1) for v in value))  # type: ignore[attr-defined]
+    if depth and kind is dict:
+        items = value.items()  # type: ignore[attr-defined]
+        return (kind, *((k, _frozen(v, depth - 1)) for k, v in items))
+    return (kind, id(value))
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
 class Capture:
     """One capture of a backward: its split and what must hold to reuse it.
 
@@ -235,7 +266,16 @@ class Capture:
     it treats as constants, whose namespace must not have been written to since.
     """
 
-    __slots__ = ("_bits", "_check", "_globals", "_modules", "_read", "_values_guarded", "split")
+    __slots__ = (
+        "_bits",
+        "_check",
+        "_classes",
+        "_globals",
+        "_modules",
+        "_read",
+        "_values_guarded",
+        "split",
+    )
 
     def __init__(
         self,
@@ -244,12 +284,14 @@ class Capture:
         scope: dict[str, object],
         constants: tuple[Reader | None, tuple[object, ...]],
         modules: list[ModuleSeen],
+        classes: list[tuple[object, Hashable]],
     ) -> None:
         self.split = split
         self._check = check
         self._globals = scope
         self._read, self._bits = constants
         self._modules = modules
+        self._classes = classes
         self._values_guarded = dynamo.guards_instance_attributes()
 
     def holds(self, frame: dict[str, object]) -> bool:
@@ -281,7 +323,7 @@ class Capture:
                 if not self._values_guarded and values != seen.values:
                     return False
                 seen.version, seen.values = version, values
-        return True
+        return all(_constants_of(cls) == held for cls, held in self._classes)
 
 
 def bits(value: object) -> tuple[object, ...]:
@@ -340,18 +382,10 @@ def capture_backward(
     recompute: bool,
 ) -> Capture | Fallback:
     """Capture ``fn`` called on ``frame`` with dynamo, lower the graph to aten, split it."""
-    if not dynamo.guards_instance_attributes():
-        return Fallback(
-            f"torch {torch.__version__}'s dynamo does not guard every value a backward reads (an "
-            "enum member's attribute, a namedtuple's default, a monkeypatched library function), "
-            "so a capture could be reused stale",
-            "use torch 2.12 or later for the automatic split, or register the "
-            "register_backward_input/_weight pair",
-        )
     wrapper = _wrapper(op, fn)
     got: list[dynamo.Captured] = []
     markers: list[Any] = []
-    extra: list[tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen]]] = []
+    extra: list[Extra] = []
     # dynamo's cache entry keeps the backend (and so what it closes over): the frame reaches it
     # through a list emptied once the capture returns, so no tensor of the call stays alive.
     frames = [frame]
@@ -452,10 +486,11 @@ def _in_words(source: str, fn: Callable[..., Any]) -> str:
 
 def _extra_checks(
     captured: dynamo.Captured, scope: dict[str, object], frame: dict[str, object]
-) -> tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen]]:
+) -> Extra:
     """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
     compares by ``==``, compared by its bits; each module it guards by identity, with its
-    names and namespace version as they are now."""
+    names and namespace version as they are now; on a dynamo that misses guards on values it
+    treats as constants, what it reads of the classes it guards."""
     names = {"G": scope, "L": frame}
     exact: list[str] = []
     for source in captured.constants:
@@ -478,7 +513,21 @@ def _extra_checks(
         except Exception:
             continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
         modules.append(ModuleSeen.of(vars(module)))
-    return constants, modules
+    classes: list[tuple[object, Hashable]] = []
+    if not dynamo.guards_instance_attributes():
+        for source in captured.classes:
+            try:
+                cls = eval(source, dict(names))
+            except Exception:
+                raise _Refused(
+                    f"torch {torch.__version__}'s dynamo reads {dynamo.readable(source)} as "
+                    f"constants without guards, and customgrad cannot read it again",
+                    "pass what the backward reads of it as an argument of the op",
+                ) from None
+            held = _constants_of(cls)
+            if held is not None:
+                classes.append((cls, held))
+    return constants, modules, classes
 
 
 def _lower(

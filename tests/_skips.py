@@ -18,7 +18,6 @@ from customgrad._torch import dynamo, functions, pipelining
 
 __all__ = [
     "ALLOWED",
-    "CAPTURE",
     "FREEZE_RECOMPILES",
     "GRAPH_FREED_AFTER_I",
     "NO_CUDA",
@@ -163,17 +162,6 @@ def torch_stage_lacks(stage: str, schedule: str, functions: bool) -> str | None:
             "(customgrad refuses it with UnsupportedTorchError)"
         )
     return None
-
-
-CAPTURE = pytest.mark.skipif(
-    not dynamo.guards_instance_attributes(),
-    reason=release_lacks(
-        "dynamo guards on every value a backward reads (an enum member's attribute, a "
-        "namedtuple's default): the automatic split runs once there, never a stale capture "
-        "(customgrad._torch.dynamo.guards_instance_attributes)"
-    ),
-)
-"""For tests that check that a backward is captured and split automatically."""
 
 
 FREEZE_RECOMPILES = pytest.mark.skipif(

@@ -21,7 +21,6 @@ from torch import Tensor
 import customgrad as cg
 from customgrad._autosplit import RECAPTURES, AutoSplitter, TracedSplit
 from customgrad.pipelining import _function_split, stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE
 
 _ids = itertools.count()
 
@@ -83,7 +82,6 @@ def split_step(apply: Callable[..., Tensor], n: int, d: int, dtype: torch.dtype)
     torch.testing.assert_close((gx, w.grad), (g @ w, g.mT @ x), rtol=0, atol=0)
 
 
-@CAPTURE
 @pytest.mark.parametrize("kind", ["op", "function"])
 def test_every_new_shape_is_captured_beyond_the_recapture_limit(kind: str) -> None:
     """One retry rule: a new shape is a new signature, captured whatever came before. (A plain
@@ -106,7 +104,6 @@ def alive_bytes() -> int:
     return sum(storages.values())
 
 
-@CAPTURE
 @pytest.mark.parametrize("kind", ["op", "function"])
 def test_captures_of_new_shapes_keep_no_tensor_alive(kind: str) -> None:
     """After captures of 4 shapes, the tensors alive are those before: dynamo's cache entry

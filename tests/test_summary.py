@@ -11,7 +11,6 @@ from torch import Tensor
 import customgrad as cg
 from customgrad import OpRow
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE
 
 
 def _linear(name: str, **kwargs: Any) -> Any:
@@ -53,7 +52,6 @@ def _row(name: str) -> OpRow:
     return row
 
 
-@CAPTURE
 def test_a_single_backward_is_not_run_yet_then_traced() -> None:
     op = _linear("traced")
     op.register_backward(_backward)
@@ -88,7 +86,6 @@ def test_a_single_backward_is_not_run_yet_then_traced() -> None:
     assert row.calls == {"split": {"input": 1, "weight": 1}, "whole": {"full": 1}}
 
 
-@CAPTURE
 def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     op = _linear("branching")
     op.register_backward(_branching)
@@ -174,7 +171,6 @@ def _split_step(op: Any, x: Tensor, w: Tensor) -> None:
     stage_backward_weight([w], groups)
 
 
-@CAPTURE
 def test_every_call_over_the_run_is_counted_not_only_the_latest_trace() -> None:
     # Rank 0 of a ZBV run holds the first stage (its input does not require grad: nothing to
     # split, a full backward that calls the function as written) and the last (split into I
@@ -237,7 +233,6 @@ def test_the_first_line_says_which_op_repeated_work_with_the_split_off() -> None
     assert str(summary).splitlines()[0] == summary.repeated
 
 
-@CAPTURE
 def test_the_fallback_fix_applied_splits() -> None:
     # The row's fix for a branch on a tensor value: "compute with tensor ops instead
     # (torch.where, masks), so the same ops run for every value". Applied, the op is traced and

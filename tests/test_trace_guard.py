@@ -35,7 +35,6 @@ from torch import Tensor
 
 import customgrad as cg
 from customgrad._autosplit import RECAPTURES, AutoSplitter, Fallback, TracedSplit
-from customgrad._torch import dynamo
 from customgrad._torch.pipelining import torch_split
 from customgrad.pipelining import (
     WeightGradQueue,
@@ -43,7 +42,7 @@ from customgrad.pipelining import (
     stage_backward_input,
     stage_backward_weight,
 )
-from tests._skips import CAPTURE, TORCH_SPLIT
+from tests._skips import TORCH_SPLIT
 
 DT = torch.float64
 _ids = iter(range(10**6))
@@ -385,7 +384,7 @@ def test_state_changed_between_steps_gives_the_gradients_of_a_call(
         torch.testing.assert_close(between[0], want_between, rtol=0, atol=0)
         if case.split is None:
             assert isinstance(auto.last, TracedSplit) or auto.last.logged, auto.last
-        elif case.split and dynamo.guards_instance_attributes():  # (torch 2.11: runs once)
+        elif case.split:
             assert isinstance(auto.last, TracedSplit), auto.describe()
         else:
             assert isinstance(auto.last, Fallback) and auto.last.logged, auto.last
@@ -438,7 +437,7 @@ def test_state_changed_between_steps_gives_the_gradients_of_a_call_for_a_plain_f
         (last,) = (s.last for (c, *_), s in _function_split._SPLITTERS.items() if c is fn)
         if case.split is None:
             assert isinstance(last, TracedSplit) or last.logged, last
-        elif case.split and dynamo.guards_instance_attributes():  # (torch 2.11: runs once)
+        elif case.split:
             assert isinstance(last, TracedSplit), last
         else:
             assert isinstance(last, Fallback) and last.logged, last
@@ -486,7 +485,6 @@ def run_once_reason(backward: Callable[..., Any]) -> Fallback:
     return fallback
 
 
-@CAPTURE
 def test_an_undefined_name_is_said_as_a_name_error_first(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -503,7 +501,6 @@ def test_an_undefined_name_is_said_as_a_name_error_first(
         op(x, torch.randn(2, 3, dtype=DT)).sum().backward()
 
 
-@CAPTURE
 def test_print_and_side_effects_run_once_with_the_line_or_what_changed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -521,7 +518,6 @@ def test_print_and_side_effects_run_once_with_the_line_or_what_changed(
     assert LOG == [1]  # appended once, by the one call
 
 
-@CAPTURE
 def test_a_guard_failing_every_step_recaptures_up_to_the_limit_then_runs_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -550,7 +546,6 @@ def test_a_guard_failing_every_step_recaptures_up_to_the_limit_then_runs_once(
     assert len(messages) == 1 and fallback.why in messages[0]
 
 
-@CAPTURE
 def test_captures_are_apart_from_the_users_torch_compile() -> None:
     """customgrad's captures have their own code objects: the user's compiled function of the
     same backward compiles, guards and recompiles as without customgrad, and no

@@ -190,6 +190,9 @@ class Captured:
             globals) of each value dynamo guards by ``==`` (0j == -0j: compared again exactly).
         modules: the name of each module dynamo guards by identity only (an attribute added
             to it later, read by ``getattr(module, name, default)``, goes unguarded).
+        classes: the name of each class dynamo guards by identity (``CLASS_MATCH``): torch
+            2.11's dynamo reads its enum members' attributes and its namedtuple defaults as
+            constants, unguarded.
         names: the attribute names and string constants of the code dynamo traced (the
             frame's and every function it inlined).
         reads_compiling: the frame (or a function it inlined) called one of the functions
@@ -205,6 +208,7 @@ class Captured:
     side_effects: list[str]
     constants: list[str]
     modules: list[str]
+    classes: list[str]
     names: frozenset[str]
     reads_compiling: bool
 
@@ -241,19 +245,22 @@ def capture(
             changed.append("a tensor hook")
         constants: list[str] = []
         modules: list[str] = []
+        classes: list[str] = []
         for guard in out.guards:
             kind = guard.create_fn_name()
             if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
                 constants.append(guard.name)
             elif kind == "MODULE_MATCH":
                 modules.append(guard.name)
+            elif kind == "CLASS_MATCH":
+                classes.append(guard.name)
         names: set[str] = set()
         for code in getattr(out.tracing_context, "traced_code", None) or ():
             names.update(code.co_names)
             names.update(c for c in code.co_consts if isinstance(c, str))
         compiling = bool(getattr(out.root_tx, "inconsistent_side_effects", False))
         found = Captured(
-            gm, inputs, outputs, changed, constants, modules, frozenset(names), compiling
+            gm, inputs, outputs, changed, constants, modules, classes, frozenset(names), compiling
         )
         return on_graph(found)
 

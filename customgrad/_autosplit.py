@@ -303,12 +303,15 @@ class AutoSplitter:
                     "call it with a few distinct shapes (pad to buckets)",
                 )
             if tries >= RECAPTURES:
+                latest = entry.captures[0].changed(frame) if entry.captures else "it changed"
                 return Fallback(
                     f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a "
-                    f"global rebound, a flag flipped, an object's or ctx's field set), and each "
-                    f"change needs a new capture",
-                    "pass what changes as an argument of the op (tensors and plain values "
-                    "select the capture), or keep it fixed during training",
+                    f"global rebound, a flag flipped, an object's or ctx's field set; the "
+                    f"latest: {latest}), and each change needs a new capture",
+                    "pass what changes as an argument of the op, or keep it fixed during "
+                    "training; a size that changes every step (the group sizes of a routing) "
+                    "belongs in a tensor the backward reads with .tolist(), so that one capture "
+                    "serves every value",
                 )
             outcome = capture_backward(
                 self.op, self.fn, frame, leaves, structure, requires, self.recompute

@@ -294,6 +294,13 @@ class Capture:
         self._classes = classes
         self._values_guarded = dynamo.guards_instance_attributes()
 
+    def changed(self, frame: dict[str, object]) -> str:
+        """What no longer holds for ``frame``, in words (for the reason a backward stops being
+        captured)."""
+        with _disable_current_modes():
+            guard = dynamo.failed_guard(self._check, frame)
+        return f"`{guard}` no longer holds" if guard else "a value customgrad checks changed"
+
     def holds(self, frame: dict[str, object]) -> bool:
         if _dispatch_stack_len():
             # A dispatch mode (a FLOP counter, a profiler's) adds the Python key to every
@@ -407,20 +414,17 @@ def capture_backward(
                 "return what it computes instead of storing it (or keep it run once)",
             )
         for value in captured.outputs:
-            if not isinstance(value, _Tensor) or any(
-                not isinstance(s, int) for s in (*value.shape, *value.stride())
-            ):
+            if not isinstance(value, _Tensor):
                 raise _Refused(
-                    "a gradient's shape depends on tensor values (.item(), nonzero)",
-                    "keep shapes fixed and compute with tensor ops (torch.where, masks)",
+                    "it returns a value computed from tensor values that is not a tensor",
+                    "return tensors (or None) as gradients",
                 )
             # Stand-ins: the capture call returns them in place of the gradients, so that the
-            # dict dynamo rebuilds says which graph output each gradient is. On the meta
-            # device (no memory), and handed out once: dynamo's cache entry keeps the function
-            # returned, never a tensor.
-            markers.append(
-                torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-            )
+            # dict dynamo rebuilds says which graph output each gradient is (their identity is
+            # all that counts: a size read from a tensor, such as a group size, may be
+            # symbolic). On the meta device, and handed out once: dynamo's cache entry keeps
+            # the function returned, never a tensor.
+            markers.append(torch.empty(0, dtype=value.dtype, device="meta"))
         # What customgrad checks besides dynamo's guards, read as dynamo read it.
         extra.append(_extra_checks(captured, wrapper.__globals__, frames[0]))
         got.append(captured)
@@ -508,6 +512,11 @@ def _extra_checks(
     constants = (read, tuple(map(bits, read(scope, frame))) if read is not None else ())
     modules: list[ModuleSeen] = []
     for source in captured.modules:
+        if dynamo.globals_of_inlined(source):
+            # The module whose globals an inlined function reads: each name it reads is
+            # guarded, and a name it lacks is a NameError (no capture); only a module used as a
+            # value can be asked for a name it may lack.
+            continue
         try:
             module = eval(source, dict(names))
         except Exception:

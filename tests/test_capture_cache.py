@@ -118,3 +118,107 @@ def test_captures_of_new_shapes_keep_no_tensor_alive(kind: str) -> None:
     grown = alive_bytes() - before
     assert splitter().traces == 5
     assert grown < d * d * 4, f"{grown} bytes kept alive by 4 captures"
+
+
+# --------------------------------------------------------------------------------------------
+# Routing-dependent sizes: one capture for every routing of a mixture of experts
+
+E, T, K, N = 4, 12, 6, 5  # experts, tokens, features in and out
+
+
+def group_sizes(offs: Tensor) -> list[int]:
+    """The tokens of each expert, from the end offsets of their groups (as torchtitan passes
+    them to its grouped GEMM): Python ints, new with every routing."""
+    return torch.diff(offs, prepend=offs.new_zeros(1)).tolist()
+
+
+def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+    """Tokens sorted by expert, each group times its expert's weight: a loop over experts."""
+    return torch.cat([xe @ w[e] for e, xe in enumerate(torch.split(x, group_sizes(offs)))])
+
+
+def grouped_mm_backward(x: Tensor, w: Tensor, offs: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """dX (one GEMM per expert, for I) and dW (one per expert, for W), as a kernel's backward
+    reads the group sizes: as Python ints, from the offsets."""
+    sizes = group_sizes(offs)
+    dx, dw = [], []
+    for e, (xe, ge) in enumerate(zip(torch.split(x, sizes), torch.split(g, sizes))):
+        dx.append(ge @ w[e].mT)
+        dw.append(xe.mT @ ge)
+    return torch.cat(dx), torch.stack(dw)
+
+
+class GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        ctx.save_for_backward(x, w, offs)
+        return grouped_mm(x, w, offs)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, w, offs = ctx.saved_tensors
+        return (*grouped_mm_backward(x, w, offs, g), None)
+
+
+def grouped_mm_op() -> cg.CustomOp[..., Tensor]:
+    @cg.op(f"test_capture_cache{next(_ids)}::grouped_mm", weights=("w",))
+    def op(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        return grouped_mm(x, w, offs)
+
+    op.register_fake(lambda x, w, offs: x.new_empty(x.shape[0], w.shape[-1]))
+    op.register_save_for_backward(lambda i, o: (i.x, i.w, i.offs))
+
+    @op.register_backward
+    def _(ctx: Any, saved: Any, g: Tensor) -> dict[str, Tensor]:
+        dx, dw = grouped_mm_backward(*saved, g)
+        return {"x": dx, "w": dw}
+
+    return op
+
+
+def routing(step: int) -> Tensor:
+    """A routing of the ``T`` tokens to the ``E`` experts (some left without tokens)."""
+    gen = torch.Generator().manual_seed(step)
+    cuts = torch.randint(0, T + 1, (E - 1,), generator=gen).sort().values
+    return torch.cat([cuts, torch.tensor([T])])
+
+
+@pytest.mark.parametrize("kind", ["op", "function"])
+def test_a_grouped_gemm_reading_its_group_sizes_splits_for_every_routing(kind: str) -> None:
+    """A backward that loops over experts with ``offs.tolist()`` is captured once for all
+    routings (the sizes are unbacked: the passes read them from ``offs``), not once per routing
+    and then run once: every microbatch splits, I runs the dX GEMMs and W the dW GEMMs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if kind == "op":
+        op = grouped_mm_op()
+        apply: Callable[..., Tensor] = op
+        auto = op.rules.auto
+        assert isinstance(auto, AutoSplitter)
+        splitter: Callable[[], AutoSplitter] = lambda: auto  # noqa: E731
+    else:
+        apply = GroupedMM.apply
+
+        def splitter() -> AutoSplitter:
+            (found,) = (s for (c, *_), s in _function_split._SPLITTERS.items() if c is GroupedMM)
+            return found
+
+    gemms = 2 * T * K * N  # the FLOPs of the dX GEMMs, and of the dW GEMMs, whatever the routing
+    seen: set[tuple[int, ...]] = set()
+    for step in range(12):
+        offs = routing(step)
+        seen.add(tuple(offs.tolist()))
+        x = torch.randn(T, K, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(E, K, N, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(T, N, dtype=torch.float64)
+        want = torch.autograd.grad(grouped_mm(x, w, offs), (x, w), g)
+        out = apply(x, w, offs)
+        with FlopCounterMode(display=False) as input_pass:
+            (gx,), groups = stage_backward_input([out], [g], [x], [w])
+        with FlopCounterMode(display=False) as weight_pass:
+            stage_backward_weight([w], groups)
+        torch.testing.assert_close((gx, w.grad), want, rtol=0, atol=1e-12)
+        assert isinstance(splitter().last, TracedSplit), (step, splitter().last)
+        assert (input_pass.get_total_flops(), weight_pass.get_total_flops()) == (gemms, gemms)
+    assert len(seen) == 12  # twelve routings,
+    assert splitter().traces == 1  # one capture

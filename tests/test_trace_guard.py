@@ -540,7 +540,9 @@ def test_a_guard_failing_every_step_recaptures_up_to_the_limit_then_runs_once(
     assert isinstance(fallback, Fallback)
     assert fallback.why == (
         f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a global rebound, a "
-        f"flag flipped, an object's or ctx's field set), and each change needs a new capture"
+        f"flag flipped, an object's or ctx's field set; the latest: "
+        f"`tests.test_trace_guard.OPTIMIZER.param_groups[0]['lr'] == {RECAPTURES:.1f}` no longer "
+        f"holds), and each change needs a new capture"
     )
     messages = [r.getMessage() for r in caplog.records if r.name == "customgrad"]
     assert len(messages) == 1 and fallback.why in messages[0]

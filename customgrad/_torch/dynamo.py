@@ -53,8 +53,10 @@ __all__ = [
     "Refusal",
     "capture",
     "guard_check",
+    "failed_guard",
     "backend_error",
     "bookkeeping",
+    "globals_of_inlined",
     "dict_version",
     "tracing",
     "readable",
@@ -304,6 +306,15 @@ def bookkeeping(name: str) -> bool:
 _BY_ID = re.compile(r"_\d+_c\d+")
 
 
+def globals_of_inlined(source: str) -> bool:
+    """Whether ``source`` names the module dynamo installs as ``__import_<module>`` to read the
+    globals of a function it inlined (not a module the code uses as a value)."""
+    return _IMPORTED.fullmatch(source) is not None
+
+
+_IMPORTED = re.compile(r"G\['__import_\w+'\]")
+
+
 @functools.cache
 def _dict_version() -> Callable[[dict[str, Any]], int]:
     try:
@@ -347,6 +358,19 @@ def guard_check(code: Any) -> Callable[[dict[str, Any]], bool] | None:
         return None
     check: Callable[[dict[str, Any]], bool] = entries[0].guard_manager.root.check
     return check
+
+
+def failed_guard(check: Callable[[dict[str, Any]], bool], frame: dict[str, Any]) -> str | None:
+    """The first of dynamo's guards that fails for ``frame`` (its code, in words: ``ctx.sizes[1]
+    == 2``), given the check :func:`guard_check` returned; None when they hold."""
+    manager = getattr(check, "__self__", None)
+    verbose = getattr(manager, "check_verbose", None)
+    if verbose is None:
+        return None
+    found = verbose(frame)
+    if found.result or not found.verbose_code_parts:
+        return None
+    return readable(str(found.verbose_code_parts[0]).split("#")[0].strip())
 
 
 @dataclass(frozen=True)

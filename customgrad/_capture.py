@@ -206,22 +206,47 @@ def quiet_tracing() -> Iterator[None]:
 
 Reader: TypeAlias = Callable[[dict[str, object], dict[str, object]], tuple[object, ...]]
 """Reads the values compared by their bits from the globals (``G``) and the frame (``L``)."""
-Extra: TypeAlias = "tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen], list[tuple[object, Hashable]]]"
+Extra: TypeAlias = "tuple[tuple[Reader | None, tuple[object, ...]], list[Namespace], list[tuple[object, Hashable]]]"
 """What customgrad checks besides dynamo's guards (see :func:`_extra_checks`)."""
 
 
 @dataclasses.dataclass(slots=True)
-class ModuleSeen:
-    """The namespace of a module a capture read, as last seen: its version, and the identity of
-    each value by name (dynamo's and Python's bookkeeping names left out)."""
+class Namespace:
+    """The namespace of a module or class a capture read, as last seen: its version, and the
+    identity of each value by name (dynamo's and Python's bookkeeping names left out).
 
+    A name added or removed fails the check (``getattr(module, name, default)``, ``hasattr``
+    read it, whatever expression made the name: dynamo guards neither); so does a value rebound
+    where ``rebinding`` (a class's: dynamo does not guard a method monkeypatched on the class of
+    an object it read; a module's where dynamo misses guards on values it treats as constants,
+    torch 2.11)."""
+
+    owner: str
     namespace: dict[str, object]
     version: int
     values: dict[str, int]
+    rebinding: bool
 
     @staticmethod
-    def of(namespace: dict[str, object]) -> ModuleSeen:
-        return ModuleSeen(namespace, _dict_version(namespace), _values(namespace))
+    def of(owner: str, namespace: dict[str, object], rebinding: bool) -> Namespace:
+        return Namespace(owner, namespace, _dict_version(namespace), _values(namespace), rebinding)
+
+    def holds(self) -> bool:
+        version = _dict_version(self.namespace)
+        if version == self.version:
+            return True
+        values = _values(self.namespace)
+        if values.keys() != self.values.keys() or (self.rebinding and values != self.values):
+            return False
+        self.version, self.values = version, values  # written to, not where it matters
+        return True
+
+    def changed(self) -> str:
+        values = _values(self.namespace)
+        names = sorted(values.keys() ^ self.values.keys()) or sorted(
+            k for k in values if values[k] != self.values[k]
+        )
+        return f"the names {names} of {self.owner} changed"
 
 
 def _values(namespace: dict[str, object]) -> dict[str, int]:
@@ -260,22 +285,13 @@ class Capture:
     """One capture of a backward: its split and what must hold to reuse it.
 
     ``holds(frame)`` is dynamo's guard check for the capture's code (C++), then customgrad's
-    checks of what those guards compare too loosely: floats and complex numbers read by exact
-    bits, and the modules the backward read, whose names must be those it saw (an attribute
-    added or removed, whatever expression names it) and, where dynamo misses guards on values
-    it treats as constants, whose namespace must not have been written to since.
+    checks of what those guards compare too loosely or miss: floats and complex numbers read by
+    exact bits; the namespaces of the modules and classes the backward read (a name added or
+    removed, a method rebound on a class; see :class:`Namespace`); where dynamo misses guards
+    on values it treats as constants, what it read of them (:func:`_constants_of`).
     """
 
-    __slots__ = (
-        "_bits",
-        "_check",
-        "_classes",
-        "_globals",
-        "_modules",
-        "_read",
-        "_values_guarded",
-        "split",
-    )
+    __slots__ = ("_bits", "_check", "_classes", "_globals", "_namespaces", "_read", "split")
 
     def __init__(
         self,
@@ -283,23 +299,27 @@ class Capture:
         check: Callable[[dict[str, object]], bool],
         scope: dict[str, object],
         constants: tuple[Reader | None, tuple[object, ...]],
-        modules: list[ModuleSeen],
+        namespaces: list[Namespace],
         classes: list[tuple[object, Hashable]],
     ) -> None:
         self.split = split
         self._check = check
         self._globals = scope
         self._read, self._bits = constants
-        self._modules = modules
+        self._namespaces = namespaces
         self._classes = classes
-        self._values_guarded = dynamo.guards_instance_attributes()
 
     def changed(self, frame: dict[str, object]) -> str:
         """What no longer holds for ``frame``, in words (for the reason a backward stops being
         captured)."""
         with _disable_current_modes():
             guard = dynamo.failed_guard(self._check, frame)
-        return f"`{guard}` no longer holds" if guard else "a value customgrad checks changed"
+        if guard:
+            return f"`{guard}` no longer holds"
+        for seen in self._namespaces:
+            if not seen.holds():
+                return seen.changed()
+        return "a value customgrad compares exactly changed"
 
     def holds(self, frame: dict[str, object]) -> bool:
         if _dispatch_stack_len():
@@ -317,19 +337,9 @@ class Capture:
                     return False
             except Exception:
                 return False
-        for seen in self._modules:
-            version = _dict_version(seen.namespace)
-            if version != seen.version:
-                # Written to since. A name added or removed is what getattr(module, name,
-                # default) or hasattr read, whatever expression made the name (dynamo guards
-                # neither); a value rebound is guarded by dynamo where it was read, except by a
-                # dynamo that misses guards on what it treats as constants (torch 2.11).
-                values = _values(seen.namespace)
-                if values.keys() != seen.values.keys():
-                    return False
-                if not self._values_guarded and values != seen.values:
-                    return False
-                seen.version, seen.values = version, values
+        for seen in self._namespaces:
+            if not seen.holds():
+                return False
         return all(_constants_of(cls) == held for cls, held in self._classes)
 
 
@@ -510,33 +520,40 @@ def _extra_checks(
     # One function reads them all per check: dynamo's names are expressions of G and L.
     read: Reader | None = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
     constants = (read, tuple(map(bits, read(scope, frame))) if read is not None else ())
-    modules: list[ModuleSeen] = []
+    rebinding = not dynamo.guards_instance_attributes()
+    namespaces: dict[int, Namespace] = {}
     for source in captured.modules:
-        if dynamo.globals_of_inlined(source):
-            # The module whose globals an inlined function reads: each name it reads is
-            # guarded, and a name it lacks is a NameError (no capture); only a module used as a
-            # value can be asked for a name it may lack.
-            continue
         try:
             module = eval(source, dict(names))
         except Exception:
             continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
-        modules.append(ModuleSeen.of(vars(module)))
+        namespace = vars(module)
+        if id(namespace) not in namespaces:
+            owner = f"the module {getattr(module, '__name__', source)}"
+            namespaces[id(namespace)] = Namespace.of(owner, namespace, rebinding)
+    kinds: list[type] = []
+    for source, of_instance in captured.classes:
+        try:
+            found = eval(source, dict(names))
+        except Exception:
+            raise _Refused(
+                f"dynamo guards the class of {dynamo.readable(source)}, which customgrad "
+                f"cannot read again to check its attributes",
+                "pass what the backward reads of it as an argument of the op",
+            ) from None
+        kinds.append(type(found) if of_instance else found)
     classes: list[tuple[object, Hashable]] = []
-    if not dynamo.guards_instance_attributes():
-        for source in captured.classes:
-            try:
-                cls = eval(source, dict(names))
-            except Exception:
-                raise _Refused(
-                    f"torch {torch.__version__}'s dynamo reads {dynamo.readable(source)} as "
-                    f"constants without guards, and customgrad cannot read it again",
-                    "pass what the backward reads of it as an argument of the op",
-                ) from None
-            held = _constants_of(cls)
+    for kind in kinds:
+        for base in getattr(kind, "__mro__", ()):
+            namespace = dynamo.class_namespace(base)
+            if namespace is not None and id(namespace) not in namespaces:
+                owner = f"the class {base.__module__}.{base.__qualname__}"
+                namespaces[id(namespace)] = Namespace.of(owner, namespace, True)
+        if rebinding:
+            held = _constants_of(kind)
             if held is not None:
-                classes.append((cls, held))
-    return constants, modules, classes
+                classes.append((kind, held))
+    return constants, list(namespaces.values()), classes
 
 
 def _lower(

@@ -221,6 +221,29 @@ def removed_attribute(k: int) -> None:
         torch.cg_test_removed = 2.0  # type: ignore[attr-defined]
 
 
+class Helper:
+    def scale(self) -> float:
+        return 1.0
+
+
+HELPER = Helper()
+
+
+def method_rebound(k: int) -> None:
+    Helper.scale = (lambda self: 1.0, lambda self: 3.0, lambda self: 1.0)[k]  # type: ignore[method-assign]
+
+
+OWN = "cg_test_own"  # a name this module gains and loses
+
+
+def own_attribute(k: int) -> None:
+    module = sys.modules[__name__]
+    if k == 1:
+        setattr(module, OWN, 3.0)
+    elif hasattr(module, OWN):
+        delattr(module, OWN)
+
+
 def alias_rebound(k: int) -> None:
     global ACTIVATION
     ACTIVATION = (torch.tanh, torch.sigmoid, torch.tanh)[k]
@@ -301,6 +324,14 @@ CASES: dict[str, Case] = {
     "module attribute removed": Case(
         scaled(lambda ctx, x: getattr(torch, "cg_test_removed", 1.0)), removed_attribute, True
     ),
+    "method monkeypatched on its class": Case(
+        scaled(lambda ctx, x: HELPER.scale()), method_rebound, True
+    ),
+    "own module by a computed name": Case(
+        scaled(lambda ctx, x: getattr(sys.modules[__name__], OWN, 1.0)),
+        own_attribute,
+        True,
+    ),
     "global alias rebound": Case(
         scaled(lambda ctx, x: 1.0 + ACTIVATION(torch.ones((), dtype=DT))), alias_rebound, True
     ),
@@ -336,7 +367,7 @@ def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     for k in (0,):
         optimizer_lr(k), bound_method(k), complex_zero(k), namedtuple_default(k)
         module_attribute(k), seed_value(k), built_attribute(k), computed_flag(k)
-        alias_rebound(k)
+        alias_rebound(k), method_rebound(k), own_attribute(k)
     for name in (NAME, "cg_test_removed"):
         if hasattr(torch, name):
             delattr(torch, name)

@@ -31,6 +31,7 @@ Imported lazily (dynamo is large).
 from __future__ import annotations
 
 import functools
+import gc
 import re
 import sys
 from collections.abc import Callable
@@ -56,7 +57,7 @@ __all__ = [
     "failed_guard",
     "backend_error",
     "bookkeeping",
-    "globals_of_inlined",
+    "class_namespace",
     "dict_version",
     "tracing",
     "readable",
@@ -192,9 +193,10 @@ class Captured:
             globals) of each value dynamo guards by ``==`` (0j == -0j: compared again exactly).
         modules: the name of each module dynamo guards by identity only (an attribute added
             to it later, read by ``getattr(module, name, default)``, goes unguarded).
-        classes: the name of each class dynamo guards by identity (``CLASS_MATCH``): torch
-            2.11's dynamo reads its enum members' attributes and its namedtuple defaults as
-            constants, unguarded.
+        classes: the name of each class dynamo guards by identity (``CLASS_MATCH``, with
+            False) and of each object it guards by its class only (``TYPE_MATCH``, with True):
+            dynamo guards no method rebound on such a class, and torch 2.11's dynamo reads
+            the class's enum members' attributes and namedtuple defaults as constants.
         names: the attribute names and string constants of the code dynamo traced (the
             frame's and every function it inlined).
         reads_compiling: the frame (or a function it inlined) called one of the functions
@@ -210,7 +212,7 @@ class Captured:
     side_effects: list[str]
     constants: list[str]
     modules: list[str]
-    classes: list[str]
+    classes: list[tuple[str, bool]]
     names: frozenset[str]
     reads_compiling: bool
 
@@ -247,15 +249,15 @@ def capture(
             changed.append("a tensor hook")
         constants: list[str] = []
         modules: list[str] = []
-        classes: list[str] = []
+        classes: list[tuple[str, bool]] = []
         for guard in out.guards:
             kind = guard.create_fn_name()
             if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
                 constants.append(guard.name)
             elif kind == "MODULE_MATCH":
                 modules.append(guard.name)
-            elif kind == "CLASS_MATCH":
-                classes.append(guard.name)
+            elif kind in ("CLASS_MATCH", "TYPE_MATCH"):
+                classes.append((guard.name, kind == "TYPE_MATCH"))
         names: set[str] = set()
         for code in getattr(out.tracing_context, "traced_code", None) or ():
             names.update(code.co_names)
@@ -306,13 +308,17 @@ def bookkeeping(name: str) -> bool:
 _BY_ID = re.compile(r"_\d+_c\d+")
 
 
-def globals_of_inlined(source: str) -> bool:
-    """Whether ``source`` names the module dynamo installs as ``__import_<module>`` to read the
-    globals of a function it inlined (not a module the code uses as a value)."""
-    return _IMPORTED.fullmatch(source) is not None
+def class_namespace(cls: type) -> dict[str, Any] | None:
+    """The dict behind ``cls.__dict__`` (what ``setattr(cls, ...)`` writes, so that
+    :func:`dict_version` tells when it was written), or None for a built-in class, which no one
+    can write to."""
+    if not cls.__flags__ & _HEAP_TYPE:
+        return None
+    found = gc.get_referents(cls.__dict__)  # a mappingproxy refers to the dict it shows
+    return found[0] if len(found) == 1 and type(found[0]) is dict else None
 
 
-_IMPORTED = re.compile(r"G\['__import_\w+'\]")
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement or type()
 
 
 @functools.cache

@@ -280,14 +280,21 @@ def tracing() -> bool:
     tracing and takes its result as a constant, and it then sees dynamo's current translator.
     Unlike ``torch.compiler.is_compiling()``, dynamo does not mark the traced frame for it (as
     it does for the functions whose traced value a call never sees), and it imports nothing: a
-    dictionary lookup when called. A capture's wrapper asks it before it calls the backward, so
+    dictionary lookup when called (as cheap as ``is_compiling()``). A capture's wrapper asks it before it calls the backward, so
     that the backward never runs eagerly where dynamo does not trace it
     (``torch.compiler.set_stance("force_eager")``, ``torch._dynamo.config.disable``,
     ``TORCHDYNAMO_DISABLE=1``, the stances that run a new frame eagerly)."""
-    translator = sys.modules.get("torch._dynamo.symbolic_convert")
-    return translator is not None and getattr(translator.tls, "current_tx", None) is not None
+    if not _TRANSLATING:
+        translator = sys.modules.get("torch._dynamo.symbolic_convert")
+        if translator is None:
+            return False  # dynamo not even imported
+        _TRANSLATING.append(translator.tls)
+    # the thread's own dict: no AttributeError raised (and caught) per call for a missing name
+    return _TRANSLATING[0].__dict__.get("current_tx") is not None
 
 
+_TRANSLATING: list[Any] = []
+"""dynamo's thread-local state, where the translator of the frame being traced is kept."""
 tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]  # assume_constant_result
 
 

@@ -11,9 +11,10 @@ attributes, objects' fields, torch's global state, the arguments' metadata); cus
 those guards per node, in C++, through the guard manager dynamo keeps for the captured code
 (:func:`customgrad._torch.dynamo.guard_check`), and adds what dynamo's guards miss: each tensor
 argument's ``is_leaf``, floats and complex numbers compared by their exact bits (``0j`` and
-``-0j``), attributes added to or removed from a module the backward read, whatever names them
-(``getattr(torch, NAME, default)``, ``hasattr``), the values of plain saved values and the
-ambient state (:func:`customgrad._autosplit.ambient`). Each
+``-0j``), attributes added to or removed from a module or class the backward read, whatever
+names them (``getattr(torch, NAME, default)``, ``hasattr``), a method rebound on such a class,
+on torch 2.11 what its dynamo reads unguarded (:class:`Namespace`, :func:`_constants_of`), the
+values of plain saved values and the ambient state (:func:`customgrad._autosplit.ambient`). Each
 capture has its own code object, so dynamo's caches, recompile limits and the user's own
 ``torch.compile`` calls are not shared with it; a guard that fails captures again, up to
 :data:`customgrad._autosplit.RECAPTURES` times per signature, then the op runs once.

@@ -532,6 +532,17 @@ def test_an_undefined_name_is_said_as_a_name_error_first(
         op(x, torch.randn(2, 3, dtype=DT)).sum().backward()
 
 
+def test_asking_whether_dynamo_compiles_runs_once_with_that_reason() -> None:
+    fallback = run_once_reason(CASES["is_compiling through an alias"].backward)
+    assert (fallback.why, fallback.fix) == (
+        "it asks whether dynamo is compiling (torch.compiler.is_compiling(), "
+        "torch._dynamo.is_compiling()), which is True while dynamo captures it and False when "
+        "it is called, so a capture would not compute what a call does",
+        "decide it outside the backward (in the forward, saved as a plain value with "
+        "save_for_backward), or drop the check",
+    )
+
+
 def test_print_and_side_effects_run_once_with_the_line_or_what_changed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

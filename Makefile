@@ -39,14 +39,16 @@ demo: $(STAMP)
 	$(PY) examples/zero_bubble.py
 
 # Every picture of the README and the docs (docs/img/*.png), regenerated from the current code:
-# the demo's measured schedule and its replay, its loss curve, explain_split's drawing, and the
-# predicted bubble at scale. Timings are this machine's: run it on an idle one.
+# the demo's measured schedule and its replay, its loss curve, explain_split's drawing, the
+# predicted bubble at scale, and a measured MoE step with and without W hiding the all-to-all.
+# Timings are this machine's: run it on an idle one.
 pictures: $(STAMP)
 	$(PY) examples/zero_bubble.py --out docs/img
 	$(PY) examples/zero_bubble.py --compile --out docs/img/compiled
 	$(PY) -m examples.split_picture --out docs/img/explain_split.png
 	$(PY) -m benchmarks.scale --out docs/img/scale.png
 	$(PY) -m benchmarks.scale --compile --rows 8 --out docs/img/scale_compiled.png
+	$(PY) -m benchmarks.moe_overlap --out docs/img/moe_overlap.png
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check customgrad tests examples benchmarks

@@ -20,6 +20,16 @@ Its comparison is the same block compiled by ``torch.compile`` (``nn.Module.comp
 under torch's split runs its whole compiled backward in I and again in W (with
 ``donated_buffer=False``; it fails otherwise): again :meth:`StageCosts.repeating_backward`.
 
+The MoE block row (without ``--compile``): one expert-parallel mixture-of-experts block
+(``examples/moe_ep.py``: a dense MLP, then top-2 of 8 experts split over 2 processes, every
+weight a customgrad op's), measured on 2 processes (gloo), F / I / W / B compute and the
+dispatch and combine all-to-alls apart (``ActionTimer``, best of ``--reps``); then 1F1B, ZBV and
+DualPipeV at 2 to 64 pipeline ranks, each without and with W hiding the all-to-alls
+(``simulate(..., overlap=True)``, what ``overlap_forward_backward`` runs). ``--no-moe`` skips it;
+``--dispatch S --combine S`` replace the measured all-to-alls by given seconds (per block and
+microbatch: this machine's loopback is far faster, relative to compute, than a network between
+nodes).
+
 Run from the repository's root: ``python -m benchmarks.scale [--compile] [--rows 2] [--send 0] [--out PNG]``;
 ``--costs FILE`` replays per-block costs from a JSON file instead of measuring
 (``{"forward": s, "backward_input": s, "backward_weight": s, "backward": s}``, seconds per
@@ -29,6 +39,7 @@ block and microbatch with customgrad ops).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -37,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleDualPipeV,
@@ -46,7 +58,9 @@ from torch.distributed.pipelining import (
 import customgrad
 from customgrad import pipelining as cg_split
 from customgrad.pipelining import Simulation, StageCosts, simulate
+from examples import moe_ep
 from examples import zero_bubble as demo
+from tests._mp_workers import spawn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -202,6 +216,133 @@ def draw(
     fig.savefig(path, dpi=150)
 
 
+# --- the MoE block row ----------------------------------------------------------------------
+
+MOE = moe_ep.Config(dim=256, hidden=512, n_experts=8, top_k=2, dtype=torch.float32)
+MOE_ROWS = 256  # tokens per microbatch and process
+
+
+def time_moe_block(reps: int, out_path: str) -> None:
+    """On each of 2 processes (experts split between them): ``reps`` rounds (after two) of one
+    MoE block's F, I and W (customgrad's split) and F and B, timed by ``ActionTimer``, its
+    all-to-all waits recorded; rank 0 writes the steps' costs, best of ``reps``, as JSON."""
+    timer = cg_split.ActionTimer()
+    queue = cg_split.WeightGradQueue()
+    block = moe_ep.MoEBlock(MOE, 0, dist.group.WORLD, queue)
+    params = list(block.parameters())
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x0 = torch.randn(MOE_ROWS, MOE.dim, generator=gen)
+    g = torch.randn(MOE_ROWS, MOE.dim, generator=gen)
+    for rep in range(reps + 2):
+        with timer.step():
+            x = x0.clone().requires_grad_()
+            with timer.action("F", 0, 0):
+                out = block(x)
+            with timer.action("I", 0, 0):
+                _, groups = cg_split.stage_backward_input([out], [g], [x], params)
+            with timer.action("W", 0, 0):
+                cg_split.stage_backward_weight(params, groups)
+            x = x0.clone().requires_grad_()
+            with timer.action("F", 0, 1):
+                out = block(x)
+            with timer.action("B", 0, 1):
+                out.backward(g)
+        block.zero_grad(set_to_none=True)
+        if rep < 2:
+            timer.steps.clear()
+    steps = timer.gather()
+    if dist.get_rank() == 0:
+        (costs,) = cg_split.stage_costs(steps, statistic=min).values()
+        fields = ("forward", "backward_input", "backward_weight", "backward", "dispatch", "combine")
+        Path(out_path).write_text(json.dumps({f: getattr(costs, f) for f in fields}))
+
+
+def measure_moe_block(reps: int) -> StageCosts:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "moe.json"
+        spawn(time_moe_block, (reps, str(out)), world=2, timeout=600)
+        return StageCosts(**json.loads(out.read_text()))
+
+
+def moe_stage(block: StageCosts, blocks: int, send: float) -> StageCosts:
+    """Costs of a stage of ``blocks`` MoE blocks: compute and all-to-alls add up."""
+    one = stage_costs(block, blocks, send)
+    return dataclasses.replace(
+        one, dispatch=block.dispatch * blocks, combine=block.combine * blocks
+    )
+
+
+MOE_SCHEDULES = {"1F1B": Schedule1F1B, **SCHEDULES}
+
+
+def predict_moe(block: StageCosts, send: float) -> dict[tuple[int, str, bool], Simulation]:
+    """``{(p, schedule, overlap): Simulation}`` for the MoE block, as :func:`predict` lays it
+    out (2 blocks per rank, m = 2p)."""
+    out = {}
+    for p in RANKS:
+        m = 2 * p
+        for overlap in (False, True):
+            one = moe_stage(block, BLOCKS_PER_RANK, send)
+            out[p, "1F1B", overlap] = simulate(Schedule1F1B, p, m, one, overlap=overlap)
+            half = moe_stage(block, BLOCKS_PER_RANK // 2, send)
+            for name, cls in SCHEDULES.items():
+                out[p, name, overlap] = simulate(cls, 2 * p, m, half, overlap=overlap)
+    return out
+
+
+def moe_table(sims: dict[tuple[int, str, bool], Simulation]) -> str:
+    head = ["p", "m"]
+    for name in MOE_SCHEDULES:
+        head += [f"{name}: step", "overlapped", "all-to-all hidden"]
+    rows = [head]
+    for p in RANKS:
+        row = [str(p), str(2 * p)]
+        for name in MOE_SCHEDULES:
+            plain, hidden = sims[p, name, False], sims[p, name, True]
+            share = hidden.hidden / (hidden.hidden + hidden.exposed)
+            row += [_ms(plain.step_time), f"{plain.step_time / hidden.step_time:.3f}x",
+                    f"{share:.0%}"]  # fmt: skip
+        rows.append(row)
+    lines = ["| " + " | ".join(r) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("---:" for _ in head) + "|")
+    return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def moe_row(reps: int, send: float, dispatch: float | None, combine: float | None) -> None:
+    print(
+        f"\nMoE block (examples/moe_ep.py: dim {MOE.dim}, {MOE.n_experts} experts of width "
+        f"{MOE.hidden}, top-{MOE.top_k}, {MOE_ROWS} tokens per microbatch, experts over 2 "
+        f"processes, gloo, 1 thread each, best of {reps}):"
+    )
+    c = measure_moe_block(reps)
+    print(
+        f"  F {c.forward * 1e3:.3f}  I {c.backward_input * 1e3:.3f}  W {c.backward_weight * 1e3:.3f}"
+        f"  B {c.full_backward * 1e3:.3f} ms compute; all-to-all dispatch {c.dispatch * 1e3:.3f}, "
+        f"combine {c.combine * 1e3:.3f} ms (each F and each I or B waits for both)"
+    )
+    if dispatch is not None or combine is not None:
+        c = dataclasses.replace(
+            c,
+            dispatch=c.dispatch if dispatch is None else dispatch,
+            combine=c.combine if combine is None else combine,
+        )
+        print(f"  given: dispatch {c.dispatch * 1e3:.3f}, combine {c.combine * 1e3:.3f} ms")
+    t = time.perf_counter()
+    sims = predict_moe(c, send)
+    print(
+        f"\npredicted ({len(sims)} simulations, {time.perf_counter() - t:.1f} s): the step "
+        f"without the overlap, its ratio to the step with W hiding the all-to-alls, and the "
+        f"share of all-to-all time hidden:\n"
+    )
+    print(moe_table(sims))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=2, help="sequences per microbatch")
@@ -212,6 +353,9 @@ def main() -> None:
         "--compile", action="store_true", help="compile the block with customgrad.compile"
     )
     parser.add_argument("--out", type=Path, help="the picture (docs/img/scale[_compiled].png)")
+    parser.add_argument("--no-moe", action="store_true", help="skip the MoE block row")
+    parser.add_argument("--dispatch", type=float, help="MoE row: seconds per dispatch (given)")
+    parser.add_argument("--combine", type=float, help="MoE row: seconds per combine (given)")
     args = parser.parse_args()
     if args.out is None:
         args.out = ROOT / "docs" / "img" / ("scale_compiled.png" if args.compile else "scale.png")
@@ -263,6 +407,8 @@ def main() -> None:
     )
     draw(sims, blocks, args.out, args.compile)
     print(f"\nwrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    if not (args.compile or args.no_moe or args.costs is not None):
+        moe_row(min(args.reps, 20), args.send, args.dispatch, args.combine)
 
 
 if __name__ == "__main__":

@@ -395,8 +395,8 @@ def _batched(grads: tuple[Any, ...]) -> bool:
 
 def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
     """What selects the captures to check besides dynamo's guards (which check the tensors'
-    shapes, strides, dtypes, devices and requires-grad): the tensors' is-leaf, the values of
-    everything else.
+    shapes, strides, dtypes, devices and requires-grad, and what the backward reads of other
+    objects): the tensors' is-leaf, the values of plain leaves, the types of objects.
 
     Returns the signature (a tuple), a :class:`Fallback` for leaves a trace can't take, or None
     when ``flat`` and a leaf is a container (flatten it first).
@@ -420,12 +420,7 @@ def _signature(leaves: Sequence[Any], head: tuple[Any, ...], flat: bool) -> Any:
                 "pass plain tensors to the op",
             )
         else:
-            return Fallback(
-                f"save_for_backward returned a {kind.__qualname__} object, which a trace would "
-                f"freeze as a constant",
-                "save tensors and plain values (int, float, bool, str, None, dtype, device) "
-                "instead",
-            )
+            key.append(kind)  # an object (an enum member, a config): dynamo guards what is read
     return tuple(key)
 
 

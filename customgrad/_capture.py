@@ -64,7 +64,7 @@ from customgrad._torch.dispatcher import disable_current_modes as _disable_curre
 from customgrad._torch.dispatcher import dispatch_stack_len
 from customgrad._torch.fake import FAKE_TENSOR_LOGGER, data_dependent_errors
 from customgrad._traced_split import Layout, Structure, TracedSplit
-from customgrad._triton import RawLaunch, raw_launch
+from customgrad._triton import FIX_RAW_LAUNCH, RawLaunch, function_named, launch_in, raw_launch
 
 __all__ = [
     "INSIDE_TRACE",
@@ -162,16 +162,13 @@ def _why(e: BaseException) -> tuple[str, str]:
         return (
             f"it launches the Triton kernel {launch.kernel} directly ({launch.at}), which fake "
             f"tensors cannot run",
-            "make the kernel an op with a fake kernel (a customgrad op, or "
-            "torch.library.triton_op) and call the op from the backward: the trace keeps it as "
-            "one opaque call",
+            FIX_RAW_LAUNCH,
         )
     if "data pointer" in first or "data_ptr" in first:
         return (
             "it launches a kernel on raw data pointers (Triton, ctypes), which fake tensors "
             "do not have",
-            "wrap the kernel in a custom op with a fake kernel (torch.library.triton_op, or a "
-            "customgrad op), which the trace keeps as one opaque call",
+            FIX_RAW_LAUNCH,
         )
     return (
         f"lowering it to aten ops (make_fx on fake tensors) raised {type(e).__name__}: {first}",
@@ -688,11 +685,12 @@ def _refusal(e: BaseException) -> tuple[str, str, bool]:
         return (
             f"it launches the Triton kernel {launch.kernel} directly ({launch.at}): a raw "
             f"launch, which dynamo cannot capture here",
-            "wrap the Triton launch in an op with a fake kernel (torch.library.triton_op, or "
-            "a customgrad op with register_fake) and call the op from the backward: the "
-            "capture keeps it as one opaque call",
+            FIX_RAW_LAUNCH,
             True,
         )
+    named = _named_cause(e)
+    if named is not None:
+        return (*named, True)
     if refusal is None:
         first = (str(e).strip().splitlines() or [""])[0]
         if len(first) > 160:
@@ -725,6 +723,62 @@ def _refusal(e: BaseException) -> tuple[str, str, bool]:
         "rewrite that line with torch ops, or pass what it reads as an argument of the op",
         True,
     )
+
+
+FIX_FUNCTION_CLASS = (
+    "read what the backward needs of the class in forward and keep it on ctx (ctx.scale = "
+    "cls.SCALE), and put the backward's body in a plain function (at module level) that each "
+    "Function's backward is or calls (backward = staticmethod(_backward), instead of "
+    "Orig.backward.__func__(cls, ctx, grad) or super().backward(ctx, grad))"
+)
+
+FIX_NO_CUDA = (
+    "decide with a value dynamo reads as a constant (the tensor's device: if grad.is_cuda:, or "
+    "torch.cuda.is_available()) instead of calling CUDA and catching its error, or run on a "
+    "CUDA device"
+)
+
+
+def _named_cause(e: BaseException) -> tuple[str, str] | None:
+    """Why dynamo stopped, when the cause is one the user can act on and dynamo's own words do
+    not say it: an ``autograd.Function`` class used as a class, a function dynamo does not trace
+    that launches a Triton kernel, CUDA called where this torch has none."""
+    frame = dynamo.user_frame(e)
+    at = f" at {frame[0]}:{frame[1]}" if frame is not None else ""
+    line = f" (`{frame[2]}`)" if frame is not None and frame[2] else ""
+    if dynamo.reads_function_class(e):
+        return (
+            f"it uses a torch.autograd.Function class as a class{at}{line}: torch "
+            f"{torch.__version__}'s dynamo traces such a class only in Cls.apply(...) and calls "
+            f"of its staticmethods, not its attributes, a classmethod's cls, super(), "
+            f"Cls.backward(ctx, ...) or .__func__",
+            FIX_FUNCTION_CLASS,
+        )
+    skipped = dynamo.skipped_function(e)
+    if skipped is not None:
+        name = skipped[0]
+        fn = function_named(*skipped)
+        launch = launch_in(fn) if fn is not None else None
+        if launch is not None:
+            return (
+                f"it calls {name}{at}, which launches the Triton kernel {launch.kernel} at "
+                f"{launch.at}, and dynamo does not trace {name} (torch.compiler.disable)",
+                FIX_RAW_LAUNCH,
+            )
+        return (
+            f"it calls {name}{at}, which dynamo does not trace (torch.compiler.disable)",
+            f"call {name} outside the backward, or make it an op with a fake kernel (a "
+            f"customgrad op, or torch.library.custom_op) and call the op from the backward",
+        )
+    seen: BaseException | None = e
+    for _ in range(4):  # the error, and what it was raised from
+        if seen is None:
+            break
+        first = (str(seen).strip().splitlines() or [""])[0]
+        if "not compiled with CUDA" in first or "NVIDIA driver" in first:
+            return (f"it calls CUDA{at}{line}, which this torch cannot reach: {first}", FIX_NO_CUDA)
+        seen = seen.__cause__
+    return None
 
 
 def _triton_frame(stack: Sequence[tuple[str, int, str]]) -> RawLaunch | None:

@@ -10,6 +10,7 @@ backend and the plumbing that makes dynamo compile a module's frame.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import weakref
@@ -21,7 +22,7 @@ from torch import fx, nn
 
 from customgrad._compiled_backward import SplitCompiler, no_donated_buffers, region_of, watching
 from customgrad._compiled_region import CompiledRegion, regions, register
-from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGradError
 from customgrad._torch.aot import config_patch, inductor_compilers
 from customgrad._torch.dispatcher import is_traceable_wrapper_subclass
 from customgrad._torch.dynamo import (
@@ -34,6 +35,7 @@ from customgrad._torch.dynamo import (
     optimized_module_type,
     set_compiled_call,
 )
+from customgrad._torch.errors import errors_first
 from customgrad._torch.fake import is_fake
 
 __all__ = ["CompiledRegion", "compile", "region_of", "regions"]
@@ -317,8 +319,21 @@ def compile(module: _M, **torch_compile_kwargs: object) -> _M:
         # (FSDP2's, any torch._dynamo.disable'd one) run outside the graph, and compiles
         # forward's frame, whose code object blocks of one class share
         call = module._call_impl if _user_forward(module) else _call_for(module)
-        compiled = torch.compile(call, backend=compiled_backend, **kwargs)
+        compiled = _errors_first(torch.compile(call, backend=compiled_backend, **kwargs))
         compiled._customgrad_compiled = True
         set_compiled_call(module, compiled)
         return module
-    return torch.compile(module, backend=compiled_backend, **kwargs)  # type: ignore[return-value]
+    return _errors_first(torch.compile(module, backend=compiled_backend, **kwargs))  # type: ignore[return-value]
+
+
+def _errors_first(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, raising a customgrad error that dynamo or AOTAutograd wrapped while they
+    traced (a missing fake kernel, a wrong gradient) as itself: its type and text, with what
+    torch raised as its cause."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with errors_first(CustomGradError):
+            return compiled(*args, **kwargs)
+
+    return call

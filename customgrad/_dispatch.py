@@ -1,7 +1,9 @@
 """An op in the dispatcher: its ``torch.library`` definition and the kernels customgrad registers.
 
 Each op is defined in a ``torch.library.Library`` fragment of its namespace, and customgrad
-registers its own kernels for it: the backend kernel (``CompositeExplicitAutograd``, which runs
+registers its own kernels for it, and its FLOP formula in torch's table
+(:class:`~customgrad._flops.OpFlops`, what ``FlopCounterMode`` counts the op's call as): the
+backend kernel (``CompositeExplicitAutograd``, which runs
 the op's kernel for the device from :class:`~customgrad._kernels.Kernels`), the fake kernel,
 the Autograd kernel (customgrad's node, the same ``AutogradImpl.apply`` a direct call reaches)
 and, for an op that mutates, an ``ADInplaceOrView`` kernel that bumps the versions of the tensors
@@ -22,6 +24,7 @@ import torch
 import torch.autograd.forward_ad as _fwad
 
 from customgrad._errors import DefinitionError, MissingRegistrationError, where
+from customgrad._flops import OpFlops, register_op_flops, unregister_op_flops
 from customgrad._kernels import Kernel, Kernels, first_tensor
 from customgrad._torch import dispatcher
 
@@ -94,6 +97,8 @@ class OpLibrary:
             self._lib.impl(opname, self.autograd, "Autograd")
             if self._mutated_idx:
                 self._lib.impl(opname, self.inplace_view, "ADInplaceOrView", with_keyset=True)
+            self._packet = packet
+            register_op_flops(packet, OpFlops(self._kernels))
         except RuntimeError as e:
             dispatcher.destroy_library(self._lib)
             first = str(e).strip().splitlines()[0]
@@ -103,6 +108,7 @@ class OpLibrary:
 
     def destroy(self) -> None:
         """Remove the definition and every registration (the name is free again)."""
+        unregister_op_flops(self._packet)
         dispatcher.destroy_library(self._lib)
 
     # -- the kernels the dispatcher calls --------------------------------------------------

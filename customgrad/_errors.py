@@ -15,6 +15,7 @@ __all__ = [
     "ArgumentValueError",
     "CustomGradError",
     "DefinitionError",
+    "DoubleBackwardError",
     "GradientTypeError",
     "GradientValueError",
     "KernelOutputError",
@@ -28,6 +29,12 @@ __all__ = [
 
 class CustomGradError(Exception):
     """Base class of every error customgrad raises for user input."""
+
+    def __repr__(self) -> str:
+        # Read as the traceback shows it: torch quotes a wrapped error by its repr (dynamo's
+        # "got ...(...)" under torch.compile), where the default would print the message's
+        # line breaks and code as escapes.
+        return f"{type(self).__name__}: {self}"
 
 
 class GradientTypeError(CustomGradError, TypeError):
@@ -65,6 +72,12 @@ class KernelOutputError(CustomGradError, RuntimeError):
 
 class UnsupportedError(CustomGradError, RuntimeError):
     """A transform or feature customgrad ops do not support (e.g. ``torch.vmap``)."""
+
+
+class DoubleBackwardError(UnsupportedError):
+    """Double backward reached what customgrad cannot differentiate: the gradients of a
+    backward registered with ``differentiable=False``, a residual, a tensor a Function's forward
+    computed and saved. ``check_op`` reports ``gradgradcheck`` as not applicable."""
 
 
 class UnsupportedTorchError(UnsupportedError):

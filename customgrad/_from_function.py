@@ -29,7 +29,7 @@ import types
 import typing
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Protocol, TypeGuard, TypeVar
+from typing import Any, Protocol, TypeGuard, TypeVar, cast
 
 import optree
 import torch
@@ -44,11 +44,13 @@ from customgrad._errors import (
     UnsupportedError,
     where,
 )
+from customgrad._function_ctx import ForwardContext, FunctionContext
 from customgrad._op import CustomOp
+from customgrad._saving import SAVED, register_dataclasses
 from customgrad._signature import _split_returns
 from customgrad._torch import dynamo
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
-from customgrad._torch.dispatcher import is_alias_of
+from customgrad._torch.dispatcher import is_alias_of, parse_schema
 from customgrad._torch.fake import detect_fake_mode, functional_tensor_type, is_fake
 from customgrad._torch.functions import setup_context_defined
 from customgrad._triton import raw_launch
@@ -88,9 +90,9 @@ class _Descriptor(Protocol):
         """The bound ``apply``."""
 
 
-_Layout = tuple[int, tuple[tuple[str, optree.PyTreeSpec | None, int], ...], tuple[int, ...]]
-"""The layout of the saved values: how many tensors forward saved, each attribute's name,
-structure and number of leaves, and the positions of the tensors it computed."""
+_Layout = tuple[int, tuple[str, ...], tuple[tuple[int, int | None], ...]]
+"""The layout of the saved values: how many tensors forward saved, the attributes' names, and
+where the tensors it computed are (a position, and the leaf inside an attribute's container)."""
 
 
 class _Stash(threading.local):
@@ -103,52 +105,7 @@ _stash = _Stash()
 
 
 # --------------------------------------------------------------------------------------------
-# The ctx objects the Function sees
-
-
-class _ForwardContext:
-    """The ``ctx`` of the Function's ``forward`` (or ``setup_context``): records what it keeps."""
-
-    _cg: tuple[str, Callable[..., object]]
-    _cg_saved: tuple[torch.Tensor | None, ...]
-    _cg_attrs: dict[str, object]
-    _cg_nondiff: list[torch.Tensor]
-    needs_input_grad: tuple[bool, ...]
-
-    def __init__(
-        self, needs_input_grad: tuple[bool, ...], qualname: str, fn: Callable[..., object]
-    ) -> None:
-        object.__setattr__(self, "_cg", (qualname, fn))
-        object.__setattr__(self, "_cg_saved", ())
-        object.__setattr__(self, "_cg_attrs", {})
-        object.__setattr__(self, "_cg_nondiff", [])
-        object.__setattr__(self, "needs_input_grad", needs_input_grad)
-
-    def __setattr__(self, name: str, value: object) -> None:
-        self._cg_attrs[name] = value
-
-    def __getattr__(self, name: str) -> object:
-        attrs = object.__getattribute__(self, "_cg_attrs")
-        if name in attrs:
-            return attrs[name]
-        raise AttributeError(name)
-
-    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
-        object.__setattr__(self, "_cg_saved", tensors)
-
-    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
-        self._cg_nondiff.extend(tensors)
-
-    def set_materialize_grads(self, value: bool) -> None:
-        """Accepted; customgrad always passes a gradient (zeros for unused outputs)."""
-
-    def mark_dirty(self, *tensors: torch.Tensor) -> None:
-        qualname, fn = self._cg
-        raise UnsupportedError(
-            f"{qualname}: the Function's forward calls ctx.mark_dirty: it modifies an input in "
-            f"place, which customgrad ops do not differentiate through. Return a new tensor "
-            f"instead, or keep this Function as it is. (forward defined at {where(fn)})"
-        )
+# What forward keeps on ctx, as it reaches the backward
 
 
 class _ByReference:
@@ -201,30 +158,17 @@ def _by_reference(value: object, args: Sequence[object]) -> bool:
 
 
 def _flatten(value: object) -> tuple[list[object], optree.PyTreeSpec]:
-    """``value``'s leaves (None a leaf) and structure."""
+    """``value``'s leaves (None a leaf) and structure, as customgrad's saving sees it."""
     tree: Any = value  # optree types a tree as PyTree[T]; any object is one (a leaf at least)
-    return optree.tree_flatten(tree, none_is_leaf=True)
+    leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=SAVED)
+    if register_dataclasses(leaves):
+        leaves, spec = optree.tree_flatten(tree, none_is_leaf=True, namespace=SAVED)
+    return leaves, spec
 
 
 def _traced(t: _Tensor) -> bool:
     """Whether ``t`` is a fake or functional tensor (a trace, not an eager call)."""
     return is_fake(t) or isinstance(t, functional_tensor_type())
-
-
-class _BackwardContext:
-    """The ``ctx`` of the Function's ``backward``: the saved tensors, the attributes ``forward``
-    set, and ``needs_input_grad`` for the running pass."""
-
-    def __init__(
-        self,
-        saved: tuple[object, ...],
-        attrs: Mapping[str, object],
-        needs_input_grad: tuple[bool, ...],
-    ) -> None:
-        for name, value in attrs.items():  # dynamo traces setattr (torch 2.11: not update)
-            setattr(self, name, value)
-        self.saved_tensors = saved
-        self.needs_input_grad = needs_input_grad
 
 
 # --------------------------------------------------------------------------------------------
@@ -318,7 +262,7 @@ def _guard_computed(
     forward: Callable[..., object],
     saved: tuple[Any, ...],
     grads: tuple[torch.Tensor | None, ...],
-    computed: Sequence[int],
+    computed: Sequence[tuple[int, int | None]],
 ) -> tuple[Any, ...]:
     """``saved`` with each tensor that forward computed (at positions ``computed``) replaced by
     an alias whose backward raises, in double backward (as customgrad does for residuals)."""
@@ -327,8 +271,13 @@ def _guard_computed(
         return saved
     msg = MSG_COMPUTED_DOUBLE_BACKWARD.format(op=qualname, loc=where(forward))
     guarded = list(saved)
-    for i in computed:
-        guarded[i] = _raises_if_differentiated(msg, guarded[i], anchors)
+    for i, k in computed:
+        if k is None:
+            guarded[i] = _raises_if_differentiated(msg, guarded[i], anchors)
+        else:  # inside an attribute's container
+            leaves, spec = _flatten(guarded[i])
+            leaves[k] = _raises_if_differentiated(msg, cast(_Tensor, leaves[k]), anchors)
+            guarded[i] = optree.tree_unflatten(spec, leaves)
     return tuple(guarded)
 
 
@@ -473,10 +422,11 @@ class _Writes:
     lets a Function's backward write into what it is handed; customgrad refuses it (another
     node, or the other half of a split, may read it). Which ones it writes is learned per
     layout and plain attribute values (``ctx.inplace``) at the first eager call, which is handed
-    copies of all of them but leaves (weights, handed as themselves: a backward reads their
-    attributes, Megatron's ``main_grad``; one that writes into a weight is refused as before):
-    the gradients the raw Function computes, at the memory of its out-of-place way. A write
-    torch's version counter does not see (a Triton store) is neither seen here nor refused."""
+    copies of all of them, leaves too (the input of a first stage), each copy sharing its
+    original's attributes (a backward reads and sets them on weights: Megatron's ``main_grad``,
+    ``grad_added_to_main_grad``): the gradients the raw Function computes, at the memory of its
+    out-of-place way. A write torch's version counter does not see (a Triton store) is neither
+    seen here nor refused."""
 
     def __init__(self, backward: Callable[..., object]) -> None:
         self.backward = backward
@@ -494,7 +444,7 @@ class _Writes:
         if dynamo.tracing() or any(
             isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
         ):  # a trace: a write there is the trace's business
-            return self.backward(_BackwardContext(tensors, attrs, needs), *grads)
+            return self.backward(FunctionContext(tensors, attrs, needs), *grads)
         key = (layout, needs, *(
             (k, v if type(v) in _PLAIN else type(v)) for k, v in attrs.items()
         ))  # fmt: skip
@@ -503,21 +453,23 @@ class _Writes:
         def copy(at: tuple[int, int], t: Any) -> Any:
             if not isinstance(t, _Tensor) or (written is not None and at not in written):
                 return t
-            if at[0] == 0 and t.is_leaf:  # a weight: itself (its attributes: main_grad)
-                return t
-            return t.clone()
+            c = t.clone()
+            if t.requires_grad and not c.requires_grad:  # cloned without grad: read as t is
+                c.requires_grad_()
+            c.__dict__ = t.__dict__  # its attributes are the original's (Megatron's main_grad)
+            return c
 
         given = tuple(
             tuple(copy((p, i), t) for i, t in enumerate(ts)) for p, ts in enumerate(parts)
         )
         if written is not None:
-            return self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+            return self.backward(FunctionContext(given[0], attrs, needs), *given[1])
         watched = [
             ((p, i), t) for p, ts in enumerate(given) for i, t in enumerate(ts)
             if isinstance(t, _Tensor)
         ]  # fmt: skip
         before = [t._version for _, t in watched]
-        result = self.backward(_BackwardContext(given[0], attrs, needs), *given[1])
+        result = self.backward(FunctionContext(given[0], attrs, needs), *given[1])
         self._seen[key] = frozenset(at for (at, t), v in zip(watched, before) if t._version != v)
         return result
 
@@ -565,9 +517,11 @@ def _once_differentiable(fn: object) -> bool:
 
 
 def _parameters(
-    function: type[torch.autograd.Function], name: str, classic: bool
+    function: type[torch.autograd.Function], name: str, classic: bool, schema: str | None
 ) -> tuple[list[inspect.Parameter], Any]:
-    """The forward's parameters (without ``ctx``), with annotations resolved."""
+    """The forward's parameters (without ``ctx``), with annotations resolved; named by
+    ``schema`` when the forward takes ``*args`` (a decorator that wraps it without
+    ``functools.wraps``)."""
     forward = function.forward
     label = f"{function.__qualname__}.forward"
     try:
@@ -585,12 +539,16 @@ def _parameters(
     }
     bad = [p for p in params if p.kind in kinds]
     if bad:
+        named = _schema_parameters(schema)
+        if named is not None:
+            return named, inspect.Parameter.empty
         stars = kinds[bad[0].kind]
         raise DefinitionError(
             f"{name}: {label} takes {stars}{bad[0].name}; autograd.Function.apply passes its "
             f"inputs by position, and a customgrad op needs one named parameter per input. Name "
-            f"them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined at "
-            f"{where(forward)})"
+            f"them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor, or name them in "
+            f'the schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> Tensor"). '
+            f"(forward defined at {where(forward)})"
         )
     try:
         hints = typing.get_type_hints(forward)
@@ -598,6 +556,25 @@ def _parameters(
         hints = {}
     params = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in params]
     return params, hints.get("return", inspect.signature(forward).return_annotation)
+
+
+def _schema_parameters(schema: str | None) -> list[inspect.Parameter] | None:
+    """One positional parameter per argument of ``schema`` (with its default), or None."""
+    try:
+        parsed = parse_schema("_cg_probe" + schema) if schema is not None else None
+    except RuntimeError:
+        return None  # the op's definition reports it
+    if parsed is None:
+        return None
+    empty = inspect.Parameter.empty
+    return [
+        inspect.Parameter(
+            a.name,
+            inspect.Parameter.POSITIONAL_OR_KEYWORD,
+            default=a.default_value if a.has_default_value() else empty,
+        )
+        for a in parsed.arguments
+    ]
 
 
 def _annotated_schema(params: list[inspect.Parameter], returns: Any) -> str | None:
@@ -689,7 +666,7 @@ def from_function(
             f"{name}: from_function needs a torch.autograd.Function subclass, got {got}.{fix}"
         )
     classic = not setup_context_defined(function)
-    params, returns = _parameters(function, name, classic)
+    params, returns = _parameters(function, name, classic, schema)
     public = schema if schema is not None else _annotated_schema(params, returns)
     if public is None:  # read from the first call
         return DeferredFunctionOp(function, name, params, weights, output_differentiability)
@@ -742,7 +719,7 @@ def _define(
 
     def kernel(*args: Any) -> Any:
         needs = _needs(args)
-        ctx = _ForwardContext(needs, qualname, forward)
+        ctx = ForwardContext(needs, qualname, forward)
         given = tuple(a.clone() if i in calls.cloned else a for i, a in enumerate(args))
         if classic:
             out = forward(ctx, *given)
@@ -752,6 +729,17 @@ def _define(
         outs = out if isinstance(out, tuple) else (out,)
         if calls.outputs:
             outs = _tensor_outputs(qualname, forward, outs, calls.outputs)
+        # A forward that returns an input it wrote (Liger's rope rotates q and k in place when
+        # they are laid out for its kernel) returns it as the raw Function does; the op, whose
+        # outputs are new tensors, returns a copy.
+        inputs = [t for a in args for t in (a if isinstance(a, (list, tuple)) else (a,))]
+        outs = tuple(
+            o.clone()
+            if isinstance(o, _Tensor)
+            and any(isinstance(t, _Tensor) and _is_alias_of(o, t) for t in inputs)
+            else o
+            for o in outs
+        )
         residuals: list[_Tensor] = []
         sources = _sources(args, outs)
 
@@ -812,7 +800,7 @@ def _define(
                 [like(t, n) for t in a] if isinstance(a, (list, tuple)) else like(a, n)
                 for a, n in zip(args, needs)
             ]
-            ctx = _ForwardContext(needs, qualname, forward)
+            ctx = ForwardContext(needs, qualname, forward)
             if classic:
                 forward(ctx, *fargs)
             else:
@@ -904,18 +892,30 @@ def _define(
         if real != seen and attrs:
             attrs = attrs_as_if(inputs, real, attrs)
         outs = output if n_out > 1 else (output,)
-        # One flat tuple (customgrad saves it, and the automatic split reads it, without
-        # flattening): the layout's number, the saved tensors, then each attribute's leaves.
+        computed: list[tuple[int, int | None]] = []
+
+        def found(p: Any, at: int, k: int | None) -> Any:
+            if not isinstance(p, _Place):
+                return p
+            if _computed(p):
+                computed.append((at, k))
+            return _find(p, inputs, outs, res)
+
+        # One tuple: the layout's number, the saved tensors, then each attribute as forward
+        # set it (a container rebuilt here, so that the backward, which dynamo captures, reads
+        # it as it is: customgrad's saving flattens it and rebuilds it before the backward).
         flat: list[Any] = [None]
-        computed: list[int] = []
-        for p in [*saved_places, *(v for _, leaves in attrs.values() for v in leaves)]:
-            if isinstance(p, _Place):
-                if _computed(p):
-                    computed.append(len(flat))
-                p = _find(p, inputs, outs, res)
-            flat.append(p)
-        specs = tuple((attr, spec, len(leaves)) for attr, (spec, leaves) in attrs.items())
-        flat[0] = layouts.number((len(saved_places), specs, tuple(computed)))
+        for p in saved_places:
+            flat.append(found(p, len(flat), None))
+        for spec, leaves in attrs.values():
+            at = len(flat)
+            if spec is None:
+                flat.append(found(leaves[0], at, None))
+            else:
+                flat.append(
+                    optree.tree_unflatten(spec, [found(v, at, k) for k, v in enumerate(leaves)])
+                )
+        flat[0] = layouts.number((len(saved_places), tuple(attrs), tuple(computed)))
         return tuple(flat)
 
     n_args = len(names)
@@ -926,20 +926,17 @@ def _define(
     writes = _Writes(user_backward)
 
     def backward(ctx: Any, saved: Any, *grads: Any) -> dict[str, Any]:
-        n_saved, specs, computed = layouts.layout(saved[0])
+        n_saved, names_of_attrs, computed = layouts.layout(saved[0])
         if computed and torch.is_grad_enabled():  # create_graph: see _guard_computed
             saved = _guard_computed(qualname, forward, saved, grads, computed)
         tensors = saved[1 : 1 + n_saved]
         attrs: dict[str, Any] = {}
-        at = 1 + n_saved
-        for attr, spec, n in specs:
-            value = saved[at] if spec is None else optree.tree_unflatten(spec, saved[at : at + n])
+        for attr, value in zip(names_of_attrs, saved[1 + n_saved :]):
             if isinstance(value, _ByReference):
                 value = value.value
             elif isinstance(value, _LeafByReference):
                 value = value.ref()
             attrs[attr] = value
-            at += n
         needs = tuple(n in tensor_args and ctx.needs_input_grad(n) for n in names)
         if calls.outputs:  # the Function's None outputs get None, as autograd gives them
             it = iter(grads)
@@ -1253,7 +1250,8 @@ class DeferredFunctionOp:
         return op
 
     def _probe(self, values: Sequence[object]) -> tuple[Any, list[Any], frozenset[int]]:
-        """Run the forward once on copies of this call's tensors (no gradient recorded): what it
+        """Run the forward once on copies of this call's tensors (no gradient recorded, no mode
+        of the caller's seeing it: a FLOP counter counts the call itself, once): what it
         returns, what it marks non-differentiable, which arguments it writes and returns."""
 
         def copy(v: Any) -> Any:
@@ -1265,9 +1263,9 @@ class DeferredFunctionOp:
             return v
 
         function, forward = self.function, self.function.forward
-        copies = [copy(v) for v in values]
-        ctx = _ForwardContext(_needs(values), self.name, forward)
-        with torch.no_grad():
+        ctx = ForwardContext(_needs(values), self.name, forward)
+        with torch.no_grad(), _disable_current_modes():
+            copies = [copy(v) for v in values]
             if setup_context_defined(function):
                 out = forward(*copies)
                 function.setup_context(ctx, tuple(copies), out)

@@ -174,6 +174,9 @@ class Kernels:
         self.by_device: dict[str | None, Kernel] = {}
         self.fake: Callable[..., Any] | None = None
         """The fake kernel (``register_fake``), or None."""
+        self.flops: Callable[..., int] | None = None
+        """The kernel's FLOPs from its arguments (``register_flops``), or None: then FLOP
+        counters count the torch ops it runs (:class:`customgrad._flops.OpFlops`)."""
         self.foreign_keys = ForeignKeys(sig.qualname)
 
     def for_device(self, device_type: str) -> Kernel | None:

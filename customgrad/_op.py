@@ -333,6 +333,9 @@ class _ReplacedOp(CustomOp[P, R]):
     def register_fake(self, fn: F) -> F:
         raise self._replaced()
 
+    def register_flops(self, fn: F) -> F:
+        raise self._replaced()
+
 
 def registered_ops() -> list[CustomOp[..., object]]:
     """Every customgrad op defined in this process (the current definition of each name)."""

@@ -152,6 +152,34 @@ class OpRegistration:
         self._kernels.fake = fn
         return fn
 
+    def register_flops(self, fn: F) -> F:
+        """Register the kernel's FLOP count, ``flops(*args) -> int``, for a kernel a FLOP
+        counter cannot see into (a Triton kernel, a C++/CUDA extension).
+
+        ``torch.utils.flop_counter.FlopCounterMode`` (and customgrad's tools) count each call of
+        the op's forward as what ``fn`` returns; it is called with the op's arguments, whose
+        tensors may be fake or meta: read their shapes, not their values. Without it, a call
+        counts as the torch ops the kernel runs (counted once per shape on fake tensors). The
+        backward counts as what it runs: kernels it calls as ops have formulas of their own.
+
+        Example:
+            >>> import math, torch, customgrad as cg
+            >>> @cg.op("doc_flops::matmul")
+            ... def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            ...     return a @ b                 # imagine a Triton kernel here
+            >>> @matmul.register_flops
+            ... def _(a, b):
+            ...     return 2 * math.prod(a.shape) * b.shape[-1]
+            >>> from torch.utils.flop_counter import FlopCounterMode
+            >>> with FlopCounterMode(display=False) as counter:
+            ...     _ = matmul(torch.randn(8, 16), torch.randn(16, 32))
+            >>> counter.get_total_flops()
+            8192
+        """
+        check_arity(self.name, "flops", fn, len(self._sig.names), f"({', '.join(self._sig.names)})")
+        self._kernels.flops = fn
+        return fn
+
     def register_save_for_backward(self, fn: F) -> F:
         """Register ``save_for_backward(inputs, output) -> pytree`` (``inputs``: the arguments by
         name; ``save_for_backward(inputs, output, residuals)`` for an op with residuals)."""

@@ -4,6 +4,9 @@ changes are caught and no reference cycle keeps outputs alive), the rest as it i
 from __future__ import annotations
 
 import dataclasses
+import functools
+import threading
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
@@ -19,7 +22,48 @@ from customgrad._rules import OpSpec
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 
-__all__ = ["SaveError"]
+__all__ = ["SAVED", "SaveError", "register_dataclasses"]
+
+SAVED = "customgrad"
+"""The optree namespace of what a backward is handed: there a dataclass is a node (its fields),
+as tuples, lists, dicts and NamedTuples are, so that the tensors in it are saved through
+autograd, watched for in-place writes and captured like any other."""
+
+_registering = threading.Lock()
+
+
+def register_dataclasses(leaves: Sequence[object]) -> bool:
+    """Make the dataclass types among ``leaves`` nodes of :data:`SAVED` (once each); True if
+    there was one (flatten again to see inside it)."""
+    found: set[Any] = {
+        type(v)
+        for v in leaves
+        if dataclasses.is_dataclass(v)
+        and not isinstance(v, type)
+        and type(v).__new__ is object.__new__  # rebuilt as _rebuild does (not a dict subclass)
+    }
+    with _registering:
+        for cls in found:
+            if optree.register_pytree_node.get(cls, namespace=SAVED) is None:
+                rebuild: Any = functools.partial(_rebuild, cls)
+                optree.register_pytree_node(cls, _fields, rebuild, namespace=SAVED)
+    return bool(found)
+
+
+def _fields(obj: Any) -> tuple[list[object], tuple[str, ...], tuple[str, ...]]:
+    """A dataclass instance's fields and other attributes, named."""
+    names = [f.name for f in dataclasses.fields(obj)]
+    names += [n for n in getattr(obj, "__dict__", {}) if n not in names]
+    return [getattr(obj, n) for n in names], tuple(names), tuple(names)
+
+
+def _rebuild(cls: type, names: tuple[str, ...], values: Any) -> object:
+    """An instance of ``cls`` with these attributes, made without ``__init__`` or
+    ``__post_init__`` (which may compute, or refuse to set a frozen field)."""
+    obj: object = object.__new__(cls)
+    for n, v in zip(names, values):
+        object.__setattr__(obj, n, v)
+    return obj
 
 
 class SaveError(GradientTypeError):
@@ -30,9 +74,9 @@ MSG_HIDDEN_TENSORS = """\
 {op}: save_for_backward returned {what}, which holds Tensors customgrad cannot see. Tensors \
 must be saved through autograd (so in-place changes before backward are caught and no \
 reference cycle keeps outputs alive), which customgrad does for Tensors inside tuples, lists, \
-dicts and NamedTuples. Return those instead:
+dicts, NamedTuples and dataclasses. Return those instead:
 
-    return inputs.x, inputs.weight, rstd            # or a dict / a NamedTuple
+    return inputs.x, inputs.weight, rstd            # or a dict, a NamedTuple, a dataclass
 
 (save_for_backward defined at {loc})"""
 
@@ -85,7 +129,9 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
                     leaves[i] = None
             record.kept = _Kept(leaves, None, tensor_idx)
             return
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True, namespace=SAVED)
+    if register_dataclasses(leaves):
+        leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True, namespace=SAVED)
     tensor_idx = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Tensor):
@@ -100,22 +146,17 @@ def _save(ctx: Any, record: NodeRecord, spec: OpSpec, saved: Any) -> None:
 
 
 def _check_opaque_leaf(spec: OpSpec, leaf: Any) -> None:
-    """Refuse a saved leaf that hides tensors from autograd (a dataclass or an object with
-    Tensor attributes); an object without tensors (a quantization state, a config) is kept."""
+    """Refuse a saved leaf that hides tensors from autograd (an object with Tensor attributes);
+    an object without tensors (a quantization state, a config) is kept."""
     attrs = getattr(leaf, "__dict__", None)
     values: list[Any] = list(attrs.values()) if isinstance(attrs, dict) else []
     for name in getattr(type(leaf), "__slots__", ()):
         values.append(getattr(leaf, name, None))
-    is_dataclass = dataclasses.is_dataclass(leaf) and not isinstance(leaf, type)
-    if is_dataclass:
-        values += [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
     tree: Any = values
-    if not any(isinstance(v, _Tensor) for v in optree.tree_leaves(tree, none_is_leaf=True)):
+    leaves = optree.tree_leaves(tree, none_is_leaf=True, namespace=SAVED)
+    if not any(isinstance(v, _Tensor) for v in leaves):
         return
-    if is_dataclass:
-        what = f"a dataclass ({type(leaf).__qualname__})"
-    else:
-        what = f"a {type(leaf).__qualname__} object with Tensor attributes"
+    what = f"a {type(leaf).__qualname__} object with Tensor attributes"
     save = spec.rules.save
     raise SaveError(MSG_HIDDEN_TENSORS.format(op=spec.name, what=what, loc=where(save)))
 

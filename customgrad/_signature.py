@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import inspect
 import keyword
-import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
@@ -109,11 +109,16 @@ def parse_name(name: object) -> tuple[str, str]:
     return ns, opname
 
 
+_Field: type = type(vars(collections.namedtuple("_Probe", "field"))["field"])
+"""The descriptor of a namedtuple's field (CPython's ``_tuplegetter``)."""
+
+
 def record_type(typename: str, names: Sequence[str]) -> type[tuple[object, ...]]:
-    """A tuple type with one read-only attribute per name, like a namedtuple.
+    """A tuple type with one read-only attribute per name, a namedtuple in all but its checks.
 
     Unlike ``collections.namedtuple`` it takes any argument name torch.library takes
-    (``_input``, ``count``, ...).
+    (``_input``, ``count``, ...). Its fields are a namedtuple's own descriptors, so dynamo
+    (which captures a backward reading ``inputs.weight``) reads them as a namedtuple's.
 
     Example:
         >>> Inputs = record_type("Inputs", ["x", "_input"])
@@ -138,6 +143,12 @@ def record_type(typename: str, names: Sequence[str]) -> type[tuple[object, ...]]
             raise TypeError(f"{typename} takes {len(fields)} values, got {len(values)}")
         return tuple.__new__(cls, values)
 
+    def _replace(self: tuple[object, ...], **changes: object) -> tuple[object, ...]:
+        values = [changes.pop(n, v) for n, v in zip(fields, self)]
+        if changes:
+            raise ValueError(f"{typename} has no fields {sorted(changes)}")
+        return tuple.__new__(type(self), values)
+
     def __getnewargs__(self: tuple[object, ...]) -> tuple[object, ...]:
         return tuple(self)
 
@@ -148,12 +159,14 @@ def record_type(typename: str, names: Sequence[str]) -> type[tuple[object, ...]]
         "__repr__": __repr__,
         "_asdict": _asdict,
         "_make": classmethod(_make),
+        "_replace": _replace,
         "_fields": fields,
+        "__match_args__": fields,
         "_field_defaults": {},
         "__getnewargs__": __getnewargs__,
     }
     for i, n in enumerate(fields):
-        namespace[n] = property(operator.itemgetter(i), doc=f"{n!r}")
+        namespace[n] = _Field(i, f"{n!r}")
     return type(typename, (tuple,), namespace)
 
 

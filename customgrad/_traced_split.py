@@ -22,6 +22,7 @@ import torch.fx as fx
 
 from customgrad._handoff import Kept
 from customgrad._rules import Gradient, OpSpec
+from customgrad._saving import SAVED
 from customgrad._split_program import Pass, ProgramCut, SplitProgram
 from customgrad._torch.dispatcher import OpOverload, TorchDispatchMode, aten_callables
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
@@ -50,7 +51,7 @@ when both are flat tuples, else the count and the two trees' specs (:func:`flatt
 def flatten(saved: object, grads: tuple[object, ...]) -> tuple[list[object], Structure]:
     """The leaves of the saved values and the output gradients, and their structure."""
     tree: Any = (saved, grads)  # a pytree of the user's values
-    saved_leaves, saved_spec = optree.tree_flatten(tree[0], none_is_leaf=True)
+    saved_leaves, saved_spec = optree.tree_flatten(tree[0], none_is_leaf=True, namespace=SAVED)
     grad_leaves, grads_spec = optree.tree_flatten(tree[1], none_is_leaf=True)
     return [*saved_leaves, *grad_leaves], (len(saved_leaves), saved_spec, grads_spec)
 

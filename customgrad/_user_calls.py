@@ -12,11 +12,12 @@ import torch
 from torch.autograd.function import FunctionCtx
 
 from customgrad._errors import (
+    DoubleBackwardError,
     MutationError,
-    UnsupportedError,
     where,
 )
 from customgrad._rules import Half, OpSpec
+from customgrad._saving import SAVED
 from customgrad._triton import raise_if_raw_launch
 from customgrad._validate import HALF_NAMES
 
@@ -37,7 +38,7 @@ def _watched_values(saved: Any, grads: tuple[Any, ...]) -> tuple[Any, ...]:
         return grads
     if isinstance(saved, _Tensor):
         return (*grads, saved)
-    return (*grads, *optree.tree_leaves(saved, none_is_leaf=True))
+    return (*grads, *optree.tree_leaves(saved, none_is_leaf=True, namespace=SAVED))
 
 
 def _raise_mutation(
@@ -105,7 +106,7 @@ def _call_user(
 def _requiring_grad(grads: tuple[Any, ...], saved: Any) -> list[torch.Tensor]:
     """The output gradients and saved tensors that require grad (in double backward)."""
     tree: Any = (grads, saved)
-    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True)
+    leaves: list[Any] = optree.tree_leaves(tree, none_is_leaf=True, namespace=SAVED)
     return [t for t in leaves if isinstance(t, _Tensor) and t.requires_grad]
 
 
@@ -125,7 +126,7 @@ class _RaiseIfDifferentiated(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: FunctionCtx, *grads: torch.Tensor | None) -> NoReturn:
-        raise UnsupportedError(ctx.msg)  # type: ignore[attr-defined]
+        raise DoubleBackwardError(ctx.msg)  # type: ignore[attr-defined]
 
 
 def _raises_if_differentiated(msg: str, t: torch.Tensor, anchors: list[torch.Tensor]) -> Any:
@@ -171,7 +172,11 @@ differentiable=False to declare the op once differentiable. (kernel defined at {
 def _residual_slots(saved: Any, residuals: tuple[Any, ...], names: tuple[str, ...]) -> Any:
     """For each residual that ``save_for_backward`` kept as it is: its position among the saved
     tensors (in the order :func:`_save` saves them) and its name; None when there is none."""
-    tensors = [t for t in optree.tree_leaves(saved, none_is_leaf=True) if isinstance(t, _Tensor)]
+    tensors = [
+        t
+        for t in optree.tree_leaves(saved, none_is_leaf=True, namespace=SAVED)
+        if isinstance(t, _Tensor)
+    ]
     slots = tuple(
         (i, name) for i, t in enumerate(tensors) for r, name in zip(residuals, names) if t is r
     )
@@ -192,7 +197,7 @@ def _guard_residuals(
     if not anchors:
         return saved
     names = dict(slots)
-    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True)
+    leaves, treespec = optree.tree_flatten(saved, none_is_leaf=True, namespace=SAVED)
     k = 0
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, _Tensor):

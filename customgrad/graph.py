@@ -45,6 +45,7 @@ from customgrad._flops import FlopCounter
 from customgrad._origin import ValueOrigin
 from customgrad._record import record_of
 from customgrad._split_plan import children, grad_node
+from customgrad._split_run import PASSES, SplitRun, differences
 from customgrad._torch.functions import custom_op_of, forward_cls
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ NodeKind = Literal[
 """What an autograd node is: a customgrad op, a native (C++) node, a plain
 ``autograd.Function``, a ``torch.library.custom_op``, a region compiled by
 :func:`customgrad.compile`, the leaf of a stage input or weight, or another leaf."""
-
-_PHASES = ("full", "input", "weight")
 
 
 @dataclass(frozen=True)
@@ -257,7 +256,7 @@ class SplitExplanation:
             ModuleInfo(
                 name,
                 tuple(ns),
-                {p: sum(n.flops[p] for n in ns) for p in _PHASES},
+                {p: sum(n.flops[p] for n in ns) for p in PASSES},
                 sum(n.repeated_flops for n in ns),
             )
             for name, ns in sorted(groups.items(), key=lambda item: rank(item[0]))
@@ -461,21 +460,20 @@ def explain_split(
     depth = _depths(len(order), [index[r] for r in roots], edges)
 
     # Watch every node: which pass it runs in, and the FLOPs done while it runs.
-    phase_of = {"phase": "full"}
-    ran: dict[str, set[int]] = {p: set() for p in (*_PHASES, "check")}
-    counters = {p: FlopCounter() for p in (*_PHASES, "check")}
+    measured = SplitRun()
+    ran: dict[str, set[int]] = {p: set() for p in (*PASSES, "check")}
     handles: list[RemovableHandle] = []
     for i, node in enumerate(order):
 
         def pre(grad_outputs: tuple[torch.Tensor | None, ...], i: int = i) -> None:
-            ran[phase_of["phase"]].add(i)
-            counters[phase_of["phase"]].key = i
+            ran[measured.phase].add(i)
+            measured.counter().key = i
 
         def post(
             grad_inputs: tuple[torch.Tensor | None, ...],
             grad_outputs: tuple[torch.Tensor | None, ...],
         ) -> None:
-            counters[phase_of["phase"]].key = None
+            measured.counter().key = None
 
         handles.append(node.register_prehook(pre))
         handles.append(node.register_hook(post))
@@ -484,33 +482,44 @@ def explain_split(
     leaves = [t for t in [*inputs, *weights] if isinstance(t, torch.Tensor)]
     grads_before = [t.grad for t in leaves]
     try:
-        with counters["full"]:
-            wanted = [t for t in leaves if t.requires_grad]
-            full_grads: Sequence[torch.Tensor | None] = ()
-            if outs and wanted:
-                full_grads = torch.autograd.grad(
-                    outs, wanted, [g.clone() for g in gouts], retain_graph=True, allow_unused=True
-                )
-        repeatable = _repeatable(outs, wanted, gouts, full_grads, phase_of)
-        phase_of["phase"] = "input"
+        wanted = [t for t in leaves if t.requires_grad]
+
+        def full() -> Sequence[torch.Tensor | None]:
+            if not (outs and wanted):
+                return ()
+            grads = [g.clone() for g in gouts]
+            return torch.autograd.grad(outs, wanted, grads, retain_graph=True, allow_unused=True)
+
+        full_grads = measured.run("full", full)
+        # A second full backward (counted in no pass) must give the first's gradients for the
+        # split, which runs after it, to have a reference.
+        repeatable = not full_grads or not differences(
+            full_grads, measured.run("check", full), wanted, atol=1e-7, rtol=1e-5
+        )
         for t in leaves:
             t.grad = None
-        with counters["input"]:
-            dinputs, param_groups = backward_input(
+        dinputs, param_groups = measured.run(
+            "input",
+            lambda: backward_input(
                 [o.clone() for o in outs], [g.clone() for g in gouts], inputs, iter(weights)
-            )
+            ),
+        )
         handed_over = _deferred_nodes(param_groups)
         # The weight halves I deferred run outside any node in W: count them to their node.
-        _count_deferred_to_nodes(param_groups, index, counters["weight"])
-        _count_direct_calls_to_nodes(param_groups, index, counters["weight"], ran["weight"])
+        _count_deferred_to_nodes(param_groups, index, measured.counter("weight"))
+        _count_direct_calls_to_nodes(param_groups, index, measured.counter("weight"), ran["weight"])
         once_ids = _ran_once(param_groups)
         split_ids = _split_functions(param_groups)
-        phase_of["phase"] = "weight"
-        with counters["weight"]:
-            backward_weight(iter(weights), param_groups)
+        measured.run("weight", lambda: backward_weight(iter(weights), param_groups))
         split_grads = {id(t): t.grad for t in weights if isinstance(t, torch.Tensor)}
         split_grads.update({id(t): g for t, g in zip(inputs, dinputs)})
-        errors = _gradient_errors(wanted, full_grads, split_grads, names) if repeatable else None
+        errors = None
+        if repeatable:
+            got = [split_grads.get(id(t)) for t in wanted]
+            errors = {
+                names.get(id(wanted[d.at]), f"tensor {d.at} {tuple(wanted[d.at].shape)}"): d.error
+                for d in differences(full_grads, got, wanted, atol=1e-6, rtol=1e-4)
+            }
     finally:
         for h in handles:
             h.remove()
@@ -524,7 +533,7 @@ def explain_split(
     once_labels: set[str] = set()
     split_labels: set[str] = set()
     for i, node in enumerate(order):
-        flops = {p: int(counters[p].by_key.get(i, 0)) for p in _PHASES}
+        flops = {p: int(measured.counter(p).by_key.get(i, 0)) for p in PASSES}
         phases = frozenset(p for p in ("input", "weight") if i in ran[p])
         variable = getattr(node, "variable", None)
         if isinstance(variable, torch.Tensor):  # a leaf's gradient accumulator
@@ -575,9 +584,10 @@ def explain_split(
                 kept,
             )
         )
-    totals = {p: counters[p].total for p in _PHASES}
-    outside = {p: int(counters[p].by_key.get(None, 0)) for p in _PHASES}
-    uncounted = {p: dict(counters[p].uncounted) for p in _PHASES if counters[p].uncounted}
+    counters = {p: measured.counter(p) for p in PASSES}
+    totals = {p: counters[p].total for p in PASSES}
+    outside = {p: int(counters[p].by_key.get(None, 0)) for p in PASSES}
+    uncounted = {p: dict(counters[p].uncounted) for p in PASSES if counters[p].uncounted}
     return SplitExplanation(
         nodes,
         edges,
@@ -851,56 +861,6 @@ def _functions_section(report: SplitExplanation) -> str:
             f"relative to the gradient): {shown}."
         )
     return "".join(f"\n{line}" for line in lines)
-
-
-def _repeatable(
-    outs: list[torch.Tensor],
-    wanted: list[torch.Tensor],
-    gouts: list[torch.Tensor],
-    first: Sequence[torch.Tensor | None],
-    phase_of: dict[str, str],
-) -> bool:
-    """Whether a second full backward of the graph gives the first's gradients (the node
-    watchers count it in no pass)."""
-    if not (outs and wanted):
-        return True
-    phase_of["phase"] = "check"
-    try:
-        again = torch.autograd.grad(
-            outs, wanted, [g.clone() for g in gouts], retain_graph=True, allow_unused=True
-        )
-    finally:
-        phase_of["phase"] = "full"
-    return all(
-        (a is None) == (b is None)
-        and (a is None or b is None or torch.allclose(a, b, rtol=1e-5, atol=1e-7))
-        for a, b in zip(first, again)
-    )
-
-
-def _gradient_errors(
-    wanted: Sequence[torch.Tensor],
-    full: Sequence[torch.Tensor | None],
-    split: dict[int, torch.Tensor | None],
-    names: dict[int, str],
-) -> dict[str, float]:
-    """Per tensor of ``wanted`` whose split gradient is not the full backward's: the largest
-    difference relative to the largest full gradient (inf where only one of them is None)."""
-    errors: dict[str, float] = {}
-    for i, (t, want) in enumerate(zip(wanted, full)):
-        got = split.get(id(t))
-        name = names.get(id(t), f"tensor {i} {tuple(t.shape)}")
-        if want is None or got is None:
-            if (want is None) != (got is None) and not (
-                (want is not None and not want.any()) or (got is not None and not got.any())
-            ):
-                errors[name] = float("inf")
-            continue
-        if torch.allclose(got, want, rtol=1e-4, atol=1e-6):
-            continue
-        scale = float(want.abs().max()) or 1.0
-        errors[name] = float((got - want).abs().max()) / scale
-    return errors
 
 
 def _split_functions(param_groups: object) -> set[int]:

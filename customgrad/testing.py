@@ -22,8 +22,9 @@
   thing in the input pass and again in the weight pass is reported.
 
 Every check says which dtype it ran in (:attr:`CheckResult.dtype`): float64 by default for the
-gradient checks, since finite differences need it; ``check_op(..., dtype=torch.float32)`` or
-``dtype="own"`` checks kernels that have no float64 path (most Triton kernels).
+gradient checks, since finite differences need it, or the arguments' own dtypes for an op that
+raises in float64 (most Triton kernels have no float64 path; :attr:`CheckReport.dtype_note`
+says so); ``check_op(..., dtype=torch.float32)`` or ``dtype="own"`` chooses.
 
 It returns a :class:`CheckReport` and raises :class:`CheckFailed` listing every failure.
 """
@@ -33,23 +34,38 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import re
+import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, ParamSpec, TypeVar
+from typing import Any, Generic, Literal, ParamSpec, TypeVar
 
+import optree
 import torch
 from torch.autograd.gradcheck import GradcheckError
 
 from customgrad._autosplit import AutoSplitter, TracedSplit
-from customgrad._errors import ArgumentTypeError, ArgumentValueError, CustomGradError
-from customgrad._flops import FlopCounter
-from customgrad._launches import LaunchCounter
+from customgrad._errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    CustomGradError,
+    DoubleBackwardError,
+)
+from customgrad._from_function import DeferredFunctionOp, FunctionPatch
 from customgrad._op import CustomOp, autograd_impl
 from customgrad._pass import BackwardContext
+from customgrad._split_run import SplitRun, differences
 from customgrad._torch.dispatcher import OpOverload
-from customgrad._torch.fake import FAKE_TENSOR_LOGGER, fake_tensor_mode_type, is_fake
+from customgrad._torch.errors import wrapped_error
+from customgrad._torch.fake import (
+    FAKE_TENSOR_LOGGER,
+    data_dependent_errors,
+    fake_tensor_mode_type,
+    is_fake,
+)
+from customgrad._validate import HALF_NAMES
 
 __all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_op"]
 
@@ -120,6 +136,12 @@ MSG_NO_FLOAT64 = (
     'dtype="own" for the arguments\' own dtypes.'
 )
 
+MSG_RAN_OWN = (
+    "gradcheck, gradgradcheck, split and flops ran in {dtype}, the arguments' dtype: in "
+    'float64, check_op\'s default for them, {op} raised {exc}. Pass dtype="own" (or a dtype) to '
+    "choose yourself."
+)
+
 MSG_FLOAT64_MISMATCH = (
     "{check} ran in float64, check_op's default (gradcheck, gradgradcheck, split and flops run "
     "on float64 copies of the arguments; opcheck and fake on the arguments as given), and the "
@@ -139,6 +161,21 @@ MSG_NO_FLOPS = (
     "(they count matmuls, convolutions and attention), so repeated work would not show. "
     "Checked instead: which backward functions ran in each pass ({ran}), and that no pass "
     "returned a gradient it was not asked for."
+)
+
+MSG_FULL_DOES_MORE = (
+    "the split does {less} FLOPs less than the full backward (input pass {input} + weight pass "
+    "{weight} < full backward {full}): a full backward calls the backward as written, and "
+    "{label} computed the gradient of {names}, which nothing requires (ctx.needs_input_grad is "
+    "False: the argument does not require grad); the split computes only what its passes need. "
+    "Skip it in a full backward too: if ctx.needs_input_grad({name!r}): ..."
+)
+
+MSG_BRANCH = (
+    "torch.library.opcheck's {test} not applicable: the backward {once}branches on a tensor "
+    "value at {at}, which AOTAutograd (torch.compile, this test) cannot trace with symbolic "
+    "values: the op runs in eager mode, not under torch.compile. Compute with tensor ops "
+    "(torch.where, masks) to compile it."
 )
 
 MSG_CAPTURE_CHECKED = (
@@ -197,6 +234,8 @@ class CheckReport:
         launches: kernel launches in each pass (``"full"``, ``"input"``, ``"weight"``), by
             kernel: ops outside torch's namespaces by name (``"ns::kernel"``) and compiled
             Triton kernels (``"triton:<name>"``; Triton's interpreter has no launch hook).
+        dtype_note: why the gradient checks ran in the arguments' dtypes rather than
+            float64, the default (the op raised in float64), or "".
         backward: how the op's backward splits, in words: for the pair, which half returns
             which gradients in which pass; for one backward (``register_backward``), split
             automatically, with what each pass runs, or why it was not (the reason of the
@@ -209,6 +248,7 @@ class CheckReport:
     calls: dict[str, dict[str, int]] = field(default_factory=dict)
     launches: dict[str, dict[str, int]] = field(default_factory=dict)
     backward: str = ""
+    dtype_note: str = ""
 
     @property
     def ok(self) -> bool:
@@ -259,6 +299,8 @@ class CheckReport:
             shown = r.dtype and r.name not in ("opcheck", "fake")  # those use the arguments
             dtype = f" ({r.dtype})" if shown else ""
             lines.append(f"  [{mark}] {r.name}{dtype}" + (f": {first}" if first else ""))
+        if self.dtype_note:
+            lines.append(f"  dtype: {self.dtype_note}")
         if self.flops:
             f = self.flops
             lines.append(
@@ -278,7 +320,7 @@ class CheckReport:
 
 
 def check_op(
-    op: CustomOp[_P, _R],
+    op: CustomOp[_P, _R] | DeferredFunctionOp,
     /,
     *args: object,
     checks: Sequence[str] = CHECKS,
@@ -307,8 +349,10 @@ def check_op(
             skipped.
         dtype: the dtype of the floating-point arguments in ``gradcheck``,
             ``gradgradcheck``, ``split`` and ``flops``: ``torch.float64`` when None (the
-            default), another floating dtype (kernels without float64: Triton's), or
-            ``"own"`` for the arguments as given. float32 gradchecks use a larger step and
+            default; an op whose call or backward raises in float64 but not on the arguments
+            as given is checked on them, and :attr:`CheckReport.dtype_note` says why), another
+            floating dtype (kernels without float64: Triton's), or ``"own"`` for the arguments
+            as given. float32 gradchecks use a larger step and
             tolerances (``eps=1e-3``, ``atol=rtol=1e-2``); float16 and bfloat16 are too coarse
             for finite differences, and those gradchecks are skipped, saying so.
         atol: absolute tolerance for the split comparison (default 1e-7 in float64, torch's
@@ -353,12 +397,7 @@ def check_op(
         >>> check_op(scale, torch.randn(3), torch.randn(3), dtype=torch.float32)["split"].dtype
         'float32'
     """
-    if not isinstance(op, CustomOp):
-        raise ArgumentTypeError(
-            f"check_op: expected a customgrad op (made with customgrad.op), got {op!r}. Declare "
-            f"the op with @customgrad.op(...) first; for other torch.library ops use "
-            f"torch.library.opcheck."
-        )
+    checked = _the_op(op, args, kwargs)
     unknown = [c for c in checks if c not in CHECKS]
     if unknown:
         raise ArgumentValueError(
@@ -370,13 +409,12 @@ def check_op(
         or (isinstance(dtype, torch.dtype) and dtype.is_floating_point)
     ):
         raise ArgumentValueError(
-            f'check_op({op.name}): dtype must be a floating-point torch.dtype, "own" (the '
+            f'check_op({checked.name}): dtype must be a floating-point torch.dtype, "own" (the '
             f"arguments' own dtypes) or None (float64), got {dtype!r}. Pass e.g. "
             f"dtype=torch.float32."
         )
-    case = _Case(op, args, kwargs, dtype=torch.float64 if dtype is None else dtype,
-                 atol=atol, rtol=rtol)  # fmt: skip
-    report = CheckReport(op.name)
+    case = _Case(checked, args, kwargs, dtype=dtype, atol=atol, rtol=rtol)
+    report = CheckReport(checked.name)
     for name in CHECKS:
         if name not in checks:
             report.results.append(CheckResult(name, "skipped", "not requested"))
@@ -390,10 +428,48 @@ def check_op(
     report.flops = dict(case.split.flops)
     report.calls = {p: dict(c) for p, c in case.split.calls.items()}
     report.launches = {p: dict(c) for p, c in case.split.launches.items()}
-    report.backward = _backward_split(op)
+    report.backward = _backward_split(checked)
+    report.dtype_note = case.note
     if raise_on_failure:
         report.raise_if_failed()
     return report
+
+
+MSG_NOT_AN_OP = """\
+check_op: expected a customgrad op, got {got}. Pass the op that customgrad.op, \
+customgrad.from_function or customgrad.from_functions made:
+
+    check_op(linear, x, weight)                  # @customgrad.op(...) def linear(...)
+    check_op(patch.ops["mymodule.MyFunction"], x, weight)   # patch = from_functions(...)
+
+For other torch.library ops use torch.library.opcheck."""
+
+
+def _the_op(
+    op: object, args: tuple[object, ...], kwargs: Mapping[str, object]
+) -> CustomOp[..., Any]:
+    """The :class:`CustomOp` to check: ``op`` itself, or the op a ``from_function`` op defined
+    at its first call stands for (defined now from these arguments, when it was not called
+    yet: on copies, without gradients)."""
+    if isinstance(op, DeferredFunctionOp):
+        if op.op is None:
+            given: Any = (args, kwargs)
+            copies: Any = optree.tree_map(
+                lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, given
+            )
+            with torch.no_grad():
+                op(*copies[0], **copies[1])
+        assert op.op is not None  # its first call defines it
+        return op.op
+    if isinstance(op, CustomOp):
+        return op
+    got = (
+        "a FunctionPatch (what from_functions returns): check one of its ops, patch.ops[...] "
+        f"({', '.join(op.ops) or 'none'})"
+        if isinstance(op, FunctionPatch)
+        else repr(op)
+    )
+    raise ArgumentTypeError(MSG_NOT_AN_OP.format(got=got))
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,48 +658,72 @@ class _Case(Generic[_R]):
         args: tuple[object, ...],
         kwargs: Mapping[str, object],
         *,
-        dtype: torch.dtype | Literal["own"],
+        dtype: DType,
         atol: float | None,
         rtol: float | None,
     ):
         self.op = op
         self.args = _Arguments(op, args, kwargs)
+        self._atol, self._rtol = atol, rtol
+        self._default = dtype is None  # float64, unless the op rejects it
+        self._probed = False
+        self.note = ""
+        """Why the gradient checks ran in the arguments' dtypes instead of float64 (or "")."""
+        self._use(torch.float64 if dtype is None else dtype)
+
+    def _use(self, dtype: torch.dtype | Literal["own"]) -> None:
+        """Run the gradient checks in ``dtype`` (``"own"``: the arguments' own dtypes)."""
         self.dtype: torch.dtype | None = None if dtype == "own" else dtype
         own = sorted({str(self.args.get(s).dtype).removeprefix("torch.") for s in self.args.diff})
         self.dtype_label = (
             str(dtype).removeprefix("torch.") if self.dtype is not None else ", ".join(own) or "own"
         )
+        atol, rtol = self._atol, self._rtol
         if self.dtype == torch.float64:
             atol, rtol = (1e-7 if atol is None else atol), (1e-7 if rtol is None else rtol)
         self.split = _SplitCheck(self.args, dtype=self.dtype, atol=atol, rtol=rtol)
         self._split_outcome: dict[str, tuple[Status, str]] | None = None
-        self._unsupported: str | None = None
-        self._probed = False
 
-    def unsupported_dtype(self) -> str | None:
-        """Why the op cannot run in the default float64: when it raises there but runs on the
-        arguments as given (else None)."""
+    def _runs_in(self, dtype: torch.dtype | None) -> Exception | None:
+        """What the op's call and a full backward raise in ``dtype`` (None: the arguments'
+        own), or None."""
+        try:
+            values = self.args.copy(dtype=dtype)
+            outs = self.args.outputs(self.args.call(values))
+            leaves = [self.args.get(s, values) for s in self.args.diff]
+            if outs:
+                gouts = [torch.ones_like(o) for o in outs]
+                torch.autograd.grad(outs, leaves, gouts, allow_unused=True)
+        except Exception as e:
+            return e
+        return None
+
+    def probe_float64(self) -> str | None:
+        """Once, before the gradient checks: whether the op runs in float64. If it does not but
+        runs in the arguments' own dtypes, the checks run there when float64 was only the
+        default (:attr:`note` says so), and fail with the fix when float64 was asked for."""
         if self._probed:
-            return self._unsupported
+            return None if self.note else self._unsupported
         self._probed = True
+        self._unsupported: str | None = None
         if self.dtype != torch.float64 or not self.args.diff:
             return None
-        try:
-            with torch.no_grad():
-                self.args.call(self.args.copy(dtype=torch.float64, grad=False))
-        except Exception as e:
-            try:  # in the arguments' own dtypes it runs: float64 is what it lacks
-                with torch.no_grad():
-                    self.args.call(self.args.copy(grad=False))
-            except Exception:
-                return None  # it fails either way: each check reports the error itself
-            self._unsupported = MSG_NO_FLOAT64.format(op=self.op.name, exc=_short_exc(e, 1))
-        return self._unsupported
+        error = self._runs_in(torch.float64)
+        if error is None or self._runs_in(None) is not None:
+            return None  # it runs, or it fails either way: each check reports the error itself
+        if not self._default:
+            self._unsupported = MSG_NO_FLOAT64.format(op=self.op.name, exc=_short_exc(error, 1))
+            return self._unsupported
+        self._use("own")
+        self.note = MSG_RAN_OWN.format(
+            dtype=self.dtype_label, op=self.op.name, exc=_short_exc(error, 1)
+        )
+        return None
 
     def run(self, name: str) -> tuple[Status, str]:
         """Run the check ``name`` (one of :data:`CHECKS`)."""
         if name in ("gradcheck", "gradgradcheck", "split", "flops"):
-            unsupported = self.unsupported_dtype()
+            unsupported = self.probe_float64()
             if unsupported is not None:
                 return "failed", unsupported
         if name in ("split", "flops"):  # one run of the split answers both
@@ -642,15 +742,22 @@ class _Case(Generic[_R]):
         args, kwargs = self.args.split_call(self.args.copy())
         with _quiet():
             results = torch.library.opcheck(self.op.opoverload, args, kwargs, raise_exception=False)
-        failed = [
-            f"torch.library.opcheck's {test} failed: "
-            + (_short_exc(r) if isinstance(r, BaseException) else str(r))
-            for test, r in results.items()
-            if r != "SUCCESS"
-        ]
+        failed: list[str] = []
+        not_applicable: list[str] = []
+        for test, r in results.items():
+            if r == "SUCCESS":
+                continue
+            branch = _branch_on_value(r) if isinstance(r, BaseException) else None
+            if branch is not None:
+                once = "runs once: " if self.op.rules.backward is not None else ""
+                not_applicable.append(MSG_BRANCH.format(test=test, once=once, at=branch))
+                continue
+            error = wrapped_error(r, CustomGradError) if isinstance(r, BaseException) else None
+            shown = _short_exc(error or r) if isinstance(r, BaseException) else str(r)
+            failed.append(f"torch.library.opcheck's {test} failed: {shown}")
         if failed:
             return "failed", "\n".join(failed)
-        return "passed", ""
+        return "passed", "\n".join(not_applicable)
 
     # -- fake kernel --------------------------------------------------------------------------
     def run_fake(self) -> tuple[Status, str]:
@@ -746,11 +853,12 @@ class _Case(Generic[_R]):
     def run_gradgradcheck(self) -> tuple[Status, str]:
         if not self.args.diff:
             return "skipped", "no floating-point tensor argument to differentiate"
-        declared = sorted(self.op.rules.nondifferentiable)
+        declared = sorted(HALF_NAMES[h] for h in self.op.rules.nondifferentiable)
         if declared:
             return "skipped", (
-                f"the backward is registered with differentiable=False ({', '.join(declared)}): "
-                f"double backward raises by design"
+                f"not applicable: the backward is registered with differentiable=False "
+                f"({', '.join(declared)}; a Function's @once_differentiable backward through "
+                f"from_function): double backward raises by design"
             )
         fn, leaves = self._fn()
         tolerances = self._tolerances(leaves)
@@ -773,6 +881,8 @@ class _Case(Generic[_R]):
                 f"double backward disagrees with finite differences: {self._explain(e)}"
                 f"{self._float64_note('gradgradcheck')}",
             )
+        except DoubleBackwardError as e:  # customgrad refuses it, saying why: by design
+            return "skipped", f"not applicable: {e}"
         return "passed", ""
 
     def _explain(self, e: GradcheckError) -> str:
@@ -789,11 +899,13 @@ class _Case(Generic[_R]):
 
 class _SplitCheck(Generic[_R]):
     """The ``split`` and ``flops`` checks: the input pass then the weight pass against the full
-    backward, their FLOPs counted and every call of the op's backward functions watched.
+    backward (one :class:`~customgrad._split_run.SplitRun`), every call of the op's backward
+    functions watched.
 
     Attributes:
         flops: FLOPs per pass (``"full"``, ``"input"``, ``"weight"``) once run.
         calls: per pass, how often each backward function ran.
+        launches: per pass, kernel launches by kernel.
     """
 
     def __init__(
@@ -806,10 +918,8 @@ class _SplitCheck(Generic[_R]):
         self.atol = atol
         self.rtol = rtol
         self.flops: dict[str, int] = {}
-        self._counted: dict[Pass, list[Counted]] = {}
         self.calls: dict[Pass, dict[str, int]] = {}
-        self.launches: dict[Pass, dict[str, int]] = {}
-        self._launched: dict[Pass, list[tuple[str, list[torch.Tensor]]]] = {}
+        self.launches: dict[str, dict[str, int]] = {}
 
     def run(self) -> dict[str, tuple[Status, str]]:
         """Both checks' outcomes, from one run of the split."""
@@ -821,53 +931,56 @@ class _SplitCheck(Generic[_R]):
             return {"split": ("skipped", reason), "flops": ("skipped", reason)}
 
         gen = torch.Generator().manual_seed(0)
-        watch = _BackwardWatch(self.op)
+        measured = SplitRun(record=True, launches=True)
+        watch = _BackwardWatch(self.op, measured)
 
         def forward() -> tuple[Values, list[torch.Tensor]]:
             values = self.args.copy(dtype=self.dtype)
             return values, self.args.outputs(self.args.call(values))
 
+        def grad(slots: list[_Slot], *, retain: bool) -> list[torch.Tensor | None]:
+            leaves = [self.args.get(s, values) for s in slots]
+            return list(
+                torch.autograd.grad(outs, leaves, gouts, retain_graph=retain, allow_unused=True)
+            )
+
         values, outs = forward()
         gouts = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
-        passes: dict[Pass, list[torch.Tensor | None]] = {}
         with watch:
-            leaves = [self.args.get(s, values) for s in self.args.diff]
-            full = self._grad("full", watch, outs, leaves, gouts, retain=False)
+            full = measured.run("full", lambda: grad(self.args.diff, retain=False))
             values, outs = forward()
-            x_leaves = [self.args.get(s, values) for s in inputs]
-            w_leaves = [self.args.get(s, values) for s in weights]
-            passes["input"] = self._grad("input", watch, outs, x_leaves, gouts, retain=True)
-            passes["weight"] = self._grad("weight", watch, outs, w_leaves, gouts, retain=False)
+            dinputs = measured.run("input", lambda: grad(inputs, retain=True))
+            dweights = measured.run("weight", lambda: grad(weights, retain=False))
         self.calls = {p: dict(c) for p, c in watch.calls.items()}
+        self.flops = measured.flops
+        self.launches = {p: dict(c.counts) for p, c in measured.launch_counters.items()}
 
         # split == full
-        mismatches: list[str] = []
-        atol: float | None = None  # both None: torch's defaults for the dtype
-        rtol: float | None = None
-        if self.atol is not None or self.rtol is not None:
-            atol, rtol = self.atol or 0.0, self.rtol or 0.0
-        split_grads = dict(zip(inputs, passes["input"])) | dict(zip(weights, passes["weight"]))
-        for slot, g_full in zip(self.args.diff, full):
-            g_split = split_grads[slot]
-            ref = self.args.get(slot, values)
-            a = torch.zeros_like(ref) if g_full is None else g_full
-            b = torch.zeros_like(ref) if g_split is None else g_split
-            try:
-                torch.testing.assert_close(b, a, atol=atol, rtol=rtol)
-            except AssertionError as e:
-                pass_name = "weight" if slot.is_weight else "input"
-                mismatches.append(
-                    f"gradient of {slot.label()} from the {pass_name} pass differs from the "
-                    f"full backward: {_short_exc(e, 3)}"
-                )
+        atol, rtol = self.atol, self.rtol  # both None: torch's defaults for the dtype
+        if atol is not None or rtol is not None:
+            atol, rtol = atol or 0.0, rtol or 0.0
+        by_slot = dict(zip(inputs, dinputs)) | dict(zip(weights, dweights))
+        split_grads = [by_slot[s] for s in self.args.diff]
+        like = [self.args.get(s, values) for s in self.args.diff]
+        mismatches = [
+            f"gradient of {self.args.diff[d.at].label()} from the "
+            f"{'weight' if self.args.diff[d.at].is_weight else 'input'} pass differs from the "
+            f"full backward: {d.detail}"
+            for d in differences(full, split_grads, like, atol=atol, rtol=rtol)
+        ]
         split: tuple[Status, str] = ("passed", "")
         auto = self.op.rules.auto
         if mismatches:
             split = ("failed", "\n".join(mismatches))
         elif isinstance(auto, AutoSplitter) and isinstance(auto.last, TracedSplit):
             split = ("passed", MSG_CAPTURE_CHECKED)
+        return {"split": split, "flops": self._flops_outcome(measured, watch, auto)}
 
-        # nothing twice
+    def _flops_outcome(
+        self, measured: SplitRun, watch: _BackwardWatch[_R], auto: object
+    ) -> tuple[Status, str]:
+        """The ``flops`` check: nothing computed twice, and a split that does less than the full
+        backward explained."""
         problems: list[str] = list(watch.problems)
         f = self.flops
         if f["input"] + f["weight"] > f["full"]:
@@ -876,8 +989,10 @@ class _SplitCheck(Generic[_R]):
                 f"the split repeats {f['input'] + f['weight'] - f['full']} FLOPs: input pass "
                 f"{f['input']} + weight pass {f['weight']} > full backward {f['full']}",
             )
-        twice = _done_twice(self._counted.get("input", []), self._counted.get("weight", []))
-        relaunched = _launched_twice(self.launches, self._launched)
+        counted = {p: measured.counter(p).calls or [] for p in ("input", "weight")}
+        twice = _done_twice(counted["input"], counted["weight"])
+        launched = {p: c.calls for p, c in measured.launch_counters.items()}
+        relaunched = _launched_twice(self.launches, launched)
         if relaunched and not problems:
             problems = [*relaunched, *twice, FIX_LAUNCHED_TWICE]
         elif twice and not problems:
@@ -887,38 +1002,26 @@ class _SplitCheck(Generic[_R]):
         fallback = auto.fallback() if isinstance(auto, AutoSplitter) else None
         if problems and fallback is not None:
             problems.insert(-1, f"The single backward was {fallback.describe()}.")
-        flops: tuple[Status, str] = ("passed", "")
         if problems:
-            flops = ("failed", "\n".join(problems))
-        elif f["full"] == 0 and any(self.launches.values()):
-            flops = ("passed", MSG_LAUNCHES_COUNTED.format(launches=_launch_summary(self.launches)))
-        elif f["full"] == 0:
+            return "failed", "\n".join(problems)
+        if f["input"] + f["weight"] < f["full"] and watch.unneeded:
+            names = ", ".join(repr(n) for n in watch.unneeded)
+            label = next(iter(watch.unneeded.values()))
+            return "passed", MSG_FULL_DOES_MORE.format(
+                less=f["full"] - f["input"] - f["weight"], full=f["full"], input=f["input"],
+                weight=f["weight"], label=label, names=names,
+                name=next(iter(watch.unneeded)),
+            )  # fmt: skip
+        if f["full"] == 0 and any(self.launches.values()):
+            return "passed", MSG_LAUNCHES_COUNTED.format(launches=_launch_summary(self.launches))
+        if f["full"] == 0:
             ran = "; ".join(
                 f"{p} pass: "
                 + (", ".join(f"{k} x{v}" for k, v in sorted(self.calls[p].items())) or "nothing")
                 for p in ("input", "weight")
             )
-            flops = ("skipped", MSG_NO_FLOPS.format(ran=ran))
-        return {"split": split, "flops": flops}
-
-    def _grad(
-        self,
-        phase: Pass,
-        watch: _BackwardWatch[_R],
-        outs: list[torch.Tensor],
-        leaves: list[torch.Tensor],
-        gouts: list[torch.Tensor],
-        *,
-        retain: bool,
-    ) -> list[torch.Tensor | None]:
-        watch.phase = phase
-        with FlopCounter(record=phase != "full") as counter, LaunchCounter() as launches:
-            grads = torch.autograd.grad(outs, leaves, gouts, retain_graph=retain, allow_unused=True)
-        self.flops[phase] = counter.total
-        self._counted[phase] = counter.calls or []
-        self.launches[phase] = dict(launches.counts)
-        self._launched[phase] = launches.calls
-        return list(grads)
+            return "skipped", MSG_NO_FLOPS.format(ran=ran)
+        return "passed", ""
 
 
 @contextlib.contextmanager
@@ -938,6 +1041,25 @@ def _quiet() -> Iterator[None]:
         logger.removeFilter(quiet)
 
 
+def _branch_on_value(error: BaseException) -> str | None:
+    """Where the op's code branched on a tensor value (``file:line`` and the line), if that is
+    what ``error`` is (torch's data-dependent errors, raised while tracing with symbolic or fake
+    values): the innermost frame of the traceback outside torch and customgrad."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if not isinstance(error, (GuardOnDataDependentSymNode, data_dependent_errors()[0])):
+        return None
+    inside = (os.path.dirname(torch.__file__), os.path.dirname(__file__))
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if not frame.filename.startswith(inside):
+            found = frame
+    if found is None:
+        return None
+    line = f" (`{found.line.strip()}`)" if found.line else ""
+    return f"{found.filename}:{found.lineno}{line}"
+
+
 def _same_significant_strides(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Strides agree on every dimension of size > 1 (others do not affect layout)."""
     if a.numel() == 0:
@@ -953,11 +1075,14 @@ class _BackwardWatch(Generic[_R]):
     running in the other half's pass and gradients returned although
     ``ctx.needs_input_grad`` said no."""
 
-    def __init__(self, op: CustomOp[..., _R]) -> None:
+    def __init__(self, op: CustomOp[..., _R], passes: SplitRun) -> None:
         self.op = op
-        self.phase: Pass = "full"
+        self.passes = passes
         self.calls: dict[Pass, dict[str, int]] = {"full": {}, "input": {}, "weight": {}}
         self.problems: list[str] = []
+        self.unneeded: dict[str, str] = {}
+        """The gradients the full backward computed that nothing asked for, by argument name:
+        the backward function that computed each."""
         self._scope = contextlib.ExitStack()
 
     def __enter__(self) -> _BackwardWatch[_R]:
@@ -968,7 +1093,7 @@ class _BackwardWatch(Generic[_R]):
         self._scope.close()
 
     def seen(self, label: str, node_phase: str, ctx: BackwardContext, result: object) -> None:
-        phase = self.phase
+        phase: Pass = self.passes.phase  # type: ignore[assignment]  # one of PASSES while watched
         calls = self.calls[phase]
         calls[label] = calls.get(label, 0) + 1
         wrong_half = (label == "backward_input" and phase == "weight") or (
@@ -976,9 +1101,13 @@ class _BackwardWatch(Generic[_R]):
         )
         if wrong_half:
             self.problems.append(f"{label} ran in the {phase} pass")
-        if phase != "full" and label != "backward_shared" and isinstance(result, dict):
+        if label != "backward_shared" and isinstance(result, dict):
             for name, g in result.items():
-                if _has_tensor(g) and not _safe_needs(ctx, name):
+                if not _has_tensor(g) or _safe_needs(ctx, name):
+                    continue
+                if phase == "full":
+                    self.unneeded.setdefault(name, label)
+                else:
                     self.problems.append(
                         f"{label} computed a gradient for {name!r} in the {phase} pass, "
                         f"where ctx.needs_input_grad({name!r}) is False (it is thrown away)"
@@ -1026,7 +1155,7 @@ MSG_LAUNCHES_COUNTED = (
 )
 
 
-def _launch_summary(launches: dict[Pass, dict[str, int]]) -> str:
+def _launch_summary(launches: dict[str, dict[str, int]]) -> str:
     return "; ".join(
         f"{p} pass: " + (", ".join(f"{k} x{v}" for k, v in sorted(launches[p].items())) or "none")
         for p in ("full", "input", "weight")
@@ -1035,7 +1164,7 @@ def _launch_summary(launches: dict[Pass, dict[str, int]]) -> str:
 
 
 def _launched_twice(
-    counts: dict[Pass, dict[str, int]], calls: dict[Pass, list[tuple[str, list[torch.Tensor]]]]
+    counts: dict[str, dict[str, int]], calls: dict[str, list[tuple[str, list[torch.Tensor]]]]
 ) -> list[str]:
     """Kernels that the split launches more often than the full backward, or that compute the
     same result (bit for bit) in the input pass and again in the weight pass."""

@@ -3,10 +3,10 @@
 The model has torchtitan's Llama 3 structure and parameter names: ``tok_embeddings``, a
 ``layers`` ``ModuleDict`` of ``TransformerBlock``\\ s (``attention_norm``, ``attention`` with
 ``wq``/``wk``/``wv``/``wo``, rotary position embeddings and grouped-query attention,
-``ffn_norm``, a SwiGLU ``feed_forward`` with ``w1``/``w2``/``w3``), ``norm`` and ``output``.
+``ffn_norm``, a SwiGLU ``feed_forward`` with ``w1``/``w2``/``w3``), ``norm`` and ``lm_head``.
 Its stages are built as torchtitan's ``pipeline_module_split`` builds them: each stage is a
 copy of the whole model with the layers of other stages deleted and ``tok_embeddings``,
-``norm`` and ``output`` set to None where they do not belong; then each block is compiled on
+``norm`` and ``lm_head`` set to None where they do not belong; then each block is compiled on
 its own (torchtitan's ``apply_compile``), here with ``customgrad.compile``, whose compiled
 backward splits into an input pass and a weight pass. The stages go into customgrad's
 ``PipelineStage`` and ``ScheduleZBVZeroBubble`` trains them on 2 processes (stage ``r`` and
@@ -143,20 +143,20 @@ class Transformer(nn.Module):
             {str(i): TransformerBlock(i, args) for i in range(args.n_layers)}
         )
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.lm_head: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             h = layer(h, self.freqs_cis)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.lm_head(h) if self.lm_head is not None else h
 
 
 def split_stages(model: nn.Module, stage_ids: list[int], n_stages: int) -> list[nn.Module]:
     """The stages ``stage_ids`` of ``n_stages``, as torchtitan's ``pipeline_module_split``
     makes them: a deep copy of ``model`` each, keeping an even share of ``model.layers``
-    (consecutive), the embedding on the first stage and ``norm``/``output`` on the last."""
+    (consecutive), the embedding on the first stage and ``norm``/``lm_head`` on the last."""
     names = list(model.layers.keys())
     per = len(names) // n_stages
     stages = []
@@ -170,7 +170,7 @@ def split_stages(model: nn.Module, stage_ids: list[int], n_stages: int) -> list[
             stage.tok_embeddings = None
         if s != n_stages - 1:
             stage.norm = None
-            stage.output = None
+            stage.lm_head = None
         stages.append(stage)
     return stages
 
@@ -235,9 +235,14 @@ class Pipeline:
         return float(loss.item())
 
 
-def batch(model: nn.Module, rows: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Random tokens (the same on every rank, from ``gen``): inputs and next tokens."""
-    vocab, seq = model.output.out_features, model.freqs_cis.shape[0]  # type: ignore[union-attr]
+def batch(
+    model: nn.Module, rows: int, gen: torch.Generator, seq: int | None = None
+) -> tuple[Tensor, Tensor]:
+    """Random tokens (the same on every rank, from ``gen``): inputs and next tokens, ``seq``
+    long (the model's rotary table's length by default)."""
+    vocab = model.lm_head.out_features  # type: ignore[union-attr]
+    if seq is None:
+        seq = model.freqs_cis.shape[0]  # type: ignore[union-attr]
     tokens = torch.randint(vocab, (rows, seq + 1), generator=gen)
     # contiguous: torch 2.11's stage checks a microbatch's strides against the ones it inferred
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -34,16 +34,41 @@ class Result:
     """FLOPs of one process's forward and full backward of the same microbatches."""
 
 
-def torchtitan_model() -> nn.Module:
-    """torchtitan's own Llama 3 ``Transformer`` in a tiny configuration."""
-    from torchtitan.models.llama3 import Transformer, TransformerModelArgs
+SEQ = 32
 
-    args = TransformerModelArgs(
-        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, multiple_of=32,
-        max_seq_len=32,
+
+def torchtitan_model() -> nn.Module:
+    """torchtitan's own Llama 3 (``Llama3Model``, torchtitan 0.3.0) in a tiny configuration,
+    built from its config as torchtitan builds it. Its language-model attention backends take
+    per-document masks (flex, varlen); the blocks here use torchtitan's causal
+    ``ScaledDotProductAttention`` instead, so a stage takes tokens or activations only."""
+    import dataclasses
+
+    from torchtitan.models.common import Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.rope import ComplexRoPE
+    from torchtitan.models.llama3 import Llama3Model
+    from torchtitan.models.llama3 import _build_llama3_layers as build_layers
+
+    dim, vocab, heads = 64, 128, 4
+    rope = ComplexRoPE.Config(dim=dim // heads, max_seq_len=SEQ, theta=10000.0)
+    layers = build_layers(
+        n_layers=4, dim=dim, n_heads=heads, n_kv_heads=2, hidden_dim=96, rope=rope,
+        attn_backend="flex",
     )  # fmt: skip
-    model = Transformer(args)
-    model.init_weights()
+    for layer in layers:
+        sdpa = ScaledDotProductAttention.Config()
+        layer.attention = dataclasses.replace(layer.attention, inner_attention=sdpa)
+    config = Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim),
+        norm=RMSNorm.Config(normalized_shape=dim),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab),
+        layers=layers,
+    )
+    model: nn.Module = config.build()
+    model.init_states()  # type: ignore[operator]
     return model
 
 
@@ -54,7 +79,7 @@ def run(out_path: str, schedule: str, which: str) -> None:
     device = torch.device("cpu")
     reference = copy.deepcopy(model)
     pipe = ex.Pipeline(model, device, schedule, MICROBATCHES, backend="aot_eager")
-    x, y = ex.batch(model, ROWS, torch.Generator().manual_seed(0))
+    x, y = ex.batch(model, ROWS, torch.Generator().manual_seed(0), SEQ)
     weights = [p for m in pipe.stages for p in m.parameters()]
     optimizer = torch.optim.AdamW(weights, lr=1e-2)
     losses = [pipe.step(x, y)]  # compiles every region

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
-import math
 import os
 import pickle
 import socket
@@ -27,7 +26,6 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 import torch.multiprocessing as mp
 from torch import Tensor, nn
-from torch.utils.flop_counter import register_flop_formula
 
 import customgrad as cg
 import customgrad.pipelining as cgp
@@ -46,13 +44,6 @@ STAGE_KINDS = ("customgrad", "torch", "queue", "customgrad+queue")
 
 cg_linear = linear_op("mp_pipeline::linear")
 fn_linear = function_linear()
-
-
-@register_flop_formula(torch.ops.mp_pipeline.linear)
-def _(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
-    # A custom op is opaque to a FLOP counter: its forward's cost (its backward halves are
-    # aten ops, which have formulas).
-    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
 
 
 @cg.op("mp_pipeline::rms_norm", weights=("weight",))

@@ -1,8 +1,9 @@
-"""unsloth's LoRA MLP ``autograd.Function``, ported for the tests (unsloth cannot be imported
-on a CPU-only machine: it needs CUDA and unsloth_zoo at import).
+"""unsloth's LoRA MLP and LoRA_W Functions, ported for the tests (unsloth cannot be imported on a
+CPU-only machine: it needs CUDA and unsloth_zoo at import).
 
 Ported from unsloth 2026.10.9 (Apache-2.0, https://github.com/unslothai/unsloth),
-``unsloth/kernels/fast_lora.py`` (``LoRA_MLP``, its unquantized path without dropout or biases:
+``unsloth/kernels/fast_lora.py`` (``LoRA_MLP`` and ``LoRA_W``, their unquantized path without
+dropout or biases, with unsloth's ``torch_amp_custom_fwd``/``_bwd`` decorators;
 ``matmul_lora`` with ``W_quant=None`` is ``X @ W.t() + s * (X @ A.t()) @ B.t()``) and
 ``unsloth/kernels/swiglu.py`` (``_DWf_DW_dfg_kernel``, here in torch ops with the same stores).
 What matters here is kept as unsloth writes it: the SwiGLU backward writes ``h``, ``df`` and
@@ -112,6 +113,43 @@ class LoRA_MLP(torch.autograd.Function):
             None, d_downA.t(), d_downB.t(), None,
             None,
         )  # fmt: skip
+
+
+torch_amp_custom_fwd = torch.amp.custom_fwd(device_type="cuda")
+torch_amp_custom_bwd = torch.amp.custom_bwd(device_type="cuda")
+
+
+class LoRA_W(torch.autograd.Function):
+    """One LoRA projection: ``X @ W.t() + S * (X @ A.t()) @ B.t()``; what forward keeps on ctx
+    besides the saved tensors is a tuple of a tensor, None (no quantization state) and a float."""
+
+    @staticmethod
+    @torch_amp_custom_fwd
+    def forward(
+        ctx: Any, X: Tensor, W: Tensor, W_quant: Any, A: Tensor, B: Tensor, S: float
+    ) -> Tensor:
+        XW = _matmul_lora(X, W, A, B, S)
+        ctx.custom_saved_tensors = (W, W_quant, S)
+        ctx.save_for_backward(A, B, X)
+        return XW
+
+    @staticmethod
+    @torch_amp_custom_bwd
+    def backward(ctx: Any, dY: Tensor) -> tuple[Tensor | None, ...]:
+        W, _W_quant, S = ctx.custom_saved_tensors  # no quantization state here
+        A, B, X = ctx.saved_tensors
+        batch, seq_len, hd = X.shape
+        dY = dY.reshape(-1, dY.shape[-1])
+        X = X.reshape(-1, X.shape[-1])
+        A, B = A.t(), B.t()
+        d_A = torch.empty_like(A)
+        d_B = torch.empty_like(B)
+        d_A.addmm_(X.t(), dY @ B.t(), alpha=S, beta=0)
+        d_B.addmm_(A.t() @ X.t(), dY, alpha=S, beta=0)
+        W = W.t()  # fast_dequantize(W.t(), W_quant): W.t() without a quantization state
+        dX = dY @ W.t()
+        dX.addmm_(dY @ B.t(), A.t(), alpha=S)
+        return dX.view(batch, seq_len, hd), None, None, d_A.t(), d_B.t(), None
 
 
 class LoraMLP(nn.Module):

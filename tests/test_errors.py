@@ -6,6 +6,7 @@ import inspect
 import itertools
 import math
 import re
+import textwrap
 from collections.abc import Callable
 from typing import Any
 
@@ -319,6 +320,88 @@ def test_no_fake_kernel() -> None:
         f(torch.empty(2))
 
 
+def _no_fake_block() -> tuple[cg.CustomOp[..., torch.Tensor], nn.Module, str]:
+    name = unique("nofake_compiled")
+
+    @cg.op(name, weights=("w",))
+    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.mT
+
+    op.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+    op.register_backward(lambda ctx, s, g: {"x": g @ s[1], "w": g.mT @ s[0]})
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(5, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return op(x, self.w).sin()
+
+    message = (
+        f"{name}: no fake kernel registered; torch.compile, FakeTensorMode and opcheck need one "
+        f"to know output shapes without running the op. Add:\n\n"
+        f"    @nofake_compiled.register_fake\n"
+        f"    def _(x, w):\n"
+        f"        return <empty tensor(s) shaped like the output>\n\n"
+        f"(op defined at {where(op.__wrapped__)})"
+    )
+    return op, Block(), message
+
+
+def test_no_fake_kernel_under_customgrad_compile_is_customgrads_error() -> None:
+    # dynamo wraps what fake propagation raises in its TorchRuntimeError, the message quoted
+    # by repr; a module compiled by customgrad.compile raises customgrad's error itself, with
+    # dynamo's as its cause.
+    _, block, message = _no_fake_block()
+    cg.compile(block, backend="aot_eager")
+    with pytest.raises(cg.MissingRegistrationError, match=f"^{re.escape(message)}$") as info:
+        block(torch.randn(3, 4))
+    assert type(info.value.__cause__).__name__ == "TorchRuntimeError"
+
+
+def test_no_fake_kernel_under_torch_compile_reads_as_customgrad_wrote_it() -> None:
+    # torch.compile's own call raises dynamo's error (customgrad patches nothing of torch's):
+    # customgrad's message inside it reads as written, line breaks and code, not as escapes.
+    import torch._dynamo.exc
+
+    _, block, message = _no_fake_block()
+    compiled = torch.compile(block, backend="aot_eager")
+    quoted = textwrap.indent(message, "    ").lstrip()  # dynamo indents what it quotes
+    with pytest.raises(
+        torch._dynamo.exc.TorchRuntimeError,
+        match=re.escape(f"got MissingRegistrationError: {quoted}\n  Hint: "),
+    ):
+        compiled(torch.randn(3, 4))
+
+
+def test_a_wrong_gradient_under_customgrad_compile_is_customgrads_error() -> None:
+    name = unique("wrong_grad_compiled")
+
+    @cg.op(name, weights=("w",))
+    def op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x @ w.mT
+
+    op.register_fake(lambda x, w: x.new_empty((*x.shape[:-1], w.shape[0])))
+    op.register_save_for_backward(lambda inputs, output: (inputs.x, inputs.w))
+
+    @op.register_backward
+    def backward(ctx: cg.BackwardContext, s: Any, g: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"x": (g @ s[1])[:1], "w": g.mT @ s[0]}
+
+    block = cg.compile(lambda x, w: op(x, w).sin(), backend="aot_eager")
+    with pytest.raises(
+        cg.GradientValueError,
+        match=re.escape(
+            f"{name}: backward returned a gradient for 'x' of shape (1, 4), but the input has "
+            f"shape (3, 4). Return a tensor of the input's shape, or None. (backward defined at "
+            f"{where(backward)})"
+        ),
+    ) as info:
+        block(torch.randn(3, 4, requires_grad=True), torch.randn(5, 4)).sum().backward()
+    assert type(info.value.__cause__).__name__ == "BackendCompilerFailed"
+
+
 def test_no_kernel_for_device() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -607,7 +690,8 @@ def test_public_errors_report_as_customgrad_names() -> None:
     import customgrad.pipelining as pp
 
     assert cg.GradientValueError.__module__ == "customgrad"
-    assert repr(cg.GradientValueError("m")) == "GradientValueError('m')"
+    # as the traceback shows it (torch quotes wrapped errors by repr: readable there too)
+    assert repr(cg.GradientValueError("m")) == "GradientValueError: m"
     assert f"{cg.SaveError.__module__}.{cg.SaveError.__qualname__}" == "customgrad.SaveError"
     assert pp.SplitStateError.__module__ == "customgrad.pipelining"
     for name in cg.__all__:
@@ -937,31 +1021,63 @@ def test_builtin_kernel() -> None:
 
 
 def test_check_op_of_something_else() -> None:
-    from customgrad.testing import check_op
+    from customgrad.testing import MSG_NOT_AN_OP, check_op
 
     with pytest.raises(
-        cg.ArgumentTypeError,
-        match=re.escape("check_op: expected a customgrad op (made with customgrad.op), got"),
+        cg.ArgumentTypeError, match=f"^{re.escape(MSG_NOT_AN_OP.format(got=repr(torch.sin)))}$"
     ):
         check_op(torch.sin, torch.ones(2))  # type: ignore[arg-type]
+    assert MSG_NOT_AN_OP.startswith(
+        "check_op: expected a customgrad op, got {got}. Pass the op that customgrad.op, "
+        "customgrad.from_function or customgrad.from_functions made:\n\n"
+        "    check_op(linear, x, weight)                  # @customgrad.op(...) def linear(...)\n"
+        '    check_op(patch.ops["mymodule.MyFunction"], x, weight)   # patch = from_functions(...)'
+    )
 
 
-def test_save_for_backward_hiding_tensors_in_a_dataclass() -> None:
-    import dataclasses
+def test_check_op_of_what_from_functions_returns_names_its_ops() -> None:
+    from customgrad.testing import MSG_NOT_AN_OP, check_op
 
-    @dataclasses.dataclass
-    class Saved:
-        x: torch.Tensor
-        weight: torch.Tensor
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+            return g * 2
+
+    with cg.from_functions(Scale, namespace=unique("fns").split("::")[0]) as patch:
+        (label,) = patch.ops
+        got = (
+            f"a FunctionPatch (what from_functions returns): check one of its ops, "
+            f"patch.ops[...] ({label})"
+        )
+        with pytest.raises(
+            cg.ArgumentTypeError, match=f"^{re.escape(MSG_NOT_AN_OP.format(got=got))}$"
+        ):
+            check_op(patch, torch.ones(2))  # type: ignore[arg-type]
+        assert check_op(patch.ops[label], torch.ones(2), checks=["gradcheck"]).ok  # its op
+
+
+def test_save_for_backward_hiding_tensors_in_an_object() -> None:
+    class Saved:  # not a container customgrad flattens (a dataclass would be)
+        def __init__(self, x: torch.Tensor, weight: torch.Tensor) -> None:
+            self.x, self.weight = x, weight
 
     op = linear_op(good_input_all)
-    op.register_save_for_backward(lambda inputs, output: Saved(inputs.x, inputs.weight))
+    save = op.register_save_for_backward(lambda inputs, output: Saved(inputs.x, inputs.weight))
     with pytest.raises(
         cg.SaveError,
         match=re.escape(
-            f"{op.name}: save_for_backward returned a dataclass "
-            "(test_save_for_backward_hiding_tensors_in_a_dataclass.<locals>.Saved), which holds "
-            "Tensors customgrad cannot see."
+            f"{op.name}: save_for_backward returned a "
+            "test_save_for_backward_hiding_tensors_in_an_object.<locals>.Saved object with Tensor "
+            "attributes, which holds Tensors customgrad cannot see. Tensors must be saved through "
+            "autograd (so in-place changes before backward are caught and no reference cycle "
+            "keeps outputs alive), which customgrad does for Tensors inside tuples, lists, dicts, "
+            "NamedTuples and dataclasses. Return those instead:\n\n"
+            "    return inputs.x, inputs.weight, rstd            # or a dict, a NamedTuple, a "
+            f"dataclass\n\n(save_for_backward defined at {where(save)})"
         ),
     ):
         run_backward(op)
@@ -1470,8 +1586,9 @@ def test_from_function_with_varargs_forward() -> None:
         match=re.escape(
             f"{name}: Fn.forward takes *tensors; autograd.Function.apply passes "
             "its inputs by position, and a customgrad op needs one named parameter per input. "
-            "Name them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor. (forward defined "
-            f"at {where(forward)})"
+            "Name them: def forward(ctx, x: Tensor, weight: Tensor) -> Tensor, or name them in the "
+            'schema: cg.from_function(..., schema="(Tensor x, Tensor weight) -> Tensor"). '
+            f"(forward defined at {where(forward)})"
         ),
     ):
         cg.from_function(_function(forward), name)
@@ -2393,3 +2510,66 @@ def test_queue_advice_applied() -> None:
     torch.testing.assert_close((w.grad, b.grad), (gw, gb))
     for x in xs:
         torch.testing.assert_close(x.grad, torch.ones(2, 4) @ w.detach())
+
+
+# --------------------------------------------------------------------------------------------
+# Round 6, issue 41: weight work hides the expert all-to-all
+
+
+def test_overlap_forward_backward_wants_a_schedule_that_runs_an_action_list(group: None) -> None:
+    from customgrad.pipelining import PipelineStage, WeightGradQueue, overlap_forward_backward
+
+    stage = PipelineStage(nn.Linear(2, 2), 0, 1, torch.device("cpu"), queue=WeightGradQueue())
+    with pytest.raises(
+        cg.ArgumentTypeError,
+        match=re.escape(
+            "overlap_forward_backward: expected one of torch's schedules that run an action list "
+            "(ScheduleDualPipeV, ScheduleZBVZeroBubble, ScheduleInterleavedZeroBubble, "
+            "ScheduleInterleaved1F1B, ScheduleLoopedBFS), got Schedule1F1B. Schedule1F1B and "
+            "ScheduleGPipe run each stage's weight gradients inside its full backward: no W is "
+            "left to hide a forward's all-to-all. For example:\n"
+            "\n"
+            "    schedule = ScheduleDualPipeV([stage0, stage1], n_microbatches, loss_fn=loss_fn)\n"
+            "    overlap_forward_backward(schedule)\n"
+        ),
+    ):
+        overlap_forward_backward(Schedule1F1B(stage, 2))
+
+
+def test_overlap_forward_backward_wants_stages_with_one_queue(group: None) -> None:
+    from customgrad.pipelining import PipelineStage, WeightGradQueue, overlap_forward_backward
+
+    cpu = torch.device("cpu")
+    queue = WeightGradQueue()
+    plain = [PipelineStage(nn.Linear(2, 2), s, 2, cpu, queue=queue if s else None)
+             for s in range(2)]  # fmt: skip
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "overlap_forward_backward: stage 0 is a PipelineStage without a WeightGradQueue, "
+            "but the overlap runs the queue's weight work inside the forwards' all-to-all waits. "
+            "Build every stage with one queue, the one the model's all-to-all waits through:\n"
+            "\n"
+            "    queue = WeightGradQueue()\n"
+            "    stage = customgrad.pipelining.PipelineStage(module, stage_index, n_stages, "
+            "device, queue=queue)\n"
+            "    ...                                     # in the model, where it waits for an "
+            "all-to-all:\n"
+            "    work = dist.all_to_all_single(out, x, out_splits, in_splits, group=ep_group, "
+            "async_op=True)\n"
+            '    queue.run_while(work, "dispatch")\n'
+        ),
+    ):
+        overlap_forward_backward(ScheduleZBVZeroBubble(plain, 2))
+    two = [PipelineStage(nn.Linear(2, 2), s, 2, cpu, queue=WeightGradQueue()) for s in range(2)]
+    with pytest.raises(
+        cg.ArgumentValueError,
+        match=re.escape(
+            "overlap_forward_backward: stages 0 and 1 have different WeightGradQueues; the "
+            "overlap runs one queue's weight work in the waits of the model's all-to-alls, so "
+            "every stage of the rank must use the same queue (the one the model's all-to-all "
+            "waits through). Build them with one: queue = WeightGradQueue(); "
+            "PipelineStage(..., queue=queue) for each."
+        ),
+    ):
+        overlap_forward_backward(ScheduleZBVZeroBubble(two, 2))

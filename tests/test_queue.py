@@ -6,6 +6,7 @@ import contextlib
 import copy
 import re
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -518,4 +519,118 @@ def test_input_only_backward_between_queue_passes_queues_nothing() -> None:
     queue.backward(out, g, inputs=[x])
     torch.testing.assert_close(x.grad, dx)
     queue.run(0, 0)
+    queue.finish()
+
+
+# --- W inside a collective's wait: overlap() and run_while() ----------------------------------
+
+
+class Sending:
+    """Stands for an async collective's ``Work``: done after ``polls`` checks; counts waits."""
+
+    def __init__(self, polls: int = 1_000) -> None:
+        self.polls, self.waited = polls, 0
+
+    def is_completed(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        self.waited += 1
+        return True
+
+
+def _queued(queue: WeightGradQueue, net: Net, n: int) -> list[tuple[Tensor, Tensor]]:
+    """``n`` microbatches through I (their W queued), and their data."""
+    data = _data(n)
+    for mb, (x, g) in enumerate(data):
+        with queue.microbatch(0, mb):
+            out = net(x)
+        queue.backward(out, g, inputs=[x])
+    return data
+
+
+def test_run_while_outside_overlap_only_waits() -> None:
+    net, queue = Net(), WeightGradQueue()
+    _queued(queue, net, 2)
+    work = Sending()
+    assert queue.run_while(work) == []
+    assert work.waited == 1 and queue.pending() == [(0, 0), (0, 1)] and net.w.grad is None
+    queue.run(0, 0)
+    queue.run(0, 1)
+    queue.finish()
+
+
+def test_run_while_runs_queued_w_oldest_first_while_in_flight() -> None:
+    net, queue = Net(), WeightGradQueue()
+    data = _queued(queue, net, 3)
+    ref, _ = _reference(net, data)
+    work = Sending()
+    with queue.overlap():
+        assert queue.run_while(work) == [(0, 0), (0, 1), (0, 2)]
+    assert work.waited == 1 and queue.pending() == []
+    queue.finish()
+    for p, rp in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, rp.grad)
+
+
+def test_run_while_runs_one_w_then_stops_once_the_collective_is_done() -> None:
+    # The first queued W is due anyway: it runs; the next only while the collective is in
+    # flight (here it completes at the second check). What is left stays queued.
+    net, queue = Net(), WeightGradQueue()
+    _queued(queue, net, 3)
+    with queue.overlap():
+        assert queue.run_while(Sending(polls=0)) == [(0, 0)]
+        assert queue.run_while(Sending(polls=1)) == [(0, 1)]
+    assert queue.pending() == [(0, 2)]
+    queue.run(0, 2)
+    queue.finish()
+
+
+def test_overlap_keys_choose_which_w_may_run_and_in_which_order() -> None:
+    net, queue = Net(), WeightGradQueue()
+    _queued(queue, net, 3)
+    with queue.overlap([(0, 2), (0, 7), (0, 0)]):  # (0, 7): never queued, passed over
+        assert queue.run_while(Sending()) == [(0, 2), (0, 0)]
+        assert queue.run_while(Sending()) == []  # both ran
+    assert queue.pending() == [(0, 1)] and queue.ran(0, 2) and not queue.ran(0, 1)
+    queue.run(0, 1)
+    queue.finish()
+
+
+def test_another_queue_s_overlap_runs_nothing_here() -> None:
+    net, queue, other = Net(), WeightGradQueue(), WeightGradQueue()
+    _queued(queue, net, 1)
+    with other.overlap():
+        assert queue.run_while(Sending()) == []
+    with queue.overlap(), other.overlap():  # the innermost block of this queue counts
+        assert queue.run_while(Sending()) == [(0, 0)]
+    queue.finish()
+
+
+def test_a_backward_s_wait_never_starts_w() -> None:
+    # The gradient's all-to-all of one microbatch's I waits inside the engine: no W runs there,
+    # even inside overlap(); W of the microbatch queued before runs in the next forward's wait.
+    net, queue = Net(), WeightGradQueue()
+    _queued(queue, net, 1)
+    ran: list[list[tuple[int, int]]] = []
+
+    class Exchange(torch.autograd.Function):  # an all-to-all stand-in, waited through the queue
+        @staticmethod
+        def forward(ctx: Any, x: Tensor) -> Tensor:
+            ran.append(queue.run_while(Sending()))
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> Tensor:
+            ran.append(queue.run_while(Sending()))
+            return grad
+
+    ((x, g),) = _data(1)
+    with queue.overlap():
+        with queue.microbatch(0, 1):
+            out = Exchange.apply(net(x))
+        queue.backward(out, g, inputs=[x])
+    assert ran == [[(0, 0)], []]
+    queue.run(0, 1)
     queue.finish()

@@ -7,6 +7,7 @@ schedule is checked against its data dependencies over random costs (hypothesis)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -499,3 +500,141 @@ def test_guide_example_runs_and_prints_what_it_says(
     assert not list(tmp_path.iterdir())  # the page writes no file when it runs
     printed = "".join(re.findall(r"prints\n\n```text\n(.*?)```", text, flags=re.DOTALL))
     assert capsys.readouterr().out == printed
+
+
+# --- mixture of experts: all-to-all costs, and weight work hiding them ---------------------
+
+MOE = StageCosts(1.0, 1.0, 1.0, dispatch=0.25, combine=0.5)
+
+
+def close(got: list[tuple[object, ...]], want: list[tuple[object, ...]]) -> bool:
+    """Equal, numbers to rounding (the replay splits an action's compute into thirds)."""
+    return len(got) == len(want) and all(
+        len(g) == len(w)
+        and all(x == pytest.approx(y) if isinstance(y, float) else x == y for x, y in zip(g, w))
+        for g, w in zip(got, want)
+    )
+
+
+def test_all_to_alls_add_to_forwards_and_input_gradients_by_hand() -> None:
+    # 1F1B on one rank: every F and B waits 0.75 s for its two all-to-alls, with or without
+    # the overlap (a full backward leaves no W to hide them).
+    for overlap in (False, True):
+        sim = simulate(Schedule1F1B, 1, 2, MOE, overlap=overlap)
+        assert close(spans(sim, 0), [("0F", 0, 0.0, 1.75), ("0B", 0, 1.75, 4.5),
+                                     ("0F", 1, 4.5, 6.25), ("0B", 1, 6.25, 9.0)])  # fmt: skip
+        # a forward dispatches, then combines; a backward sends the gradients the other way
+        assert close([(c.label, c.kind, c.start, c.end) for c in sim.comms[:4]], [
+            ("dispatch", "F", 1 / 3, 1 / 3 + 0.25), ("combine", "F", 1 / 3 + 0.25 + 1 / 3, 1.75 - 1 / 3),
+            ("combine", "B", 1.75 + 2 / 3, 1.75 + 2 / 3 + 0.5), ("dispatch", "B", 4.5 - 2 / 3 - 0.25, 4.5 - 2 / 3),
+        ])  # fmt: skip
+        assert sim.hidden == 0 and sim.exposed == pytest.approx(4 * 0.75)
+
+
+def test_dual_pipe_v_overlap_runs_the_b_s_w_inside_the_f_s_dispatch_by_hand() -> None:
+    plain = simulate(ScheduleDualPipeV, 2, 4, MOE, n_ranks=1)
+    sim = simulate(ScheduleDualPipeV, 2, 4, MOE, n_ranks=1, overlap=True)
+    # (1F1;0B0) becomes 0I0, then 1F1 with 0W0 in its dispatch wait: W (1 s) outlasts the
+    # dispatch (0.25 s), which it hides whole; the combine stays exposed.
+    i0 = next(a for a in sim.timeline if (a.stage, a.kind, a.microbatch) == (0, "I", 0))
+    f1 = next(a for a in sim.timeline if (a.stage, a.kind, a.microbatch) == (1, "F", 1))
+    w0 = next(a for a in sim.timeline if (a.stage, a.kind, a.microbatch) == (0, "W", 0))
+    assert i0.end == pytest.approx(f1.start) and w0.in_wait
+    assert w0.start == pytest.approx(f1.start + 1 / 3) and w0.duration == 1.0
+    assert f1.duration == pytest.approx(1.0 + 1.0 + 0.5)  # compute, W over the dispatch, combine
+    (dispatch,) = [c for c in sim.comms if c.start == w0.start]
+    assert close([(dispatch.label, dispatch.overlapped, dispatch.hidden, dispatch.exposed)],
+                 [("dispatch", 1.0, 0.25, 0.0)])  # fmt: skip
+    # five overlapped pairs, each hiding one dispatch
+    assert sim.hidden == pytest.approx(5 * 0.25)
+    assert plain.step_time - sim.step_time == pytest.approx(5 * 0.25)
+    assert sum(a.in_wait for a in sim.timeline) == 5
+
+
+def test_zbv_overlap_defers_a_w_into_the_next_forward() -> None:
+    sim = simulate(ScheduleZBVZeroBubble, 2, 4, MOE, n_ranks=1, overlap=True)
+    order = [(f"{a.stage}{a.kind}{a.microbatch}", a.in_wait) for a in sim.actions(0)]
+    # torch's 1I0 1W0 0F1: the W runs inside 0F1's dispatch wait
+    assert order[2:5] == [("1I0", False), ("0F1", False), ("1W0", True)]
+    assert simulate(ScheduleZBVZeroBubble, 2, 4, MOE, n_ranks=1).step_time - sim.step_time == (
+        pytest.approx(sim.hidden))  # fmt: skip
+
+
+def test_a_short_w_leaves_the_rest_of_the_all_to_all_exposed() -> None:
+    costs = StageCosts(1.0, 1.0, 0.1, dispatch=0.25)
+    sim = simulate(ScheduleDualPipeV, 2, 4, costs, n_ranks=1, overlap=True)
+    carrying = [c for c in sim.comms if c.overlapped]
+    assert carrying and all(c.hidden == pytest.approx(0.1) for c in carrying)
+    assert all(c.exposed == pytest.approx(0.15) for c in carrying)
+
+
+def test_without_all_to_all_costs_the_overlap_changes_nothing() -> None:
+    for schedule in (ScheduleZBVZeroBubble, ScheduleDualPipeV):
+        plain, hidden = simulate(schedule, 4, 8, UNIT), simulate(schedule, 4, 8, UNIT, overlap=True)
+        assert hidden.step_time == plain.step_time and not hidden.comms and hidden.hidden == 0
+
+
+moe_costs_st = st.builds(
+    StageCosts,
+    forward=st.floats(0, 5),
+    backward_input=st.floats(0, 5),
+    backward_weight=st.floats(0, 5),
+    backward=st.none() | st.floats(0, 10),
+    send=st.floats(0, 1),
+    dispatch=st.floats(0, 3),
+    combine=st.floats(0, 3),
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    schedule=st.sampled_from(
+        (Schedule1F1B, ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleInterleavedZeroBubble)
+    ),
+    p=st.integers(1, 4),
+    extra=st.integers(0, 4),
+    overlap=st.booleans(),
+    data=st.data(),
+)
+def test_every_all_to_all_is_waited_for_whole_and_every_w_runs_once(
+    schedule: type, p: int, extra: int, overlap: bool, data: st.DataObject
+) -> None:
+    n_stages = p if schedule is Schedule1F1B else 2 * p
+    m = n_stages + extra
+    costs = data.draw(st.lists(moe_costs_st, min_size=n_stages, max_size=n_stages))
+    try:
+        sim = simulate(schedule, n_stages, m, costs, n_ranks=None if schedule is Schedule1F1B
+                       else p, overlap=overlap)  # fmt: skip
+    except customgrad.ArgumentValueError as e:
+        assume("cannot run" not in str(e))
+        raise
+    keys = [(a.stage, a.kind, a.microbatch) for a in sim.timeline]
+    assert len(set(keys)) == len(keys)  # every action once, a W inside a wait or in its slot
+    for c in sim.comms:  # hidden + exposed is the whole all-to-all
+        cost = getattr(costs[c.stage], c.label)
+        assert c.in_flight == pytest.approx(cost, abs=1e-9)
+        assert c.overlapped == 0 or (c.kind == "F" and overlap)
+    for a in sim.timeline:  # compute, plus the waits: exposed, or filled by the W inside
+        if a.in_wait:
+            continue
+        nested = sum(
+            n.duration
+            for n in sim.timeline
+            if n.in_wait and n.rank == a.rank and a.start <= n.start and n.end <= a.end
+        )
+        waits = [
+            w
+            for w in sim.comms
+            if (w.rank, w.stage, w.kind, w.microbatch) == (a.rank, a.stage, a.kind, a.microbatch)
+        ]
+        assert a.duration == pytest.approx(
+            costs[a.stage].cost(a.kind) + sum(w.exposed for w in waits) + nested, abs=1e-9
+        )  # fmt: skip
+        assert nested == pytest.approx(sum(w.overlapped for w in waits), abs=1e-9)
+    if p == 1 and schedule is not Schedule1F1B:
+        # One rank: the overlap saves what it hides (where B costs I + W: an overlapped pair's
+        # B runs as I, then W, with the overlap)
+        costs = [dataclasses.replace(c, backward=None) for c in costs]
+        plain = simulate(schedule, n_stages, m, costs, n_ranks=1)
+        hidden = simulate(schedule, n_stages, m, costs, n_ranks=1, overlap=True)
+        assert plain.step_time - hidden.step_time == pytest.approx(hidden.hidden, abs=1e-6)

@@ -135,8 +135,8 @@ def test_catches_backward_that_ignores_needs_input_grad() -> None:
     assert report.calls["input"] == {"backward": 1}
 
 
-@cg.op("test_testing::opaque_mm")
-def opaque_mm(a: Tensor, b: Tensor) -> Tensor:
+@torch.library.custom_op("test_testing::opaque_mm", mutates_args=())
+def opaque_mm(a: Tensor, b: Tensor) -> Tensor:  # no FLOP formula: FLOP counters see 0
     return a @ b
 
 
@@ -297,8 +297,9 @@ def test_a_backward_declared_not_differentiable_skips_gradgradcheck() -> None:
     assert report.ok
     assert report["gradgradcheck"].status == "skipped"
     assert report["gradgradcheck"].detail == (
-        "the backward is registered with differentiable=False (input): double backward raises "
-        "by design"
+        "not applicable: the backward is registered with differentiable=False (backward_input; "
+        "a Function's @once_differentiable backward through from_function): double backward "
+        "raises by design"
     )
 
 
@@ -562,7 +563,7 @@ def test_no_float64_advice_applied_checks_in_float32() -> None:
     op.register_backward_input(lambda ctx, s, g: {"x": g * s[1]})
     op.register_backward_weight(lambda ctx, s, g: {"w": (g * s[0]).sum(0)})
     x, w = torch.randn(4, 3), torch.randn(3)
-    failed = check_op(op, x, w, raise_on_failure=False)
+    failed = check_op(op, x, w, dtype=torch.float64, raise_on_failure=False)  # asked for
     assert "dtype=torch.float32" in failed["gradcheck"].detail
     report = check_op(op, x, w, dtype=torch.float32)
     assert report.ok
@@ -595,3 +596,144 @@ def test_opchecks_tests_failing_with_the_same_error_count_as_one() -> None:
         f"  - opcheck, gradcheck: each raised {error}",
         "  - split: gradient of 'x' from the input pass differs",
     ]
+
+
+# --------------------------------------------------------------------------------------------
+# Round 6: check_op says yes to what works and explains the rest
+
+
+class _SwiGLU(torch.autograd.Function):
+    """As xformers' and Liger's: the forward saves what it computed (``a``, ``b``, ``s``)."""
+
+    @staticmethod
+    def forward(ctx, x, w1, w2):  # type: ignore[no-untyped-def]  # unannotated, as libraries'
+        a, b = x @ w1.mT, x @ w2.mT
+        s = torch.sigmoid(a)
+        ctx.save_for_backward(x, w1, w2, a, b, s)
+        return a * s * b
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        x, w1, w2, a, b, s = ctx.saved_tensors
+        db = g * a * s
+        da = g * b * (s + a * s * (1 - s))
+        return da @ w1 + db @ w2, da.mT @ x, db.mT @ x
+
+
+def _swiglu_args() -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return (
+        torch.randn(4, 8, generator=g),
+        torch.randn(6, 8, generator=g),
+        torch.randn(6, 8, generator=g),
+    )
+
+
+def test_a_from_function_op_that_keeps_forward_values_passes_gradgradcheck_not_applicable() -> None:
+    from customgrad._errors import where
+    from customgrad._from_function import MSG_COMPUTED_DOUBLE_BACKWARD
+
+    name = "test_testing::swiglu_kept"
+    op = cg.from_function(_SwiGLU, name, weights=("w1", "w2"))
+    assert op.op is None  # a deferred op: check_op defines it from its arguments
+    report = check_op(op, *_swiglu_args())
+    assert report.ok, str(report)
+    assert report["gradgradcheck"].status == "skipped"
+    reason = MSG_COMPUTED_DOUBLE_BACKWARD.format(op=name, loc=where(_SwiGLU.forward))
+    assert report["gradgradcheck"].detail == f"not applicable: {reason}"
+    assert op.op is not None and check_op(op.op, *_swiglu_args()).ok  # the op it defined
+
+
+def test_a_once_differentiable_function_passes_gradgradcheck_not_applicable() -> None:
+    from torch.autograd.function import once_differentiable
+
+    class Once(_SwiGLU):
+        @staticmethod
+        @once_differentiable
+        def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            return _SwiGLU.backward(ctx, g)
+
+    report = check_op(cg.from_function(Once, "test_testing::swiglu_once", weights=("w1", "w2")),
+                      *_swiglu_args())  # fmt: skip
+    assert report.ok, str(report)
+    assert report["gradgradcheck"].detail.startswith(
+        "not applicable: the backward is registered with differentiable=False (backward; a "
+        "Function's @once_differentiable backward through from_function)"
+    )
+
+
+def test_a_backward_that_branches_on_a_value_is_reported_as_running_once() -> None:
+    from customgrad.testing import MSG_BRANCH
+
+    op = linear_op("test_testing::branches", backward=None)
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
+        x, w = saved
+        if grad.abs().max() > 100:  # a tensor value: runs once
+            grad = grad / grad.abs().max()
+        return {"x": grad @ w, "weight": grad.mT @ x}
+
+    report = check_op(op, *_args())
+    assert report.ok, str(report)
+    line = _.__code__.co_firstlineno + 3  # the decorator's line, then the branch's
+    at = f"{__file__}:{line} (`if grad.abs().max() > 100:  # a tensor value: runs once`)"
+    assert report["opcheck"].detail == MSG_BRANCH.format(
+        test="test_aot_dispatch_dynamic", once="runs once: ", at=at
+    )
+    assert "GuardOnDataDependentSymNode" not in str(report)
+
+
+def test_a_full_backward_that_computes_a_gradient_nothing_needs_is_explained() -> None:
+    # LoRA with one naive backward: it returns the frozen base weight's gradient too. The full
+    # backward calls it as written; the split computes what its passes need: I + W < full.
+    from customgrad.testing import MSG_FULL_DOES_MORE
+
+    @cg.op("test_testing::lora", weights=("a", "b"))
+    def lora(x: Tensor, w: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return x @ w.mT + (x @ a.mT) @ b.mT
+
+    lora.register_fake(lambda x, w, a, b: x.new_empty((*x.shape[:-1], w.shape[0])))
+    lora.register_save_for_backward(lambda i, o: (i.x, i.w, i.a, i.b))
+
+    @lora.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, g: Tensor) -> dict[str, Tensor]:
+        x, w, a, b = saved
+        gb = g @ b
+        return {"x": g @ w + gb @ a, "w": g.mT @ x, "a": gb.mT @ x, "b": g.mT @ (x @ a.mT)}
+
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    a, b = torch.randn(2, 8, generator=gen), torch.randn(6, 2, generator=gen)
+    report = check_op(lora, x.requires_grad_(), w, a.requires_grad_(), b.requires_grad_())
+    assert report.ok, str(report)
+    f = report.flops
+    assert f["full"] - f["input"] - f["weight"] == 2 * 4 * 6 * 8  # g.mT @ x, for 'w'
+    assert report["flops"].detail == MSG_FULL_DOES_MORE.format(
+        less=384, full=f["full"], input=f["input"], weight=f["weight"], label="backward",
+        names="'w'", name="w",
+    )  # fmt: skip
+
+
+def test_a_kernel_whose_backward_has_no_float64_is_checked_in_its_dtype() -> None:
+    # As a Triton kernel's launcher: a dtype table without float64, in the backward only.
+    from customgrad.testing import MSG_RAN_OWN
+
+    table = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    op = linear_op("test_testing::float32_backward", backward=None)
+
+    @op.register_backward
+    def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
+        x, w = saved
+        table[grad.dtype]  # KeyError: torch.float64
+        return {"x": grad @ w, "weight": grad.mT @ x}
+
+    report = check_op(op, *_args())
+    assert report.ok, str(report)
+    assert [report[c].dtype for c in CHECKS] == ["own", "own", *["float32"] * 4]
+    assert report.dtype_note == MSG_RAN_OWN.format(
+        dtype="float32", op="test_testing::float32_backward", exc="KeyError: torch.float64"
+    )
+    assert "\n  dtype: gradcheck, gradgradcheck, split and flops ran in float32, the " in str(
+        report
+    )

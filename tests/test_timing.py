@@ -6,8 +6,8 @@ Waits for a peer need two ranks: ``tests/test_pipeline_mp.py`` checks them on re
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
+import statistics
 from typing import Any
 
 import pytest
@@ -15,7 +15,6 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage as TorchPipelineStage
 from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
-from torch.utils.flop_counter import register_flop_formula
 
 import customgrad as cg
 from customgrad.pipelining import (
@@ -33,13 +32,6 @@ from tests.conftest import linear_op
 
 linear = linear_op("timing::linear")
 WIDTH, ROWS, N_MB = 16, 8, 4
-
-
-@register_flop_formula(torch.ops.timing.linear)
-def _(x_shape: Any, w_shape: Any, *args: Any, **kwargs: Any) -> int:
-    # A custom op is opaque to a FLOP counter: its forward's cost, said once (backward halves
-    # are made of aten ops, which have formulas).
-    return 2 * math.prod(x_shape[:-1]) * x_shape[-1] * w_shape[0]
 
 
 class Block(nn.Module):
@@ -376,3 +368,67 @@ def test_the_demo_report_accounts_for_the_whole_bubble_in_plain_words(
     pipeline_report.draw(steps, sim, [3.0, 2.0, 1.0], tmp_path)
     assert (tmp_path / "zero_bubble.png").stat().st_size > 0
     assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+# --- collectives waited for inside actions, and W nested in them ------------------------------
+
+
+class _Sending:
+    """Stands for an async all-to-all's ``Work``: never completes before its wait."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self) -> bool:
+        return True
+
+
+def test_a_w_run_inside_a_wait_is_nested_in_the_action_that_waited() -> None:
+    from customgrad.pipelining import WeightGradQueue
+
+    w = nn.Parameter(torch.randn(WIDTH, WIDTH))
+    queue, timer = WeightGradQueue(), ActionTimer()
+    x = torch.randn(ROWS, WIDTH, requires_grad=True)
+    with timer.step(count_flops=True):
+        with timer.action("F", 0, 0), queue.microbatch(0, 0):
+            out = linear(x, w)
+            queue.run_while(_Sending(), "dispatch")  # nothing queued yet: a plain wait
+        with timer.action("I", 0, 0):
+            queue.backward(out.sum(), inputs=[x])
+        with timer.action("F", 0, 1), queue.overlap():
+            assert queue.run_while(_Sending(), "dispatch") == [(0, 0)]
+            linear(x, w)
+    queue.finish()
+    (step,) = timer.steps
+    f0, i0, f1, w0 = step.actions  # by start time: the W inside F1 comes after it
+    assert [(a.kind, a.microbatch) for a in step.actions] == [
+        ("F", 0),
+        ("I", 0),
+        ("F", 1),
+        ("W", 0),
+    ]
+    assert f1.start <= w0.start and w0.end <= f1.end and f1.nested == w0.duration
+    assert step.busy == pytest.approx(f0.duration + i0.duration + f1.duration)
+    assert step.time_in("F") == pytest.approx(f0.duration + f1.own)
+    # FLOPs: the W's dW GEMM is its own, not F1's (which is one forward GEMM)
+    gemm = 2 * ROWS * WIDTH * WIDTH
+    assert (f1.flops, w0.flops, f0.flops) == (gemm, gemm, gemm)
+    plain, carrying = step.comms
+    assert (plain.kind, plain.microbatch, plain.label, plain.overlapped, plain.hidden) == (
+        "F", 0, "dispatch", 0.0, 0.0)  # fmt: skip
+    assert plain.exposed == pytest.approx(plain.end - plain.start) and f0.comm == plain.exposed
+    assert (carrying.kind, carrying.microbatch) == ("F", 1)
+    assert carrying.overlapped >= w0.duration and carrying.hidden == carrying.overlapped
+    assert step.hidden == carrying.hidden and step.exposed == pytest.approx(
+        plain.exposed + carrying.exposed)  # fmt: skip
+    (part,) = StepTimeline((step,)).breakdown()
+    assert part.comm == pytest.approx(f0.comm + f1.comm)
+    assert part.total == pytest.approx(step.duration)
+    costs = stage_costs([StepTimeline((step,))])[0]
+    assert costs.dispatch == pytest.approx(statistics.median([plain.in_flight, carrying.in_flight]))
+    assert costs.combine == 0.0 and costs.forward == pytest.approx(
+        statistics.median([f0.compute, f1.compute]))  # fmt: skip
+    fig = StepTimeline((step,)).draw()
+    legend = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "all-to-all in flight, hidden behind W" in legend
+    assert "all-to-all in flight, rank blocked" in legend

@@ -25,6 +25,7 @@ from customgrad._torch import (
     dispatcher,
     dynamo,
     engine,
+    errors,
     fake,
     functions,
     pipelining,
@@ -238,6 +239,66 @@ def test_dispatcher_ambient_state_alias_checks_and_aten_callables() -> None:
 # -- transforms --------------------------------------------------------------------------------
 
 
+def test_dispatcher_flop_counters_tables_and_counts_on_the_stack() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    assert dispatcher.active_flop_tables() == []
+    a = torch.ones(2, 3)
+    with FlopCounterMode(display=False) as outer, FlopCounterMode(display=False) as inner:
+        assert dispatcher.active_flop_tables() == [outer.flop_registry, inner.flop_registry]
+        torch.mm(a, a.mT)
+        with dispatcher.flops_uncounted():
+            torch.mm(a, a.mT)
+            assert inner.get_total_flops() == 48  # counted while it runs
+        torch.mm(a, a.mT)
+    assert outer.get_total_flops() == inner.get_total_flops() == 48  # and put back after
+
+
+def test_dispatcher_destroy_library_forgets_its_names_for_a_redefinition() -> None:
+    import gc
+
+    name = "test_internals_redefine::op"
+    lib = torch.library.Library("test_internals_redefine", "FRAGMENT")
+    lib.define("op(Tensor x) -> Tensor")
+    dispatcher.destroy_library(lib)
+    assert lib._op_defs == set()  # what its finalizer reads
+    again = torch.library.Library("test_internals_redefine", "FRAGMENT")
+    again.define("op(Tensor x) -> Tensor")
+    packet = torch.ops.test_internals_redefine.op
+    del lib
+    gc.collect()  # the first library's finalizer ran
+    assert torch.ops.test_internals_redefine.op is packet, name
+    dispatcher.destroy_library(again)
+
+
+def test_errors_find_what_dynamo_and_aot_autograd_wrapped() -> None:
+    import torch._dynamo.exc as dynamo_exc
+
+    class Mine(RuntimeError):
+        pass
+
+    inner = Mine("mine")
+    try:
+        try:
+            raise inner
+        except Mine as e:
+            raise dynamo_exc.Unsupported("graph break") from e
+    except dynamo_exc.Unsupported as e:
+        wrapper = dynamo_exc.TorchRuntimeError(str(e))
+        wrapper.__context__ = e  # as dynamo raises it: from None, over the Unsupported
+        wrapper.__suppress_context__ = True
+    assert errors.is_dynamo_error(wrapper) and not errors.is_dynamo_error(inner)
+    assert errors.wrapped_error(wrapper, Mine) is inner
+    failed = dynamo_exc.BackendCompilerFailed(lambda: None, inner, None)
+    assert errors.wrapped_error(failed, Mine) is inner  # its inner_exception
+    assert errors.wrapped_error(ValueError("other"), Mine) is None
+    with pytest.raises(Mine) as info, errors.errors_first(Mine):
+        raise wrapper
+    assert info.value is inner and info.value.__cause__ is wrapper
+    with pytest.raises(ValueError), errors.errors_first(Mine):
+        raise ValueError("not dynamo's: left as it is")
+
+
 def test_transforms_functorch_and_forward_ad_levels() -> None:
     assert transforms.functorch_active() is False
     assert transforms.forward_ad_level() == -1
@@ -396,6 +457,51 @@ def test_pipelining_torch_stage_inits_same_rank_where_it_warms_up_without_a_vote
         assert "_get_init_p2p_neighbors_ops()" in multi
     else:  # no init ops batched across the stages of a rank
         assert "_get_init_p2p_neighbors_ops" not in multi
+
+
+def test_pipelining_runtime_step_runs_actions_as_torch_s_runtime_does(group: None) -> None:
+    # Custom functions running every compute action through RuntimeStep, in torch's order, give
+    # the step torch's own runtime gives: gradients, losses (loss_kwargs reach the loss),
+    # outputs, on DualPipeV's F, I, W, B and OVERLAP_F_B and ZBV's lists.
+    import torch.distributed.pipelining as tp
+
+    from customgrad.pipelining import PipelineStage
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return scale * ((out - target) ** 2).mean()
+
+    def run(schedule_cls: type, custom: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Linear(4, 4, dtype=torch.float64) for _ in range(2)]
+        stages = [PipelineStage(b, s, 2, torch.device("cpu")) for s, b in enumerate(blocks)]
+        schedule = schedule_cls(stages, 4, loss_fn=loss_fn)
+        seen: list[str] = []
+        if custom:
+
+            def each(action: Any, ctx: Any) -> None:
+                step = pipelining.RuntimeStep(ctx)
+                for stage, kind, mb in step.parts(action):
+                    seen.append(kind)
+                    if kind == "F":
+                        step.forward(stage, mb)
+                    elif kind == "W":
+                        step.weight(stage, mb)
+                    else:
+                        step.backward(stage, mb, full=kind == "B")
+
+            for kind in ("F", "I", "W", "B", "OVERLAP_F_B"):
+                pipelining.register_action(schedule, kind, each)
+        losses: list[torch.Tensor] = []
+        x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        schedule.step(x, target=x.flip(0), losses=losses, loss_kwargs={"scale": 3.0})
+        assert set(seen) == (set() if not custom else kinds[schedule_cls])
+        return [p.grad for b in blocks for p in b.parameters()], losses  # type: ignore[misc]
+
+    kinds = {tp.ScheduleDualPipeV: {"F", "I", "W", "B"}, tp.ScheduleZBVZeroBubble: {"F", "I", "W"}}
+    for schedule_cls in kinds:
+        (grads, losses), (want, want_losses) = run(schedule_cls, True), run(schedule_cls, False)
+        assert all(torch.equal(g, w) for g, w in zip(grads, want))
+        assert [v.item() for v in losses] == [v.item() for v in want_losses] != []
 
 
 # -- dynamo and AOTAutograd --------------------------------------------------------------------

@@ -19,12 +19,14 @@ import torch
 from torch import Tensor
 
 import customgrad as cg
+from customgrad._triton import FIX_RAW_LAUNCH
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import (
     FIX_LAUNCHED_TWICE,
     MSG_COARSE_DTYPE,
     MSG_FLOAT64_MISMATCH,
     MSG_NO_FLOAT64,
+    MSG_RAN_OWN,
     CheckFailed,
     check_op,
 )
@@ -163,22 +165,28 @@ def test_check_op_in_float32_counts_one_backward_launch(device: str) -> None:
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the CPU kernel is Triton's only when interpreted")
-def test_check_op_default_float64_names_the_kernel_and_the_fix() -> None:
+def test_check_op_of_a_kernel_without_float64_checks_in_its_dtype_saying_so() -> None:
     x, w = torch.randn(4, 8), torch.randn(8)
-    with pytest.raises(CheckFailed) as info:
-        check_op(triton_rms_norm, x, w, checks=ONCE)
     exc = (
         "UnsupportedError: examples::triton_rms_norm: the Triton kernel takes float32, float16 "
         "or bfloat16 tensors, got torch.float64. Convert the arguments (x.float()), or check the "
         "op in its own dtype: check_op(op, ..., dtype=torch.float32)."
     )
+    report = check_op(triton_rms_norm, x, w, checks=ONCE)  # float64 only by default
+    assert report.ok, str(report)
+    for name in ("gradcheck", "split", "flops"):
+        assert report[name].dtype == "float32"
+    note = MSG_RAN_OWN.format(dtype="float32", op="examples::triton_rms_norm", exc=exc)
+    assert report.dtype_note == note
+    assert f"\n  dtype: {note}\n" in str(report)
+    # float64 asked for: each gradient check fails with the kernel's error and the fix
     expected = MSG_NO_FLOAT64.format(op="examples::triton_rms_norm", exc=exc)
+    with pytest.raises(CheckFailed) as info:
+        check_op(triton_rms_norm, x, w, checks=ONCE, dtype=torch.float64)
     assert isinstance(info.value, cg.CustomGradError)
     for name in ("gradcheck", "split", "flops"):
         assert info.value.report[name].detail == expected
     assert info.value.report["fake"].status == "passed"  # the arguments as given: float32
-    with pytest.raises(CheckFailed, match=re.escape(f"  - gradcheck: {expected}")):
-        check_op(triton_rms_norm, x, w, checks=ONCE)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -371,7 +379,7 @@ def test_automatic_split_fallback_names_the_raw_launch() -> None:
         + re.escape("): a raw launch, which dynamo cannot capture here"),
         fallback.why,
     ), fallback.why
-    assert fallback.fix.startswith("wrap the Triton launch in an op with a fake kernel")
+    assert fallback.fix == FIX_RAW_LAUNCH
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -423,10 +431,7 @@ def test_a_trace_that_hits_a_raw_launch_is_explained_by_the_kernel() -> None:
         f"it launches the Triton kernel _backward_kernel directly ({rms_module.__file__}:"
     )
     assert reason.endswith("), which fake tensors cannot run")
-    assert fix == (
-        "make the kernel an op with a fake kernel (a customgrad op, or torch.library.triton_op) "
-        "and call the op from the backward: the trace keeps it as one opaque call"
-    )
+    assert fix == FIX_RAW_LAUNCH
 
 
 if HAS_TRITON:

@@ -16,7 +16,9 @@ more general, never wrong:
 - :mod:`~customgrad._torch.fake`: fake and functional tensors and fake modes;
 - :mod:`~customgrad._torch.aot` and :mod:`~customgrad._torch.dynamo`: AOTAutograd, inductor
   and dynamo names a split-aware compile backend reads;
-- :mod:`~customgrad._torch.pipelining`: private members of ``torch.distributed.pipelining``.
+- :mod:`~customgrad._torch.pipelining`: private members of ``torch.distributed.pipelining``;
+- :mod:`~customgrad._torch.errors`: how dynamo and AOTAutograd wrap what is raised while they
+  trace, and the error inside.
 
 ``tests/test_torch_internals.py`` pins each adapter: it fails loudly when a torch upgrade
 changes a name or a behaviour read here, so an upgrade cannot make customgrad silently slower

@@ -9,7 +9,8 @@ dispatcher (the general answer), never around it: :func:`library_impls` gives No
 
 from __future__ import annotations
 
-from collections.abc import Callable, Set
+import contextlib
+from collections.abc import Callable, Iterator, Set
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ from customgrad._torch.transforms import functorch_active
 
 __all__ = [
     "AFTER_AD_INPLACE_OR_VIEW",
+    "active_flop_tables",
+    "flops_uncounted",
     "DispatchKeySet",
     "INFRA_MODES",
     "HigherOrderOperator",
@@ -104,8 +107,13 @@ def library_impls() -> Set[str] | None:
 
 
 def destroy_library(lib: torch.library.Library) -> None:
-    """Remove ``lib``'s definitions and registrations (``Library._destroy``)."""
+    """Remove ``lib``'s definitions and registrations (``Library._destroy``), for good: the
+    library's finalizer, when it is collected, would clear ``torch.ops``' cache of its names
+    again and forget them as defined, by then a redefinition's (whose ``torch.ops.ns.name``
+    would change identity, out of FLOP counters' tables). Its names are forgotten now
+    (``Library._op_defs``, which the finalizer reads)."""
     lib._destroy()
+    lib._op_defs.clear()
 
 
 # -- what would see a dispatcher call made now ----------------------------------------------
@@ -119,6 +127,43 @@ get_dispatch_mode: Callable[[Any], Any] = torch._C._get_dispatch_mode
 """The infrastructure mode (fake, proxy, functional) active under a ``_TorchDispatchModeKey``."""
 INFRA_MODES: tuple[Any, ...] = tuple(torch._C._TorchDispatchModeKey.__members__.values())
 """The keys of torch's infrastructure modes (fake, proxy, functional)."""
+
+
+def active_flop_tables() -> list[dict[Any, Any]]:
+    """The formula tables of the ``torch.utils.flop_counter.FlopCounterMode``\\ s running on
+    this thread (each copies torch's table when it is made; its dispatch mode,
+    ``_FlopCounterMode``, is on the mode stack while it counts), innermost last."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.flop_counter import _FlopCounterMode
+
+    return [
+        mode.counter.flop_registry
+        for mode in _get_current_dispatch_mode_stack()
+        if isinstance(mode, _FlopCounterMode)
+    ]
+
+
+@contextlib.contextmanager
+def flops_uncounted() -> Iterator[None]:
+    """Run a block the ``FlopCounterMode``\\ s on this thread do not count (torch's own work, such
+    as a pipeline stage's shape inference): their counts are put back as they were after it,
+    as ``FlopCounterMode`` does for the branch of a ``cond`` it does not take."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.flop_counter import _FlopCounterMode
+
+    counts = [
+        mode.counter.flop_counts
+        for mode in _get_current_dispatch_mode_stack()
+        if isinstance(mode, _FlopCounterMode)
+    ]
+    before = [{module: dict(by_op) for module, by_op in c.items()} for c in counts]
+    try:
+        yield
+    finally:
+        for c, was in zip(counts, before):
+            c.clear()
+            for module, by_op in was.items():
+                c[module].update(by_op)
 
 
 def profiler_enabled() -> bool:

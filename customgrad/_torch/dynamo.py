@@ -23,15 +23,18 @@ Imported lazily (dynamo is large).
   :class:`Captured` (the FX graph, its inputs' example values, the side effects dynamo would
   replay, the guards on constants and modules) to a callback; :func:`guard_check` is the C++
   check of the guards dynamo keeps for the captured code (its cache entry's guard manager);
-  :func:`unsupported` reads why dynamo refused (an ``Unsupported`` or a graph break);
-  :func:`tracing` tells a function whether dynamo traces it;
-  :func:`dict_version` reads when a module's namespace was last written.
+  :func:`unsupported` reads why dynamo refused (an ``Unsupported`` or a graph break),
+  :func:`user_frame` where in the traced code, :func:`skipped_function` which function it would
+  not call and :func:`reads_function_class` whether it stopped at an ``autograd.Function`` class;
+  :func:`tracing` tells a function whether dynamo traces it; :func:`dict_version` reads when a
+  module's namespace was last written.
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import linecache
 import re
 import sys
 from collections.abc import Callable
@@ -62,6 +65,9 @@ __all__ = [
     "tracing",
     "readable",
     "unsupported",
+    "user_frame",
+    "skipped_function",
+    "reads_function_class",
     "guards_instance_attributes",
     "guards_parameter_requires_grad",
     "refuses_data_pointer_comparisons",
@@ -426,14 +432,46 @@ def unsupported(e: BaseException) -> Refusal | None:
             break
     if not explanation:
         explanation = (msg.strip().splitlines() or [""])[0]
-    frame = getattr(e, "innermost_user_frame_summary", None)
-    at = f"{frame.filename}:{frame.lineno}" if frame is not None else ""
-    text = (getattr(frame, "line", "") or "").strip() if frame is not None else ""
+    frame = user_frame(e)
+    at = f"{frame[0]}:{frame[1]}" if frame is not None else ""
+    text = frame[2] if frame is not None else ""
     stack = tuple(
         (f.filename, f.lineno or 0, (f.line or "").strip())
         for f in getattr(e, "real_stack", None) or ()
     )
     return Refusal(kind, explanation, at, text, stack)
+
+
+def user_frame(e: BaseException) -> tuple[str, int, str] | None:
+    """The innermost frame of the traced code where dynamo stopped with ``e`` (any exception it
+    raised or passed on while tracing): ``(file, line number, source line)``, or None."""
+    frame = getattr(e, "innermost_user_frame_summary", None)
+    if frame is None:
+        stack = getattr(e, "real_stack", None)
+        frame = stack[-1] if stack else None
+    if frame is not None:
+        return frame.filename, frame.lineno or 0, (frame.line or "").strip()
+    # dynamo's internal errors carry the frames in their message only
+    found = re.findall(r'File "([^"]+)", line (\d+)', str(e).partition("from user code:")[2])
+    if not found:
+        return None
+    file, number = found[-1]
+    return file, int(number), linecache.getline(file, int(number)).strip()
+
+
+def skipped_function(e: BaseException) -> tuple[str, int] | None:
+    """The name and ``id`` of the function dynamo would not call (wrapped with
+    ``torch.compiler.disable``, or marked skipped), if that is why it stopped."""
+    found = re.search(r"Skip calling function `<function ([\w.<>]+) at 0x([0-9a-f]+)>`", str(e))
+    return (found.group(1), int(found.group(2), 16)) if found else None
+
+
+def reads_function_class(e: BaseException) -> bool:
+    """Whether dynamo stopped at an ``autograd.Function`` class used as a class (an attribute,
+    ``cls`` of a classmethod, ``super()``, ``Cls.backward(ctx, ...)``, ``.__func__``): dynamo
+    models such a class for ``apply`` and its staticmethods only (torch 2.13)."""
+    text = str(e)
+    return "AutogradFunctionVariable" in text or "Expected FakeBackwardCFunction" in text
 
 
 def _observed_name_error(e: BaseException) -> str | None:

@@ -5,7 +5,9 @@
 - :class:`PipelineStage`: torch's ``PipelineStage`` with those as its backward, for torch's
   schedules (``ScheduleZBVZeroBubble``, ``ScheduleInterleavedZeroBubble``, ``ScheduleDualPipeV``).
 - :class:`WeightGradQueue`: customgrad weight-gradient work kept per stage and microbatch, run
-  by a hand-written loop or as a ``PipelineStage`` ``dw_builder``.
+  by a hand-written loop or as a ``PipelineStage`` ``dw_builder``, or inside a collective's wait
+  (:meth:`WeightGradQueue.run_while`) to hide an expert all-to-all;
+  :func:`overlap_forward_backward` makes torch's schedules do that.
 - :func:`simulate`: replay a torch schedule's action lists against per-stage costs
   (:class:`StageCosts`) to predict its step time and bubble at any scale.
 - :class:`ActionTimer`: times every F / I / W / B action of a rank's stages and its waits for
@@ -23,7 +25,10 @@ from customgrad.pipelining._errors import StrayWeightWorkError as StrayWeightWor
 from customgrad.pipelining._errors import StreamSyncError as StreamSyncError
 from customgrad.pipelining._errors import WeightGradQueueError as WeightGradQueueError
 from customgrad.pipelining._errors import WeightPassTwiceError as WeightPassTwiceError
+from customgrad.pipelining._overlap import overlap_forward_backward as overlap_forward_backward
+from customgrad.pipelining._queue import InFlight as InFlight
 from customgrad.pipelining._queue import WeightGradQueue as WeightGradQueue
+from customgrad.pipelining._simulate import CommWait as CommWait
 from customgrad.pipelining._simulate import Simulation as Simulation
 from customgrad.pipelining._simulate import StageCosts as StageCosts
 from customgrad.pipelining._simulate import TimedAction as TimedAction
@@ -57,6 +62,8 @@ __all__ = [
     "ActionEvent",
     "ActionTimer",
     "ActionTimerError",
+    "CommWait",
+    "InFlight",
     "MissingInputPassError",
     "PendingWeightWorkError",
     "PipelineStage",
@@ -74,6 +81,7 @@ __all__ = [
     "WeightGradQueueError",
     "WaitEvent",
     "WeightPassTwiceError",
+    "overlap_forward_backward",
     "stage_backward",
     "stage_backward_input",
     "simulate",

@@ -31,7 +31,7 @@ from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._autosplit import AutoSplitter
 from customgrad._capture import Fallback
-from customgrad._from_function import _BackwardContext
+from customgrad._function_ctx import of_node
 from customgrad._handoff import Kept
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
@@ -213,12 +213,10 @@ def split_input(
             edges.append((f"arg{p}", fn, nr))
     weights = tuple(name for name, _, _ in edges)
     requires = frozenset(f"arg{p}" for p in positions if needs[p])
-    try:
-        saved = tuple(node.saved_tensors)  # type: ignore[attr-defined]
-    except RuntimeError:
+    ctx = of_node(node)
+    if ctx is None:
         return None  # freed: the backward as written raises torch's error
-    attrs = {k: v for k, v in vars(node).items() if k != "apply"}
-    ctx = _BackwardContext(saved, attrs, needs)
+    saved = ctx.saved_tensors
     outcome = _splitter(cls, names, weights).find(ctx, saved, grads, requires)
     if isinstance(outcome, Fallback):
         if outcome.logged:

@@ -19,16 +19,24 @@ deferred weights' accumulators in I with no gradient: their tensor hooks are cal
 ``None`` and their post-accumulate-grad hooks fire with ``.grad`` unset, in I, and again in W.
 ``customgrad.pipelining.PipelineStage(..., queue=queue)`` avoids that.
 
+W can also hide communication: inside :meth:`WeightGradQueue.overlap`, a forward's collective
+waited for through :meth:`WeightGradQueue.run_while` (an expert-parallel all-to-all) runs queued
+weight work while it is in flight; :func:`customgrad.pipelining.overlap_forward_backward` makes
+torch's schedules do so.
+
 The forward side (tags, and a module attached to the queue) is :mod:`._tagging`; running queued
 work on its stream is :mod:`._streams`; what the queue holds during a step is its ``_Ledger``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
@@ -36,6 +44,7 @@ from torch.autograd.graph import GradientEdge, Node
 from customgrad._record import NodeRecord
 from customgrad._routing import routing, tagging
 from customgrad._split_plan import grad_node, plan_input_pass
+from customgrad._torch.engine import current_node
 from customgrad._torch.functions import keep_graphs
 from customgrad.pipelining._errors import (
     MissingInputPassError,
@@ -47,7 +56,47 @@ from customgrad.pipelining._streams import AcceleratorStreams, QueuedWork, Strea
 from customgrad.pipelining._tagging import Attachment, Key, Tag
 from customgrad.pipelining._weight_pass import send_gradients
 
-__all__ = ["AcceleratorStreams", "StreamPolicy", "WeightGradQueue"]
+__all__ = [
+    "RECORDER",
+    "AcceleratorStreams",
+    "InFlight",
+    "StreamPolicy",
+    "WaitRecorder",
+    "WeightGradQueue",
+]
+
+
+class InFlight(Protocol):
+    """A collective in flight: what ``torch.distributed`` returns with ``async_op=True``
+    (``torch.distributed.Work``), or anything that says whether it is done and waits for it."""
+
+    def is_completed(self) -> bool: ...
+
+    def wait(self) -> object: ...
+
+
+class WaitRecorder(Protocol):
+    """What records the waits of :meth:`WeightGradQueue.run_while` and the W run inside them:
+    :class:`~customgrad.pipelining.ActionTimer` while it times a step (it sets
+    :data:`RECORDER`)."""
+
+    def action(self, kind: str, stage: int, microbatch: int) -> AbstractContextManager[None]: ...
+
+    def record_wait(
+        self, label: str, start: float, end: float, overlapped: float, hidden: float
+    ) -> None: ...
+
+
+RECORDER: contextvars.ContextVar[WaitRecorder | None] = contextvars.ContextVar(
+    "customgrad_wait_recorder", default=None
+)
+"""The recorder of the step running here, if any."""
+
+_OVERLAPS: contextvars.ContextVar[tuple[tuple[WeightGradQueue, tuple[Key, ...] | None], ...]] = (
+    contextvars.ContextVar("customgrad_overlaps", default=())
+)
+"""The :meth:`WeightGradQueue.overlap` blocks running here, innermost last: the queue and the
+keys whose W may run in a wait (None: any queued)."""
 
 MSG_NO_INPUT_PASS = """\
 WeightGradQueue.run(stage={stage}, microbatch={mb}): nothing was queued for this microbatch: \
@@ -326,8 +375,113 @@ class WeightGradQueue:
         self._ledger.add(key, QueuedWork(work, self.streams.current(work.device)))
 
     def pending(self) -> list[Key]:
-        """The ``(stage, microbatch)`` keys whose W has not run yet."""
+        """The ``(stage, microbatch)`` keys whose W has not run yet, oldest input pass first."""
         return list(self._ledger.pending)
+
+    def ran(self, stage: int, microbatch: int) -> bool:
+        """Whether W already ran for this microbatch in this step (by :meth:`run`, a runner, or
+        inside a wait)."""
+        return (stage, microbatch) in self._ledger.done
+
+    # ------------------------------------------------------------------ hiding communication
+
+    @contextlib.contextmanager
+    def overlap(self, keys: Iterable[Key] | None = None) -> Iterator[None]:
+        """Inside the block, :meth:`run_while` runs this queue's weight work while it waits.
+
+        Wrap a forward whose collectives (an expert-parallel all-to-all) wait through
+        :meth:`run_while`: the W of microbatches whose input pass already ran fills those waits
+        instead of leaving the rank idle. What the waits leave stays queued for :meth:`run`.
+        Outside the block, :meth:`run_while` only waits, so the same model code runs with and
+        without the overlap.
+
+        Args:
+            keys: the ``(stage, microbatch)`` keys whose W may run in the block's waits, in that
+                order (those not queued, or already run, are passed over); None (the default):
+                every key queued when a wait begins, oldest first.
+
+        Example:
+            >>> import customgrad as cg
+            >>> @cg.op("queue_doc::gain", weights=("w",))
+            ... def gain(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            ...     return x * w
+            >>> _ = gain.register_save_for_backward(lambda inputs, out: (inputs.x, inputs.w))
+            >>> _ = gain.register_backward_input(lambda ctx, s, g: {"x": g * s[1]})
+            >>> _ = gain.register_backward_weight(lambda ctx, s, g: {"w": g * s[0]})
+            >>> class Sending:  # stands for the Work of dist.all_to_all_single(..., async_op=True)
+            ...     def is_completed(self) -> bool:
+            ...         return False
+            ...     def wait(self) -> bool:
+            ...         return True
+            >>> queue = WeightGradQueue()
+            >>> w = torch.ones(2, requires_grad=True)
+            >>> x0 = torch.full((2,), 3.0, requires_grad=True)
+            >>> with queue.microbatch(stage=0, microbatch=0):
+            ...     y0 = gain(x0, w)
+            >>> queue.backward(y0.sum(), inputs=[x0])     # I of microbatch 0: its W is queued
+            >>> with queue.overlap(), queue.microbatch(stage=0, microbatch=1):
+            ...     y1 = gain(torch.ones(2), w)           # microbatch 1's forward...
+            ...     queue.run_while(Sending())            # ...waits: microbatch 0's W runs
+            [(0, 0)]
+            >>> w.grad
+            tensor([3., 3.])
+            >>> queue.finish()
+        """
+        token = _OVERLAPS.set((*_OVERLAPS.get(), (self, None if keys is None else tuple(keys))))
+        try:
+            yield
+        finally:
+            _OVERLAPS.reset(token)
+
+    def run_while(self, work: InFlight, label: str = "all-to-all") -> list[Key]:
+        """Wait for the collective ``work``, running queued weight work while it is in flight.
+
+        The call to put where a model waits for its collective (an expert-parallel all-to-all
+        issued with ``async_op=True``), in place of ``work.wait()``. Inside :meth:`overlap`, it
+        runs the W of the keys the block allows, one microbatch at a time: the first always
+        (it is due), each next one only while ``work`` has not completed; then it waits. W never
+        starts inside a backward (the wait of a gradient's all-to-all) nor outside
+        :meth:`overlap`: there it only waits. An :class:`ActionTimer` recording the step
+        records the wait (:class:`~customgrad.pipelining.CommWait`: hidden and exposed time) and the W as an action
+        nested in the one that waited.
+
+        Args:
+            work: the collective in flight (``torch.distributed.Work``, or any
+                :class:`InFlight`).
+            label: what the collective is, as the timer reports it (``"dispatch"`` and
+                ``"combine"`` are what :func:`~customgrad.pipelining.stage_costs` turns into an MoE stage's all-to-all
+                costs).
+
+        Returns:
+            The ``(stage, microbatch)`` keys whose W ran.
+        """
+        timer = RECORDER.get()
+        start = time.perf_counter()
+        seen_done: float | None = None
+        ran: list[Key] = []
+        for key in self._due():
+            if seen_done is None and work.is_completed():
+                seen_done = time.perf_counter()
+            if ran and seen_done is not None:
+                break
+            with timer.action("W", *key) if timer is not None else contextlib.nullcontext():
+                self.run(*key)
+            ran.append(key)
+        overlapped = time.perf_counter() if ran else start
+        work.wait()
+        if timer is not None:
+            end = time.perf_counter()
+            hidden = (overlapped if seen_done is None else min(seen_done, overlapped)) - start
+            timer.record_wait(label, start, end, overlapped - start, hidden)
+        return ran
+
+    def _due(self) -> list[Key]:
+        """The keys a wait may run W for now (see :meth:`run_while`)."""
+        scopes = [keys for queue, keys in _OVERLAPS.get() if queue is self]
+        if not scopes or current_node() is not None:
+            return []
+        keys, pending = scopes[-1], self.pending()
+        return pending if keys is None else [k for k in keys if k in pending]
 
     def run(self, stage: int, microbatch: int) -> None:
         """Run W for one microbatch: compute its queued weight gradients and accumulate them.

@@ -12,6 +12,12 @@ backward matmul once, split between I and W; a plain ``torch.autograd.Function``
 ``torch.library.custom_op``) runs its whole backward in both I and W under torch's split, which
 ``StageCosts.repeating_backward`` expresses. The same schedule then predicts very different
 step times for the two.
+
+Mixture-of-experts stages add the expert all-to-alls (``StageCosts.dispatch`` and ``combine``):
+paid in every forward and input-gradient backward, and, with ``overlap=True``, hidden in forwards
+behind weight work already queued on the rank, as :meth:`WeightGradQueue.overlap
+<customgrad.pipelining.WeightGradQueue.overlap>` and :func:`~customgrad.pipelining.
+overlap_forward_backward` run it.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
-from customgrad.pipelining._draw import Bar, draw_timeline
+from customgrad.pipelining._draw import Bar, comm_bars, draw_timeline
 from customgrad.pipelining._draw import seconds as _seconds
 
 if TYPE_CHECKING:
@@ -36,7 +42,7 @@ if TYPE_CHECKING:
         PipelineScheduleSingle,
     )
 
-__all__ = ["Simulation", "StageCosts", "TimedAction", "simulate"]
+__all__ = ["CommWait", "Simulation", "StageCosts", "TimedAction", "simulate"]
 
 Kind = Literal["F", "I", "W", "B"]
 
@@ -66,7 +72,12 @@ class StageCosts:
     over (an activation forward, an activation gradient backward) and before the receiving
     action may start; it does not keep either rank busy (torch posts its sends asynchronously).
     Two neighbouring stages on one rank (the bottom of a V) hand over locally, for free.
-    ``overhead`` is the schedule runtime's own time on the rank before each of the stage's
+    ``dispatch`` and ``combine`` are a mixture-of-experts stage's all-to-alls under expert
+    parallelism: a forward sends its tokens to their experts' ranks (dispatch) and the experts'
+    outputs back (combine); its input-gradient backward (I, or B) sends their gradients the other
+    way at the same cost; W has none. They add to ``forward``, ``backward_input`` and
+    ``backward``, which are compute only; the replay waits for each once per action (a stage with
+    several MoE layers gives their sums). ``overhead`` is the schedule runtime's own time on the rank before each of the stage's
     actions (its Python, posting sends and receives): the rank is not free for it, but it
     overlaps a wait for the action's inputs, and it is not counted as busy.
 
@@ -75,6 +86,8 @@ class StageCosts:
         2.0
         >>> StageCosts.repeating_backward(forward=1.0, backward=2.0).backward_weight
         2.0
+        >>> StageCosts(1.0, 1.0, 1.0, dispatch=0.25, combine=0.25).comm("F")
+        0.5
     """
 
     forward: float
@@ -83,6 +96,8 @@ class StageCosts:
     backward: float | None = None  # a full backward (B); None: backward_input + backward_weight
     send: float = 0.0  # handing an activation or gradient to the next stage's rank
     overhead: float = 0.0  # the runtime's own time on the rank before each action
+    dispatch: float = 0.0  # a forward's all-to-all of its tokens to their experts
+    combine: float = 0.0  # a forward's all-to-all of the experts' outputs back
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -110,7 +125,14 @@ class StageCosts:
 
     @classmethod
     def repeating_backward(
-        cls, forward: float, backward: float, *, send: float = 0.0, overhead: float = 0.0
+        cls,
+        forward: float,
+        backward: float,
+        *,
+        send: float = 0.0,
+        overhead: float = 0.0,
+        dispatch: float = 0.0,
+        combine: float = 0.0,
     ) -> StageCosts:
         """Costs of a stage whose backward runs whole in both I and W.
 
@@ -123,16 +145,23 @@ class StageCosts:
             backward: seconds of the stage's full backward, done once.
             send: seconds to hand an activation or gradient to another rank.
             overhead: the runtime's own seconds before each action.
+            dispatch: seconds of the stage's all-to-all to its experts, per action.
+            combine: seconds of the all-to-all back, per action.
 
         Example:
             >>> c = StageCosts.repeating_backward(1.0, 2.0)
             >>> c.backward_input, c.backward_weight, c.full_backward
             (2.0, 2.0, 2.0)
         """
-        return cls(forward, backward, backward, backward=backward, send=send, overhead=overhead)
+        return cls(forward, backward, backward, backward=backward, send=send, overhead=overhead,
+                   dispatch=dispatch, combine=combine)  # fmt: skip
+
+    def comm(self, kind: Kind) -> float:
+        """Seconds of all-to-all one action of ``kind`` waits for (``dispatch + combine``; 0 for W)."""
+        return 0.0 if kind == "W" else self.dispatch + self.combine
 
     def cost(self, kind: Kind) -> float:
-        """Seconds one action of ``kind`` (``"F"``, ``"I"``, ``"W"`` or ``"B"``) takes."""
+        """Seconds one action of ``kind`` (``"F"``, ``"I"``, ``"W"`` or ``"B"``) computes."""
         if kind == "F":
             return self.forward
         if kind == "I":
@@ -144,7 +173,10 @@ class StageCosts:
 
 @dataclasses.dataclass(frozen=True)
 class TimedAction:
-    """One action of the replayed schedule: what ran where, and when (seconds from step start)."""
+    """One action of the replayed schedule: what ran where, and when (seconds from step start).
+
+    ``in_wait``: a W that ran inside another action's all-to-all wait (see :class:`CommWait`).
+    """
 
     rank: int
     stage: int
@@ -152,11 +184,54 @@ class TimedAction:
     kind: Kind
     start: float
     end: float
+    in_wait: bool = False
 
     @property
     def duration(self) -> float:
         """``end - start``."""
         return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True)
+class CommWait:
+    """One all-to-all an action waited for, and the weight work its rank ran meanwhile.
+
+    Measured (:class:`~customgrad.pipelining.ActionTimer`, from each
+    :meth:`WeightGradQueue.run_while <customgrad.pipelining.WeightGradQueue.run_while>` call) or
+    replayed (:func:`simulate`); times in seconds from the step's start.
+
+    Attributes:
+        label: what the collective was, as its caller named it (``"dispatch"``, ``"combine"``).
+        kind: the action it happened in: ``"F"``, ``"I"`` or ``"B"``.
+        stage: that action's stage.
+        microbatch: that action's microbatch.
+        start: when the wait began, the collective in flight.
+        end: when the wait returned.
+        overlapped: seconds of W the rank ran inside the wait.
+        hidden: of the collective's time in flight, the seconds that W covered (measured: up to
+            the W that was running when the collective was first seen complete).
+        rank: the rank that waited.
+    """
+
+    label: str
+    kind: str
+    stage: int
+    microbatch: int
+    start: float
+    end: float
+    overlapped: float = 0.0
+    hidden: float = 0.0
+    rank: int = 0
+
+    @property
+    def exposed(self) -> float:
+        """Seconds the rank was blocked in the wait, with nothing to run."""
+        return max(0.0, self.end - self.start - self.overlapped)
+
+    @property
+    def in_flight(self) -> float:
+        """Seconds the collective took as the rank saw it: ``hidden + exposed``."""
+        return self.hidden + self.exposed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,10 +244,12 @@ class Simulation:
         n_ranks: number of pipeline ranks (torch's ``pp_group_size``).
         n_microbatches: microbatches per step.
         stage_to_rank: the rank of each stage, as the schedule placed them.
-        timeline: every compute action, by rank then start time.
+        timeline: every compute action, by rank then start time (a W run inside another
+            action's all-to-all wait lies within that action's span, ``in_wait`` set).
         step_time: seconds from the step's start (every rank starts at 0) to the last action's
             end.
-        busy: seconds each rank spends computing.
+        busy: seconds each rank spends in actions (waits for all-to-alls inside them included).
+        comms: every all-to-all wait, by rank then start time (none without all-to-all costs).
     """
 
     schedule: str
@@ -183,6 +260,17 @@ class Simulation:
     timeline: tuple[TimedAction, ...]
     step_time: float
     busy: tuple[float, ...]
+    comms: tuple[CommWait, ...] = ()
+
+    @property
+    def hidden(self) -> float:
+        """Seconds of all-to-all that weight work hid, over all ranks."""
+        return sum(c.hidden for c in self.comms)
+
+    @property
+    def exposed(self) -> float:
+        """Seconds ranks were blocked waiting for all-to-alls, over all ranks."""
+        return sum(c.exposed for c in self.comms)
 
     @property
     def bubble(self) -> float:
@@ -196,11 +284,16 @@ class Simulation:
         return tuple(a for a in self.timeline if a.rank == rank)
 
     def summary(self) -> str:
-        """One line: schedule, shape, step time and bubble."""
+        """One line: schedule, shape, step time and bubble (and all-to-all hidden / exposed)."""
+        comm = (
+            f", all-to-all {_seconds(self.hidden)} hidden / {_seconds(self.exposed)} exposed"
+            if self.comms
+            else ""
+        )
         return (
             f"{self.schedule}: {self.n_stages} stages on {self.n_ranks} ranks, "
             f"{self.n_microbatches} microbatches: step {_seconds(self.step_time)}, "
-            f"bubble {self.bubble:.1%}"
+            f"bubble {self.bubble:.1%}{comm}"
         )
 
     def draw(
@@ -215,7 +308,9 @@ class Simulation:
 
         F, I, W and B have their own colours; each bar is labelled with its microbatch when
         the number fits (else the label is dropped), and a rank's second stage (V and
-        interleaved schedules) is drawn lighter; the legend says so. Uses matplotlib without
+        interleaved schedules) is drawn lighter; the legend says so. All-to-alls are a thin band
+        under their action (hidden behind W, or exposed), and a W run inside one is drawn over
+        the action it ran in. Uses matplotlib without
         pyplot (no global state).
 
         Args:
@@ -244,9 +339,11 @@ class Simulation:
                 a.duration,
                 str(a.microbatch),
                 second=a.stage != first_stage[a.rank],
+                over=a.in_wait,
             )
             for a in self.timeline
         ]
+        bars.extend(comm_bars(self.comms, {r: r for r in range(self.n_ranks)}))
         return draw_timeline(
             bars,
             rows=[f"rank {r}" for r in range(self.n_ranks)],
@@ -265,6 +362,7 @@ def simulate(
     costs: StageCosts | Sequence[StageCosts],
     *,
     n_ranks: int | None = None,
+    overlap: bool = False,
 ) -> Simulation:
     """Replay a torch pipeline schedule against per-stage costs; predict step time and bubble.
 
@@ -275,6 +373,14 @@ def simulate(
     ``s + 1``; W needs the same stage's I. Handing over between ranks costs the sending stage's
     ``send``; between two stages on one rank (the bottom of a V) it is free. DualPipeV's
     overlapped F+B actions run their two halves one after the other, as torch's runtime does.
+
+    Stages with all-to-all costs (``StageCosts.dispatch``, ``combine``) wait for them inside
+    their forwards and input-gradient backwards. With ``overlap``, as
+    :func:`~customgrad.pipelining.overlap_forward_backward` runs a schedule: a W that comes
+    right before a forward on its rank is deferred into that forward, and DualPipeV's overlapped
+    F+B actions run the B's I first, then the F with the B's W deferred into it. A forward's
+    all-to-all waits run the W deferred into it (one at least, more while the all-to-all is in
+    flight); what they leave runs right after the forward. A backward never runs W in its waits.
 
     Single-stage schedules (``Schedule1F1B``, ``ScheduleGPipe``) run microbatches in order,
     counting forwards and backwards per stage; their ``pipeline_order`` is taken for the order
@@ -289,6 +395,7 @@ def simulate(
         n_ranks: pipeline ranks. Default: one stage per rank for single-stage schedules, two
             for multi-stage ones (which ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``
             require).
+        overlap: hide all-to-alls behind queued weight work, as described above.
 
     Returns:
         Simulation: the timeline, step time, bubble and busy time per rank.
@@ -308,6 +415,17 @@ def simulate(
         >>> sim = simulate(ScheduleZBVZeroBubble, 4, 8, StageCosts(1.0, 1.0, 1.0))
         >>> sim.n_ranks, sim.step_time, round(sim.bubble, 3)
         (2, 49.0, 0.02)
+
+        Two MoE stages on one rank (experts on other ranks), each forward and backward waiting
+        0.5 s for its all-to-alls: with the overlap, each of DualPipeV's five overlapped F+B
+        pairs hides its forward's dispatch (0.25 s) behind the B's W:
+
+        >>> from torch.distributed.pipelining import ScheduleDualPipeV
+        >>> moe = StageCosts(1.0, 1.0, 1.0, dispatch=0.25, combine=0.25)
+        >>> plain = simulate(ScheduleDualPipeV, 2, 4, moe, n_ranks=1)
+        >>> hidden = simulate(ScheduleDualPipeV, 2, 4, moe, n_ranks=1, overlap=True)
+        >>> plain.step_time, round(hidden.step_time, 9), hidden.hidden
+        (32.0, 30.75, 1.25)
     """
     cls = _schedule_class(schedule_class)
     single = _is_single(cls)
@@ -315,16 +433,20 @@ def simulate(
     stage_costs = _stage_costs(costs, n_stages)
     key = cast("Hashable", cls)  # classes are hashable; the cache keys on them
     order, stage_to_rank = _action_lists(key, single, n_stages, n_microbatches, n_ranks)
-    timeline, busy, step_time = _replay(order, stage_to_rank, stage_costs, cls.__name__)
+    if overlap:
+        order = _overlapped(order)
+    replay = _Replay(order, stage_to_rank, stage_costs, overlap)
+    replay.run(cls.__name__)
     return Simulation(
         schedule=cls.__name__,
         n_stages=n_stages,
         n_ranks=n_ranks,
         n_microbatches=n_microbatches,
         stage_to_rank=stage_to_rank,
-        timeline=timeline,
-        step_time=step_time,
-        busy=busy,
+        timeline=tuple(sorted(replay.timeline, key=lambda a: (a.rank, a.start, a.end))),
+        step_time=max(replay.free, default=0.0),
+        busy=tuple(replay.busy),
+        comms=tuple(sorted(replay.comms, key=lambda c: (c.rank, c.start))),
     )
 
 
@@ -415,14 +537,17 @@ def _check_shape(
     return n_ranks
 
 
-Order = tuple[tuple[tuple[int, Kind, int], ...], ...]
+Step = tuple[int, Kind, int, bool]
+"""One compute action of a rank's list: stage, kind, microbatch, and whether it is half of an
+overlapped F+B action (DualPipeV's ``OVERLAP_F_B``)."""
+Order = tuple[tuple[Step, ...], ...]
 
 
 @functools.lru_cache(maxsize=32)  # torch's lowering passes take seconds at 64 ranks
 def _action_lists(
     cls: type[Any], single: bool, n_stages: int, n_microbatches: int, n_ranks: int
 ) -> tuple[Order, tuple[int, ...]]:
-    """Each rank's compute actions as (stage, kind, microbatch), and each stage's rank."""
+    """Each rank's compute actions (:data:`Step`), and each stage's rank."""
     per_rank = n_stages // n_ranks
     stages = [_StandInStage(k * n_ranks, n_stages, n_ranks, 0) for k in range(per_rank)]
     try:
@@ -444,9 +569,9 @@ def _action_lists(
     else:
         mapping: dict[int, int] = dict(schedule.stage_index_to_group_rank)
         stage_to_rank = tuple(mapping[s] for s in range(n_stages))
-    order: list[list[tuple[int, Kind, int]]] = []
+    order: list[list[Step]] = []
     for rank in range(n_ranks):
-        actions: list[tuple[int, Kind, int]] = []
+        actions: list[Step] = []
         for action in pipeline_order.get(rank, ()):
             if action is None:
                 continue
@@ -454,17 +579,18 @@ def _action_lists(
             for part in parts:
                 kind = part.computation_type.value
                 if kind in ("F", "I", "W", "B"):  # not UNSHARD, RESHARD, REDUCE_GRAD, comms
-                    actions.append((part.stage_index, kind, part.microbatch_index))
+                    paired = action.sub_actions is not None
+                    actions.append((part.stage_index, kind, part.microbatch_index, paired))
         order.append(actions)
     if single:
         # torch's single-stage runtime counts microbatches per stage (fwd_mb_index,
         # bwd_mb_index); its pipeline_order is a picture whose indices may be off.
         for actions in order:
             counts: dict[tuple[int, str], int] = {}
-            for i, (stage, kind, _) in enumerate(actions):
+            for i, (stage, kind, _, paired) in enumerate(actions):
                 k = counts.get((stage, kind), 0)
                 counts[stage, kind] = k + 1
-                actions[i] = (stage, kind, k)
+                actions[i] = (stage, kind, k, paired)
     return tuple(tuple(actions) for actions in order), stage_to_rank
 
 
@@ -494,71 +620,147 @@ def _stage_costs(costs: object, n_stages: int) -> tuple[StageCosts, ...]:
     )
 
 
-def _replay(
-    order: Order,
-    stage_to_rank: tuple[int, ...],
-    costs: tuple[StageCosts, ...],
-    name: str,
-) -> tuple[tuple[TimedAction, ...], tuple[float, ...], float]:
-    """Run every rank's list in order; an action waits for its rank and for its inputs.
+def _overlapped(order: Order) -> Order:
+    """Every rank's list as :func:`~customgrad.pipelining.overlap_forward_backward` runs it: an
+    overlapped F+B pair as the B's I, then the F with the B's W deferred into it; a W right
+    before a forward deferred into that forward. A deferred W is marked (its last field)."""
+    out = []
+    for actions in order:
+        steps: list[Step] = []
+        i = 0
+        while i < len(actions):
+            pair = actions[i : i + 2]
+            kinds = sorted(k for _, k, _, paired in pair if paired)
+            if kinds == ["B", "F"]:
+                (fs, _, fm, _), (bs, _, bm, _) = sorted(pair, key=lambda a: a[1] != "F")
+                steps += [(bs, "I", bm, False), (bs, "W", bm, True), (fs, "F", fm, False)]
+                i += 2
+                continue
+            stage, kind, mb, _ = actions[i]
+            following = actions[i + 1][1] if i + 1 < len(actions) else None
+            steps.append((stage, kind, mb, kind == "W" and following == "F"))
+            i += 1
+        out.append(tuple(steps))
+    return tuple(out)
+
+
+class _Replay:
+    """Every rank's list run in order; an action waits for its rank and for its inputs.
 
     Event-driven: a rank runs until its next action needs something not yet computed, then
     waits on that one thing; finishing an action wakes the ranks waiting on it.
     """
-    n_stages = len(stage_to_rank)
-    # done[(what, stage, mb)] = time the result can be used on the stage's own rank;
-    # "F": the forward output, "dx": the input gradient (from I or B).
-    done: dict[tuple[str, int, int], float] = {}
-    waiting: dict[tuple[str, int, int], list[int]] = {}
-    ranks = range(len(order))
-    pos = [0 for _ in ranks]
-    free = [0.0 for _ in ranks]
-    busy = [0.0 for _ in ranks]
-    timeline: list[TimedAction] = []
 
-    def send(src: int, dst: int) -> float:
-        return 0.0 if stage_to_rank[src] == stage_to_rank[dst] else costs[src].send
-
-    ready = list(reversed(ranks))
-    while ready:
-        rank = ready.pop()
-        actions = order[rank]
-        while pos[rank] < len(actions):
-            stage, kind, mb = actions[pos[rank]]
-            needs: list[tuple[tuple[str, int, int], float]]
-            if kind == "F":
-                needs = [(("F", stage - 1, mb), send(stage - 1, stage))] if stage else []
-            elif kind == "W":
-                needs = [(("dx", stage, mb), 0.0)]
-            else:
-                needs = [(("F", stage, mb), 0.0)]
-                if stage < n_stages - 1:
-                    needs.append((("dx", stage + 1, mb), send(stage + 1, stage)))
-            start = free[rank] + costs[stage].overhead
-            missing = None
-            for key, delay in needs:
-                if key not in done:
-                    missing = key
-                    break
-                start = max(start, done[key] + delay)
-            if missing is not None:
-                waiting.setdefault(missing, []).append(rank)
-                break
-            end = start + costs[stage].cost(kind)
-            timeline.append(TimedAction(rank, stage, mb, kind, start, end))
-            free[rank] = end
-            busy[rank] += end - start
-            pos[rank] += 1
-            if kind != "W":
-                key = ("F" if kind == "F" else "dx", stage, mb)
-                done[key] = end
-                ready.extend(waiting.pop(key, ()))
-    stuck = {r: order[r][pos[r]] for r in ranks if pos[r] < len(order[r])}
-    if stuck:  # a malformed action list; torch's own schedules never get here
-        what = ", ".join(f"rank {r}: {s}{k}{m}" for r, (s, k, m) in sorted(stuck.items()))
-        raise ArgumentValueError(
-            f"simulate: {name}'s action lists cannot finish: actions wait on work no rank "
-            f"does ({what}). Check the schedule's pipeline_order."
+    def __init__(
+        self, order: Order, stage_to_rank: tuple[int, ...], costs: tuple[StageCosts, ...],
+        overlap: bool,
+    ) -> None:  # fmt: skip
+        self.order, self.stage_to_rank, self.costs, self.overlap = (
+            order,
+            stage_to_rank,
+            costs,
+            overlap,
         )
-    timeline.sort(key=lambda a: (a.rank, a.start, a.end))
-    return tuple(timeline), tuple(busy), max(free, default=0.0)
+        ranks = range(len(order))
+        self.free = [0.0 for _ in ranks]
+        self.busy = [0.0 for _ in ranks]
+        self.timeline: list[TimedAction] = []
+        self.comms: list[CommWait] = []
+        # W deferred into the rank's next forward (see _overlapped), oldest first.
+        self.queued: list[list[tuple[int, int]]] = [[] for _ in ranks]
+
+    def run(self, name: str) -> None:
+        order, stage_to_rank, costs = self.order, self.stage_to_rank, self.costs
+        n_stages = len(stage_to_rank)
+        # done[(what, stage, mb)] = time the result can be used on the stage's own rank;
+        # "F": the forward output, "dx": the input gradient (from I or B).
+        done: dict[tuple[str, int, int], float] = {}
+        waiting: dict[tuple[str, int, int], list[int]] = {}
+        pos = [0 for _ in order]
+
+        def send(src: int, dst: int) -> float:
+            return 0.0 if stage_to_rank[src] == stage_to_rank[dst] else costs[src].send
+
+        ready = list(reversed(range(len(order))))
+        while ready:
+            rank = ready.pop()
+            actions = order[rank]
+            while pos[rank] < len(actions):
+                stage, kind, mb, deferred = actions[pos[rank]]
+                if self.overlap and deferred:
+                    self.queued[rank].append((stage, mb))  # for the next forward's waits
+                    pos[rank] += 1
+                    continue
+                needs: list[tuple[tuple[str, int, int], float]]
+                if kind == "F":
+                    needs = [(("F", stage - 1, mb), send(stage - 1, stage))] if stage else []
+                elif kind == "W":
+                    needs = [(("dx", stage, mb), 0.0)]
+                else:
+                    needs = [(("F", stage, mb), 0.0)]
+                    if stage < n_stages - 1:
+                        needs.append((("dx", stage + 1, mb), send(stage + 1, stage)))
+                start = self.free[rank] + costs[stage].overhead
+                missing = None
+                for key, delay in needs:
+                    if key not in done:
+                        missing = key
+                        break
+                    start = max(start, done[key] + delay)
+                if missing is not None:
+                    waiting.setdefault(missing, []).append(rank)
+                    break
+                end = self._action(rank, stage, kind, mb, start)
+                self.timeline.append(TimedAction(rank, stage, mb, kind, start, end))
+                self.free[rank] = end
+                self.busy[rank] += end - start
+                pos[rank] += 1
+                if kind == "F":  # deferred W its waits left: right after it
+                    for ws, wm in self.queued[rank]:
+                        t = self.free[rank]
+                        w_end = t + costs[ws].cost("W")
+                        self.timeline.append(TimedAction(rank, ws, wm, "W", t, w_end))
+                        self.free[rank] = w_end
+                        self.busy[rank] += w_end - t
+                    self.queued[rank].clear()
+                if kind != "W":
+                    key = ("F" if kind == "F" else "dx", stage, mb)
+                    done[key] = end
+                    ready.extend(waiting.pop(key, ()))
+        stuck = {r: order[r][pos[r]] for r in range(len(order)) if pos[r] < len(order[r])}
+        if stuck:  # a malformed action list; torch's own schedules never get here
+            what = ", ".join(f"rank {r}: {s}{k}{m}" for r, (s, k, m, _) in sorted(stuck.items()))
+            raise ArgumentValueError(
+                f"simulate: {name}'s action lists cannot finish: actions wait on work no rank "
+                f"does ({what}). Check the schedule's pipeline_order."
+            )
+
+    def _action(self, rank: int, stage: int, kind: Kind, mb: int, start: float) -> float:
+        """Run one action from ``start``; returns its end. Its compute is split evenly around its
+        all-to-all waits (a forward's dispatch then combine, a backward's the other way round);
+        with ``overlap``, a forward's waits run the W deferred into it (one at least, more while
+        the all-to-all is in flight)."""
+        c = self.costs[stage]
+        waits = [] if kind == "W" else [("dispatch", c.dispatch), ("combine", c.combine)]
+        waits = [(label, s) for label, s in waits if s > 0]
+        if kind != "F":
+            waits.reverse()
+        piece = c.cost(kind) / (len(waits) + 1)
+        t = start + piece
+        for label, seconds in waits:
+            overlapped = 0.0
+            queued = self.queued[rank] if kind == "F" else []
+            n = 0
+            while queued and (n == 0 or overlapped < seconds):
+                ws, wm = queued.pop(0)
+                w = self.costs[ws].cost("W")
+                at = t + overlapped
+                self.timeline.append(TimedAction(rank, ws, wm, "W", at, at + w, in_wait=True))
+                overlapped += w
+                n += 1
+            end = t + max(seconds, overlapped)
+            self.comms.append(
+                CommWait(label, kind, stage, mb, t, end, overlapped, min(overlapped, seconds), rank)
+            )
+            t = end + piece
+        return t

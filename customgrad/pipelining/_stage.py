@@ -13,11 +13,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 from torch.distributed.pipelining import PipelineStage as _TorchPipelineStage
 from torch.nn.parallel import DistributedDataParallel
 
 from customgrad._compiled_modules import split_compiled as _split_compiled
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
+from customgrad._torch.dispatcher import flops_uncounted
 from customgrad._torch.pipelining import ddp_find_tensors
 from customgrad.pipelining._backward import (
     run_stage_backward,
@@ -250,15 +252,30 @@ class PipelineStage(_TorchPipelineStage):
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # The schedule's first step infers the stage's shapes by running the module's real
-        # forward with grad enabled (torch 2.13). A DDP module outside no_sync() then expects
+        # forward with grad enabled (torch 2.13), and a backward (_prepare_backward_infra): the
+        # step's FLOP counters do not count them. A DDP module outside no_sync() then expects
         # a backward (prepare_for_backward): the step's first W would all-reduce a partial
         # gradient, twice the reductions and, with a dw_builder, the only one; and DDP's
         # bucket rebuild then sees two backwards and fails its internal assert next step.
         submod = self.submod
-        if isinstance(submod, DistributedDataParallel):
-            with submod.no_sync():
-                return super()._prepare_forward_infra(*args, **kwargs)
-        return super()._prepare_forward_infra(*args, **kwargs)
+        with flops_uncounted():
+            if isinstance(submod, DistributedDataParallel):
+                with submod.no_sync():
+                    return super()._prepare_forward_infra(*args, **kwargs)
+            return super()._prepare_forward_infra(*args, **kwargs)
+
+    def _prepare_backward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        with flops_uncounted():
+            return super()._prepare_backward_infra(*args, **kwargs)
+
+    def forward_maybe_with_nosync(self, *args: object, **kwargs: object) -> object:
+        return super().forward_maybe_with_nosync(*_viewed(args), **kwargs)  # type: ignore[no-untyped-call]
+
+    if hasattr(_TorchPipelineStage, "_compute_outputs"):  # torch >= 2.13: the shapes' forward
+
+        def _compute_outputs(self, *args: Any, module: nn.Module, **kwargs: Any) -> Any:
+            viewed: Any = _viewed(args)  # torch annotates them Tensors; a view is one
+            return super()._compute_outputs(*viewed, module=module, **kwargs)
 
     def _arm_ddp_reducer(self, outputs: object, weight_pass: bool) -> None:
         """Tell a DDP module's reducer that the backward about to run ends the step: the
@@ -326,6 +343,18 @@ class PipelineStage(_TorchPipelineStage):
             if backward_type != "full" and _mentions(e, "donated buffers"):
                 raise PipeliningError(MSG_DONATED.format(stage=self.stage_index)) from e
             raise
+
+
+def _viewed(args: tuple[object, ...]) -> tuple[object, ...]:
+    """The stage's inputs as its module gets them: a leaf that requires grad as a view of it.
+    torch's ``FlopCounterMode`` (its ``ModuleTracker``) hooks a module's inputs with
+    ``register_multi_grad_hook``, which asks the engine about each input's node, and the engine
+    refuses to answer for a leaf that the input pass's ``autograd.grad`` captures ("A leaf node
+    was passed to _will_engine_execute_node"): a step under a FLOP counter raised in I."""
+    return tuple(
+        a.view_as(a) if isinstance(a, torch.Tensor) and a.is_leaf and a.requires_grad else a
+        for a in args
+    )
 
 
 def _describe_stage_arg(value: object) -> str:

@@ -94,6 +94,10 @@ class _TimedStage:
             )
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, **kwargs: object) -> None:
+        queue = getattr(self, "queue", None)  # customgrad's stage: W may have run in a wait
+        if queue is not None and queue.ran(self.stage_index, bwd_chunk_id):
+            super().backward_weight_one_chunk(bwd_chunk_id, **kwargs)  # type: ignore[misc]
+            return  # timed where it ran, inside the wait (WeightGradQueue.run_while)
         with self._timer.action("W", self.stage_index, bwd_chunk_id):
             super().backward_weight_one_chunk(bwd_chunk_id, **kwargs)  # type: ignore[misc]
 

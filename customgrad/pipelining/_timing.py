@@ -16,6 +16,12 @@ Time between events that no receive explains is the schedule's own (Python, post
 waiting for sends): *other*. On CUDA every action is bracketed by ``torch.cuda.synchronize``,
 so an action's time is its kernels' time.
 
+Collectives waited for inside an action (an expert-parallel all-to-all) are recorded when the
+wait goes through :meth:`WeightGradQueue.run_while
+<customgrad.pipelining.WeightGradQueue.run_while>` (:class:`CommWait`: how long the collective
+was in flight, how much of it weight work hid, how long the rank was blocked); a W run inside
+such a wait is an action of its own, nested in the one that waited.
+
 :meth:`ActionTimer.gather` brings every rank's steps together (:class:`StepTimeline`), whose
 :meth:`~StepTimeline.breakdown` splits each rank's time into compute, waiting for the peer to
 finish the action it depends on, transfer, and other; :func:`stage_costs` turns measured steps
@@ -41,9 +47,10 @@ import torch.distributed as dist
 from customgrad._errors import ArgumentTypeError, ArgumentValueError
 from customgrad._flops import FlopCounter
 from customgrad._torch.pipelining import stage_base
-from customgrad.pipelining._draw import Bar, draw_timeline
+from customgrad.pipelining._draw import Bar, comm_bars, draw_timeline
 from customgrad.pipelining._errors import PipeliningError
-from customgrad.pipelining._simulate import StageCosts
+from customgrad.pipelining._queue import RECORDER
+from customgrad.pipelining._simulate import CommWait, StageCosts
 from customgrad.pipelining._timed_stage import timed_stage_class
 
 if TYPE_CHECKING:
@@ -87,7 +94,10 @@ class ActionTimerError(PipeliningError):
 class ActionEvent:
     """One action of one stage on one microbatch; times in seconds since the step started.
 
-    ``flops`` is counted with torch's formulas when the step was timed with
+    ``nested`` is the time of other actions run inside this one (W run in its all-to-all waits,
+    recorded as actions of their own), ``comm`` the time it was blocked waiting for collectives
+    (:class:`CommWait`\\ s' exposed parts); ``flops``, ``cpu`` and ``queued`` leave nested actions
+    out. ``flops`` is counted with torch's formulas when the step was timed with
     ``count_flops=True`` (``None`` otherwise). ``cpu`` is the CPU time of the thread that ran
     the action, ``queued`` the time that thread was ready to run but waited for a core (other
     processes had it; Linux only, else 0): on a CPU run with one intra-op thread, ``duration -
@@ -102,10 +112,22 @@ class ActionEvent:
     flops: int | None = None
     cpu: float = 0.0
     queued: float = 0.0
+    nested: float = 0.0
+    comm: float = 0.0
 
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def own(self) -> float:
+        """Seconds of the action itself: its duration less the actions nested in it."""
+        return self.duration - self.nested
+
+    @property
+    def compute(self) -> float:
+        """Seconds it computed: :attr:`own` less the time blocked in collectives."""
+        return self.own - self.comm
 
 
 @dataclass(frozen=True)
@@ -135,6 +157,17 @@ class RankStep:
     waits: tuple[WaitEvent, ...]
     cpu: float = 0.0  # CPU time of the thread that ran the step
     queued: float = 0.0  # time that thread was ready to run but waited for a core
+    comms: tuple[CommWait, ...] = ()  # collectives waited for inside actions
+
+    @property
+    def hidden(self) -> float:
+        """Seconds of collectives in flight that weight work hid."""
+        return sum(c.hidden for c in self.comms)
+
+    @property
+    def exposed(self) -> float:
+        """Seconds blocked waiting for collectives inside actions."""
+        return sum(c.exposed for c in self.comms)
 
     @property
     def other_cpu(self) -> float:
@@ -153,8 +186,8 @@ class RankStep:
 
     @property
     def busy(self) -> float:
-        """Seconds spent in actions."""
-        return sum(a.duration for a in self.actions)
+        """Seconds spent in actions (an action nested in another counted once)."""
+        return sum(a.own for a in self.actions)
 
     @property
     def busy_cpu(self) -> float:
@@ -162,8 +195,8 @@ class RankStep:
         return sum(a.cpu for a in self.actions)
 
     def time_in(self, kind: str) -> float:
-        """Seconds spent in actions of ``kind`` ("F", "I", "W" or "B")."""
-        return sum(a.duration for a in self.actions if a.kind == kind)
+        """Seconds spent in actions of ``kind`` ("F", "I", "W" or "B"), nested ones apart."""
+        return sum(a.own for a in self.actions if a.kind == kind)
 
     def flops(self, kind: str | None = None) -> int:
         """FLOPs counted in actions (of ``kind``); 0 when FLOPs were not counted."""
@@ -172,9 +205,10 @@ class RankStep:
 
 @dataclass(frozen=True)
 class RankBreakdown:
-    """Where one rank's step went, in seconds; the five parts add up to the step's time.
+    """Where one rank's step went, in seconds; the six parts add up to the step's time.
 
-    ``compute``: in actions. ``peer``: waiting for a received tensor while the peer was still
+    ``compute``: in actions, computing. ``comm``: in actions, blocked waiting for a collective
+    (an all-to-all: :class:`CommWait`). ``peer``: waiting for a received tensor while the peer was still
     running the action that makes it (its forward, or its I or B); ``transfer``: waiting for it
     after that action ended (the peer's send, the network, waking up). ``tail``: the step's end
     after this rank's own (a slower rank). ``other``: the rest, time no action and no receive
@@ -187,10 +221,11 @@ class RankBreakdown:
     transfer: float
     other: float
     tail: float
+    comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.peer + self.transfer + self.other + self.tail
+        return self.compute + self.comm + self.peer + self.transfer + self.other + self.tail
 
 
 @dataclass(frozen=True)
@@ -209,12 +244,23 @@ class StepTimeline:
         """Share of ranks x step time in which no action ran."""
         return 1.0 - sum(r.busy for r in self.ranks) / (self.duration * len(self.ranks))
 
+    @property
+    def hidden(self) -> float:
+        """Seconds of collectives in flight that weight work hid, over all ranks."""
+        return sum(r.hidden for r in self.ranks)
+
+    @property
+    def exposed(self) -> float:
+        """Seconds ranks were blocked waiting for collectives inside actions, over all ranks."""
+        return sum(r.exposed for r in self.ranks)
+
     def stage_ranks(self) -> dict[int, int]:
         """Which rank ran each stage."""
         return {s: r.rank for r in self.ranks for s in r.stages}
 
     def breakdown(self) -> list[RankBreakdown]:
-        """Each rank's step split into compute, waits (peer / transfer), tail and other.
+        """Each rank's step split into compute, collectives (comm), waits (peer / transfer),
+        tail and other.
 
         A wait before stage ``s``'s forward depends on stage ``s - 1``'s forward of the same
         microbatch; before its I or B, on stage ``s + 1``'s I or B. The part of the wait before
@@ -228,14 +274,20 @@ class StepTimeline:
             transfer = sum(t or 0.0 for rank, _, t in waits if rank == r.rank)
             tail = self.duration - r.duration
             other = r.duration - r.busy - peer - transfer
-            out.append(RankBreakdown(r.rank, r.busy, peer, transfer, other, tail))
+            comm = sum(a.comm for a in r.actions)
+            out.append(RankBreakdown(r.rank, r.busy - comm, peer, transfer, other, tail, comm))
         return out
 
     def summary(self) -> str:
-        """One line: ranks, step time and bubble."""
+        """One line: ranks, step time and bubble (and collectives hidden / exposed)."""
+        comm = (
+            f", all-to-all {1e3 * self.hidden:.4g} ms hidden / {1e3 * self.exposed:.4g} ms exposed"
+            if any(r.comms for r in self.ranks)
+            else ""
+        )
         return (
             f"measured: {len(self.stage_ranks())} stages on {len(self.ranks)} ranks, step "
-            f"{1e3 * self.duration:.4g} ms, bubble {self.bubble:.1%}"
+            f"{1e3 * self.duration:.4g} ms, bubble {self.bubble:.1%}{comm}"
         )
 
     def draw(
@@ -245,16 +297,20 @@ class StepTimeline:
         ax: Axes | None = None,
         title: str | None = None,
         notes: Sequence[str] = (),
+        span: float | None = None,
     ) -> Figure:
         """Draw the step as :meth:`Simulation.draw <customgrad.pipelining.Simulation.draw>`
         draws a replayed one (ranks as rows, one bar per action, the same colours and legend),
-        with the waits for received tensors as grey bars.
+        with the waits for received tensors as grey bars, collectives as a band under their
+        action and a W run inside one drawn over the action it ran in.
 
         Args:
             path: where to save the picture (by suffix: PNG, SVG, ...); None: don't save.
             ax: axes to draw into; None: a new figure.
             title: the title; None: :meth:`summary`.
             notes: lines of explanation added to the legend.
+            span: seconds the time axis covers; None: the step's. Give two steps the same to
+                compare them on one scale.
 
         Returns:
             The figure drawn on.
@@ -264,18 +320,34 @@ class StepTimeline:
             first = min(r.stages, default=0)
             bars.extend(Bar("wait", y, w.start, w.duration) for w in r.waits)
             bars.extend(
-                Bar(a.kind, y, a.start, a.duration, str(a.microbatch), second=a.stage != first)
+                Bar(
+                    a.kind,
+                    y,
+                    a.start,
+                    a.duration,
+                    str(a.microbatch),
+                    second=a.stage != first,
+                    over=_nested_in(a, r.actions),
+                )
                 for a in r.actions
             )
+        bars.extend(comm_bars([c for r in self.ranks for c in r.comms],
+                              {r.rank: y for y, r in enumerate(self.ranks)}))  # fmt: skip
         return draw_timeline(
             bars,
             rows=[f"rank {r.rank}" for r in self.ranks],
-            span=self.duration,
+            span=self.duration if span is None else span,
             title=self.summary() if title is None else title,
             path=path,
             ax=ax,
             notes=notes,
         )
+
+
+def _nested_in(action: ActionEvent, actions: Sequence[ActionEvent]) -> bool:
+    """Whether ``action`` ran inside another of ``actions`` (drawn over it)."""
+    return any(o.nested and o.start <= action.start and action.end <= o.end and o is not action
+               for o in actions)  # fmt: skip
 
 
 def _split_waits(step: StepTimeline) -> list[tuple[int, float, float | None]]:
@@ -311,7 +383,10 @@ def stage_costs(
     """Each stage's action times over ``steps``, as ``StageCosts`` for ``simulate``.
 
     ``forward``, ``backward_input``, ``backward_weight`` (and ``backward`` for a stage that ran
-    full backwards): ``statistic`` of that stage's actions of every microbatch of every step.
+    full backwards): ``statistic`` of that stage's actions of every microbatch of every step,
+    their compute (:attr:`ActionEvent.compute`: without nested actions and time blocked in
+    collectives). ``dispatch`` and ``combine``: ``statistic`` of the time in flight of the
+    stage's collectives labelled so (:class:`CommWait`), in all its actions.
     For all stages alike: ``send``, of the transfer parts of all waits (see
     :meth:`StepTimeline.breakdown`: from the end of the action that made a tensor to the start
     of the one that used it); ``overhead``, of each rank's time per action in neither an action
@@ -331,7 +406,9 @@ def stage_costs(
     for step in steps:
         for r in step.ranks:
             for a in r.actions:
-                times[a.stage, a.kind].append(a.duration)
+                times[a.stage, a.kind].append(a.compute)
+            for c in r.comms:
+                times[c.stage, c.label].append(c.in_flight)
             if r.actions:
                 idle = r.duration - r.busy - sum(w.duration for w in r.waits)
                 overheads.append(idle / len(r.actions))
@@ -356,8 +433,10 @@ def stage_costs(
             backward=of(stage, "B") if (stage, "B") in times else None,
             send=send,
             overhead=overhead,
+            dispatch=of(stage, "dispatch"),
+            combine=of(stage, "combine"),
         )
-        for stage in sorted({s for s, _ in times})
+        for stage in sorted({s for s, k in times if k in KINDS})
     }
 
 
@@ -389,11 +468,27 @@ def _thread_clocks() -> tuple[float, float]:
 
 
 @dataclass
+class _Open:
+    """An action being recorded, and what the actions nested in it took (left out of its own)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    seconds: float = 0.0
+    cpu: float = 0.0
+    queued: float = 0.0
+    flops: int = 0
+    comm: float = 0.0
+
+
+@dataclass
 class _Recording:
     t0: float
     count_flops: bool
     actions: list[ActionEvent] = field(default_factory=list)
     waits: list[WaitEvent] = field(default_factory=list)
+    comms: list[CommWait] = field(default_factory=list)
+    open: list[_Open] = field(default_factory=list)  # the actions running, outermost first
     last_end: float = 0.0  # end of the rank's latest event (action or posted receive)
     last_cpu: float = 0.0  # the thread's CPU time, then
     last_queued: float = 0.0  # the thread's time waiting for a core, then
@@ -466,16 +561,20 @@ class ActionTimer:
         rec = self._rec = _Recording(time.perf_counter(), count_flops)
         cpu, queued = _thread_clocks()
         rec.last_cpu, rec.last_queued = cpu, queued
+        token = RECORDER.set(self)
         try:
             yield
             self._sync()
             duration = time.perf_counter() - rec.t0
             cpu_end, queued_end = _thread_clocks()
         finally:
+            RECORDER.reset(token)
             self._rec = None
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        self.steps.append(RankStep(rank, duration, tuple(rec.actions), tuple(rec.waits),
-                                   cpu_end - cpu, queued_end - queued))  # fmt: skip
+        actions = tuple(sorted(rec.actions, key=lambda a: a.start))  # nested ones end first
+        comms = tuple(dataclasses.replace(c, rank=rank) for c in rec.comms)
+        self.steps.append(RankStep(rank, duration, actions, tuple(rec.waits),
+                                   cpu_end - cpu, queued_end - queued, comms))  # fmt: skip
 
     @contextlib.contextmanager
     def action(self, kind: str, stage: int, microbatch: int) -> Iterator[None]:
@@ -494,7 +593,11 @@ class ActionTimer:
         if rec is None:
             yield
             return
-        self._sync()
+        # A W nested in another action's all-to-all wait is not synchronized: a device sync
+        # would wait for the all-to-all too. On CUDA its time is the host's, in the outer one's.
+        nested = bool(rec.open)
+        if not nested:
+            self._sync()
         start = time.perf_counter() - rec.t0
         cpu, queued = _thread_clocks()
         recv = ("F" if kind == "F" else "B", stage, microbatch)
@@ -503,15 +606,52 @@ class ActionTimer:
             rec.waits.append(WaitEvent(kind, stage, microbatch, rec.last_end, start,
                                        cpu - rec.last_cpu, queued - rec.last_queued))  # fmt: skip
         counter = FlopCounter() if rec.count_flops else None
-        with counter if counter is not None else contextlib.nullcontext():
-            yield
-        self._sync()
+        inner = _Open(kind, stage, microbatch)
+        rec.open.append(inner)
+        try:
+            with counter if counter is not None else contextlib.nullcontext():
+                yield
+        finally:
+            rec.open.pop()
+        if not nested:
+            self._sync()
         end = time.perf_counter() - rec.t0
         cpu_end, queued_end = _thread_clocks()
-        flops = counter.total if counter is not None else None
-        rec.actions.append(ActionEvent(kind, stage, microbatch, start, end, flops, cpu_end - cpu,
-                                       queued_end - queued))  # fmt: skip
+        flops = counter.total - inner.flops if counter is not None else None
+        cpu, queued = cpu_end - cpu - inner.cpu, queued_end - queued - inner.queued
+        rec.actions.append(ActionEvent(kind, stage, microbatch, start, end, flops, cpu, queued,
+                                       inner.seconds, inner.comm))  # fmt: skip
+        if rec.open:  # nested in a running action (a W in its all-to-all wait)
+            outer = rec.open[-1]
+            outer.seconds += end - start
+            outer.cpu += cpu + inner.cpu
+            outer.queued += queued + inner.queued
+            outer.flops += (flops or 0) + inner.flops
         rec.last_end, rec.last_cpu, rec.last_queued = end, cpu_end, queued_end
+
+    def record_wait(
+        self, label: str, start: float, end: float, overlapped: float, hidden: float
+    ) -> None:
+        """Record a collective the running action waited for (times from ``time.perf_counter``).
+
+        :meth:`WeightGradQueue.run_while <customgrad.pipelining.WeightGradQueue.run_while>`
+        calls this; a wait outside a recorded action is not recorded.
+
+        Args:
+            label: what the collective was (``"dispatch"``, ``"combine"``, ...).
+            start: when the wait began, the collective in flight.
+            end: when it returned.
+            overlapped: seconds of W run inside the wait (recorded as nested actions).
+            hidden: of the collective's time in flight, the seconds that W covered.
+        """
+        rec = self._rec
+        if rec is None or not rec.open:
+            return
+        action = rec.open[-1]
+        wait = CommWait(label, action.kind, action.stage, action.microbatch, start - rec.t0,
+                        end - rec.t0, overlapped, hidden)  # fmt: skip
+        action.comm += wait.exposed
+        rec.comms.append(wait)
 
     def time_loss(self, loss_fn: Callable[_P, _R]) -> Callable[_P, _R]:
         """``loss_fn``, timed as part of the last stage's forward it follows.

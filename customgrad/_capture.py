@@ -503,7 +503,8 @@ def _extra_checks(
     compares by ``==``, compared by its bits; each module it guards by identity, with its
     names and namespace version as they are now; on a dynamo that misses guards on values it
     treats as constants, what it reads of the classes it guards."""
-    names = {"G": scope, "L": frame}
+    helpers = dynamo.guard_names()  # the functions dynamo's guard expressions call
+    names = {**helpers, "G": scope, "L": frame}
     exact: list[str] = []
     for source in captured.constants:
         try:
@@ -516,7 +517,9 @@ def _extra_checks(
         if type(value) in (float, complex):
             exact.append(source)
     # One function reads them all per check: dynamo's names are expressions of G and L.
-    read: Reader | None = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
+    read: Reader | None = (
+        eval(f"lambda G, L: ({', '.join(exact)},)", dict(helpers)) if exact else None
+    )
     constants = (read, tuple(map(bits, read(scope, frame))) if read is not None else ())
     rebinding = not dynamo.guards_instance_attributes()
     namespaces: dict[int, Namespace] = {}

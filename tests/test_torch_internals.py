@@ -625,6 +625,7 @@ def test_dynamo_failed_guard_dict_version_bookkeeping_and_class_namespace() -> N
     assert check is not None
     frame = {"saved": (), "g": torch.ones(2)}
     assert dynamo.failed_guard(check, frame) is None
+    assert callable(dynamo.guard_names()["___namedtuple_fields"])  # what guard expressions call
     assert dynamo.failed_guard(check, {"saved": (), "g": torch.ones(3)}) is not None
     space = types.ModuleType("namespace_probe").__dict__
     before = dynamo.dict_version(space)

@@ -58,6 +58,7 @@ __all__ = [
     "capture",
     "guard_check",
     "failed_guard",
+    "guard_names",
     "backend_error",
     "bookkeeping",
     "class_namespace",
@@ -379,6 +380,16 @@ def guard_check(code: Any) -> Callable[[dict[str, Any]], bool] | None:
     return check
 
 
+def guard_names() -> dict[str, object]:
+    """The names dynamo's guard expressions call besides ``G`` and ``L``
+    (``___namedtuple_fields``, ``___tuple_iterator_len``, ...), to evaluate them again."""
+    try:
+        from torch._dynamo.guards import _get_closure_vars
+    except ImportError:  # a torch without them: expressions that use one cannot be read
+        return {}
+    return dict(_get_closure_vars())
+
+
 def failed_guard(check: Callable[[dict[str, Any]], bool], frame: dict[str, Any]) -> str | None:
     """The first of dynamo's guards that fails for ``frame`` (its code, in words: ``ctx.sizes[1]
     == 2``), given the check :func:`guard_check` returned; None when they hold."""
@@ -471,7 +482,14 @@ def reads_function_class(e: BaseException) -> bool:
     ``cls`` of a classmethod, ``super()``, ``Cls.backward(ctx, ...)``, ``.__func__``): dynamo
     models such a class for ``apply`` and its staticmethods only (torch 2.13)."""
     text = str(e)
-    return "AutogradFunctionVariable" in text or "Expected FakeBackwardCFunction" in text
+    if "AutogradFunctionVariable" in text or "Expected FakeBackwardCFunction" in text:
+        return True
+    # torch 2.11 and 2.12: a bare assert in that variable's method, the last frame raised
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_locals.get("self") if tb is not None else None
+    return type(where).__name__ == "AutogradFunctionVariable"
 
 
 def _observed_name_error(e: BaseException) -> str | None:

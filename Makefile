@@ -18,6 +18,12 @@ TRANSFORMERS_PINS ?= transformers==5.24.0 huggingface_hub==2.4.0 regex==2026.11.
 	hf-xet==1.8.0 httpx2==2.16.2 httpcore2==2.16.2 pydantic==2.14.4 pydantic_core==2.50.5 \
 	rich==15.0.0 shellingham==1.5.4 annotated-types==0.8.0 anyio==4.16.0 markdown-it-py==4.3.0 \
 	truststore==0.10.5 typing-inspection==0.4.5 h11==0.16.0 mdurl==0.1.2
+# torchtitan's own models (Llama 3, Qwen3-MoE, DeepSeek-V3) for tests/test_llama_stages.py,
+# tests/test_moe_stages.py and tests/test_grouped_mm.py: torchtitan and the packages its model
+# code imports with --no-deps (torchtitan's own requirements pull its data and training stack),
+# then what those need, pinned exactly.
+TORCHTITAN_PINS ?= torchtitan==0.3.0 spmd-types==0.3.1 einops==0.8.2 tyro==1.0.17
+TORCHTITAN_DEPS ?= docstring-parser==0.18.0 typeguard==4.6.1
 
 .PHONY: install demo test lint typecheck pytest examples docs gpu-check compat clean pictures
 
@@ -28,6 +34,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --disable-pip-version-check "$(TRITON_PIN)" "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(LIGER_PIN)" "$(TORCH_PIN)"
 	$(PY) -m pip install --quiet --disable-pip-version-check $(TRANSFORMERS_PINS) "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps $(TORCHTITAN_PINS) "$(TORCH_PIN)"
+	$(PY) -m pip install --quiet --disable-pip-version-check $(TORCHTITAN_DEPS) "$(TORCH_PIN)"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -4,6 +4,8 @@
   (separate input and weight halves), as a plain ``autograd.Function`` and as
   ``nn.functional.linear``.
 - :class:`Block` (``pipeline.py``): a pre-norm MLP block, RMSNorm and two linears with bias.
+- :class:`MoEBlock` (``gpu_check.py``): a mixture-of-experts block (router, dispatch, grouped
+  experts through ``customgrad.ops.grouped_mm``, combine, shared expert), without torchtitan.
 """
 
 from __future__ import annotations
@@ -211,3 +213,63 @@ class Block(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear(self.rms_norm(x, self.norm), self.w1, self.b1)
         return x + self.linear(torch.relu(h), self.w2, self.b2)
+
+
+class MoEBlock(nn.Module):
+    """``x + moe(rms_norm(x)) + shared(rms_norm(x))``: a mixture-of-experts block as torchtitan's
+    ``MoE`` computes it, without torchtitan (the GPU check runs where it is not installed).
+
+    A softmax router picks each token's ``top_k`` of ``experts`` experts; the tokens are sorted
+    by expert (the dispatch), each expert's SwiGLU runs as three grouped GEMMs in bfloat16
+    (``customgrad.ops.grouped_mm``, or ``grouped_mm`` given; weights ``w1``/``w3`` ``(E, F, D)``
+    and ``w2`` ``(E, D, F)``, passed transposed as torchtitan passes them), the outputs are
+    weighted by the router's scores and summed back per token (the combine), and a shared
+    expert (a SwiGLU of ``nn.Linear``\\ s) is added. The same ``generator`` state gives the same
+    parameters.
+    """
+
+    def __init__(
+        self, dim: int, hidden: int, experts: int, top_k: int, generator: torch.Generator,
+        grouped_mm: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        import customgrad.ops
+
+        self.grouped_mm = grouped_mm or customgrad.ops.grouped_mm
+        self.experts, self.top_k = experts, top_k
+
+        def param(*shape: int, scale: float) -> nn.Parameter:
+            return nn.Parameter(torch.randn(*shape, generator=generator) * scale)
+
+        self.norm = param(dim, scale=0.1)
+        with torch.no_grad():
+            self.norm += 1.0
+        self.router = param(experts, dim, scale=dim**-0.5)
+        self.w1 = param(experts, hidden, dim, scale=dim**-0.5)
+        self.w3 = param(experts, hidden, dim, scale=dim**-0.5)
+        self.w2 = param(experts, dim, hidden, scale=hidden**-0.5)
+        self.shared = nn.ModuleList(nn.Linear(dim, hidden, bias=False) for _ in range(2))
+        self.shared_out = nn.Linear(hidden, dim, bias=False)
+        for linear in (*self.shared, self.shared_out):
+            with torch.no_grad():
+                linear.weight.copy_(torch.randn(linear.weight.shape, generator=generator))
+                linear.weight.mul_(linear.in_features**-0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = _native_rms_norm(x, self.norm)
+        scores = torch.softmax((h @ self.router.mT).float(), dim=-1)
+        top_scores, top_ids = scores.topk(self.top_k, dim=-1)
+        order = top_ids.flatten().argsort(stable=True)  # the routed rows, sorted by expert
+        counts = torch.bincount(top_ids.flatten(), minlength=self.experts)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        tokens = order // self.top_k
+        routed = h[tokens].bfloat16()
+
+        def mm(a: Tensor, w: Tensor) -> Tensor:
+            return self.grouped_mm(a, w.bfloat16().transpose(-2, -1), offs)
+
+        out = mm(torch.nn.functional.silu(mm(routed, self.w1)) * mm(routed, self.w3), self.w2)
+        out = out.float() * top_scores.flatten()[order].unsqueeze(-1)
+        moe = torch.zeros_like(h).index_add(0, tokens, out.to(h.dtype))
+        gate, up = (linear(h) for linear in self.shared)
+        return x + moe + self.shared_out(torch.nn.functional.silu(gate) * up)

@@ -1,7 +1,7 @@
 """customgrad on a GPU machine as it is: one command, no venv, no downloads, bounded in time.
 
 Uses the Python and torch already installed (torch 2.11 or newer), customgrad from this working
-tree, and sets ``TRITON_INTERPRET=0`` so that Triton kernels are compiled for the GPU. Four
+tree, and sets ``TRITON_INTERPRET=0`` so that Triton kernels are compiled for the GPU. Five
 steps, each in a process of its own with a time limit (a failing or hanging step is reported and
 the next one still runs); the whole run stays within ``--budget`` seconds (default 460):
 
@@ -13,17 +13,23 @@ the next one still runs); the whole run stays within ``--budget`` seconds (defau
    full backward per microbatch), for blocks of customgrad ops, of plain autograd.Functions
    (each backward captured and split automatically) and compiled by ``customgrad.compile`` with
    inductor.
-3. ``split``: ``benchmarks/split.py`` on the device: (I+W)/full FLOPs and time of a split
+3. ``moe``: the mixture-of-experts grouped GEMM on the device (``customgrad.ops.grouped_mm``:
+   ``torch._grouped_mm``; ``triton_grouped_mm``: Triton's kernels compiled), in bfloat16 and
+   float32 against a loop over the experts, its split exact (I: the dX GEMMs' FLOPs, W: the dW
+   GEMMs'); then ``ScheduleZBVZeroBubble`` on one device with a block of each (router, dispatch,
+   grouped experts, combine, shared expert: ``benchmarks/_models.py``'s ``MoEBlock``, no
+   torchtitan), every gradient and the step's FLOPs against the unsplit step's.
+4. ``split``: ``benchmarks/split.py`` on the device: (I+W)/full FLOPs and time of a split
    backward, customgrad's split and torch's, for customgrad ops, plain Functions and nn.Linear.
-4. ``compiled``: ``benchmarks/compiled.py`` on the device: one compiled block's (I+W)/full
+5. ``compiled``: ``benchmarks/compiled.py`` on the device: one compiled block's (I+W)/full
    backward time, and ZBV/1F1B step time of compiled and eager blocks.
 
-Steps 3 and 4 are printed as one table. The last line says which steps passed, on which device
+Steps 3 to 5 are printed as one table. The last line says which steps passed, on which device
 (the GPU's name) and torch version::
 
     python3 -m benchmarks.gpu_check                  # on the GPU machine, from the repo's root
     python3 -m benchmarks.gpu_check --device cpu     # the same steps, small, on CPU (a dry run)
-    python3 -m benchmarks.gpu_check --steps zero-bubble split
+    python3 -m benchmarks.gpu_check --steps zero-bubble moe split
 
 Exit status 0 when every step ran and passed (on CPU: a skipped ``cuda-tests`` counts as
 passed only with ``--device cpu``, where it only collects the CUDA tests).
@@ -46,10 +52,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = ROOT / "benchmarks"
 
-STEPS = ("cuda-tests", "zero-bubble", "split", "compiled")
+STEPS = ("cuda-tests", "zero-bubble", "moe", "split", "compiled")
 """The steps, in the order they run."""
 
-BUDGETS = {"cuda-tests": 200, "zero-bubble": 70, "split": 40, "compiled": 150}
+BUDGETS = {"cuda-tests": 185, "zero-bubble": 60, "moe": 40, "split": 40, "compiled": 135}
 """Each step's time limit in seconds on a GPU (the run's ``--budget`` caps their sum)."""
 
 CPU_SLOWER = 4
@@ -70,6 +76,9 @@ SIZES = {
             "--reps", "8", "--nproc", "1", "--only", "customgrad", "eager",
         ],
         "zero-bubble": {"dim": 1024, "hidden": 4096, "rows": 512, "microbatches": 4},
+        # 8 experts, top-2: 1024 routed rows a microbatch, 128 an expert on average
+        "moe": {"dim": 1024, "hidden": 512, "experts": 8, "top_k": 2, "rows": 512,
+                "microbatches": 4},
     },
     # a dry run on CPU: the same code paths, small
     "cpu": {
@@ -79,6 +88,8 @@ SIZES = {
             "--rounds", "1", "--reps", "2", "--nproc", "1",
         ],
         "zero-bubble": {"dim": 32, "hidden": 64, "rows": 16, "microbatches": 4},
+        "moe": {"dim": 16, "hidden": 16, "experts": 4, "top_k": 2, "rows": 8,
+                "microbatches": 4},
     },
 }  # fmt: skip
 
@@ -156,6 +167,22 @@ def step_zero_bubble(device: str, timeout: float, workdir: Path) -> StepResult:
     return StepResult("zero-bubble", status, seconds, detail or _last_line(out))
 
 
+def step_moe(device: str, timeout: float, workdir: Path) -> StepResult:
+    report = workdir / "moe.json"
+    cmd = [sys.executable, "-m", "benchmarks.gpu_check", "--device", device]
+    cmd += ["--child-moe", str(report)]
+    status, seconds, out = _run("moe", cmd, timeout, _child_env(device))
+    rows = json.loads(report.read_text()) if report.exists() else []
+    if status == "passed" and not rows:
+        status = "failed"
+    table_rows = [
+        {"benchmark": "moe", "configuration": r["check"], "flops": r["flops"]} for r in rows
+    ]
+    worst = max((r["max_diff"] for r in rows), default=0.0)
+    detail = f"{len(rows)} checks, max relative difference {worst:.1e}" if rows else ""
+    return StepResult("moe", status, seconds, detail or _last_line(out), table_rows)
+
+
 def step_split(device: str, timeout: float, workdir: Path) -> StepResult:
     report = workdir / "split.json"
     cmd = [sys.executable, str(BENCHMARKS / "split.py"), "--device", device, "--json", str(report)]
@@ -203,6 +230,7 @@ def step_compiled(device: str, timeout: float, workdir: Path) -> StepResult:
 STEP_FUNCTIONS: dict[str, Callable[[str, float, Path], StepResult]] = {
     "cuda-tests": step_cuda_tests,
     "zero-bubble": step_zero_bubble,
+    "moe": step_moe,
     "split": step_split,
     "compiled": step_compiled,
 }
@@ -292,6 +320,165 @@ def zero_bubble_check(device_type: str, report: Path) -> None:
         raise SystemExit("zero-bubble: " + "; ".join(failures))
 
 
+# --- the mixture-of-experts check (in its child process) ------------------------------------
+
+
+def _relative(a: Any, b: Any) -> float:
+    """The largest difference of ``a`` from ``b`` relative to ``b``'s largest magnitude."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def _loop_grouped_mm(x: Any, w: Any, offs: Any) -> Any:
+    """The reference: one matmul per expert in plain torch ops, differentiated by autograd."""
+    import torch
+
+    ends = offs.tolist()
+    pieces = [x[s:t] @ w[e] for e, (s, t) in enumerate(zip([0, *ends[:-1]], ends))]
+    return torch.cat([*pieces, x.new_zeros((x.shape[0] - ends[-1], w.shape[2]))])
+
+
+def moe_op_checks(device: Any, size: dict[str, int]) -> list[dict[str, Any]]:
+    """Each grouped GEMM op in bfloat16 and float32 on ``device`` against the loop, and its
+    split: the input pass does the dX GEMMs' FLOPs, the weight pass the dW GEMMs'."""
+    import torch
+
+    import customgrad.ops as ops
+    from customgrad._flops import FlopCounter
+    from customgrad.ops import _triton_grouped_mm
+    from customgrad.pipelining import stage_backward_input, stage_backward_weight
+
+    gen = torch.Generator().manual_seed(2)
+    m, k, n, e = 2 * size["rows"], size["dim"], size["hidden"], size["experts"]
+    counts = torch.multinomial(torch.ones(e), m, replacement=True, generator=gen)
+    counts = torch.bincount(counts, minlength=e)
+    counts[0], counts[1] = counts[0] + counts[1], 0  # expert 1 gets no tokens
+    offs = torch.cumsum(counts, 0, dtype=torch.int32).to(device)
+    triton_here = device.type in _triton_grouped_mm.DEVICE_TYPES
+    rows = []
+    for op, label in (
+        (ops.grouped_mm, "grouped_mm"),
+        (ops.triton_grouped_mm, "triton_grouped_mm" + ("" if triton_here else " (no Triton)")),
+    ):
+        for dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(m, k, generator=gen).to(device, dtype).requires_grad_()
+            w = torch.randn(e, n, k, generator=gen).to(device, dtype).transpose(-2, -1)
+            w = (w / k**0.5).detach().requires_grad_()
+            y = op(x, w, offs)
+            grad = torch.randn(y.shape, generator=gen).to(device, dtype)
+            ref = _loop_grouped_mm(x, w, offs)
+            want = torch.autograd.grad(ref, (x, w), grad)
+            with FlopCounter() as flops:
+                flops.key = "input"
+                _, groups = stage_backward_input([y], [grad], [x], iter([w]))
+                flops.key = "weight"
+                stage_backward_weight(iter([w]), groups)
+            assert x.grad is not None and w.grad is not None
+            diff = max(_relative(y, ref), _relative(x.grad, want[0]), _relative(w.grad, want[1]))
+            gemm = 2 * m * k * n
+            exact = flops.by_key == {"input": gemm, "weight": gemm}
+            rows.append({
+                "check": f"{label}, {str(dtype).removeprefix('torch.')}, split",
+                "max_diff": diff, "flops": (flops.total / (2 * gemm)) if exact else None,
+            })  # fmt: skip
+            print(f"moe, {rows[-1]['check']}: max relative difference {diff:.1e}, "
+                  f"FLOPs I {flops.by_key['input']} W {flops.by_key['weight']} (each {gemm})",
+                  flush=True)  # fmt: skip
+            tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+            if diff > tolerance or not exact:
+                raise SystemExit(f"moe: {rows[-1]['check']}: difference {diff:.2e}, FLOPs "
+                                 f"{dict(flops.by_key)} where each pass does {gemm}")  # fmt: skip
+    return rows
+
+
+def moe_zero_bubble(device: Any, size: dict[str, int]) -> list[dict[str, Any]]:
+    """ZBV on one device, both stages of the V in this process, a ``MoEBlock`` each, with each
+    grouped GEMM op: every gradient and the step's FLOPs against the unsplit step's."""
+    import torch
+    from torch.distributed.pipelining import ScheduleZBVZeroBubble
+
+    sys.path.insert(0, str(BENCHMARKS))
+    from _models import MoEBlock
+
+    import customgrad.ops as ops
+    import customgrad.pipelining as cgp
+    from customgrad._flops import FlopCounter
+
+    gen = torch.Generator().manual_seed(0)
+    mb = size["microbatches"]
+    x = torch.randn(size["rows"] * mb, size["dim"], generator=gen).to(device)
+    target = torch.randn(size["rows"] * mb, size["dim"], generator=gen).to(device)
+
+    def loss_fn(out: Any, tgt: Any) -> Any:
+        return torch.nn.functional.mse_loss(out, tgt)
+
+    rows = []
+    for op, label in ((ops.grouped_mm, "grouped_mm"), (ops.triton_grouped_mm, "triton_grouped_mm")):
+
+        def blocks(op: Any = op) -> list[torch.nn.Module]:
+            g = torch.Generator().manual_seed(1)
+            args = (size["dim"], size["hidden"], size["experts"], size["top_k"], g)
+            return [MoEBlock(*args, grouped_mm=op).to(device) for _ in range(2)]
+
+        def unsplit_step(ref: list[torch.nn.Module]) -> None:
+            for xs, ts in zip(x.chunk(mb), target.chunk(mb)):
+                # one full backward a microbatch; the schedule scales gradients by 1/n
+                (loss_fn(ref[1](ref[0](xs)), ts) / mb).backward()
+
+        ref = blocks()
+        unsplit_step(ref)
+        with FlopCounter() as unsplit:  # apart: under a dispatch mode some bfloat16 kernels
+            unsplit_step(blocks())  # round otherwise (silu's backward, by one unit)
+        split = blocks()
+        stages = [cgp.PipelineStage(split[s], s, 2, device) for s in (0, 1)]
+        schedule = ScheduleZBVZeroBubble(stages, mb, loss_fn=loss_fn)
+        schedule.step(x, target=target)
+        worst = 0.0
+        for b, c in zip(ref, split):
+            for (name, p), q in zip(b.named_parameters(), c.parameters()):
+                if p.grad is None or q.grad is None:
+                    raise SystemExit(f"moe: ZBV, {label}: {name} has no gradient")
+                worst = max(worst, _relative(q.grad, p.grad))
+        for b in split:
+            b.zero_grad(set_to_none=True)
+        with FlopCounter() as step:  # the second step: the first also infers shapes
+            schedule.step(x, target=target)
+        rows.append({
+            "check": f"ZBV, MoE blocks of {label}",
+            "max_diff": worst, "flops": step.total / unsplit.total,
+        })  # fmt: skip
+        print(f"moe, ZBV with {label}: max relative gradient difference {worst:.1e}, step "
+              f"FLOPs {step.total} (unsplit {unsplit.total})", flush=True)  # fmt: skip
+        if worst > 1e-3 or step.total != unsplit.total:
+            raise SystemExit(f"moe: ZBV, {label}: gradients differ by {worst:.2e} (relative), "
+                             f"FLOPs {step.total} against {unsplit.total} unsplit")  # fmt: skip
+    return rows
+
+
+def moe_check(device_type: str, report: Path) -> None:
+    """The ``moe`` step: :func:`moe_op_checks`, then :func:`moe_zero_bubble`."""
+    import torch
+    import torch.distributed as dist
+
+    size = SIZES[device_type]["moe"]
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rows: list[dict[str, Any]] = []
+    try:
+        rows += moe_op_checks(device, size)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+            world_size=1, device_id=device if device.type == "cuda" else None,
+        )  # fmt: skip
+        try:
+            rows += moe_zero_bubble(device, size)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        report.write_text(json.dumps(rows))
+
+
 # --- table and summary -----------------------------------------------------------------------
 
 
@@ -351,6 +538,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"seconds for the whole run (default {BUDGET:.0f}; {CPU_SLOWER}x that on CPU)",
     )  # fmt: skip
     p.add_argument("--child-zero-bubble", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--child-moe", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.budget is None:
         args.budget = BUDGET * (1 if args.device == "cuda" else CPU_SLOWER)
@@ -364,6 +552,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child_zero_bubble is not None:
         zero_bubble_check(args.device, args.child_zero_bubble)
+        return 0
+    if args.child_moe is not None:
+        moe_check(args.device, args.child_moe)
         return 0
     import torch
 

@@ -14,7 +14,8 @@ sends the outputs back (combine) and sums them weighted by the router's scores. 
 experts are split evenly over the expert-parallel group; everything else is replicated.
 
 Every weight is a customgrad op's (``examples::linear``; the experts' grouped GEMM
-``examples_moe::grouped_mm``, ``torch._grouped_mm``'s ``(x, w, offs)``), so every W is queued.
+:func:`customgrad.ops.grouped_mm`, ``torch._grouped_mm``'s ``(x, w, offs)``), so every W is
+queued.
 :func:`reference_grads` computes the same gradients on one process, without any all-to-all.
 Imported by ``tests/test_moe_overlap.py``, ``benchmarks/moe_overlap.py`` and
 ``benchmarks/scale.py``, which run it on 2 processes.
@@ -30,52 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import customgrad as cg
+from customgrad.ops import grouped_mm
 from customgrad.pipelining import WeightGradQueue
 from examples.ops.linear import linear
 
-__all__ = ["Config", "MoEBlock", "AllToAll", "grouped_mm", "reference_grads"]
-
-
-# --- the experts' grouped GEMM: one matmul per expert over its rows, split I / W -----------
-
-
-@cg.op("examples_moe::grouped_mm", weights=("w",))
-def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    """``x`` ``(M, K)`` rows ``offs[e-1]:offs[e]`` times ``w[e]`` (``w``: ``(E, K, N)``)."""
-    out = x.new_zeros((x.shape[0], w.shape[-1]))
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        out[start:end] = x[start:end] @ w[e]
-        start = end
-    return out
-
-
-@grouped_mm.register_fake
-def _(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
-    return x.new_empty((x.shape[0], w.shape[-1]))
-
-
-@grouped_mm.register_save_for_backward
-def _(inputs: Any, output: Tensor) -> Any:
-    return inputs.x, inputs.w, inputs.offs
-
-
-@grouped_mm.register_backward_input  # the dX GEMMs
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
-    _, w, offs = saved
-    return {"x": grouped_mm(grad, w.mT, offs)}
-
-
-@grouped_mm.register_backward_weight  # the dW GEMMs
-def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Tensor]:
-    x, w, offs = saved
-    gw = torch.zeros_like(w)
-    start = 0
-    for e, end in enumerate(offs.tolist()):
-        gw[e] = x[start:end].mT @ grad[start:end]
-        start = end
-    return {"w": gw}
+__all__ = ["AllToAll", "Config", "MoEBlock", "reference_grads"]
 
 
 # --- the all-to-all, waited for through the queue ------------------------------------------

@@ -2573,3 +2573,87 @@ def test_overlap_forward_backward_wants_stages_with_one_queue(group: None) -> No
         ),
     ):
         overlap_forward_backward(ScheduleZBVZeroBubble(two, 2))
+
+
+# -- customgrad.ops: the grouped GEMM's arguments ------------------------------------------------
+
+_OFFS_FIX = (
+    "Pass the end row of each expert's tokens, a running sum of the tokens per expert: "
+    "torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)."
+)
+
+
+def _grouped_call(case: str) -> Callable[[], object]:
+    import customgrad.ops as ops
+
+    x, w = torch.randn(12, 16), torch.randn(4, 16, 8)
+    offs = torch.tensor([3, 3, 7, 12], dtype=torch.int32)
+
+    def ends(*values: int) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
+
+    calls: dict[str, Callable[[], object]] = {
+        "x-3d": lambda: ops.grouped_mm(x.view(2, 6, 16), w, offs),
+        "w-features": lambda: ops.grouped_mm(x, torch.randn(4, 15, 8), offs),
+        "offs-int64": lambda: ops.grouped_mm(x, w, offs.long()),
+        "offs-length": lambda: ops.grouped_mm(x, w, offs[:3]),
+        "no-experts": lambda: ops.grouped_mm(x, torch.randn(0, 16, 8), offs[:0]),
+        "dtypes": lambda: ops.grouped_mm(x, w.double(), offs),
+        "integers": lambda: ops.grouped_mm(x.int(), w.int(), offs),
+        "devices": lambda: ops.grouped_mm(x, w, offs.to("meta")),
+        "offs-falling": lambda: ops.grouped_mm(x, w, ends(3, 2, 7, 12)),
+        "offs-past-x": lambda: ops.triton_grouped_mm(x, w, ends(3, 3, 7, 13)),
+        "grad-rows": lambda: ops.grouped_weight_grad(x, torch.randn(11, 8), offs),
+    }
+    return calls[case]
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("x-3d", "customgrad::grouped_mm: 'x' must be 2-D (tokens sorted by expert, features), "
+         "got torch.float32 (2, 6, 16) on cpu. Flatten the batch dimensions first: "
+         "x.flatten(0, -2)."),
+        ("w-features", "customgrad::grouped_mm: 'w' must be 3-D (experts, 16 = x's features, out "
+         "features), got torch.float32 (4, 15, 8) on cpu. Pass the experts' weights as "
+         "torchtitan's _grouped_mm takes them: w_EFD.transpose(-2, -1)."),
+        ("offs-int64", "customgrad::grouped_mm: 'offs' must be a 1-D int32 tensor of length 4 "
+         f"(one per expert), got torch.int64 (4,) on cpu. {_OFFS_FIX}"),
+        ("offs-length", "customgrad::grouped_mm: 'offs' must be a 1-D int32 tensor of length 4 "
+         f"(one per expert), got torch.int32 (3,) on cpu. {_OFFS_FIX}"),
+        ("no-experts", "customgrad::grouped_mm: 'offs' must be a 1-D int32 tensor of at least "
+         f"one expert, got torch.int32 (0,) on cpu. {_OFFS_FIX}"),
+        ("dtypes", "customgrad::grouped_mm: 'w' must have x's dtype torch.float32, got "
+         "torch.float64. Cast one to the other's dtype (torchtitan casts both to bfloat16)."),
+        ("integers", "customgrad::grouped_mm: 'x' must be a floating-point tensor (float32, "
+         "bfloat16, float16 or float64), got torch.int32. Cast x and w with .float()."),
+        ("devices", "customgrad::grouped_mm: x, w and offs must be on one device, got cpu, cpu "
+         "and meta. Move offs with .to(x.device)."),
+        ("offs-falling", "customgrad::grouped_mm: 'offs' must rise from 0 to at most x's 12 "
+         "rows, got [3, 2, 7, 12] (expert 1 would end at row 2 after starting at 3). "
+         f"{_OFFS_FIX}"),
+        ("offs-past-x", "customgrad::triton_grouped_mm: 'offs' must rise from 0 to at most x's "
+         "12 rows, got [3, 3, 7, 13] (expert 3 would end at row 13 after starting at 7). "
+         f"{_OFFS_FIX}"),
+        ("grad-rows", "customgrad::grouped_mm_weight_grad: 'grad' must be 2-D with x's 12 rows, "
+         "got torch.float32 (11, 8) on cpu. Pass the gradient of grouped_mm's output."),
+    ],
+    ids=lambda v: v if len(v) < 20 else "",
+)  # fmt: skip
+def test_grouped_mm_arguments(case: str, message: str) -> None:
+    with pytest.raises(cg.ArgumentValueError, match=f"^{re.escape(message)}$") as info:
+        _grouped_call(case)()
+    assert isinstance(info.value, ValueError)
+
+
+def test_grouped_mm_fake_kernel_checks_the_arguments_under_compile() -> None:
+    import customgrad.ops as ops
+
+    fn = torch.compile(ops.grouped_mm, backend="eager", fullgraph=True)
+    offs = torch.tensor([3, 12], dtype=torch.int64)
+    message = (
+        "customgrad::grouped_mm: 'offs' must be a 1-D int32 tensor of length 2 (one per expert), "
+        f"got torch.int64 (2,) on cpu. {_OFFS_FIX}"
+    )
+    with pytest.raises(Exception, match=re.escape(message)):
+        fn(torch.randn(12, 16), torch.randn(2, 16, 8), offs)

@@ -50,13 +50,14 @@ def test_last_line_says_what_passed_on_which_device_and_torch() -> None:
     results = [
         StepResult("cuda-tests", "passed", 100.0),
         StepResult("zero-bubble", "failed", 20.0, "customgrad ops: w1's gradient differs"),
+        StepResult("moe", "passed", 30.0),
         StepResult("split", "timed out", 50.0),
         StepResult("compiled", "passed", 90.0),
     ]
     line = gpu_check.summary(results, "NVIDIA H100 80GB HBM3", "2.11.0+cu130")
     assert line == (
-        "gpu_check: 2/4 passed (cuda-tests, compiled); zero-bubble failed, split timed out; "
-        "device NVIDIA H100 80GB HBM3; torch 2.11.0+cu130"
+        "gpu_check: 3/5 passed (cuda-tests, moe, compiled); zero-bubble failed, split timed "
+        "out; device NVIDIA H100 80GB HBM3; torch 2.11.0+cu130"
     )
 
 
@@ -86,8 +87,9 @@ def test_without_a_gpu_every_step_is_reported_skipped(capsys: pytest.CaptureFixt
     assert gpu_check.main([]) == 1
     out = capsys.readouterr().out.strip().splitlines()
     assert out[-1] == (
-        "gpu_check: 0/4 passed (none); cuda-tests skipped, zero-bubble skipped, split skipped, "
-        f"compiled skipped; device no CUDA GPU visible; torch {torch.__version__}"
+        "gpu_check: 0/5 passed (none); cuda-tests skipped, zero-bubble skipped, moe skipped, "
+        "split skipped, compiled skipped; device no CUDA GPU visible; "
+        f"torch {torch.__version__}"
     )
 
 
@@ -160,6 +162,30 @@ def test_zero_bubble_step_on_cpu(tmp_path: Path) -> None:
         "customgrad.compile (inductor)",
     ]
     assert all(r["max_diff"] < 1e-4 for r in rows)
+
+
+@pytest.mark.slow
+def test_moe_step_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The grouped GEMM ops against a loop over the experts with their split's FLOPs, then ZBV
+    with MoE blocks against the unsplit step (Triton's kernels in its interpreter here, as the
+    suite runs them), where torchtitan cannot be imported (the GPU machines have none)."""
+    blocker = tmp_path / "no_torchtitan" / "torchtitan"
+    blocker.mkdir(parents=True)
+    (blocker / "__init__.py").write_text("raise ImportError('no torchtitan on the GPU machines')")
+    monkeypatch.setenv("PYTHONPATH", str(blocker.parent))
+    result = gpu_check.step_moe("cpu", 240, tmp_path)
+    assert result.status == "passed", result.detail
+    rows = json.loads((tmp_path / "moe.json").read_text())
+    assert [r["check"] for r in rows] == [
+        "grouped_mm, bfloat16, split", "grouped_mm, float32, split",
+        "triton_grouped_mm, bfloat16, split", "triton_grouped_mm, float32, split",
+        "ZBV, MoE blocks of grouped_mm", "ZBV, MoE blocks of triton_grouped_mm",
+    ]  # fmt: skip
+    assert all(r["flops"] == 1.0 for r in rows)  # I + W == full; the step's == unsplit's
+    assert all(r["max_diff"] < 2e-2 for r in rows[:4]) and all(
+        r["max_diff"] < 1e-3 for r in rows[4:]
+    )
+    assert [r["configuration"] for r in result.rows] == [r["check"] for r in rows]
 
 
 def test_the_command_runs_from_the_repository_root() -> None:

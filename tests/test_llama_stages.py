@@ -49,7 +49,7 @@ def test_example_trains_split_with_one_process_gradients(tmp_path: Path, schedul
 
 @pytest.mark.skipif(
     importlib.util.find_spec("torchtitan") is None,
-    reason=optional_package("torchtitan", "pip install torchtitan to run its Llama 3 model too"),
+    reason=optional_package("torchtitan", "make install pins torchtitan 0.3.0"),
 )
 def test_torchtitan_llama3_trains_split_with_one_process_gradients(tmp_path: Path) -> None:
     _check(_train(tmp_path, "ScheduleZBVZeroBubble", "torchtitan"))

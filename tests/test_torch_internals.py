@@ -28,6 +28,7 @@ from customgrad._torch import (
     errors,
     fake,
     functions,
+    grouped_mm,
     pipelining,
     transforms,
 )
@@ -712,6 +713,27 @@ def test_aot_config_tracing_metadata_and_inductor_compilers() -> None:
     assert hasattr(meta, "bw_donated_idxs") and hasattr(meta, "input_info")
     assert hasattr(meta, "tokens") and hasattr(meta, "num_outputs_rng_offset")
     torch._dynamo.reset()
+
+
+# -- grouped_mm --------------------------------------------------------------------------------
+
+
+def test_grouped_mm_groups_rows_and_the_reduced_dimension_and_says_what_it_takes() -> None:
+    x, w = torch.randn(6, 8), torch.randn(2, 8, 4)
+    offs = torch.tensor([2, 6], dtype=torch.int32)
+    out = grouped_mm.grouped_mm(x, w, offs)
+    torch.testing.assert_close(out, torch.cat([x[:2] @ w[0], x[2:] @ w[1]]))
+    g = torch.randn(6, 4)
+    dw = grouped_mm.grouped_mm(x.mT, g, offs)  # the groups split the token dimension
+    torch.testing.assert_close(dw, torch.stack([x[:2].mT @ g[:2], x[2:].mT @ g[2:]]))
+    w_t = torch.randn(2, 8, 8).bfloat16().mT  # torchtitan's layout: the parameter transposed
+    assert grouped_mm.takes(x, w) and grouped_mm.takes(x.bfloat16(), w_t)
+    assert not grouped_mm.takes(x.bfloat16(), w.bfloat16().mT)  # rows of 8 bytes
+    assert not grouped_mm.takes(x.double(), w.double())  # no float64 kernel
+    assert not grouped_mm.takes(x[:, :5].contiguous(), w)  # rows of 20 bytes: not aligned
+    assert not grouped_mm.takes(x[:0], w)  # empty
+    with pytest.raises(RuntimeError, match="strides should be multiple of 16 bytes"):
+        grouped_mm.grouped_mm(x[:, :5].contiguous(), w[:, :5], offs)  # why takes() says no
 
 
 # -- one door ----------------------------------------------------------------------------------

@@ -222,3 +222,80 @@ def test_a_grouped_gemm_reading_its_group_sizes_splits_for_every_routing(kind: s
         assert (input_pass.get_total_flops(), weight_pass.get_total_flops()) == (gemms, gemms)
     assert len(seen) == 12  # twelve routings,
     assert splitter().traces == 1  # one capture
+
+
+class CtxGroupedMM(torch.autograd.Function):
+    """The grouped GEMM with each expert's ``(start, end)`` rows read once, in the forward, and
+    kept on ``ctx`` as Python ints: constants of a capture, new with every routing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        ends = offs.tolist()
+        ctx.groups = list(zip([0, *ends[:-1]], ends))
+        ctx.save_for_backward(x, w)
+        return grouped_mm(x, w, offs)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, w = ctx.saved_tensors
+        dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+        for e, (start, end) in enumerate(ctx.groups):
+            dx[start:end] = g[start:end] @ w[e].mT
+            dw[e] = x[start:end].mT @ g[start:end]
+        return dx, dw, None
+
+
+def test_group_bounds_kept_on_ctx_as_ints_split_for_every_routing() -> None:
+    """Ints on ctx that change between backwards are read by the capture from a tensor of
+    their values (unbacked): a second capture, then it serves every routing."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gemms = 2 * T * K * N
+    for step in range(12):
+        offs = routing(step)
+        x = torch.randn(T, K, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(E, K, N, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(T, N, dtype=torch.float64)
+        want = torch.autograd.grad(grouped_mm(x, w, offs), (x, w), g)
+        out = CtxGroupedMM.apply(x, w, offs)
+        with FlopCounterMode(display=False) as input_pass:
+            (gx,), groups = stage_backward_input([out], [g], [x], [w])
+        with FlopCounterMode(display=False) as weight_pass:
+            stage_backward_weight([w], groups)
+        torch.testing.assert_close((gx, w.grad), want, rtol=0, atol=1e-12)
+        (splitter,) = (s for (c, *_), s in _function_split._SPLITTERS.items() if c is CtxGroupedMM)
+        assert isinstance(splitter.last, TracedSplit), (step, splitter.last)
+        assert (input_pass.get_total_flops(), weight_pass.get_total_flops()) == (gemms, gemms)
+    assert splitter.traces == 2  # the first routing's, then one for every routing
+
+
+class SumsAlong(torch.autograd.Function):
+    """``(x * w).sum(dim)`` with ``dim`` an int on ctx that changes: a size it cannot be."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, dim: int) -> Tensor:
+        ctx.dim = dim
+        ctx.save_for_backward(x, w)
+        return (x * w).sum(dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, w = ctx.saved_tensors
+        grown = g.unsqueeze(ctx.dim).expand_as(x)
+        return grown * w, grown * x, None
+
+
+def test_an_int_on_ctx_the_backward_needs_as_a_constant_is_one_again() -> None:
+    """Read from a tensor, ``dim`` would be unbacked, which ``unsqueeze`` refuses: the capture
+    takes it as a constant again, at once (one capture per value), and every step splits."""
+    for step, dim in enumerate((0, 1, 0, 1, 1)):
+        x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+        g = torch.randn(4 if dim == 0 else 3, dtype=torch.float64)
+        want = torch.autograd.grad((x * w).sum(dim), (x, w), g)
+        (gx,), groups = stage_backward_input([SumsAlong.apply(x, w, dim)], [g], [x], [w])
+        stage_backward_weight([w], groups)
+        torch.testing.assert_close((gx, w.grad), want, rtol=0, atol=0)
+        (splitter,) = (s for (c, *_), s in _function_split._SPLITTERS.items() if c is SumsAlong)
+        assert isinstance(splitter.last, TracedSplit), (step, splitter.last)
+    assert splitter.traces == 3  # dim 0, dim 1 from a tensor (refused), dim 1

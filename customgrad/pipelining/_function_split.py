@@ -20,6 +20,7 @@ tensor kept on ctx rather than saved) runs once as before, with its reason logge
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import weakref
@@ -30,8 +31,8 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._autosplit import AutoSplitter
-from customgrad._capture import Fallback
-from customgrad._function_ctx import of_node
+from customgrad._capture import INSIDE_TRACE, NOT_COMPILING, Fallback
+from customgrad._function_ctx import FunctionContext, of_node
 from customgrad._handoff import Kept
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
@@ -117,6 +118,97 @@ def _splitter(
         found = _SPLITTERS[key] = AutoSplitter(spec, _calling(cls.backward, names), "none")
     return found
 
+
+class _Sizes:
+    """The Python ints a Function's forward kept on ctx (group sizes, ``(start, end)`` bounds of
+    experts' rows), as the capture sees them.
+
+    As constants first. Once one changes between backwards (a mixture of experts' routing:
+    each change would be a new capture, and the backward would run once after
+    :data:`~customgrad._autosplit.RECAPTURES` of them), the capture reads it from a tensor of
+    its values instead, saved with the node's tensors (``.tolist()`` in a property of the
+    ctx): dynamo makes the sizes unbacked, and each pass reads them from that tensor, so one
+    capture serves every value. If that capture is refused (the backward needs them as
+    constants: a dimension), they are constants again, from that call on."""
+
+    __slots__ = ("changing", "first", "lifting")
+
+    def __init__(self) -> None:
+        self.first: dict[str, object] | None = None
+        self.changing: frozenset[str] = frozenset()
+        self.lifting = True
+
+    def hand(self, ctx: FunctionContext) -> tuple[FunctionContext, tuple[object, ...]]:
+        """The ctx the capture reads and the saved tensors that go with it."""
+        saved: tuple[object, ...] = ctx.saved_tensors
+        if not self.lifting:
+            return ctx, saved
+        ints = {k: v for k, v in vars(ctx).items() if _layout(v) is not _NOT_INTS}
+        if self.first is None:
+            self.first = ints
+        changed = {k for k, v in ints.items() if self.first.get(k, v) != v}
+        self.changing |= changed
+        if not self.changing or not self.changing <= ints.keys():
+            return ctx, saved
+        lifted = object.__new__(_reading(self.changing))
+        held = {k: v for k, v in vars(ctx).items() if k not in self.changing}
+        tensors = {k: torch.tensor(_flat(ints[k]), dtype=torch.int64) for k in self.changing}
+        held["_cg_sizes"] = tensors
+        held["_cg_layouts"] = {k: _layout(ints[k]) for k in self.changing}
+        vars(lifted).update(held)
+        return lifted, (*saved, *tensors.values())
+
+
+_NOT_INTS = object()
+
+
+def _layout(value: object) -> object:
+    """How ``value`` nests ints in lists and tuples (None: an int), or ``_NOT_INTS``."""
+    if type(value) is int:
+        return None
+    if type(value) in (list, tuple) and len(value) <= 4096:  # type: ignore[arg-type]
+        inner = tuple(_layout(v) for v in value)  # type: ignore[attr-defined]
+        return _NOT_INTS if _NOT_INTS in inner else (type(value), inner)
+    return _NOT_INTS
+
+
+def _flat(value: object) -> list[int]:
+    if type(value) is int:
+        return [value]
+    return [i for v in value for i in _flat(v)]  # type: ignore[attr-defined]
+
+
+def _rebuilt(layout: Any, flat: list[object], at: int = 0) -> tuple[object, int]:
+    """The value of ``layout`` from ``flat[at:]``, and where it ends (traced by dynamo)."""
+    if layout is None:
+        return flat[at], at + 1
+    kind, inner = layout
+    items = []
+    for part in inner:
+        item, at = _rebuilt(part, flat, at)
+        items.append(item)
+    return kind(items), at
+
+
+@functools.cache
+def _reading(names: frozenset[str]) -> type[FunctionContext]:
+    """A ctx class whose ``names`` are read back from their tensors."""
+
+    def read(name: str) -> property:
+        def get(self: Any) -> object:
+            flat = self._cg_sizes[name].tolist()
+            return _rebuilt(self._cg_layouts[name], flat)[0]
+
+        return property(get)
+
+    return type("FunctionContext", (FunctionContext,), {n: read(n) for n in sorted(names)})
+
+
+_NOW = (INSIDE_TRACE, NOT_COMPILING)
+"""Why a backward does not split at this call only (another trace, torch.compile off)."""
+
+_SIZES: dict[tuple[type, tuple[str | None, ...], tuple[str, ...]], _Sizes] = {}
+"""The ints on ctx of each Function class and layout, as :class:`_Sizes` hands them."""
 
 SPLIT: set[type] = set()
 """The Function classes whose backward split at least once (for :func:`customgrad.summary`)."""
@@ -213,11 +305,18 @@ def split_input(
             edges.append((f"arg{p}", fn, nr))
     weights = tuple(name for name, _, _ in edges)
     requires = frozenset(f"arg{p}" for p in positions if needs[p])
-    ctx = of_node(node)
-    if ctx is None:
+    found = of_node(node)
+    if found is None:
         return None  # freed: the backward as written raises torch's error
-    saved = ctx.saved_tensors
-    outcome = _splitter(cls, names, weights).find(ctx, saved, grads, requires)
+    key = (cls, names, weights)
+    splitter = _splitter(cls, names, weights)
+    sizes = _SIZES.setdefault(key, _Sizes())
+    ctx, saved = sizes.hand(found)
+    outcome = splitter.find(ctx, saved, grads, requires)
+    if ctx is not found and isinstance(outcome, Fallback) and outcome not in _NOW:
+        sizes.lifting = False  # a backward that needs them as constants: as they are, again
+        ctx, saved = found, found.saved_tensors
+        outcome = splitter.find(ctx, saved, grads, requires)
     if isinstance(outcome, Fallback):
         if outcome.logged:
             tell(cls, outcome.why)

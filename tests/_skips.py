@@ -24,6 +24,7 @@ __all__ = [
     "TORCH_SPLIT",
     "TORCH_SPLIT_RUNS_FUNCTIONS",
     "TORCH_STAGE_V",
+    "UNBACKED_SLICE_WRITES",
     "allowed",
     "cuda_gpus",
     "optional_package",
@@ -162,6 +163,18 @@ def torch_stage_lacks(stage: str, schedule: str, functions: bool) -> str | None:
             "(customgrad refuses it with UnsupportedTorchError)"
         )
     return None
+
+
+UNBACKED_SLICE_WRITES = pytest.mark.skipif(
+    not dynamo.writes_slices_of_unbacked_sizes(),
+    reason=release_lacks(
+        "dynamo's capture of a write into a slice whose bounds it read from a tensor "
+        "(out[a:b] = y, a and b unbacked: torch 2.13 and later); a backward that writes each "
+        "expert's rows that way runs once there, right "
+        "(customgrad._torch.dynamo.writes_slices_of_unbacked_sizes)"
+    ),
+)
+"""For tests of a grouped GEMM whose backward writes each expert's rows by sizes it read."""
 
 
 FREEZE_RECOMPILES = pytest.mark.skipif(

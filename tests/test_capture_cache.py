@@ -21,6 +21,7 @@ from torch import Tensor
 import customgrad as cg
 from customgrad._autosplit import RECAPTURES, AutoSplitter, TracedSplit
 from customgrad.pipelining import _function_split, stage_backward_input, stage_backward_weight
+from tests._skips import UNBACKED_SLICE_WRITES
 
 _ids = itertools.count()
 
@@ -226,7 +227,8 @@ def test_a_grouped_gemm_reading_its_group_sizes_splits_for_every_routing(kind: s
 
 class CtxGroupedMM(torch.autograd.Function):
     """The grouped GEMM with each expert's ``(start, end)`` rows read once, in the forward, and
-    kept on ``ctx`` as Python ints: constants of a capture, new with every routing."""
+    kept on ``ctx`` as Python ints: constants of a capture, new with every routing. Its backward
+    writes each expert's rows (slices)."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
@@ -245,7 +247,30 @@ class CtxGroupedMM(torch.autograd.Function):
         return dx, dw, None
 
 
-def test_group_bounds_kept_on_ctx_as_ints_split_for_every_routing() -> None:
+class CtxSizesGroupedMM(torch.autograd.Function):
+    """The same with the experts' sizes kept on ``ctx``, its backward splitting and
+    concatenating the rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        ctx.sizes = group_sizes(offs)
+        ctx.save_for_backward(x, w)
+        return grouped_mm(x, w, offs)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, w = ctx.saved_tensors
+        dx, dw = [], []
+        for e, (xe, ge) in enumerate(zip(torch.split(x, ctx.sizes), torch.split(g, ctx.sizes))):
+            dx.append(ge @ w[e].mT)
+            dw.append(xe.mT @ ge)
+        return torch.cat(dx), torch.stack(dw), None
+
+
+@pytest.mark.parametrize(
+    "fn", [pytest.param(CtxGroupedMM, marks=UNBACKED_SLICE_WRITES), CtxSizesGroupedMM]
+)
+def test_group_sizes_kept_on_ctx_as_ints_split_for_every_routing(fn: Any) -> None:
     """Ints on ctx that change between backwards are read by the capture from a tensor of
     their values (unbacked): a second capture, then it serves every routing."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -257,13 +282,13 @@ def test_group_bounds_kept_on_ctx_as_ints_split_for_every_routing() -> None:
         w = torch.randn(E, K, N, dtype=torch.float64, requires_grad=True)
         g = torch.randn(T, N, dtype=torch.float64)
         want = torch.autograd.grad(grouped_mm(x, w, offs), (x, w), g)
-        out = CtxGroupedMM.apply(x, w, offs)
+        out = fn.apply(x, w, offs)
         with FlopCounterMode(display=False) as input_pass:
             (gx,), groups = stage_backward_input([out], [g], [x], [w])
         with FlopCounterMode(display=False) as weight_pass:
             stage_backward_weight([w], groups)
         torch.testing.assert_close((gx, w.grad), want, rtol=0, atol=1e-12)
-        (splitter,) = (s for (c, *_), s in _function_split._SPLITTERS.items() if c is CtxGroupedMM)
+        (splitter,) = (s for (c, *_), s in _function_split._SPLITTERS.items() if c is fn)
         assert isinstance(splitter.last, TracedSplit), (step, splitter.last)
         assert (input_pass.get_total_flops(), weight_pass.get_total_flops()) == (gemms, gemms)
     assert splitter.traces == 2  # the first routing's, then one for every routing

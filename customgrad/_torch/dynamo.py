@@ -72,7 +72,6 @@ __all__ = [
     "guards_instance_attributes",
     "guards_parameter_requires_grad",
     "refuses_data_pointer_comparisons",
-    "writes_slices_of_unbacked_sizes",
 ]
 
 
@@ -577,32 +576,6 @@ def guards_parameter_requires_grad() -> bool:
         linear.weight.requires_grad_(False)
         compiled(x)
     return len(compiles) == 2
-
-
-@functools.cache
-def writes_slices_of_unbacked_sizes() -> bool:
-    """Whether dynamo captures a write into a slice whose bounds it read from a tensor
-    (``out[a:b] = y`` with ``a, b = t.tolist()``: unbacked sizes; torch 2.13 and later). torch
-    2.11's and 2.12's dynamo refuse it (a guard on a data-dependent expression), so a backward
-    that writes each expert's rows that way runs once there. Probed once, by that behaviour,
-    in the caller's thread (on torch 2.11 a compile after this probe ran in a thread of its own
-    crashed the process)."""
-    import torch
-
-    from customgrad._torch.dispatcher import disable_current_modes
-
-    def write(x: Any, bounds: Any) -> Any:
-        start, end = bounds.tolist()
-        out = torch.zeros_like(x)
-        out[start:end] = x[start:end] * 2
-        return out
-
-    compiled = torch.compile(write, backend="eager", fullgraph=True, dynamic=False)
-    with torch.no_grad(), disable_current_modes():
-        try:
-            return bool(compiled(torch.ones(4), torch.tensor([1, 3]))[2] == 2)
-        except Exception:  # dynamo refuses the data-dependent guard
-            return False
 
 
 @functools.cache

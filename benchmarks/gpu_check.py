@@ -11,8 +11,9 @@ reported and the next one still runs); the whole run stays within ``--budget`` s
 2. ``zero-bubble``: ``ScheduleZBVZeroBubble`` on one device, one process holding both stages of
    the V (as ``benchmarks/compiled.py --device cuda`` does on one GPU), with customgrad's
    ``PipelineStage``; every weight's gradient equal to the unsplit step's (the same blocks, one
-   full backward per microbatch), for blocks of customgrad ops and for blocks compiled by
-   ``customgrad.compile`` with inductor.
+   full backward per microbatch), for blocks of customgrad ops, of plain autograd.Functions
+   (each backward captured and split automatically) and compiled by ``customgrad.compile`` with
+   inductor.
 3. ``moe``: the mixture-of-experts grouped GEMM on the device (``customgrad.ops.grouped_mm``:
    ``torch._grouped_mm``; ``triton_grouped_mm``: Triton's kernels compiled), in bfloat16 and
    float32 against a loop over the experts, its split exact (I: the dX GEMMs' FLOPs, W: the dW
@@ -273,6 +274,8 @@ def zero_bubble_check(device_type: str, report: Path) -> None:
 
         for label, impl, compiled in (
             ("customgrad ops", "customgrad", False),
+            # the automatic split on this machine's torch: each Function's backward captured
+            ("plain autograd.Functions", "function", False),
             ("customgrad.compile (inductor)", "native", True),
         ):
 
@@ -305,6 +308,10 @@ def zero_bubble_check(device_type: str, report: Path) -> None:
                 worst = max(worst, diff)
                 if not torch.allclose(q.grad, p.grad, rtol=1e-4, atol=1e-5):
                     failures.append(f"{label}: {name}'s gradient differs by {diff:.2e}")
+            if impl == "function":
+                split_classes = {name.rpartition(".")[2] for name in cg.summary().split_functions}
+                if not {"FnBiasedLinear", "FnRMSNorm"} <= split_classes:
+                    failures.append(f"{label}: not split automatically ({cg.summary()})")
             rows.append({"blocks": label, "max_diff": worst})
             print(f"zero-bubble, {label}: max |grad - unsplit grad| = {worst:.2e}", flush=True)
     finally:

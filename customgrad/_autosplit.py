@@ -32,7 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from customgrad._capture import INSIDE_TRACE, Capture, Fallback, capture_backward
+from customgrad._capture import (
+    INSIDE_TRACE,
+    NOT_COMPILING,
+    Capture,
+    Fallback,
+    capture_backward,
+)
 from customgrad._errors import where
 from customgrad._handoff import nbytes
 from customgrad._rules import BackwardContext, OpSpec
@@ -67,11 +73,12 @@ __all__ = [
 log = logging.getLogger("customgrad")
 
 MAX_SIGNATURES = 256
-"""Input signatures captured per op; calls with new ones beyond that fall back (one log line)."""
+"""Input signatures (plain values and shapes) captured per backward; calls with new ones beyond
+that run once (one log line)."""
 
 RECAPTURES = 8
 """Captures per input signature (the first, then one per failed guard: a global the backward
-reads rebound, a flag flipped); beyond that the op runs once (one log line)."""
+reads rebound, a flag flipped); beyond that calls with it run once (one log line)."""
 
 RETRIES = 2
 """Captures tried again for a signature whose capture failed for a reason of an unknown kind."""
@@ -160,21 +167,25 @@ def _trace_types() -> tuple[type, ...]:
 # --------------------------------------------------------------------------------------------
 # The splitter of one op's single backward
 class AutoSplitter:
-    """The automatic split of one op's single backward (``AutogradRules.auto``).
+    """The automatic split of one single backward: an op's (``AutogradRules.auto``), or a plain
+    Function's for one layout of its arguments (:mod:`customgrad.pipelining._function_split`).
 
-    :meth:`select` is called at a node's first split pass (a full backward calls the function
-    as written and never asks); it returns the node's
+    :meth:`find` is the one capture cache and retry rule: the captures of each signature (the
+    values that are not tensors, the tensors' ``is_leaf``, the ambient state), the first whose
+    checks hold selected; else a new capture, up to :data:`RECAPTURES` per shapes of the
+    signature and :data:`MAX_SIGNATURES` shapes. An op node asks :meth:`select` at its first
+    split pass (a full backward calls the function as written and never asks): its
     :class:`TracedSplit` (shared by every node whose call selects the same capture), or None to
     call the backward as written.
 
     Args:
-        op: the op.
-        fn: its single backward, ``fn(ctx, saved, *grads) -> dict``.
+        op: the op (for a Function, what the capture reads of one: its name and signature).
+        fn: the single backward, ``fn(ctx, saved, *grads) -> dict``.
         recompute: ``"cheap"`` recomputes shared results without FLOPs in the weight pass.
 
     Attributes:
         traces: how many times the backward was captured.
-        last: what the latest node's :meth:`select` found (a :class:`TracedSplit` or a
+        last: what the latest :meth:`find` found (a :class:`TracedSplit` or a
             :class:`Fallback`), or None before any split pass.
     """
 
@@ -184,10 +195,10 @@ class AutoSplitter:
         self.recompute = recompute == "cheap"
         self.traces = 0
         self.last: TracedSplit | Fallback | None = None
-        # signature -> the captures made for it (newest first), or why there is none
         # signature -> its captures (any shapes: dynamo's guards select among them) and why
         # there is none
         self._cache: dict[Any, _Entry] = {}
+        self._signatures = 0  # (signature, shapes) pairs captured
         self._ctx: dict[frozenset[str], Any] = {}  # read-only contexts, one per requires
         self._logged = False
         self.held_bytes: int | None = None
@@ -201,48 +212,13 @@ class AutoSplitter:
         grads: tuple[object, ...],
         requires: frozenset[str],
     ) -> TracedSplit | None:
-        """The split for a node whose backward got ``saved`` and ``grads`` (None: call it)."""
-        if _tracing_now():
-            # An outer trace (AOTAutograd building torch.compile's backward graph, make_fx, a
-            # functorch transform) records whatever runs here: the backward as written is what
-            # it should record, and every gradient comes out right.
-            self.last = INSIDE_TRACE
-            return None
-        structure: Any
-        if type(saved) is tuple and type(grads) is tuple:  # the common case, without optree
-            leaves: Sequence[Any] = saved + grads
-            structure = len(saved)
-            signature = _signature(leaves, (structure, requires), flat=True)
-        else:
-            signature = None
-        if signature is None:
-            leaves, structure = flatten(saved, grads)
-            signature = _signature(leaves, (structure, requires), flat=False)
-        if not isinstance(signature, Fallback):
-            signature = (signature, ambient())
-            if _batched(grads):
-                # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the
-                # backward on batched gradients: called as written, it batches each op it runs.
-                signature = INSIDE_TRACE
-        outcome: TracedSplit | Fallback
-        if isinstance(signature, Fallback):
-            outcome = signature
-        else:
-            entry = self._cache.get(signature)
-            ctx = self._ctx.get(requires)
-            if ctx is None:
-                ctx = self._ctx[requires] = make_ctx(requires)
-            frame = {"ctx": ctx, "saved": saved, "grads": grads}
-            if entry is not None and entry.fallback is not None and not entry.fallback.retries:
-                outcome = entry.fallback
-            else:
-                for capture in entry.captures if entry is not None else ():
-                    if capture.holds(frame):
-                        outcome = capture.split
-                        break
-                else:
-                    outcome = self._capture(signature, frame, leaves, structure, requires)
-        self.last = outcome
+        """The split for an op node whose backward got ``saved`` and ``grads`` (None: call it):
+        :meth:`find` with the op's read-only context for ``requires``, the reason not to split
+        logged once."""
+        ctx = self._ctx.get(requires)
+        if ctx is None:
+            ctx = self._ctx[requires] = make_ctx(requires)
+        outcome = self.find(ctx, saved, grads, requires)
         if isinstance(outcome, TracedSplit):
             return outcome
         if outcome.logged and not self._logged:
@@ -253,6 +229,51 @@ class AutoSplitter:
                 )
             )
         return None
+
+    def find(
+        self, ctx: object, saved: object, grads: tuple[object, ...], requires: frozenset[str]
+    ) -> TracedSplit | Fallback:
+        """The one capture cache and retry rule, for op nodes and plain Functions alike: the
+        capture whose checks hold for ``fn(ctx, saved, *grads)``, else a new one (up to
+        :data:`RECAPTURES` per shapes of a signature), else why not."""
+        outcome = self._find(ctx, saved, grads, requires)
+        self.last = outcome
+        return outcome
+
+    def _find(
+        self, ctx: object, saved: object, grads: tuple[object, ...], requires: frozenset[str]
+    ) -> TracedSplit | Fallback:
+        if _tracing_now():
+            # An outer trace (AOTAutograd building torch.compile's backward graph, make_fx, a
+            # functorch transform) records whatever runs here: the backward as written is what
+            # it should record, and every gradient comes out right.
+            return INSIDE_TRACE
+        structure: Any
+        if type(saved) is tuple and type(grads) is tuple:  # the common case, without optree
+            leaves: Sequence[Any] = saved + grads
+            structure = len(saved)
+            signature = _signature(leaves, (structure, requires), flat=True)
+        else:
+            signature = None
+        if signature is None:
+            leaves, structure = flatten(saved, grads)
+            signature = _signature(leaves, (structure, requires), flat=False)
+        if isinstance(signature, Fallback):
+            return signature
+        if _batched(grads):
+            # torch's legacy vmap (is_grads_batched, jacobian(vectorize=True)) runs the
+            # backward on batched gradients: called as written, it batches each op it runs.
+            return INSIDE_TRACE
+        signature = (signature, ambient())
+        entry = self._cache.get(signature)
+        frame = {"ctx": ctx, "saved": saved, "grads": grads}
+        if entry is not None:
+            if entry.fallback is not None and not entry.fallback.retries:
+                return entry.fallback
+            for capture in entry.captures:
+                if capture.holds(frame):
+                    return capture.split
+        return self._capture(signature, frame, leaves, structure, requires)
 
     def _capture(
         self,
@@ -274,25 +295,31 @@ class AutoSplitter:
                 return found
             shapes = _shapes(leaves)
             tries = entry.tries.get(shapes, 0)
-            if not tries and len(entry.tries) >= MAX_SIGNATURES:
+            if not tries and self._signatures >= MAX_SIGNATURES:
                 return Fallback(
                     f"it was captured for {MAX_SIGNATURES} input signatures already (shapes, "
                     f"dtypes or saved values change from call to call)",
-                    "call the op with a few distinct shapes (pad to buckets)",
+                    "call it with a few distinct shapes (pad to buckets)",
                 )
             if tries >= RECAPTURES:
+                latest = entry.captures[0].changed(frame) if entry.captures else "it changed"
                 return Fallback(
                     f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a "
-                    f"global rebound, a flag flipped, an object's field set), and each change "
-                    f"needs a new capture",
-                    "pass what changes as an argument of the op (tensors and plain values "
-                    "select the capture), or keep it fixed during training",
+                    f"global rebound, a flag flipped, an object's or ctx's field set; the "
+                    f"latest: {latest}), and each change needs a new capture",
+                    "pass what changes as an argument of the op, or keep it fixed during "
+                    "training; a size that changes every step (the group sizes of a routing) "
+                    "belongs in a tensor the backward reads with .tolist(), so that one capture "
+                    "serves every value",
                 )
-            entry.tries[shapes] = tries + 1
-            self.traces += 1
             outcome = capture_backward(
                 self.op, self.fn, frame, leaves, structure, requires, self.recompute
             )
+            if outcome is NOT_COMPILING:
+                return outcome  # dynamo is off now: nothing tried, nothing kept
+            self._signatures += not tries
+            entry.tries[shapes] = tries + 1
+            self.traces += 1
             if isinstance(outcome, Capture):
                 entry.captures.insert(0, outcome)
                 entry.fallback = None

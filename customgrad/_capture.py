@@ -11,11 +11,21 @@ attributes, objects' fields, torch's global state, the arguments' metadata); cus
 those guards per node, in C++, through the guard manager dynamo keeps for the captured code
 (:func:`customgrad._torch.dynamo.guard_check`), and adds what dynamo's guards miss: each tensor
 argument's ``is_leaf``, floats and complex numbers compared by their exact bits (``0j`` and
-``-0j``), attributes added later to a module the backward read (``getattr(torch, name,
-default)``), the values of plain saved values and the ambient state (:func:`customgrad._autosplit.ambient`). Each
+``-0j``), attributes added to or removed from a module or class the backward read, whatever
+names them (``getattr(torch, NAME, default)``, ``hasattr``), a method rebound on such a class,
+on torch 2.11 what its dynamo reads unguarded (:class:`Namespace`, :func:`_constants_of`), the
+values of plain saved values and the ambient state (:func:`customgrad._autosplit.ambient`). Each
 capture has its own code object, so dynamo's caches, recompile limits and the user's own
 ``torch.compile`` calls are not shared with it; a guard that fails captures again, up to
 :data:`customgrad._autosplit.RECAPTURES` times per signature, then the op runs once.
+
+**Never stale, never twice.** A backward that asks whether dynamo is compiling
+(``torch.compiler.is_compiling()``: True while dynamo traces it, False when it is called) runs
+once. The capture's wrapper asks dynamo whether it is being traced before it calls the backward:
+where torch.compile is off (``torch.compiler.set_stance("force_eager")``,
+``torch._dynamo.config.disable``, ``TORCHDYNAMO_DISABLE=1``) the backward runs once, never
+eagerly inside the capture, and nothing of the try is kept: it is captured once torch.compile
+runs again. The capture returns meta stand-ins once, so dynamo's cache entry keeps no tensor.
 
 **What runs once.** A backward dynamo cannot capture whole (a graph break: Python control flow
 on tensor values, ``print``, a function dynamo skips such as ``torch.manual_seed``, a raw Triton
@@ -34,13 +44,14 @@ from __future__ import annotations
 import builtins
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import re
 import threading
 import traceback
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, TypeAlias
 
 import torch
@@ -56,10 +67,20 @@ from customgrad._torch.fake import FAKE_TENSOR_LOGGER, data_dependent_errors
 from customgrad._traced_split import Layout, Structure, TracedSplit
 from customgrad._triton import FIX_RAW_LAUNCH, RawLaunch, function_named, launch_in, raw_launch
 
-__all__ = ["INSIDE_TRACE", "Capture", "Fallback", "bits", "capture_backward", "quiet_tracing"]
+__all__ = [
+    "INSIDE_TRACE",
+    "NOT_COMPILING",
+    "Capture",
+    "Fallback",
+    "bits",
+    "capture_backward",
+    "quiet_tracing",
+]
 
 _Tensor = torch.Tensor
 _dispatch_stack_len = dispatch_stack_len
+_dict_version = dynamo.dict_version
+_bookkeeping = dynamo.bookkeeping
 
 
 class Fallback:
@@ -97,6 +118,19 @@ INSIDE_TRACE = Fallback(
     "",
     logged=False,
 )
+
+
+NOT_COMPILING = Fallback(
+    "torch.compile is off here (torch.compiler.set_stance('force_eager'), "
+    "torch._dynamo.config.disable or TORCHDYNAMO_DISABLE=1), so dynamo cannot capture it; it "
+    "is captured again once torch.compile runs",
+    "let torch.compile run where the split backward runs",
+)
+"""Dynamo does not trace here now: the backward runs once, and nothing is kept of the try."""
+
+
+class _NotCompiling(Exception):
+    """The capture's wrapper was called rather than traced (dynamo is off)."""
 
 
 class _Invalid(Exception):
@@ -171,26 +205,92 @@ def quiet_tracing() -> Iterator[None]:
 
 Reader: TypeAlias = Callable[[dict[str, object], dict[str, object]], tuple[object, ...]]
 """Reads the values compared by their bits from the globals (``G``) and the frame (``L``)."""
+Extra: TypeAlias = "tuple[tuple[Reader | None, tuple[object, ...]], list[Namespace], list[tuple[object, Hashable]]]"
+"""What customgrad checks besides dynamo's guards (see :func:`_extra_checks`)."""
 
 
 @dataclasses.dataclass(slots=True)
-class ModuleSeen:
-    """A module a capture read, with its attributes when last seen."""
+class Namespace:
+    """The namespace of a module or class a capture read, as last seen: its version, and the
+    identity of each value by name (dynamo's and Python's bookkeeping names left out).
 
-    module: object
-    size: int
-    keys: frozenset[str]
+    A name added or removed fails the check (``getattr(module, name, default)``, ``hasattr``
+    read it, whatever expression made the name: dynamo guards neither); so does a value rebound
+    where ``rebinding`` (a class's: dynamo does not guard a method monkeypatched on the class of
+    an object it read; a module's where dynamo misses guards on values it treats as constants,
+    torch 2.11)."""
+
+    owner: str
+    namespace: dict[str, object]
+    version: int
+    values: dict[str, int]
+    rebinding: bool
+
+    @staticmethod
+    def of(owner: str, namespace: dict[str, object], rebinding: bool) -> Namespace:
+        return Namespace(owner, namespace, _dict_version(namespace), _values(namespace), rebinding)
+
+    def holds(self) -> bool:
+        version = _dict_version(self.namespace)
+        if version == self.version:
+            return True
+        values = _values(self.namespace)
+        if values.keys() != self.values.keys() or (self.rebinding and values != self.values):
+            return False
+        self.version, self.values = version, values  # written to, not where it matters
+        return True
+
+    def changed(self) -> str:
+        values = _values(self.namespace)
+        names = sorted(values.keys() ^ self.values.keys()) or sorted(
+            k for k in values if values[k] != self.values[k]
+        )
+        return f"the names {names} of {self.owner} changed"
+
+
+def _values(namespace: dict[str, object]) -> dict[str, int]:
+    return {k: id(v) for k, v in list(namespace.items()) if not _bookkeeping(k)}
+
+
+def _constants_of(cls: object) -> Hashable:
+    """What a dynamo that misses guards on values it treats as constants (torch 2.11) reads of
+    ``cls`` unguarded: its enum members' attributes, its namedtuple defaults (None: nothing)."""
+    if isinstance(cls, enum.EnumMeta):
+        return tuple(_frozen(vars(member)) for member in cls)  # type: ignore[var-annotated]
+    defaults = getattr(cls, "_field_defaults", None)
+    if isinstance(defaults, dict) and issubclass(cls, tuple):  # type: ignore[arg-type]
+        return _frozen(defaults)
+    return None
+
+
+def _frozen(value: object, depth: int = 4) -> Hashable:
+    """``value`` compared exactly: plain values by :func:`bits`, the items of lists, tuples and
+    dicts (``depth`` levels down) by theirs, anything else by identity."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return bits(value)
+    if depth and kind in (list, tuple):
+        return (kind, *(_frozen(v, depth - 1) for v in value))  # type: ignore[attr-defined]
+    if depth and kind is dict:
+        items = value.items()  # type: ignore[attr-defined]
+        return (kind, *((k, _frozen(v, depth - 1)) for k, v in items))
+    return (kind, id(value))
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
 
 class Capture:
     """One capture of a backward: its split and what must hold to reuse it.
 
     ``holds(frame)`` is dynamo's guard check for the capture's code (C++), then customgrad's
-    checks of what those guards compare too loosely: floats and complex numbers read by exact
-    bits, and modules the backward read that gained an attribute its code names.
+    checks of what those guards compare too loosely or miss: floats and complex numbers read by
+    exact bits; the namespaces of the modules and classes the backward read (a name added or
+    removed, a method rebound on a class; see :class:`Namespace`); where dynamo misses guards
+    on values it treats as constants, what it read of them (:func:`_constants_of`).
     """
 
-    __slots__ = ("_bits", "_check", "_globals", "_modules", "_names", "_read", "split")
+    __slots__ = ("_bits", "_check", "_classes", "_globals", "_namespaces", "_read", "split")
 
     def __init__(
         self,
@@ -198,15 +298,27 @@ class Capture:
         check: Callable[[dict[str, object]], bool],
         scope: dict[str, object],
         constants: tuple[Reader | None, tuple[object, ...]],
-        modules: list[ModuleSeen],
-        names: frozenset[str],
+        namespaces: list[Namespace],
+        classes: list[tuple[object, Hashable]],
     ) -> None:
         self.split = split
         self._check = check
         self._globals = scope
         self._read, self._bits = constants
-        self._modules = modules
-        self._names = names
+        self._namespaces = namespaces
+        self._classes = classes
+
+    def changed(self, frame: dict[str, object]) -> str:
+        """What no longer holds for ``frame``, in words (for the reason a backward stops being
+        captured)."""
+        with _disable_current_modes():
+            guard = dynamo.failed_guard(self._check, frame)
+        if guard:
+            return f"`{guard}` no longer holds"
+        for seen in self._namespaces:
+            if not seen.holds():
+                return seen.changed()
+        return "a value customgrad compares exactly changed"
 
     def holds(self, frame: dict[str, object]) -> bool:
         if _dispatch_stack_len():
@@ -224,14 +336,10 @@ class Capture:
                     return False
             except Exception:
                 return False
-        for entry in self._modules:
-            now = entry.module.__dict__
-            if len(now) != entry.size:
-                added = now.keys() - entry.keys
-                if added & self._names:
-                    return False  # getattr(module, name, default) reads something else now
-                entry.size, entry.keys = len(now), frozenset(now)  # unrelated (a lazy import)
-        return True
+        for seen in self._namespaces:
+            if not seen.holds():
+                return False
+        return all(_constants_of(cls) == held for cls, held in self._classes)
 
 
 def bits(value: object) -> tuple[object, ...]:
@@ -254,16 +362,26 @@ class _Refused(Exception):
 
 
 def _calls_fn(ctx: Any, saved: Any, grads: Any) -> Any:
-    """The code of every capture's wrapper: ``fn`` is the wrapper's own global (see below)."""
+    """The code of every capture's wrapper: ``fn``, ``tracing`` and ``NotCompiling`` are the
+    wrapper's own globals (see below). Called rather than traced (dynamo is off), it raises
+    before the user's backward runs: a capture never runs it eagerly."""
+    if not tracing():  # type: ignore[name-defined]  # noqa: F821
+        raise NotCompiling  # type: ignore[name-defined]  # noqa: F821
     return fn(ctx, saved, *grads)  # type: ignore[name-defined]  # noqa: F821
 
 
 def _wrapper(op: OpSpec, fn: Callable[..., Any]) -> Any:
     """A new function (with its own code object: dynamo's cache, guards and recompile count are
-    per code object) that calls ``fn``."""
+    per code object) that calls ``fn`` where dynamo traces it."""
     # ``__name__``: an importable module (torch 2.11's dynamo keeps no cache entry, hence no
     # guard manager, for a frame whose globals have none, and imports the one named).
-    scope: dict[str, Any] = {"fn": fn, "__name__": __name__, "__builtins__": builtins}
+    scope: dict[str, Any] = {
+        "fn": fn,
+        "tracing": dynamo.tracing,
+        "NotCompiling": _NotCompiling,
+        "__name__": __name__,
+        "__builtins__": builtins,
+    }
     code = _calls_fn.__code__.replace(
         co_name="backward", co_filename=f"<customgrad capture of {op.name}>"
     )
@@ -280,19 +398,23 @@ def capture_backward(
     recompute: bool,
 ) -> Capture | Fallback:
     """Capture ``fn`` called on ``frame`` with dynamo, lower the graph to aten, split it."""
-    if not dynamo.guards_instance_attributes():
-        return Fallback(
-            f"torch {torch.__version__}'s dynamo does not guard every value a backward reads (an "
-            "enum member's attribute, a namedtuple's default, a monkeypatched library function), "
-            "so a capture could be reused stale",
-            "use torch 2.12 or later for the automatic split, or register the "
-            "register_backward_input/_weight pair",
-        )
     wrapper = _wrapper(op, fn)
     got: list[dynamo.Captured] = []
     markers: list[Any] = []
+    extra: list[Extra] = []
+    # dynamo's cache entry keeps the backend (and so what it closes over): the frame reaches it
+    # through a list emptied once the capture returns, so no tensor of the call stays alive.
+    frames = [frame]
 
     def on_graph(captured: dynamo.Captured) -> Callable[..., Any]:
+        if captured.reads_compiling:
+            raise _Refused(
+                "it asks whether dynamo is compiling (torch.compiler.is_compiling(), "
+                "torch._dynamo.is_compiling()), which is True while dynamo captures it and "
+                "False when it is called, so a capture would not compute what a call does",
+                "decide it outside the backward (in the forward, saved as a plain value with "
+                "save_for_backward), or drop the check",
+            )
         if captured.side_effects:
             changed = ", ".join(_in_words(source, fn) for source in captured.side_effects)
             raise _Refused(
@@ -301,23 +423,22 @@ def capture_backward(
                 "return what it computes instead of storing it (or keep it run once)",
             )
         for value in captured.outputs:
-            if not isinstance(value, _Tensor) or any(
-                not isinstance(s, int) for s in (*value.shape, *value.stride())
-            ):
+            if not isinstance(value, _Tensor):
                 raise _Refused(
-                    "a gradient's shape depends on tensor values (.item(), nonzero)",
-                    "keep shapes fixed and compute with tensor ops (torch.where, masks)",
+                    "it returns a value computed from tensor values that is not a tensor",
+                    "return tensors (or None) as gradients",
                 )
             # Stand-ins: the capture call returns them in place of the gradients, so that the
-            # dict dynamo rebuilds says which graph output each gradient is.
-            markers.append(
-                torch.empty_strided(
-                    value.shape, value.stride(), dtype=value.dtype, device=value.device
-                )
-            )
+            # dict dynamo rebuilds says which graph output each gradient is (their identity is
+            # all that counts: a size read from a tensor, such as a group size, may be
+            # symbolic). On the meta device, and handed out once: dynamo's cache entry keeps
+            # the function returned, never a tensor.
+            markers.append(torch.empty(0, dtype=value.dtype, device="meta"))
+        # What customgrad checks besides dynamo's guards, read as dynamo read it.
+        extra.append(_extra_checks(captured, wrapper.__globals__, frames[0]))
         got.append(captured)
-        outs = tuple(markers)
-        return lambda *args: outs
+        once = [tuple(markers)]
+        return lambda *args: once.pop()
 
     try:
         try:
@@ -325,15 +446,16 @@ def capture_backward(
                 result = dynamo.capture(
                     wrapper, (frame["ctx"], frame["saved"], frame["grads"]), on_graph
                 )
+        except _NotCompiling:
+            return NOT_COMPILING
         except Exception as e:
             why, fix, known = _refusal(e)
             _forget(e)
             return Fallback(why, fix, retries=int(not known))
         if not got:
             return Fallback(
-                "dynamo did not capture it (torch.compile is disabled here: "
-                "torch.compiler.set_stance, TORCHDYNAMO_DISABLE)",
-                "let torch.compile run",
+                "dynamo made no graph of it (it runs no tensor operation)",
+                "nothing to split: register the register_backward_input/_weight pair",
             )
         captured = got[0]
         try:
@@ -350,19 +472,20 @@ def capture_backward(
             check = dynamo.guard_check(wrapper.__code__)
             if check is None:
                 raise _Refused("dynamo kept no single guard set for it", "report it")
-            extra = _extra_checks(captured, wrapper.__globals__, frame)
         except _Refused as e:
             return Fallback(e.why, e.fix, retries=int(not e.known))
         except _Invalid:
             # Called as written, the backward raises customgrad's own error, which says it all.
             return Fallback("it returned what customgrad's validation refuses", "", logged=False)
-        return Capture(split, check, wrapper.__globals__, *extra, captured.names)
+        return Capture(split, check, wrapper.__globals__, *extra[0])
 
     finally:
         # dynamo's cache entry keeps the backend (and so these lists): keep no tensor of the
         # call alive through them
         got.clear()
         markers.clear()
+        extra.clear()
+        frames.clear()
 
 
 def _forget(error: BaseException) -> None:
@@ -395,11 +518,13 @@ def _in_words(source: str, fn: Callable[..., Any]) -> str:
 
 def _extra_checks(
     captured: dynamo.Captured, scope: dict[str, object], frame: dict[str, object]
-) -> tuple[tuple[Reader | None, tuple[object, ...]], list[ModuleSeen]]:
+) -> Extra:
     """The checks customgrad adds to dynamo's guards: each float or complex value dynamo
     compares by ``==``, compared by its bits; each module it guards by identity, with its
-    attributes as they are now."""
-    names = {"G": scope, "L": frame}
+    names and namespace version as they are now; on a dynamo that misses guards on values it
+    treats as constants, what it reads of the classes it guards."""
+    helpers = dynamo.guard_names()  # the functions dynamo's guard expressions call
+    names = {**helpers, "G": scope, "L": frame}
     exact: list[str] = []
     for source in captured.constants:
         try:
@@ -412,17 +537,44 @@ def _extra_checks(
         if type(value) in (float, complex):
             exact.append(source)
     # One function reads them all per check: dynamo's names are expressions of G and L.
-    read: Reader | None = eval(f"lambda G, L: ({', '.join(exact)},)", {}) if exact else None
+    read: Reader | None = (
+        eval(f"lambda G, L: ({', '.join(exact)},)", dict(helpers)) if exact else None
+    )
     constants = (read, tuple(map(bits, read(scope, frame))) if read is not None else ())
-    modules: list[ModuleSeen] = []
+    rebinding = not dynamo.guards_instance_attributes()
+    namespaces: dict[int, Namespace] = {}
     for source in captured.modules:
         try:
             module = eval(source, dict(names))
         except Exception:
             continue  # dynamo's ID_MATCH on it holds it fixed; its attributes are guarded
-        held = vars(module)
-        modules.append(ModuleSeen(module, len(held), frozenset(held)))
-    return constants, modules
+        namespace = vars(module)
+        if id(namespace) not in namespaces:
+            owner = f"the module {getattr(module, '__name__', source)}"
+            namespaces[id(namespace)] = Namespace.of(owner, namespace, rebinding)
+    kinds: list[type] = []
+    for source, of_instance in captured.classes:
+        try:
+            found = eval(source, dict(names))
+        except Exception:
+            raise _Refused(
+                f"dynamo guards the class of {dynamo.readable(source)}, which customgrad "
+                f"cannot read again to check its attributes",
+                "pass what the backward reads of it as an argument of the op",
+            ) from None
+        kinds.append(type(found) if of_instance else found)
+    classes: list[tuple[object, Hashable]] = []
+    for kind in kinds:
+        for base in getattr(kind, "__mro__", ()):
+            namespace = dynamo.class_namespace(base)
+            if namespace is not None and id(namespace) not in namespaces:
+                owner = f"the class {base.__module__}.{base.__qualname__}"
+                namespaces[id(namespace)] = Namespace.of(owner, namespace, True)
+        if rebinding:
+            held = _constants_of(kind)
+            if held is not None:
+                classes.append((kind, held))
+    return constants, list(namespaces.values()), classes
 
 
 def _lower(

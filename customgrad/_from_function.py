@@ -48,6 +48,7 @@ from customgrad._function_ctx import ForwardContext, FunctionContext
 from customgrad._op import CustomOp
 from customgrad._saving import SAVED, register_dataclasses
 from customgrad._signature import _split_returns
+from customgrad._torch import dynamo
 from customgrad._torch.dispatcher import disable_current_modes as _disable_current_modes
 from customgrad._torch.dispatcher import is_alias_of, parse_schema
 from customgrad._torch.fake import detect_fake_mode, functional_tensor_type, is_fake
@@ -446,7 +447,7 @@ class _Writes:
         needs: tuple[bool, ...],
     ) -> object:
         parts = (tensors, grads)
-        if torch.compiler.is_compiling() or any(
+        if dynamo.tracing() or any(
             isinstance(t, _Tensor) and _traced(t) for t in (*tensors, *grads)
         ):  # a trace: a write there is the trace's business
             return self.backward(FunctionContext(tensors, attrs, needs), *grads)

@@ -159,7 +159,7 @@ class Kernels:
         sig: Signature,
         var: str,
         mutates: Sequence[str],
-        write_run: Callable[[Kernels], Callable[[Kernel, tuple[Any, ...]], Any]],
+        write_run: Callable[[Kernels], Callable[[Kernel, tuple[object, ...]], object]],
     ) -> None:
         self.sig = sig
         self.qualname = sig.qualname

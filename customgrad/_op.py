@@ -38,7 +38,7 @@ from customgrad._rules import (
     SharedFn,
 )
 from customgrad._signature import ArgKind, Signature, make_schema, parse_name
-from customgrad._torch import dispatcher
+from customgrad._torch import dispatcher, dynamo
 from customgrad._torch.transforms import forward_ad_level as _forward_ad_level
 
 __all__ = [
@@ -64,7 +64,8 @@ _Tensor = torch.Tensor
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 _Parameter = torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
-_is_compiling = torch.compiler.is_compiling
+# dynamo.tracing, not torch.compiler.is_compiling(): a capture refuses a backward that reads that
+_is_compiling = dynamo.tracing
 _TENSOR = ArgKind.TENSOR
 _OPTIONAL = ArgKind.OPTIONAL_TENSOR
 _LIST = ArgKind.TENSOR_LIST

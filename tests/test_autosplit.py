@@ -45,7 +45,7 @@ from customgrad._torch import dynamo
 from customgrad.graph import explain_split
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import MSG_CAPTURE_CHECKED, check_op
-from tests._skips import CAPTURE, TORCH_SPLIT
+from tests._skips import TORCH_SPLIT
 
 _ids = itertools.count()
 DT = torch.float64
@@ -203,7 +203,6 @@ class CountOps(TorchDispatchMode):
 # Gradients and exact FLOPs
 
 
-@CAPTURE
 @pytest.mark.parametrize("splitter", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias=None"])
@@ -234,7 +233,6 @@ def test_naive_linear_splits_with_exact_flops(
     assert_grads(naive_full, want)
 
 
-@CAPTURE
 @pytest.mark.parametrize("splitter", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 @pytest.mark.parametrize("recompute", ["none", "cheap"])
 def test_shared_work_is_done_once_and_handed_to_the_weight_pass(
@@ -260,7 +258,6 @@ def test_shared_work_is_done_once_and_handed_to_the_weight_pass(
     assert flops == {"I": 1280, "W": 800, "full": 2080}
 
 
-@CAPTURE
 def test_a_full_backward_and_the_split_run_each_matmul_once() -> None:
     mlp, naive = make_mlp(), make_mlp(split="phase")
     x, up, down = randn(8, 6), randn(5, 6), randn(4, 5)
@@ -283,7 +280,6 @@ def test_a_full_backward_and_the_split_run_each_matmul_once() -> None:
     assert (i_pass.ops["aten.mm"], w_pass.ops["aten.mm"]) == (3, 2)
 
 
-@CAPTURE
 def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
     for recompute, kept in (("none", 3), ("cheap", 2)):
         mlp = make_mlp(recompute=recompute)
@@ -310,7 +306,6 @@ def test_the_hand_off_lives_until_the_weight_pass_and_is_freed_after() -> None:
         assert_grads([gx, *gw], want)
 
 
-@CAPTURE
 def test_a_full_backward_after_an_input_pass_frees_the_hand_off() -> None:
     # A retained graph: I keeps values for W, then a full backward (the function as written)
     # computes every gradient itself and frees what was kept.
@@ -329,7 +324,6 @@ def test_a_full_backward_after_an_input_pass_frees_the_hand_off() -> None:
     assert_grads(list(got), want)
 
 
-@CAPTURE
 def test_dead_code_is_dropped_in_the_split_passes_and_runs_in_a_full_backward() -> None:
     @cg.op(unique("scale"), weights=("w",))
     def scale(x: Tensor, w: Tensor) -> Tensor:
@@ -365,7 +359,6 @@ def test_dead_code_is_dropped_in_the_split_passes_and_runs_in_a_full_backward() 
 # Traced once per input signature
 
 
-@CAPTURE
 def test_traced_once_per_input_signature(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="test_autosplit.calls")
 
@@ -449,7 +442,6 @@ def test_phase_split_calls_the_function_per_pass_and_auto_only_to_trace(
         assert dict(counts) == expected
 
 
-@CAPTURE
 def test_threads_trace_and_split_concurrently() -> None:
     import threading
 
@@ -505,7 +497,6 @@ def at_line(fn: Callable[..., Any], text: str) -> str:
     return f"{inspect.getsourcefile(fn)}:{first + i} (`{lines[i].strip()}`)"
 
 
-@CAPTURE
 @pytest.mark.parametrize(
     ("backward", "why"),
     [
@@ -553,7 +544,6 @@ def test_untraceable_backward_falls_back_with_one_log_line(
     assert "runs once, whole, in the first pass that needs a gradient" in report.backward
 
 
-@CAPTURE
 def test_in_place_ops_in_the_backward_are_traced_functionalized() -> None:
     op = make_linear()
 
@@ -601,7 +591,6 @@ def test_writing_into_a_saved_tensor_is_still_refused(caplog: pytest.LogCaptureF
 # Arguments and outputs
 
 
-@CAPTURE
 def test_list_arguments() -> None:
     @cg.op(unique("weighted_sum"), weights=("scales",))
     def weighted_sum(xs: list[Tensor], scales: list[Tensor]) -> Tensor:
@@ -632,7 +621,6 @@ def test_list_arguments() -> None:
     assert flops == {"I": mm, "W": mm, "full": 2 * mm}
 
 
-@CAPTURE
 def test_several_outputs() -> None:
     @cg.op(unique("two"), weights=("w",))
     def two(x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -661,7 +649,6 @@ def test_several_outputs() -> None:
     assert isinstance(auto_of(two).last, TracedSplit)
 
 
-@CAPTURE
 def test_opaque_kernels_stay_one_call_in_their_pass() -> None:
     calls: list[str] = []
 
@@ -775,7 +762,6 @@ def test_functorch_and_make_fx_get_the_backward_as_written(
 # Reports
 
 
-@CAPTURE
 def test_check_op_and_explain_split_say_how_the_backward_split() -> None:
     mlp = make_mlp()
     report = check_op(mlp, torch.randn(8, 6), torch.randn(5, 6), torch.randn(4, 5))
@@ -830,7 +816,6 @@ def split_grads(op: Callable[..., Tensor], x: Tensor, w: Tensor, g: Tensor) -> l
     return [gx[0] if gx else None, w.grad]
 
 
-@CAPTURE
 def test_a_backward_reading_requires_grad_of_saved_tensors_gets_gradients() -> None:
     # The pattern of TransformerEngine's and Liger's backwards: gradients only where asked by
     # the saved tensors' requires_grad. Traced on fakes without it, every gradient was None.
@@ -860,7 +845,6 @@ def test_a_backward_reading_requires_grad_of_saved_tensors_gets_gradients() -> N
 CONFIG: dict[str, Any] = {"scale": 1.0, "clip": None}
 
 
-@CAPTURE
 def test_a_backward_reading_a_global_dict_is_captured_and_guarded() -> None:
     op = make_linear()
 
@@ -886,7 +870,6 @@ def test_a_backward_reading_a_global_dict_is_captured_and_guarded() -> None:
     assert auto_of(op).traces == 3
 
 
-@CAPTURE
 def test_a_closure_rebound_or_a_list_it_reads_resized_gives_the_gradient_of_a_call() -> None:
     # The length of a closure list decides how many gradients the backward returns: a frozen
     # capture would return the old length without any error. Checked in split passes (I then
@@ -933,7 +916,6 @@ def test_a_closure_rebound_or_a_list_it_reads_resized_gives_the_gradient_of_a_ca
     assert auto_of(sum_all).traces == 3  # the closure's value and the list's length guarded
 
 
-@CAPTURE
 def test_a_backward_reading_an_object_is_captured_and_guarded() -> None:
     op = make_linear()
     scaler = torch.nn.Linear(1, 1)  # an object whose state a trace would freeze
@@ -952,7 +934,6 @@ def test_a_backward_reading_an_object_is_captured_and_guarded() -> None:
     assert auto_of(op).traces == 2
 
 
-@CAPTURE
 def test_a_backward_with_a_side_effect_runs_once_and_keeps_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -1056,7 +1037,6 @@ def hooked_linear() -> cg.CustomOp[..., Tensor]:
     return op
 
 
-@CAPTURE
 def test_two_ops_traced_at_once_on_two_threads_are_both_traced() -> None:
     # make_fx is not thread-safe: one trace at a time in the process (a per-op lock let two
     # ops trace at once, and the failure stayed as a permanent fallback).
@@ -1090,7 +1070,6 @@ def test_two_ops_traced_at_once_on_two_threads_are_both_traced() -> None:
     assert isinstance(auto_of(second).last, TracedSplit)
 
 
-@CAPTURE
 def test_tracing_leaves_warnings_filters_and_loggers_alone() -> None:
     fake_logger = logging.getLogger("torch._subclasses.fake_tensor")
     before = (list(warnings.filters), fake_logger.level, fake_logger.filters[:])
@@ -1117,7 +1096,6 @@ def test_a_gradient_for_an_argument_without_grad_is_checked_on_every_call() -> N
             op(x, w).sum().backward()
 
 
-@CAPTURE
 def test_an_optional_output_that_is_none() -> None:
     # A None output gradient after the tensors: the pass was called with it (TypeError).
     @cg.op(
@@ -1150,7 +1128,6 @@ def test_an_optional_output_that_is_none() -> None:
     assert isinstance(auto_of(maybe_two).last, TracedSplit)
 
 
-@CAPTURE
 def test_matmul_of_a_vector_is_traced() -> None:
     # torch.matmul with a 1-D operand squeezes its result in place (aten.squeeze_): a metadata
     # write on a tensor the trace made, not a write into the backward's inputs.
@@ -1180,7 +1157,6 @@ def test_matmul_of_a_vector_is_traced() -> None:
     assert_grads(full, want)
 
 
-@CAPTURE
 def test_an_out_variant_custom_op_in_the_backward_runs_once() -> None:
     name = unique("scale_out")
     runs = Counter[str]()
@@ -1208,7 +1184,6 @@ def test_an_out_variant_custom_op_in_the_backward_runs_once() -> None:
     assert isinstance(auto_of(op).last, TracedSplit)
 
 
-@CAPTURE
 def test_a_dataclass_config_read_by_the_backward_gives_the_gradient_of_a_call() -> None:
     import dataclasses
 
@@ -1233,7 +1208,6 @@ def test_a_dataclass_config_read_by_the_backward_gives_the_gradient_of_a_call() 
     assert isinstance(auto_of(op).last, TracedSplit) and auto_of(op).traces == 2
 
 
-@CAPTURE
 def test_a_trace_failing_for_an_unknown_reason_is_tried_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1272,7 +1246,6 @@ class Scaler:
         return {"x": g @ w * self.k, "weight": g.mT @ x}
 
 
-@CAPTURE
 def test_other_ways_to_read_python_state_give_the_gradient_of_a_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1327,7 +1300,6 @@ class LoRA_W(torch.autograd.Function):
         return dX, dY.t() @ X, dA, dB, None
 
 
-@CAPTURE
 def test_work_a_backward_writes_twice_is_computed_once_and_handed_to_w() -> None:
     op = cg.from_function(
         LoRA_W,

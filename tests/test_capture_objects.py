@@ -41,10 +41,7 @@ from customgrad._flops import count_flops
 from customgrad._triton import FIX_RAW_LAUNCH
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from tests import _unsloth_port as U
-from tests._skips import CAPTURE
 from tests._triton_support import HAS_TRITON, INTERPRETED
-
-pytestmark = CAPTURE
 
 DT = torch.float64
 N, OUT, IN = 4, 5, 3
@@ -720,11 +717,11 @@ def test_a_backward_calling_cuda_without_cuda_names_the_call_and_the_rewrite_spl
     host = wrapped(ProbesCuda)
     split(host.forward, seed=6)
     fallback = _fallback(host)
-    assert fallback.why == (
-        f"it calls CUDA at {__file__}:{_line_of(ProbesCuda.backward, 'torch.cuda.current_device()')} "
-        "(`torch.cuda.current_device()`), which this torch cannot reach: Torch not compiled with "
-        "CUDA enabled"
-    )
+    at = f"{__file__}:{_line_of(ProbesCuda.backward, 'torch.cuda.current_device()')}"
+    call, _, said = fallback.why.partition(", which this torch cannot reach: ")
+    assert call == f"it calls CUDA at {at} (`torch.cuda.current_device()`)"
+    # torch's own words: a CPU build's, or a CUDA build's on a machine without a driver
+    assert said == "Torch not compiled with CUDA enabled" or "no NVIDIA driver" in said, said
     assert fallback.fix == FIX_NO_CUDA
     assert_splits(wrapped(ChecksCuda))
 

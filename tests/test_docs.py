@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests._skips import CAPTURE, TORCH_SPLIT
+from tests._skips import TORCH_SPLIT
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -67,8 +67,7 @@ def _run_page(page: str) -> dict[str, object]:
 # split over compiled regions (split-backward.md: a plain Function's backward captured and split,
 # and torch's split of it)
 PAGE_NEEDS: dict[str, Any] = {
-    "writing-ops/traced-backward.md": CAPTURE,
-    "pipelines/split-backward.md": [CAPTURE, TORCH_SPLIT],
+    "pipelines/split-backward.md": TORCH_SPLIT,
     "models/torch-compile.md": TORCH_SPLIT,
     "pipelines/compiled-stages.md": TORCH_SPLIT,
 }

@@ -27,7 +27,7 @@ from customgrad.pipelining import ActionTimer, ActionTimerError, StageCosts, sim
 from customgrad.pipelining._simulate import _StandInStage
 from customgrad.pipelining._stage import MSG_DDP_FIND_UNUSED, MSG_DDP_UNREDUCED
 from customgrad.pipelining._timing import MSG_NESTED_STEP
-from tests._skips import CAPTURE, NO_CUDA
+from tests._skips import NO_CUDA
 
 UNIT = StageCosts(forward=1.0, backward_input=1.0, backward_weight=1.0)
 
@@ -1485,7 +1485,6 @@ def _function(
     return type("Fn", (torch.autograd.Function,), namespace)
 
 
-@CAPTURE
 def test_untraceable_single_backward_log_line(caplog: pytest.LogCaptureFixture) -> None:
     def backward(ctx: Any, saved: Any, g: torch.Tensor) -> dict[str, Any]:
         x, w = saved
@@ -2249,7 +2248,6 @@ def test_a_schema_default_differing_from_the_kernel_default_explains() -> None:
         cg.op(name, scaled, schema="(Tensor x, float scale=1.0) -> Tensor")
 
 
-@CAPTURE
 def test_the_fallback_reasons_of_a_backward_reading_python_state_are_pinned() -> None:
     from customgrad._autosplit import AutoSplitter
 

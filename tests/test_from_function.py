@@ -23,7 +23,7 @@ import customgrad as cg
 from customgrad._autosplit import TracedSplit
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from customgrad.testing import check_op
-from tests._skips import CAPTURE, TORCH_SPLIT
+from tests._skips import TORCH_SPLIT
 from tests._triton_support import INTERPRETED
 
 _ids = itertools.count()
@@ -189,7 +189,6 @@ def assert_grads(got: list[Tensor | None], want: tuple[Tensor, ...]) -> None:
 # Gradients and FLOPs
 
 
-@CAPTURE
 @pytest.mark.parametrize("splitter", ["customgrad", pytest.param("torch", marks=TORCH_SPLIT)])
 @pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "bias=None"])
 @pytest.mark.parametrize("shape", [(6, 5), (2, 3, 5)], ids=["2d", "3d"])
@@ -216,7 +215,6 @@ def test_wrapped_linear_splits_with_exact_flops(
     assert isinstance(linear.rules.auto.last, TracedSplit)
 
 
-@CAPTURE
 def test_a_function_that_computes_every_gradient_splits_too() -> None:
     def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
         x, w = randn(6, 5, seed=0), randn(4, 5, seed=1)
@@ -228,7 +226,6 @@ def test_a_function_that_computes_every_gradient_splits_too() -> None:
     assert flops["full"] == split_flops(NaiveLinear.apply, args)[0]["full"]
 
 
-@CAPTURE
 def test_setup_context_function_hands_its_shared_work_to_the_weight_pass() -> None:
     def args() -> tuple[list[Tensor], list[Tensor], tuple[Any, ...]]:
         x, w = randn(6, 5, seed=0), randn(4, 5, seed=1)
@@ -275,7 +272,6 @@ def test_torch_compile_fullgraph(backend: str) -> None:
     assert_grads(list(got), torch.autograd.grad(ref(x, w), [x, w]))
 
 
-@CAPTURE
 def test_check_op_passes_a_wrapped_function() -> None:
     gen = torch.Generator().manual_seed(0)
     x, w, b = (torch.randn(*s, generator=gen) for s in ((4, 3), (5, 3), (5,)))

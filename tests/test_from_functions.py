@@ -15,7 +15,7 @@ from torch import Tensor
 
 import customgrad as cg
 import customgrad.pipelining as cgp
-from tests._skips import CAPTURE, optional_package
+from tests._skips import optional_package
 from tests._unsloth_port import LoRA_MLP, LoraMLP
 
 _ids = itertools.count()
@@ -365,7 +365,6 @@ def test_a_saved_weight_is_handed_as_itself_with_its_attributes() -> None:
     torch.testing.assert_close(w.main_grad, 2 * torch.ones(3, 5).mT @ x.detach())  # type: ignore[attr-defined]
 
 
-@CAPTURE
 def test_a_backward_of_torch_ops_splits_through_from_functions() -> None:
     ns = unique()
     x = torch.randn(3, 8, dtype=torch.float64, requires_grad=True)

@@ -24,24 +24,12 @@ from torch.utils.flop_counter import FlopCounterMode
 import customgrad as cg
 import customgrad.pipelining as cgp
 from customgrad._split_plan import stage_split
-from customgrad._torch import dynamo
 from customgrad.pipelining import (
     _backward,
     _function_split,
     stage_backward_input,
     stage_backward_weight,
 )
-from tests._skips import CAPTURE
-
-# Why a backward that cannot be captured runs once: its own reason where dynamo captures
-# backwards; on torch 2.11, whose dynamo misses guards (tests/_skips.py's CAPTURE), every
-# Function's backward runs once and the line names the release instead.
-RELEASE_REASON = "dynamo does not guard every value a backward reads"
-
-
-def _reason(own: str) -> str:
-    return own if dynamo.guards_instance_attributes() else RELEASE_REASON
-
 
 DT = torch.float64
 CALLS: Counter[str] = Counter()
@@ -149,7 +137,6 @@ def _leaf(*shape: int) -> Tensor:
     return torch.randn(*shape, dtype=DT, requires_grad=True)
 
 
-@CAPTURE
 def test_an_rmsnorm_function_splits_with_its_weight_work_in_w() -> None:
     x, w = _leaf(4, 6), _leaf(6)
     grad = torch.randn(4, 6, dtype=DT)
@@ -167,7 +154,6 @@ def test_an_rmsnorm_function_splits_with_its_weight_work_in_w() -> None:
     ]
 
 
-@CAPTURE
 def test_a_linear_function_splits_its_matmuls_between_i_and_w() -> None:
     x, w = _leaf(4, 3), _leaf(5, 3)
     grad = torch.randn(4, 5, dtype=DT)
@@ -182,7 +168,6 @@ def test_a_linear_function_splits_its_matmuls_between_i_and_w() -> None:
     assert (i_flops, w_flops, full) == (matmul, matmul, 2 * matmul)
 
 
-@CAPTURE
 def test_a_changed_ctx_attribute_or_global_between_steps_stays_right() -> None:
     global SHIFT
     w = _leaf(5, 3)
@@ -227,7 +212,7 @@ def test_a_function_with_a_side_effect_runs_once_with_its_reason_logged_once(
             assert (i_flops, w_flops) == (full, 0)  # whole, once, in I
     told = [r.getMessage() for r in caplog.records if "CountedLinear" in r.getMessage()]
     assert len(told) == 1
-    reason = re.escape(_reason("it changes state outside itself"))
+    reason = re.escape("it changes state outside itself")
     assert re.search(r"CountedLinear is a plain autograd.Function whose backward cannot split "
                      r"automatically \(.*" + reason, told[0])  # fmt: skip
 
@@ -316,10 +301,9 @@ def test_a_backward_writing_into_its_output_gradient_runs_once(
     assert torch.equal(dx, ref_dx) and dw is not None and torch.equal(dw, ref_dw)
     told = [r.getMessage() for r in caplog.records if "InPlaceScale" in r.getMessage()]
     assert len(told) == 1
-    assert _reason("it writes in place into a tensor it did not create") in told[0]
+    assert "it writes in place into a tensor it did not create" in told[0]
 
 
-@CAPTURE
 def test_explain_split_shows_a_split_function_in_i_and_w() -> None:
     x, w = _leaf(4, 3), _leaf(5, 3)
     out: Tensor = ScaledLinear.apply(2.0, x, w, True)  # type: ignore[no-untyped-call]
@@ -346,7 +330,7 @@ class _Block(nn.Module):
         return torch.relu(out)
 
 
-@pytest.mark.parametrize("split", [pytest.param(True, marks=CAPTURE), False])
+@pytest.mark.parametrize("split", [True, False])
 def test_pipeline_stage_splits_functions_unless_told_not_to(group: None, split: bool) -> None:
     mods = [_Block(), _Block()]
     ref = nn.Sequential(*copy.deepcopy(mods))
@@ -391,7 +375,6 @@ class FourWeights(torch.autograd.Function):
         return dx, (g * x).sum(0), (g * x * x).sum(0), (g * x**3).sum(0), (g * torch.sin(x)).sum(0)
 
 
-@CAPTURE
 def test_same_shaped_weights_get_their_own_gradients_along_their_own_edges() -> None:
     torch.manual_seed(0)
     x = torch.randn(6, 5, dtype=DT, requires_grad=True)

@@ -15,7 +15,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import customgrad as cg
 from customgrad._record import record_of
-from tests._skips import CAPTURE
 
 _ids = itertools.count()
 DT = torch.float64
@@ -262,7 +261,7 @@ def test_zeros_do_not_match_a_gradient_that_is_not_zero() -> None:
 
 @pytest.mark.parametrize(  # auto and from_function capture their backward
     "style",
-    [pytest.param("auto", marks=CAPTURE), "shared", pytest.param("from_function", marks=CAPTURE)],
+    ["auto", "shared", "from_function"],
 )
 def test_two_losses_in_torch_s_order_each_find_their_hand_off(style: str) -> None:
     # I(loss 1), I(loss 2), W(loss 1), W(loss 2): one hand-off per pending pass, not one slot
@@ -310,7 +309,6 @@ def _two_weights() -> cg.CustomOp[..., torch.Tensor]:
     return two
 
 
-@CAPTURE
 def test_a_pass_needing_what_its_input_pass_computed_again_leaves_the_hand_off_for_w() -> None:
     # Only a pass that needs what the cut's weight pass computes reads the kept values: a
     # second input pass (the same gradients) computes for itself, and W still finds them.
@@ -330,7 +328,6 @@ def test_a_pass_needing_what_its_input_pass_computed_again_leaves_the_hand_off_f
     torch.testing.assert_close(gv, (2 * g).mT @ (3 * x).detach())
 
 
-@CAPTURE
 def test_a_weight_pass_computes_only_the_weights_it_needs() -> None:
     op = _two_weights()
     x, u, v = (torch.randn(6, 4, dtype=DT, requires_grad=True) for _ in range(3))

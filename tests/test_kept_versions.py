@@ -24,7 +24,6 @@ from torch.distributed.pipelining.schedules import _Action
 import customgrad as cg
 import customgrad.pipelining as cgp
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE
 
 DT = torch.float64
 _ids = itertools.count()
@@ -96,7 +95,6 @@ def compiled() -> Compiled:
 
 OPS = ["pair", "shared", "auto", "run_once"]
 KINDS = [*OPS, "compiled", "function_split", "function_once"]
-CAPTURED = {"auto", "function_split"}  # split by a dynamo capture
 WHAT = {
     "pair": "saved tensor 0 (argument 'h')",
     "shared": "saved tensor 0 (argument 'h')",
@@ -143,10 +141,7 @@ def _passes(
     stage_backward_weight([w], groups)
 
 
-PATHS = [
-    pytest.param(k, p, marks=[CAPTURE] if k in CAPTURED else [])
-    for k, p in [*((k, "stage_backward") for k in KINDS), *((k, "queue") for k in OPS)]
-]
+PATHS = [*((k, "stage_backward") for k in KINDS), *((k, "queue") for k in OPS)]
 
 
 @pytest.mark.parametrize(("kind", "path"), PATHS)
@@ -180,7 +175,7 @@ def test_untouched_the_split_gives_plain_autograd_s_gradients(
     torch.testing.assert_close(w.grad, ref.grad)
 
 
-@pytest.mark.parametrize("kind", ["pair", pytest.param("auto", marks=CAPTURE), "run_once"])
+@pytest.mark.parametrize("kind", ["pair", "auto", "run_once"])
 def test_an_output_gradient_written_between_the_passes_raises(kind: str) -> None:
     f, w = _stage(kind, None)
     torch.manual_seed(0)

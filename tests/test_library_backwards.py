@@ -28,7 +28,6 @@ from torch.utils.flop_counter import FlopCounterMode
 import customgrad as cg
 from customgrad._autosplit import TracedSplit
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE
 
 DT = torch.float64
 _ids = iter(range(10**6))
@@ -370,7 +369,6 @@ def flops(fn: Callable[[], Any]) -> int:
     return int(counter.get_total_flops())
 
 
-@CAPTURE
 @pytest.mark.parametrize("name", list(CASES))
 def test_library_backward_is_captured_and_split_exactly(name: str) -> None:
     op, reference, make, inputs_at, weights_at, weight_flops = CASES[name]
@@ -419,7 +417,6 @@ def test_library_backward_is_captured_and_split_exactly(name: str) -> None:
         assert w_flops == weight_flops
 
 
-@CAPTURE
 def test_once_differentiable_keeps_the_split_and_refuses_double_backward() -> None:
     """check_op's advice (@once_differentiable for a backward that is not twice
     differentiable) keeps the automatic split: torch's wrapper is traced through."""

@@ -14,8 +14,8 @@ FLOPs equal one process's forward and full backward (nothing computed twice) on 
 stage, above it for the plain Function on torch's (its whole backward runs in I and again in W);
 customgrad's op splits exactly as torch's own grouped GEMM (the same FLOPs in every F / I / W / B
 action of every stage); a plain Function never runs twice, and splits as the op does for every
-routing (the ints-on-ctx one and the one in a compiled block expected to run once, each marked
-with why).
+routing, the ints-on-ctx one too (its ints read by the capture from a tensor once they change;
+the one in a compiled block expected to run once, marked with why).
 
 One spawn runs every case (:mod:`tests._moe_workers`); compiled blocks are shared by the two
 schedules.
@@ -28,7 +28,7 @@ import pickle
 
 import pytest
 
-from tests._skips import optional_package, torch_stage_lacks
+from tests._skips import UNBACKED_SLICE_WRITES, optional_package, torch_stage_lacks
 
 pytestmark = [
     pytest.mark.slow,
@@ -149,12 +149,6 @@ def test_plain_function_grouped_gemm_never_runs_twice(
         assert function.of("B", stage) == native.of("B", stage)
 
 
-CAPTURE_GUARDS = pytest.mark.xfail(
-    strict=True,
-    reason="runs once (its dW in I) until capture-guards' work merges: its backward reads the "
-    "routing's group sizes as ints kept on ctx, each routing a new capture, and after the "
-    "recapture limit it runs once",
-)
 IN_COMPILED_BLOCK = pytest.mark.xfail(
     strict=True,
     reason="in a compiled block the Function's weight edge leads into the compiled region that "
@@ -166,9 +160,7 @@ IN_COMPILED_BLOCK = pytest.mark.xfail(
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(c, marks=IN_COMPILED_BLOCK if c.compiled else CAPTURE_GUARDS)
-        if c.compiled or c.kernel == "function_ctx"
-        else c
+        pytest.param(c, marks=IN_COMPILED_BLOCK if c.compiled else UNBACKED_SLICE_WRITES)
         for c in CASES
         if c.kernel.startswith("function") and c.stage == "customgrad"
     ],

@@ -44,7 +44,6 @@ from examples.ops import (
     varlen_attention_backward,
 )
 from examples.ops.linear_cross_entropy import GradsAhead
-from tests._skips import CAPTURE
 
 ONCE_DIFFERENTIABLE = [c for c in CHECKS if c != "gradgradcheck"]
 
@@ -776,7 +775,6 @@ def naive_ops() -> dict[str, cg.CustomOp[..., Any]]:
     return ops
 
 
-@CAPTURE
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
 @pytest.mark.parametrize("name", list(NAIVE))
 def test_naive_single_backward_splits_with_exact_flops(

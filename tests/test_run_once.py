@@ -27,7 +27,7 @@ import customgrad as cg
 from customgrad._autosplit import AutoSplitter, Fallback
 from customgrad._record import record_of
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE, GRAPH_FREED_AFTER_I, TORCH_SPLIT
+from tests._skips import GRAPH_FREED_AFTER_I, TORCH_SPLIT
 
 DT = torch.float64
 _ids = itertools.count()
@@ -305,7 +305,7 @@ def test_summary_and_explain_split_say_it_runs_once_and_what_it_held() -> None:
     assert node.auto_split.endswith("(24 bytes held between the passes at the latest split)")
 
 
-@pytest.mark.parametrize("kind", [pytest.param("traced", marks=CAPTURE), "run_once"])
+@pytest.mark.parametrize("kind", ["traced", "run_once"])
 def test_a_gradient_written_to_between_the_passes_is_another_pass(kind: str) -> None:
     @cg.op(unique("lin"), weights=("weight",))
     def lin(x: Tensor, weight: Tensor) -> Tensor:
@@ -378,7 +378,7 @@ def _lin_op(kind: str) -> Any:
     return lin
 
 
-KINDS = ["shared", pytest.param("traced", marks=CAPTURE), "gradients"]  # traced: a capture
+KINDS = ["shared", "traced", "gradients"]  # traced: a capture
 KIND = {"shared": "shared", "traced": "kept", "gradients": "gradients"}  # the HandOff's kind
 
 
@@ -511,7 +511,7 @@ def test_a_refused_backward_keeps_no_step_alive() -> None:
         gc.enable()
 
 
-@pytest.mark.parametrize("kind", [pytest.param("traced", marks=CAPTURE), "shared"])
+@pytest.mark.parametrize("kind", ["traced", "shared"])
 def test_a_list_output_s_gradient_written_to_between_the_passes_is_another_pass(
     kind: str,
 ) -> None:

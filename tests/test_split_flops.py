@@ -21,7 +21,7 @@ from torch.distributed.pipelining import _backward as torch_backward
 from customgrad import _runtime
 from customgrad._flops import FlopCounter
 from customgrad.pipelining import _weight_pass, stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE, TORCH_SPLIT, TORCH_SPLIT_RUNS_FUNCTIONS
+from tests._skips import TORCH_SPLIT, TORCH_SPLIT_RUNS_FUNCTIONS
 from tests.conftest import function_linear, linear_op
 
 HALVES: Counter[tuple[str, str]] = Counter()
@@ -117,7 +117,7 @@ def _measure(
     return flops, full_halves, split_halves
 
 
-@pytest.mark.parametrize("kind", ["pair", "single", pytest.param("auto", marks=CAPTURE)])
+@pytest.mark.parametrize("kind", ["pair", "single", "auto"])
 @pytest.mark.parametrize(
     "split",
     [pytest.param(_torch_split, marks=TORCH_SPLIT), _customgrad_split],

@@ -25,7 +25,6 @@ from customgrad._routing import Route, routing
 from customgrad._split_plan import grad_node, plan_input_pass
 from customgrad._split_program import ProgramCut, SplitProgram
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE
 
 DT = torch.float64
 _ids = itertools.count()
@@ -65,7 +64,6 @@ def flops(fn: Any) -> int:
     return counter.get_total_flops()
 
 
-@CAPTURE  # the op is a single register_backward, split by a capture
 def test_one_hand_off_store_serves_an_op_and_a_compiled_region_in_one_stage() -> None:
     """customgrad's split of a stage made of a traced op and a compiled block: both keep their
     values in I as the same typed ``Kept``, on their nodes' holders, and W takes them (the

@@ -15,7 +15,7 @@ from torch import Tensor
 import customgrad as cg
 from customgrad import OpRow
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE, TORCH_SPLIT
+from tests._skips import TORCH_SPLIT
 
 HEADER = (
     "op",
@@ -94,7 +94,6 @@ def _printed(name: str, namespace: str = "test_summary") -> tuple[str, ...]:
     return _cells(str(cg.summary(namespace)))[f"{namespace}::{name}"]
 
 
-@CAPTURE
 def test_a_single_backward_is_not_run_yet_then_traced() -> None:
     op = _linear("traced")
     op.register_backward(_backward)
@@ -157,7 +156,6 @@ def test_a_row_before_any_backward() -> None:
     )
 
 
-@CAPTURE
 def test_a_backward_that_cannot_be_traced_fell_back_and_says_why() -> None:
     op = _linear("branching")
     op.register_backward(_branching)
@@ -300,7 +298,6 @@ def _split_step(op: Any, x: Tensor, w: Tensor) -> None:
     stage_backward_weight([w], groups)
 
 
-@CAPTURE
 def test_every_call_over_the_run_is_counted_not_only_the_latest_trace() -> None:
     # Rank 0 of a ZBV run holds the first stage (its input does not require grad: nothing to
     # split, a full backward that calls the function as written) and the last (split into I
@@ -374,7 +371,6 @@ def test_the_first_line_says_which_op_repeated_work_with_the_split_off() -> None
     assert _printed("split_off_calls")[4] == "ran whole with the split off in 1 I + 1 W passes"
 
 
-@CAPTURE
 def test_the_fallback_fix_applied_splits() -> None:
     # The row's fix for a branch on a tensor value: "compute with tensor ops instead
     # (torch.where, masks), so the same ops run for every value". Applied, the op is traced and

@@ -11,7 +11,6 @@ from torch import Tensor
 
 import customgrad as cg
 from customgrad.testing import CHECKS, FIX_TWICE, MSG_NO_FLOPS, CheckFailed, check_op
-from tests._skips import CAPTURE
 from tests.conftest import linear_op
 
 
@@ -263,7 +262,6 @@ def _(ctx: cg.BackwardContext, saved: Any, grad: Tensor) -> dict[str, Any]:
     return out
 
 
-@CAPTURE
 def test_list_and_keyword_only_arguments() -> None:
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(3, generator=g) for _ in range(2)]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import types
 from pathlib import Path
 from typing import Any
 
@@ -493,10 +494,13 @@ def test_pipelining_runtime_step_runs_actions_as_torch_s_runtime_does(group: Non
                 pipelining.register_action(schedule, kind, each)
         losses: list[torch.Tensor] = []
         x = torch.randn(8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-        schedule.step(x, target=x.flip(0), losses=losses, loss_kwargs={"scale": 3.0})
+        # (loss_kwargs from torch 2.13 on; before, step's keywords go to the first stage)
+        more = {"loss_kwargs": {"scale": 3.0}} if "loss_kwargs" in step_params else {}
+        schedule.step(x, target=x.flip(0), losses=losses, **more)
         assert set(seen) == (set() if not custom else kinds[schedule_cls])
         return [p.grad for b in blocks for p in b.parameters()], losses  # type: ignore[misc]
 
+    step_params = inspect.signature(tp.ScheduleZBVZeroBubble.step).parameters
     kinds = {tp.ScheduleDualPipeV: {"F", "I", "W", "B"}, tp.ScheduleZBVZeroBubble: {"F", "I", "W"}}
     for schedule_cls in kinds:
         (grads, losses), (want, want_losses) = run(schedule_cls, True), run(schedule_cls, False)
@@ -578,6 +582,68 @@ def test_dynamo_capture_graph_inputs_side_effects_guards_and_the_guard_check() -
     seen.clear()
     dynamo.capture(appends, (torch.ones(2),), on_graph)
     assert [s.endswith("LOG_FOR_CAPTURE") for s in seen[0].side_effects] == [True]
+
+
+class _Kind:
+    def scale(self) -> float:
+        return 2.0
+
+
+KIND = _Kind()
+
+
+def test_dynamo_capture_tells_what_it_read_that_its_guards_miss() -> None:
+    """``reads_compiling`` (dynamo's ``inconsistent_side_effects``), the classes it guards by
+    identity or by an object's type, and :func:`dynamo.tracing`, which dynamo runs while
+    tracing (True) and which marks nothing."""
+    seen: list[dynamo.Captured] = []
+
+    def on_graph(captured: dynamo.Captured) -> Any:
+        seen.append(captured)
+        return captured.graph.forward
+
+    def asks(g: torch.Tensor) -> torch.Tensor:
+        return g * (3.0 if torch.compiler.is_compiling() else 1.0)
+
+    def traced(g: torch.Tensor) -> torch.Tensor:
+        return g * (3.0 if dynamo.tracing() else 1.0) * KIND.scale()
+
+    torch.testing.assert_close(
+        dynamo.capture(asks, (torch.ones(2),), on_graph), torch.full((2,), 3.0)
+    )
+    torch.testing.assert_close(
+        dynamo.capture(traced, (torch.ones(2),), on_graph), torch.full((2,), 6.0)
+    )
+    assert [c.reads_compiling for c in seen] == [True, False]
+    assert ("G['KIND']", True) in seen[1].classes  # guarded by its type only
+    assert dynamo.tracing() is False  # called, not traced
+    assert traced(torch.ones(2)).tolist() == [2.0, 2.0]  # called, not traced: False
+
+
+def test_dynamo_failed_guard_dict_version_bookkeeping_and_class_namespace() -> None:
+    def fn(saved: Any, g: torch.Tensor) -> Any:
+        return g * SCALE_FOR_CAPTURE
+
+    dynamo.capture(fn, ((), torch.ones(2)), lambda c: c.graph.forward)
+    check = dynamo.guard_check(fn.__code__)
+    assert check is not None
+    frame = {"saved": (), "g": torch.ones(2)}
+    assert dynamo.failed_guard(check, frame) is None
+    assert callable(dynamo.guard_names()["___namedtuple_fields"])  # what guard expressions call
+    assert dynamo.failed_guard(check, {"saved": (), "g": torch.ones(3)}) is not None
+    space = types.ModuleType("namespace_probe").__dict__
+    before = dynamo.dict_version(space)
+    space["x"] = 1
+    assert dynamo.dict_version(space) != before
+    assert dynamo.bookkeeping("__compiled_fn_3_ab12") and dynamo.bookkeeping("_140234_c3")
+    assert dynamo.bookkeeping("__warningregistry__") and not dynamo.bookkeeping("_scale_2")
+    namespace = dynamo.class_namespace(_Kind)
+    assert namespace is not None and namespace["scale"] is _Kind.__dict__["scale"]
+    before = dynamo.dict_version(namespace)
+    _Kind.extra = 1  # type: ignore[attr-defined]
+    del _Kind.extra  # type: ignore[attr-defined]
+    assert dynamo.dict_version(namespace) != before
+    assert dynamo.class_namespace(int) is None  # a built-in class: nothing writes to it
 
 
 def test_dynamo_unsupported_and_backend_error_read_why_it_refused() -> None:

@@ -16,23 +16,33 @@ import collections
 import contextlib
 import enum
 import inspect
+import logging
 import math
+import os
 import re
+import subprocess
+import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import Tensor
 
 import customgrad as cg
 from customgrad._autosplit import RECAPTURES, AutoSplitter, Fallback, TracedSplit
-from customgrad._torch import dynamo
 from customgrad._torch.pipelining import torch_split
-from customgrad.pipelining import WeightGradQueue, stage_backward_input, stage_backward_weight
-from tests._skips import CAPTURE, TORCH_SPLIT
+from customgrad.pipelining import (
+    WeightGradQueue,
+    _function_split,
+    stage_backward_input,
+    stage_backward_weight,
+)
+from tests._skips import TORCH_SPLIT
 
 DT = torch.float64
 _ids = iter(range(10**6))
@@ -174,6 +184,71 @@ def module_attribute(k: int) -> None:
         del torch.cg_test_scale  # type: ignore[attr-defined]
 
 
+NAME = "cg_test_named"  # an attribute name kept in a global
+PART = "built"  # part of a name made with an f-string
+COMPILING = torch.compiler.is_compiling  # an alias
+ACTIVATION = torch.tanh  # a global alias rebound between steps
+
+
+def named_attribute(k: int) -> None:
+    """An attribute of torch added after the capture and removed again, by a name the
+    backward's code never spells."""
+    if k == 1:
+        setattr(torch, NAME, 3.0)
+    elif hasattr(torch, NAME):
+        delattr(torch, NAME)
+
+
+def built_attribute(k: int) -> None:
+    if k == 1:
+        setattr(torch, "cg_test_" + PART, 3.0)
+    elif hasattr(torch, "cg_test_" + PART):
+        delattr(torch, "cg_test_" + PART)
+
+
+def computed_flag(k: int) -> None:
+    name = "".join(("cg_", "test_", "flag"))
+    if k == 1:
+        setattr(F, name, True)
+    elif hasattr(F, name):
+        delattr(F, name)
+
+
+def removed_attribute(k: int) -> None:
+    if k == 1:
+        del torch.cg_test_removed  # type: ignore[attr-defined]
+    else:
+        torch.cg_test_removed = 2.0  # type: ignore[attr-defined]
+
+
+class Helper:
+    def scale(self) -> float:
+        return 1.0
+
+
+HELPER = Helper()
+
+
+def method_rebound(k: int) -> None:
+    Helper.scale = (lambda self: 1.0, lambda self: 3.0, lambda self: 1.0)[k]  # type: ignore[method-assign]
+
+
+OWN = "cg_test_own"  # a name this module gains and loses
+
+
+def own_attribute(k: int) -> None:
+    module = sys.modules[__name__]
+    if k == 1:
+        setattr(module, OWN, 3.0)
+    elif hasattr(module, OWN):
+        delattr(module, OWN)
+
+
+def alias_rebound(k: int) -> None:
+    global ACTIVATION
+    ACTIVATION = (torch.tanh, torch.sigmoid, torch.tanh)[k]
+
+
 def seed_value(k: int) -> None:
     global SEED
     SEED = k + 1
@@ -235,6 +310,45 @@ CASES: dict[str, Case] = {
         True,
         lambda x, k: x * 1 if k == 1 else x,
     ),
+    "getattr(torch, NAME, default), NAME a global": Case(
+        scaled(lambda ctx, x: getattr(torch, NAME, 1.0)), named_attribute, True
+    ),
+    "getattr(torch, f-string, default)": Case(
+        scaled(lambda ctx, x: getattr(torch, f"cg_test_{PART}", 1.0)), built_attribute, True
+    ),
+    "hasattr(F, computed name)": Case(
+        scaled(lambda ctx, x: 3.0 if hasattr(F, "cg_test_" + "flag") else 1.0),
+        computed_flag,
+        True,
+    ),
+    "module attribute removed": Case(
+        scaled(lambda ctx, x: getattr(torch, "cg_test_removed", 1.0)), removed_attribute, True
+    ),
+    "method monkeypatched on its class": Case(
+        scaled(lambda ctx, x: HELPER.scale()), method_rebound, True
+    ),
+    "own module by a computed name": Case(
+        scaled(lambda ctx, x: getattr(sys.modules[__name__], OWN, 1.0)),
+        own_attribute,
+        True,
+    ),
+    "global alias rebound": Case(
+        scaled(lambda ctx, x: 1.0 + ACTIVATION(torch.ones((), dtype=DT))), alias_rebound, True
+    ),
+    "torch.compiler.is_compiling()": Case(
+        scaled(lambda ctx, x: 3.0 if torch.compiler.is_compiling() else 1.0), nothing, False
+    ),
+    "torch._dynamo.is_compiling()": Case(
+        scaled(lambda ctx, x: 3.0 if torch._dynamo.is_compiling() else 1.0), nothing, False
+    ),
+    "torch.compiler.is_dynamo_compiling()": Case(
+        scaled(lambda ctx, x: 3.0 if torch.compiler.is_dynamo_compiling() else 1.0),
+        nothing,
+        False,
+    ),
+    "is_compiling through an alias": Case(
+        scaled(lambda ctx, x: 3.0 if COMPILING() else 1.0), nothing, False
+    ),
     "seeding through an alias": Case(seeded, seed_value, False),
     "RNG between I and W": Case(noisy_weight, nothing, True),
 }
@@ -252,7 +366,11 @@ def state(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_float32_matmul_precision(precision)
     for k in (0,):
         optimizer_lr(k), bound_method(k), complex_zero(k), namedtuple_default(k)
-        module_attribute(k), seed_value(k)
+        module_attribute(k), seed_value(k), built_attribute(k), computed_flag(k)
+        alias_rebound(k), method_rebound(k), own_attribute(k)
+    for name in (NAME, "cg_test_removed"):
+        if hasattr(torch, name):
+            delattr(torch, name)
 
 
 def reference(op: Any, backward: Callable[..., Any], x: Tensor, w: Tensor, g: Tensor) -> Any:
@@ -297,10 +415,63 @@ def test_state_changed_between_steps_gives_the_gradients_of_a_call(
         torch.testing.assert_close(between[0], want_between, rtol=0, atol=0)
         if case.split is None:
             assert isinstance(auto.last, TracedSplit) or auto.last.logged, auto.last
-        elif case.split and dynamo.guards_instance_attributes():  # (torch 2.11: runs once)
+        elif case.split:
             assert isinstance(auto.last, TracedSplit), auto.describe()
         else:
             assert isinstance(auto.last, Fallback) and auto.last.logged, auto.last
+
+
+def function_with(backward: Callable[..., Any]) -> type[torch.autograd.Function]:
+    """A plain Function whose backward is ``backward`` (called with ``(x, w)`` as saved)."""
+
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+            ctx.save_for_backward(x, w)
+            ctx.op = STATE["op"]  # read through ctx.op
+            return x @ w.mT
+
+        @staticmethod
+        def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+            got = backward(ctx, ctx.saved_tensors, g)
+            return got["x"], got["weight"]
+
+    return Linear
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("name", list(CASES))
+def test_state_changed_between_steps_gives_the_gradients_of_a_call_for_a_plain_function(
+    name: str, state: None
+) -> None:
+    """The same classes read by a plain Function's backward, split in customgrad's stage: the
+    Function's split uses the op's capture cache and checks."""
+    case = CASES[name]
+    STATE["op"] = types.SimpleNamespace(scale=1.0)
+    fn = function_with(case.backward)
+    for k in (0, 1, 2):
+        case.set_state(k)
+        leaf = torch.randn(4, 3, dtype=DT, requires_grad=True)
+        x = case.x_of(leaf, k)
+        w = torch.randn(2, 3, dtype=DT, requires_grad=True)
+        g = torch.randn(4, 2, dtype=DT)
+        torch.manual_seed(k)
+        with torch.no_grad():
+            want = case.backward(types.SimpleNamespace(op=STATE["op"]), (x, w), g)
+        want_between = between_draw()
+        torch.manual_seed(k)
+        between: list[Tensor] = []
+        gx, gw = by_customgrad(fn.apply, x, w, g, lambda b=between: b.append(between_draw()))
+        torch.testing.assert_close(gx, want["x"], rtol=0, atol=0, msg=f"{name}, step {k}: dx")
+        torch.testing.assert_close(gw, want["weight"], rtol=0, atol=0, msg=f"{name}, step {k}: dw")
+        torch.testing.assert_close(between[0], want_between, rtol=0, atol=0)
+        (last,) = (s.last for (c, *_), s in _function_split._SPLITTERS.items() if c is fn)
+        if case.split is None:
+            assert isinstance(last, TracedSplit) or last.logged, last
+        elif case.split:
+            assert isinstance(last, TracedSplit), last
+        else:
+            assert isinstance(last, Fallback) and last.logged, last
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,7 +516,6 @@ def run_once_reason(backward: Callable[..., Any]) -> Fallback:
     return fallback
 
 
-@CAPTURE
 def test_an_undefined_name_is_said_as_a_name_error_first(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -362,7 +532,17 @@ def test_an_undefined_name_is_said_as_a_name_error_first(
         op(x, torch.randn(2, 3, dtype=DT)).sum().backward()
 
 
-@CAPTURE
+def test_asking_whether_dynamo_compiles_runs_once_with_that_reason() -> None:
+    fallback = run_once_reason(CASES["is_compiling through an alias"].backward)
+    assert (fallback.why, fallback.fix) == (
+        "it asks whether dynamo is compiling (torch.compiler.is_compiling(), "
+        "torch._dynamo.is_compiling()), which is True while dynamo captures it and False when "
+        "it is called, so a capture would not compute what a call does",
+        "decide it outside the backward (in the forward, saved as a plain value with "
+        "save_for_backward), or drop the check",
+    )
+
+
 def test_print_and_side_effects_run_once_with_the_line_or_what_changed(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -380,7 +560,6 @@ def test_print_and_side_effects_run_once_with_the_line_or_what_changed(
     assert LOG == [1]  # appended once, by the one call
 
 
-@CAPTURE
 def test_a_guard_failing_every_step_recaptures_up_to_the_limit_then_runs_once(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -403,13 +582,14 @@ def test_a_guard_failing_every_step_recaptures_up_to_the_limit_then_runs_once(
     assert isinstance(fallback, Fallback)
     assert fallback.why == (
         f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a global rebound, a "
-        f"flag flipped, an object's field set), and each change needs a new capture"
+        f"flag flipped, an object's or ctx's field set; the latest: "
+        f"`tests.test_trace_guard.OPTIMIZER.param_groups[0]['lr'] == {RECAPTURES:.1f}` no longer "
+        f"holds), and each change needs a new capture"
     )
     messages = [r.getMessage() for r in caplog.records if r.name == "customgrad"]
     assert len(messages) == 1 and fallback.why in messages[0]
 
 
-@CAPTURE
 def test_captures_are_apart_from_the_users_torch_compile() -> None:
     """customgrad's captures have their own code objects: the user's compiled function of the
     same backward compiles, guards and recompiles as without customgrad, and no
@@ -448,3 +628,116 @@ def test_a_capture_is_reused_under_a_flop_counter_or_another_dispatch_mode() -> 
             torch.autograd.grad(out, [w], g)
         assert counter.get_total_flops() == 2 * (2 * 4 * 2 * 3)
     assert op.rules.auto.traces == 1  # type: ignore[union-attr]
+
+
+# --------------------------------------------------------------------------------------------
+# Never twice: where torch.compile is off, a capture never runs the backward
+
+
+KERNEL_CALLS: collections.Counter[str] = collections.Counter()
+
+
+@torch.library.custom_op("test_trace_guard::counted_mm", mutates_args=())
+def counted_mm(a: Tensor, b: Tensor) -> Tensor:
+    """A matmul kernel that counts its calls (a capture sees its fake kernel, not this)."""
+    KERNEL_CALLS["mm"] += 1
+    return a @ b
+
+
+@counted_mm.register_fake
+def _(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def counted(ctx: Any, saved: Any, g: Tensor) -> dict[str, Any]:
+    x, w = saved
+    return {"x": counted_mm(g, w), "weight": counted_mm(g.mT, x)}
+
+
+@contextlib.contextmanager
+def compile_off(how: str) -> Iterator[None]:
+    if how == "force_eager":
+        with torch.compiler.set_stance("force_eager"):
+            yield
+    else:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+
+
+def split_with(kind: str, backward: Callable[..., Any]) -> tuple[Any, Callable[[], Any]]:
+    """An op or a plain Function with ``backward``, and what its latest split found."""
+    if kind == "op":
+        op = linear_with(backward)
+        return op, lambda: op.rules.auto.last  # type: ignore[union-attr]
+    STATE["op"] = None
+    fn = function_with(backward)
+
+    def last() -> Any:
+        (found,) = (s.last for (c, *_), s in _function_split._SPLITTERS.items() if c is fn)
+        return found
+
+    return fn.apply, last
+
+
+@pytest.mark.parametrize("off", ["force_eager", "config.disable"])
+@pytest.mark.parametrize("kind", ["op", "function"])
+def test_with_torch_compile_off_the_backward_runs_once_and_splits_once_it_is_on(
+    kind: str, off: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under ``set_stance("force_eager")`` or ``torch._dynamo.config.disable`` the capture does
+    not run the backward eagerly (then again as the fallback): its kernels run once per
+    backward, 2 calls, and the reason is not kept, so it splits once torch.compile runs."""
+    caplog.set_level(logging.INFO, logger="customgrad")
+    apply, last = split_with(kind, counted)
+    x = torch.randn(4, 3, dtype=DT, requires_grad=True)
+    w = torch.randn(2, 3, dtype=DT, requires_grad=True)
+    g = torch.randn(4, 2, dtype=DT)
+    for step in ("off", "off again", "on"):
+        KERNEL_CALLS.clear()
+        with compile_off(off) if step != "on" else contextlib.nullcontext():
+            gx, gw = by_customgrad(apply, x, w, g, lambda: None)
+        assert KERNEL_CALLS["mm"] == 2, step
+        torch.testing.assert_close((gx, gw), (g @ w, g.mT @ x), rtol=0, atol=0)
+        w.grad = None
+        found = last()
+        if step == "on":
+            assert isinstance(found, TracedSplit), found
+        else:
+            assert found.why == (
+                "torch.compile is off here (torch.compiler.set_stance('force_eager'), "
+                "torch._dynamo.config.disable or TORCHDYNAMO_DISABLE=1), so dynamo cannot "
+                "capture it; it is captured again once torch.compile runs"
+            )
+    messages = [r.getMessage() for r in caplog.records if r.name == "customgrad"]
+    assert sum("torch.compile is off here" in m for m in messages) == 1, messages
+
+
+def test_with_torchdynamo_disable_in_the_environment_the_backward_runs_once() -> None:
+    """``TORCHDYNAMO_DISABLE=1``: an op's and a plain Function's backward run once each, their
+    kernels 2 calls each (a fresh process: the variable is read at import)."""
+    script = """
+import torch
+import tests.test_trace_guard as t
+x = torch.randn(4, 3, dtype=t.DT, requires_grad=True)
+w = torch.randn(2, 3, dtype=t.DT, requires_grad=True)
+g = torch.randn(4, 2, dtype=t.DT)
+for kind in ("op", "function"):
+    apply, last = t.split_with(kind, t.counted)
+    t.KERNEL_CALLS.clear()
+    gx, gw = t.by_customgrad(apply, x, w, g, lambda: None)
+    torch.testing.assert_close((gx, gw), (g @ w, g.mT @ x), rtol=0, atol=0)
+    w.grad = None
+    print(kind, t.KERNEL_CALLS["mm"], "torch.compile is off here" in last().why)
+"""
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[-3:-1] == ["op 2 True", "function 2 True"], done.stdout

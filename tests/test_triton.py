@@ -30,7 +30,7 @@ from customgrad.testing import (
     CheckFailed,
     check_op,
 )
-from tests._skips import CAPTURE, NO_CUDA, TORCH_SPLIT, optional_package
+from tests._skips import NO_CUDA, TORCH_SPLIT, optional_package
 from tests._triton_support import HAS_TRITON, INTERPRETED, count_launches, interpreter_shims
 
 pytestmark = pytest.mark.skipif(
@@ -342,7 +342,6 @@ def test_raw_launch_in_a_backward_under_compile_names_the_op_and_the_fix() -> No
     assert re.search(r"\(backward defined at .*test_triton\.py:\d+\)$", str(err))
 
 
-@CAPTURE
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
 def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> None:
     """Not split (the automatic split cannot trace a raw launch): the run-once rule runs the
@@ -364,7 +363,6 @@ def test_a_raw_launch_in_a_backward_runs_once_across_input_and_weight_pass() -> 
     assert fallback is not None and "_backward_kernel" in fallback.why
 
 
-@CAPTURE
 @pytest.mark.skipif(not INTERPRETED, reason="runs the kernel on CPU")
 def test_automatic_split_fallback_names_the_raw_launch() -> None:
     op = _raw_launch_op("test_triton::raw_auto")
@@ -384,7 +382,6 @@ def test_automatic_split_fallback_names_the_raw_launch() -> None:
     assert fallback.fix == FIX_RAW_LAUNCH
 
 
-@CAPTURE
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_traced_backward_calling_the_kernel_op_launches_it_once(device: str) -> None:
     """The other way: one register_backward calls the backward op once and returns both

@@ -25,12 +25,15 @@ Imported lazily (dynamo is large).
   check of the guards dynamo keeps for the captured code (its cache entry's guard manager);
   :func:`unsupported` reads why dynamo refused (an ``Unsupported`` or a graph break),
   :func:`user_frame` where in the traced code, :func:`skipped_function` which function it would
-  not call and :func:`reads_function_class` whether it stopped at an ``autograd.Function`` class.
+  not call and :func:`reads_function_class` whether it stopped at an ``autograd.Function`` class;
+  :func:`tracing` tells a function whether dynamo traces it; :func:`dict_version` reads when a
+  module's namespace was last written.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import linecache
 import re
 import sys
@@ -54,7 +57,13 @@ __all__ = [
     "Refusal",
     "capture",
     "guard_check",
+    "failed_guard",
+    "guard_names",
     "backend_error",
+    "bookkeeping",
+    "class_namespace",
+    "dict_version",
+    "tracing",
     "readable",
     "unsupported",
     "user_frame",
@@ -191,8 +200,17 @@ class Captured:
             globals) of each value dynamo guards by ``==`` (0j == -0j: compared again exactly).
         modules: the name of each module dynamo guards by identity only (an attribute added
             to it later, read by ``getattr(module, name, default)``, goes unguarded).
+        classes: the name of each class dynamo guards by identity (``CLASS_MATCH``, with
+            False) and of each object it guards by its class only (``TYPE_MATCH``, with True):
+            dynamo guards no method rebound on such a class, and torch 2.11's dynamo reads
+            the class's enum members' attributes and namedtuple defaults as constants.
         names: the attribute names and string constants of the code dynamo traced (the
             frame's and every function it inlined).
+        reads_compiling: the frame (or a function it inlined) called one of the functions
+            that say whether dynamo is compiling (``torch.compiler.is_compiling``,
+            ``torch._dynamo.is_compiling``, ``torch.compiler.is_dynamo_compiling``): dynamo
+            traced them as True, which a call never sees (dynamo's own flag for that,
+            ``inconsistent_side_effects``; :func:`tracing` does not set it).
     """
 
     graph: Any
@@ -201,7 +219,9 @@ class Captured:
     side_effects: list[str]
     constants: list[str]
     modules: list[str]
+    classes: list[tuple[str, bool]]
     names: frozenset[str]
+    reads_compiling: bool
 
 
 def capture(
@@ -236,20 +256,97 @@ def capture(
             changed.append("a tensor hook")
         constants: list[str] = []
         modules: list[str] = []
+        classes: list[tuple[str, bool]] = []
         for guard in out.guards:
             kind = guard.create_fn_name()
             if kind in ("CONSTANT_MATCH", "EQUALS_MATCH"):
                 constants.append(guard.name)
             elif kind == "MODULE_MATCH":
                 modules.append(guard.name)
+            elif kind in ("CLASS_MATCH", "TYPE_MATCH"):
+                classes.append((guard.name, kind == "TYPE_MATCH"))
         names: set[str] = set()
         for code in getattr(out.tracing_context, "traced_code", None) or ():
             names.update(code.co_names)
             names.update(c for c in code.co_consts if isinstance(c, str))
-        found = Captured(gm, inputs, outputs, changed, constants, modules, frozenset(names))
+        compiling = bool(getattr(out.root_tx, "inconsistent_side_effects", False))
+        found = Captured(
+            gm, inputs, outputs, changed, constants, modules, classes, frozenset(names), compiling
+        )
         return on_graph(found)
 
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+
+
+def tracing() -> bool:
+    """Whether dynamo is tracing the caller: True where dynamo traces a call of it, False where
+    it is called (also while dynamo compiles another frame's graph: the call then belongs to
+    that compile).
+
+    Marked as ``torch._dynamo.assume_constant_result`` marks a function, so dynamo runs it while
+    tracing and takes its result as a constant, and it then sees dynamo's current translator.
+    Unlike ``torch.compiler.is_compiling()``, dynamo does not mark the traced frame for it (as
+    it does for the functions whose traced value a call never sees), and it imports nothing: a
+    dictionary lookup when called (as cheap as ``is_compiling()``). A capture's wrapper asks it before it calls the backward, so
+    that the backward never runs eagerly where dynamo does not trace it
+    (``torch.compiler.set_stance("force_eager")``, ``torch._dynamo.config.disable``,
+    ``TORCHDYNAMO_DISABLE=1``, the stances that run a new frame eagerly)."""
+    if not _TRANSLATING:
+        translator = sys.modules.get("torch._dynamo.symbolic_convert")
+        if translator is None:
+            return False  # dynamo not even imported
+        _TRANSLATING.append(translator.tls)
+    # the thread's own dict: no AttributeError raised (and caught) per call for a missing name
+    return _TRANSLATING[0].__dict__.get("current_tx") is not None
+
+
+_TRANSLATING: list[Any] = []
+"""dynamo's thread-local state, where the translator of the frame being traced is kept."""
+tracing._dynamo_marked_constant = True  # type: ignore[attr-defined]  # assume_constant_result
+
+
+def dict_version(namespace: dict[str, Any]) -> int:
+    """A number that changes whenever ``namespace`` (a module's ``__dict__``) is written to
+    (dynamo's ``DICT_VERSION`` guard's own reading)."""
+    return _dict_version()(namespace)
+
+
+def bookkeeping(name: str) -> bool:
+    """Whether ``name`` in a module's namespace is bookkeeping a backward does not read:
+    dunders (``__warningregistry__``, which a warning adds) and the globals dynamo installs in
+    the namespace of a frame it compiles (``__compiled_fn_*``, ``__resume_at_*``,
+    ``__import_*``, ``__builtins_dict___*``, ``_<id>_c<n>``)."""
+    return name.startswith("__") or _BY_ID.fullmatch(name) is not None
+
+
+_BY_ID = re.compile(r"_\d+_c\d+")
+
+
+def class_namespace(cls: type) -> dict[str, Any] | None:
+    """The dict behind ``cls.__dict__`` (what ``setattr(cls, ...)`` writes, so that
+    :func:`dict_version` tells when it was written), or None for a built-in class, which no one
+    can write to."""
+    if not cls.__flags__ & _HEAP_TYPE:
+        return None
+    found = gc.get_referents(cls.__dict__)  # a mappingproxy refers to the dict it shows
+    return found[0] if len(found) == 1 and type(found[0]) is dict else None
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement or type()
+
+
+@functools.cache
+def _dict_version() -> Callable[[dict[str, Any]], int]:
+    try:
+        from torch._C._dynamo.guards import dict_version
+
+        version: Callable[[dict[str, Any]], int] = dict_version
+    except ImportError:  # a torch without it: every value by identity (slower, as exact)
+
+        def version(namespace: dict[str, Any]) -> int:
+            return hash((len(namespace), *map(id, namespace.values())))
+
+    return version
 
 
 def _name(source: Any) -> str:
@@ -262,7 +359,6 @@ def _name(source: Any) -> str:
 def readable(source: str) -> str:
     """dynamo's name of a value in words a user reads: ``G['__import___main__'].seen`` is
     ``__main__.seen``, ``L['saved'][0]`` is ``saved[0]``."""
-    import re
 
     def module(m: re.Match[str]) -> str:
         return m.group(1).replace("_dot_", ".")
@@ -282,6 +378,29 @@ def guard_check(code: Any) -> Callable[[dict[str, Any]], bool] | None:
         return None
     check: Callable[[dict[str, Any]], bool] = entries[0].guard_manager.root.check
     return check
+
+
+def guard_names() -> dict[str, object]:
+    """The names dynamo's guard expressions call besides ``G`` and ``L``
+    (``___namedtuple_fields``, ``___tuple_iterator_len``, ...), to evaluate them again."""
+    try:
+        from torch._dynamo.guards import _get_closure_vars
+    except ImportError:  # a torch without them: expressions that use one cannot be read
+        return {}
+    return dict(_get_closure_vars())
+
+
+def failed_guard(check: Callable[[dict[str, Any]], bool], frame: dict[str, Any]) -> str | None:
+    """The first of dynamo's guards that fails for ``frame`` (its code, in words: ``ctx.sizes[1]
+    == 2``), given the check :func:`guard_check` returned; None when they hold."""
+    manager = getattr(check, "__self__", None)
+    verbose = getattr(manager, "check_verbose", None)
+    if verbose is None:
+        return None
+    found = verbose(frame)
+    if found.result or not found.verbose_code_parts:
+        return None
+    return readable(str(found.verbose_code_parts[0]).split("#")[0].strip())
 
 
 @dataclass(frozen=True)
@@ -363,15 +482,20 @@ def reads_function_class(e: BaseException) -> bool:
     ``cls`` of a classmethod, ``super()``, ``Cls.backward(ctx, ...)``, ``.__func__``): dynamo
     models such a class for ``apply`` and its staticmethods only (torch 2.13)."""
     text = str(e)
-    return "AutogradFunctionVariable" in text or "Expected FakeBackwardCFunction" in text
+    if "AutogradFunctionVariable" in text or "Expected FakeBackwardCFunction" in text:
+        return True
+    # torch 2.11 and 2.12: a bare assert in that variable's method, the last frame raised
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_locals.get("self") if tb is not None else None
+    return type(where).__name__ == "AutogradFunctionVariable"
 
 
 def _observed_name_error(e: BaseException) -> str | None:
     """The undefined name, where dynamo reports a ``NameError`` of the traced code as an
     observed exception (torch 2.14 and later: ``Unsupported`` caused by
     ``ObservedNameError``); else None."""
-    import re
-
     seen: BaseException | None = e.__cause__
     for _ in range(4):
         if seen is None:

@@ -20,6 +20,7 @@ tensor kept on ctx rather than saved) runs once as before, with its reason logge
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import weakref
@@ -29,15 +30,15 @@ from typing import Any, cast
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._autosplit import MAX_SIGNATURES, RECAPTURES, _signature, _tracing_now, ambient
-from customgrad._capture import Capture, Fallback, capture_backward
+from customgrad._autosplit import AutoSplitter
+from customgrad._capture import INSIDE_TRACE, NOT_COMPILING, Fallback
 from customgrad._errors import where
-from customgrad._function_ctx import of_node
+from customgrad._function_ctx import FunctionContext, of_node
 from customgrad._handoff import Describe, HandOff, HandOffValue, edge_name, guard
 from customgrad._rules import Gradient, OpSpec
 from customgrad._signature import Signature
 from customgrad._torch.functions import edge_metadata, forward_cls, setup_context_defined
-from customgrad._traced_split import TRACE_LOCK, Gradients, TracedSplit
+from customgrad._traced_split import Gradients, TracedSplit
 
 __all__ = ["FunctionOnce", "FunctionSplit", "split_input"]
 
@@ -51,7 +52,7 @@ NOT_TENSOR_POSITIONS = Fallback(
 )
 
 
-class _FunctionOp:
+class _FunctionSpec:
     """What the capture and the split program read of an op, for a Function's backward with its
     tensor arguments named ``arg<position>``."""
 
@@ -97,86 +98,118 @@ def _calling(backward: Callable[..., Any], names: tuple[str | None, ...]) -> Cal
     return fn
 
 
-class _Entry:
-    __slots__ = ("captures", "fallback", "tries")
-
-    def __init__(self) -> None:
-        self.captures: list[Capture] = []
-        self.tries = 0
-        self.fallback: Fallback | None = None
+_SPLITTERS: dict[tuple[type, tuple[str | None, ...], tuple[str, ...]], AutoSplitter] = {}
+"""The automatic split of each Function class seen, per layout of its arguments (their names,
+the weight-side ones): the captures and retry rule of customgrad's own single backwards."""
 
 
-class _Splitter:
-    """The captures of one Function class's backward, per layout of its arguments.
+def _splitter(
+    cls: type[torch.autograd.Function], names: tuple[str | None, ...], weights: tuple[str, ...]
+) -> AutoSplitter:
+    """The splitter of ``cls``'s backward for arguments ``names`` with weights ``weights``.
 
     The backward is called as a plain function (``cls.backward``): dynamo takes
-    ``Function.backward(...)`` for compiled autograd's call.
-    """
-
-    def __init__(self, cls: type[torch.autograd.Function]) -> None:
-        self.cls = cls
-        self._ops: dict[tuple[Any, ...], tuple[_FunctionOp, Callable[..., Any]]] = {}
-        self._cache: dict[Any, _Entry] = {}
-
-    def select(
-        self,
-        ctx: object,
-        saved: tuple[object, ...],
-        grads: tuple[torch.Tensor | None, ...],
-        names: tuple[str | None, ...],
-        weights: tuple[str, ...],
-        requires: frozenset[str],
-    ) -> TracedSplit | Fallback:
-        layout = (names, weights)
-        made = self._ops.get(layout)
-        if made is None:
-            tensors = tuple(n for n in names if n is not None)
-            made = self._ops[layout] = (
-                _FunctionOp(self.cls, tensors, weights),
-                _calling(self.cls.backward, names),
-            )
-        op, fn = made
-        leaves = saved + grads
-        signature = _signature(leaves, (len(saved), layout, requires), flat=False)
-        if isinstance(signature, Fallback):
-            return signature
-        key = (signature, ambient())
-        frame = {"ctx": ctx, "saved": saved, "grads": grads}
-        with TRACE_LOCK:
-            entry = self._cache.get(key)
-            if entry is None:
-                if len(self._cache) >= MAX_SIGNATURES:
-                    return Fallback(
-                        f"it was captured for {MAX_SIGNATURES} input signatures already "
-                        f"(shapes, dtypes or saved values change from call to call)",
-                        "call it with a few distinct shapes (pad to buckets)",
-                    )
-                entry = self._cache[key] = _Entry()
-            for capture in entry.captures:
-                if capture.holds(frame):
-                    return capture.split
-            if entry.fallback is not None:
-                return entry.fallback
-            if entry.tries >= RECAPTURES:
-                return Fallback(
-                    f"what it reads changed {RECAPTURES} times (dynamo's guards failed: a ctx "
-                    f"attribute, a global), and each change needs a new capture",
-                    "pass what changes as a tensor, or keep it fixed during training",
-                )
-            entry.tries += 1
-            # The capture and the split program read an op's name and signature only.
-            spec = cast(OpSpec, op)
-            outcome = capture_backward(spec, fn, frame, leaves, len(saved), requires, False)
-            if isinstance(outcome, Capture):
-                entry.captures.insert(0, outcome)
-                return outcome.split
-            if not entry.captures and not outcome.retries:
-                entry.fallback = outcome
-            return outcome
+    ``Function.backward(...)`` for compiled autograd's call."""
+    key = (cls, names, weights)
+    found = _SPLITTERS.get(key)
+    if found is None:
+        tensors = tuple(n for n in names if n is not None)
+        # The capture and the split program read an op's name and signature only.
+        spec = cast(OpSpec, _FunctionSpec(cls, tensors, weights))
+        found = _SPLITTERS[key] = AutoSplitter(spec, _calling(cls.backward, names), "none")
+    return found
 
 
-_SPLITTERS: dict[type, _Splitter] = {}
-"""The splitter of each Function class seen."""
+class _Sizes:
+    """The Python ints a Function's forward kept on ctx (group sizes, ``(start, end)`` bounds of
+    experts' rows), as the capture sees them.
+
+    As constants first. Once one changes between backwards (a mixture of experts' routing:
+    each change would be a new capture, and the backward would run once after
+    :data:`~customgrad._autosplit.RECAPTURES` of them), the capture reads it from a tensor of
+    its values instead, saved with the node's tensors (``.tolist()`` in a property of the
+    ctx): dynamo makes the sizes unbacked, and each pass reads them from that tensor, so one
+    capture serves every value. If that capture is refused (the backward needs them as
+    constants: a dimension), they are constants again, from that call on."""
+
+    __slots__ = ("changing", "first", "lifting")
+
+    def __init__(self) -> None:
+        self.first: dict[str, object] | None = None
+        self.changing: frozenset[str] = frozenset()
+        self.lifting = True
+
+    def hand(self, ctx: FunctionContext) -> tuple[FunctionContext, tuple[object, ...]]:
+        """The ctx the capture reads and the saved tensors that go with it."""
+        saved: tuple[object, ...] = ctx.saved_tensors
+        if not self.lifting:
+            return ctx, saved
+        ints = {k: v for k, v in vars(ctx).items() if _layout(v) is not _NOT_INTS}
+        if self.first is None:
+            self.first = ints
+        changed = {k for k, v in ints.items() if self.first.get(k, v) != v}
+        self.changing |= changed
+        if not self.changing or not self.changing <= ints.keys():
+            return ctx, saved
+        lifted = object.__new__(_reading(self.changing))
+        held = {k: v for k, v in vars(ctx).items() if k not in self.changing}
+        tensors = {k: torch.tensor(_flat(ints[k]), dtype=torch.int64) for k in self.changing}
+        held["_cg_sizes"] = tensors
+        held["_cg_layouts"] = {k: _layout(ints[k]) for k in self.changing}
+        vars(lifted).update(held)
+        return lifted, (*saved, *tensors.values())
+
+
+_NOT_INTS = object()
+
+
+def _layout(value: object) -> object:
+    """How ``value`` nests ints in lists and tuples (None: an int), or ``_NOT_INTS``."""
+    if type(value) is int:
+        return None
+    if type(value) in (list, tuple) and len(value) <= 4096:  # type: ignore[arg-type]
+        inner = tuple(_layout(v) for v in value)  # type: ignore[attr-defined]
+        return _NOT_INTS if _NOT_INTS in inner else (type(value), inner)
+    return _NOT_INTS
+
+
+def _flat(value: object) -> list[int]:
+    if type(value) is int:
+        return [value]
+    return [i for v in value for i in _flat(v)]  # type: ignore[attr-defined]
+
+
+def _rebuilt(layout: Any, flat: list[object], at: int = 0) -> tuple[object, int]:
+    """The value of ``layout`` from ``flat[at:]``, and where it ends (traced by dynamo)."""
+    if layout is None:
+        return flat[at], at + 1
+    kind, inner = layout
+    items = []
+    for part in inner:
+        item, at = _rebuilt(part, flat, at)
+        items.append(item)
+    return kind(items), at
+
+
+@functools.cache
+def _reading(names: frozenset[str]) -> type[FunctionContext]:
+    """A ctx class whose ``names`` are read back from their tensors."""
+
+    def read(name: str) -> property:
+        def get(self: Any) -> object:
+            flat = self._cg_sizes[name].tolist()
+            return _rebuilt(self._cg_layouts[name], flat)[0]
+
+        return property(get)
+
+    return type("FunctionContext", (FunctionContext,), {n: read(n) for n in sorted(names)})
+
+
+_NOW = (INSIDE_TRACE, NOT_COMPILING)
+"""Why a backward does not split at this call only (another trace, torch.compile off)."""
+
+_SIZES: dict[tuple[type, tuple[str | None, ...], tuple[str, ...]], _Sizes] = {}
+"""The ints on ctx of each Function class and layout, as :class:`_Sizes` hands them."""
 
 SPLIT: set[type] = set()
 """The Function classes whose backward split at least once (for :func:`customgrad.summary`)."""
@@ -343,8 +376,8 @@ def split_input(
     when it does not split (``tell(cls, why)`` is called with the reason; the caller runs the
     backward as written)."""
     cls = forward_cls(node)
-    if cls is None or torch.is_grad_enabled() or _tracing_now():
-        return None  # a create_graph backward, or one inside a trace: as written
+    if cls is None or torch.is_grad_enabled():
+        return None  # a create_graph backward: as written
     positions = _positions(node)
     if positions is None:
         tell(cls, NOT_TENSOR_POSITIONS.why)
@@ -361,14 +394,18 @@ def split_input(
             edges.append((f"arg{p}", fn, nr))
     weights = tuple(name for name, _, _ in edges)
     requires = frozenset(f"arg{p}" for p in positions if needs[p])
-    ctx = of_node(node)
-    if ctx is None:
+    found = of_node(node)
+    if found is None:
         return None  # freed: the backward as written raises torch's error
-    saved = ctx.saved_tensors
-    splitter = _SPLITTERS.get(cls)
-    if splitter is None:
-        splitter = _SPLITTERS[cls] = _Splitter(cls)
-    outcome = splitter.select(ctx, saved, grads, names, weights, requires)
+    key = (cls, names, weights)
+    splitter = _splitter(cls, names, weights)
+    sizes = _SIZES.setdefault(key, _Sizes())
+    ctx, saved = sizes.hand(found)
+    outcome = splitter.find(ctx, saved, grads, requires)
+    if ctx is not found and isinstance(outcome, Fallback) and outcome not in _NOW:
+        sizes.lifting = False  # a backward that needs them as constants: as they are, again
+        ctx, saved = found, found.saved_tensors
+        outcome = splitter.find(ctx, saved, grads, requires)
     if isinstance(outcome, Fallback):
         if outcome.logged:
             tell(cls, outcome.why)

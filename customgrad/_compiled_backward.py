@@ -51,7 +51,7 @@ from customgrad._routing import route_for
 from customgrad._runtime import Ran, needed_edges, run_program
 from customgrad._split_program import Pass, ProgramCut, SplitProgram
 from customgrad._switches import split_enabled
-from customgrad._torch.aot import is_tangent, tracing_metadata
+from customgrad._torch.aot import is_tangent, tangent_outputs, tracing_metadata
 from customgrad._torch.dynamo import compiled_autograd_on
 from customgrad._torch.engine import current_node, graph_kept
 from customgrad._torch.functions import is_aot_node
@@ -367,6 +367,8 @@ class SplitCompiler:
             )
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         tangents = [i for i, n in enumerate(placeholders) if is_tangent(n)]
+        region.edge_slots = tuple(positions)
+        region.reaches = _reaches(placeholders, tangents, outs)
         full = _boxed(self.compile_one(gm, list(example_inputs), **kwargs))
         program = None
         if reason is None:
@@ -390,6 +392,33 @@ class SplitCompiler:
         if params != first:
             program.cut(params)
         return _Backward(region, full, positions, len(self.kinds), program, tangents)
+
+
+def _reaches(
+    placeholders: list[fx.Node], tangents: list[int], outs: list[Any]
+) -> dict[int, frozenset[int]]:
+    """:attr:`CompiledRegion.reaches`: per output gradient of the backward graph (by the output
+    of the node it is for), the slots whose gradient the graph computes from it."""
+    at = tangent_outputs(tracing_metadata())
+    if at is None or len(at) != len(tangents):
+        return {}
+    slots_of: dict[fx.Node, list[int]] = {}
+    for j, out in enumerate(outs):
+        if isinstance(out, fx.Node):
+            slots_of.setdefault(out, []).append(j)
+    found: dict[int, frozenset[int]] = {}
+    for nr, i in zip(at, tangents):
+        seen: set[fx.Node] = set()
+        slots: set[int] = set()
+        stack = [placeholders[i]]
+        while stack:
+            node = stack.pop()
+            if node not in seen:
+                seen.add(node)
+                slots.update(slots_of.get(node, ()))
+                stack.extend(node.users)
+        found[nr] = frozenset(slots)
+    return found
 
 
 def no_donated_buffers() -> None:

@@ -89,6 +89,13 @@ class CompiledRegion:
     split ran, but not as one I and one W), or None."""
     input_names: tuple[str, ...] = field(default=(), repr=False)
     """The region's inputs by name (``fc1.weight``), one per gradient slot."""
+    edge_slots: tuple[int, ...] = field(default=(), repr=False)
+    """The slot (region input) of each edge of the region's autograd nodes."""
+    reaches: dict[int, frozenset[int]] = field(default_factory=dict, repr=False)
+    """Per output of the region's autograd node whose gradient the backward graph takes (by its
+    position among the node's outputs), the slots that gradient reaches in the backward graph;
+    empty until the backward is compiled (at its first run), or where AOTAutograd's metadata
+    does not tell which output each gradient is."""
     nodes: weakref.WeakSet[RegionNode] = field(default_factory=weakref.WeakSet, repr=False)
     """The live autograd nodes of the region (their hand-offs are on them)."""
     _logged: bool = field(default=False, repr=False)
@@ -179,16 +186,24 @@ class RegionNode:
         handoff: the hand-offs of passes whose weight pass has not run yet.
         route: what a planned backward tells the node (see :mod:`customgrad._routing`).
         grads: the output gradients of the backward about to run, or None.
+        loose: the outputs whose gradient reaches only the region's weight side
+            (:attr:`CompiledRegion.reaches`) and comes in W, not in I: a split Function's weight
+            pass sends it (see :func:`customgrad._split_plan.weights_into_regions`). W's pass
+            is the pass of I's kept values whatever it brings there: those values do not depend
+            on it, and the weight pass reads it from its own arguments.
+        differentiable: per output, whether the pass that made a hand-off is told by its
+            gradient (all, None, unless some are :attr:`loose`).
     """
 
-    __slots__ = ("__weakref__", "grads", "handoff", "region", "route")
-    differentiable = None  # every output's gradient is compared
+    __slots__ = ("__weakref__", "differentiable", "grads", "handoff", "loose", "region", "route")
 
     def __init__(self, region: CompiledRegion) -> None:
         self.region = region
         self.handoff: HandOff[HandOffValue] | None = None
         self.route: Route | None = None
         self.grads: tuple[torch.Tensor | None, ...] | None = None
+        self.loose: frozenset[int] = frozenset()
+        self.differentiable: tuple[bool, ...] | None = None
 
     @property
     def label(self) -> str:
@@ -197,6 +212,9 @@ class RegionNode:
 
     def __call__(self, grads: tuple[torch.Tensor | None, ...]) -> None:
         self.grads = grads
+        loose = self.loose
+        if loose:
+            self.differentiable = tuple(i not in loose for i in range(len(grads)))
         if self.handoff is not None:  # before AOTAutograd unpacks its saved tensors
             check_pass(self, grads)
 

@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import BackwardCFunction
 from torch.autograd.graph import Node
 
-from customgrad._compiled_region import region_node
+from customgrad._compiled_region import CompiledRegion, RegionNode, region_node
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import DeferTarget, Route, Routed
 from customgrad._torch.engine import ACCUMULATE_GRAD
@@ -58,6 +58,7 @@ __all__ = [
     "StageSplit",
     "Watch",
     "WeightCall",
+    "WeightIntoRegion",
     "children",
     "grad_node",
     "is_leaf_accumulator",
@@ -67,6 +68,7 @@ __all__ = [
     "runs_once",
     "reach",
     "stage_split",
+    "weights_into_regions",
 ]
 
 
@@ -240,6 +242,14 @@ class InputPassPlan:
         weight_side: the nodes W runs (they lead only to leaf accumulators; I does not run
             them).
         weight_calls: how W sends its work through the engine (see :class:`WeightCall`).
+        into_regions: plain Function nodes of :attr:`once` whose edges (by position) lead
+            into a compiled region I runs, whose backward sends what they carry only to its
+            weight side (:func:`weights_into_regions`; a weight cast inside the region before
+            the Function's graph break), with the region's node each leads into: weight-side
+            edges all the same. The Function's split leaves their gradients to W, which sends
+            them into the region's own weight pass (the region is an intermediate of the same
+            call); where the Function runs as written, the engine gives them to the region in I
+            and W re-sends them with the region's other output gradients.
     """
 
     executed: set[Node] = field(default_factory=set)
@@ -253,11 +263,79 @@ class InputPassPlan:
     weight_routes: dict[Routed, Route] = field(default_factory=dict)
     weight_side: set[Node] = field(default_factory=set)
     weight_calls: list[WeightCall] = field(default_factory=list)
+    into_regions: dict[Node, dict[int, Node]] = field(default_factory=dict)
 
-    def weight_side_edges(self, node: Node) -> tuple[bool, ...]:
-        """For each edge of ``node``, whether it leads into the weight side."""
+    def weight_side_edges(self, node: Node, regions: bool = True) -> tuple[bool, ...]:
+        """For each edge of ``node``, whether it leads into the weight side (or, with
+        ``regions``, carries only a weight's gradient into a compiled region I runs:
+        :attr:`into_regions`)."""
         side = self.weight_side
-        return tuple(fn is not None and fn in side for fn, _ in node.next_functions)
+        into = self.into_regions.get(node) if regions else None
+        if into is None:
+            return tuple(fn is not None and fn in side for fn, _ in node.next_functions)
+        return tuple(
+            (fn is not None and fn in side) or k in into
+            for k, (fn, _) in enumerate(node.next_functions)
+        )
+
+
+@dataclass(frozen=True)
+class WeightIntoRegion:
+    """An edge of a node I runs whose gradient goes (through views) into a compiled region that
+    sends it only to weights, while I runs the region for its other gradients: the gradient
+    along that edge is not on the weight side, so I computes it.
+
+    Attributes:
+        edge: the node's edge (``next_functions`` position).
+        node: the region's autograd node the gradient goes into.
+        output: the output of ``node`` whose gradient it is.
+        region: the compiled region.
+        weights: the region's inputs the gradient reaches (weights, by name).
+    """
+
+    edge: int
+    node: Node
+    output: int
+    region: CompiledRegion
+    weights: tuple[str, ...]
+
+
+def weights_into_regions(
+    plan: InputPassPlan, node: Node, edges: Sequence[bool] | None = None
+) -> list[WeightIntoRegion]:
+    """The edges of ``node`` (a node of I; only those ``edges`` marks, if given) whose gradient
+    goes into a compiled region that I runs and whose backward sends that gradient only to the
+    region's weight-side edges (a weight cast or transposed inside the region, given to a
+    Function that runs eagerly after the region's graph break). Read once the region's
+    backward has compiled (at its first run); none before."""
+    found = []
+    executed, side = plan.executed, plan.weight_side
+    for k, (fn, nr) in enumerate(node.next_functions):
+        if fn is None or (edges is not None and not edges[k]):
+            continue
+        # through views made again outside the region (a transpose of its cast), one edge each
+        while fn not in side and is_native(fn) and region_node(fn) is None:
+            nexts = fn.next_functions
+            if len(nexts) != 1 or nexts[0][0] is None:
+                break
+            fn, nr = nexts[0]
+        held = region_node(fn)
+        if held is None or fn not in executed:
+            continue
+        region = held.region
+        slots = region.reaches.get(nr)
+        if not slots:
+            continue
+        reached = [
+            (t, j)
+            for (t, _), j in zip(fn.next_functions, region.edge_slots)
+            if t is not None and j in slots
+        ]
+        if reached and all(t in side for t, _ in reached):
+            names = region.input_names
+            weights = tuple(names[j] if j < len(names) else f"input {j}" for _, j in reached)
+            found.append(WeightIntoRegion(k, fn, nr, region, weights))
+    return found
 
 
 def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node, list[Any]]]:
@@ -350,6 +428,8 @@ def plan_input_pass(
     executed, live_leaves = _settle(g, roots, candidates, defer_native)
     plan = InputPassPlan(executed=executed, deferred=candidates)
     plan.weight_side = {n for n in g.leads_w if n not in executed}
+    if defer_native and run_once and any(n in executed for n in g.regions):
+        _plan_into_regions(plan, g)
     plan.targets = [n for n in g.order if n in candidates or n in live_leaves]
     for node, holder in g.routed.items():
         if node in executed:
@@ -367,8 +447,8 @@ class _Graph:
     targets, the customgrad nodes' records (with their non-weight and weight edge targets),
     the routed nodes, the leaf accumulators, and the nodes that lead to one."""
 
-    __slots__ = ("edges", "input_nodes", "leads_w", "leaves", "order", "records", "routed",
-                 "split")  # fmt: skip
+    __slots__ = ("edges", "input_nodes", "leads_w", "leaves", "order", "records", "regions",
+                 "routed", "split")  # fmt: skip
 
     def __init__(
         self, order: list[Node], edges: dict[Node, list[Node | None]], input_nodes: set[Node]
@@ -379,6 +459,7 @@ class _Graph:
         self.split: dict[Node, tuple[list[Node], list[Node]]] = {}
         self.leaves: list[Node] = []
         self.leads_w: set[Node] = set()
+        self.regions: list[Node] = []
 
 
 def _survey(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
@@ -404,11 +485,30 @@ def _survey(roots: Sequence[Node], input_nodes: set[Node]) -> _Graph:
             split[node] = (others, weights)
         elif (held := region_node(node)) is not None:
             routed[node] = held
+            g.regions.append(node)
         for k in kids:  # (a loop, not any(): no generator per node)
             if k is not None and k in leads_w:
                 leads_w.add(node)
                 break
     return g
+
+
+def _plan_into_regions(plan: InputPassPlan, g: _Graph) -> None:
+    """:attr:`InputPassPlan.into_regions`, and the regions' outputs whose gradients come in W
+    (:attr:`customgrad._compiled_region.RegionNode.loose`). Only into regions that split (a
+    region that fell back runs whole in each pass) and whose backward has compiled (at its
+    first run: the first backward through a region is planned without it)."""
+    executed = plan.executed
+    for node in g.order:
+        if node in executed and runs_once(node):
+            into: dict[int, Node] = {}
+            for hit in weights_into_regions(plan, node):
+                held = g.routed.get(hit.node)
+                if isinstance(held, RegionNode) and hit.region.status == "split":
+                    into[hit.edge] = hit.node
+                    held.loose = held.loose | {hit.output}
+            if into:
+                plan.into_regions[node] = into
 
 
 def _settle(
@@ -466,7 +566,7 @@ def _plan_weight_pass(
         if (
             node in executed
             and node not in plan.deferred
-            and any(k is not None and k in side for k in edges[node])
+            and (node in plan.into_regions or any(k is not None and k in side for k in edges[node]))
         ):
             (plan.once if run_once and runs_once(node) else plan.intermediates).append(node)
     plan.direct = [i for i, r in enumerate(roots) if r not in executed and r in g.leads_w]
@@ -502,6 +602,9 @@ def _weight_calls(
     starts: list[list[Node]] = [[k for k in edges[n] if k in side] for n in plan.intermediates]
     starts += [split[n][1] for n in plan.deferred]
     starts += [[k for k in edges[n] if k in side] for n in plan.once]
+    for u, n in enumerate(plan.once, len(plan.intermediates) + len(plan.deferred)):
+        for region in plan.into_regions.get(n, {}).values():  # with the region's weight work
+            starts[u] += [k for k in edges[region] if k in side]
     starts += [[roots[i]] for i in plan.direct]
     group, owner, n_groups = _groups(starts, edges)
     units = [*plan.intermediates, *plan.deferred, *plan.once]

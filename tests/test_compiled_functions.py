@@ -12,6 +12,8 @@ gradients are the eager module's.
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from typing import Any
 
 import pytest
@@ -22,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import customgrad as cg
 import customgrad.pipelining as cgp
 from customgrad._split_plan import runs_once
+from customgrad.pipelining import _backward
 
 # dynamo's tracing of a Function instantiates torch's Function base class (torch 2.13), which
 # warns; not this code's doing.
@@ -157,3 +160,119 @@ def test_explain_split_of_functions_in_a_region(fn: type[torch.autograd.Function
             ("BreakingLinear (autograd.Function)", frozenset({"input"}))
         ]
         assert report.ran_once == frozenset({"BreakingLinear (autograd.Function)"})
+
+
+class CastMatmul(torch.autograd.Function):
+    """``x @ w``, whose forward breaks dynamo's graph: it runs eagerly, after the region that
+    casts its weight (torchtitan's grouped experts: ``w.bfloat16().transpose(-2, -1)``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:
+        torch._dynamo.graph_break()
+        ctx.save_for_backward(x, w)
+        return x @ w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, Tensor]:
+        x, w = ctx.saved_tensors
+        return g @ w.T, x.T @ g
+
+
+class CastBlock(nn.Module):
+    """``tanh(x @ v)``, then :class:`CastMatmul` on float32 weights cast (and transposed: a view
+    the region makes again outside it) inside the region, before the Function's graph break;
+    ``two``: two Functions, both weights cast before the first one (into one region)."""
+
+    def __init__(self, two: bool = False) -> None:
+        super().__init__()
+        self.two = two
+        self.v = nn.Parameter(torch.randn(D, D, dtype=torch.float64) / D**0.5)
+        self.w, self.u = (nn.Parameter(torch.randn(D, D) / D**0.5) for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(x @ self.v)
+        w = self.w.double().transpose(0, 1)
+        u = self.u.double()
+        y = CastMatmul.apply(h, w)
+        if self.two:
+            y = y + CastMatmul.apply(torch.sin(h), u)
+        out: Tensor = torch.sin(y)
+        return out
+
+
+CAST_BLOCKS = {False: CastBlock(), True: CastBlock(two=True)}  # compiled once each, below
+COMPILED_CAST = {two: cg.compile(block, backend="aot_eager") for two, block in CAST_BLOCKS.items()}
+
+
+def _cast_split(two: bool, **split: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """FLOPs of the unsplit backward and of the split's I and W (the second backward through
+    the region, whose backward compiled in the first); the split's gradients equal the unsplit
+    one's, exactly."""
+    torch.manual_seed(0)
+    block = COMPILED_CAST[two]
+    x = torch.randn(B, D, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(B, D, dtype=torch.float64)
+    block(x).backward(g)  # (the region's backward compiles in its first run)
+    for t in [x, *block.parameters()]:
+        t.grad = None
+    out = block(x)
+    full = {"full": _flops(lambda: out.backward(g))}
+    want = [t.grad for t in [x, *block.parameters()]]
+    for t in [x, *block.parameters()]:
+        t.grad = None
+    out = block(x)
+    groups: list[Any] = []
+
+    def input_pass() -> None:
+        groups.append(cgp.stage_backward_input([out], [g], [x], block.parameters(), **split)[1])
+
+    flops = {"I": _flops(input_pass)}
+    flops["W"] = _flops(lambda: cgp.stage_backward_weight(block.parameters(), groups[0]))
+    for t, expected in zip([x, *block.parameters()], want, strict=True):
+        assert t.grad is not None and expected is not None
+        assert torch.equal(t.grad, expected)
+    return full, flops
+
+
+@pytest.mark.parametrize("two", [False, True], ids=["one", "two-into-one-region"])
+def test_function_on_a_weight_cast_in_the_region_splits_its_dw_into_w(two: bool) -> None:
+    # I: dx, dh (and the second Function's dh); W: dv, dw (du): the region's weight part gets
+    # the Functions' weight gradients in W
+    n = 3 if two else 2
+    full, flops = _cast_split(two)
+    assert full == {"full": (2 * n) * MM}
+    assert flops == {"I": n * MM, "W": n * MM}
+
+
+def test_function_on_a_weight_cast_run_as_written_hands_the_region_its_gradient() -> None:
+    # split_functions=False: the Function runs whole in I (its dw too, logged as run once); the
+    # region's weight part still runs in W, from the gradient the Function sent it in I
+    full, flops = _cast_split(False, split_functions=False)
+    assert flops == {"I": 3 * MM, "W": MM}
+
+
+def test_function_on_a_weight_cast_left_in_i_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    # run_functions_once=False: the split is not planned (W would run the Function again);
+    # its dw stays in I, with the reason logged once
+    _backward._TOLD_REGIONS.clear()
+    with caplog.at_level(logging.INFO, logger="customgrad"):
+        _, flops = _cast_split(False, run_functions_once=False)
+        _cast_split(False, run_functions_once=False)
+    assert flops == {"I": 3 * MM, "W": MM}
+    lines = [r.getMessage() for r in caplog.records if "compiled region" in r.getMessage()]
+    expected = (
+        re.escape(
+            f"customgrad.pipelining: {__name__}.CastMatmul (a plain autograd.Function) runs its "
+            "weight work in the input pass: the gradient it returns for its argument 'w' goes "
+            "into the compiled region "
+        )
+        + r"CastBlock \(graph \d+\)"
+        + re.escape(
+            ", whose backward sends it only to the weights (w) but which the input pass runs "
+            "for its activation gradients, so it is no weight gradient to the split and nothing "
+            "of it is left for the weight pass. Cast or transpose the weight inside its forward "
+            "(its backward then returns the weight's own gradient), or outside the compiled "
+            "region (before the compiled module, or under torch.compiler.disable)."
+        )
+    )
+    assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines

@@ -12,13 +12,18 @@ Imported lazily.
 - :func:`compiled_backward`: the compiled backward a ``CompiledFunctionBackward`` node runs
   (``node._forward_cls.compiled_bw``, set at its first backward), or None;
 - :func:`is_tangent`: whether a placeholder of a backward graph is an output gradient
-  (AOTAutograd's own ``partitioners._is_tangent``).
+  (AOTAutograd's own ``partitioners._is_tangent``);
+- :func:`tangent_outputs`: which outputs of a region's autograd node its backward graph's
+  output gradients are (the rule of AOTAutograd's backward prologue,
+  ``runtime_wrappers._codegen_backward_prologue``).
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from typing import Any
+
+import torch
 
 from customgrad._torch.functions import forward_cls
 
@@ -27,6 +32,7 @@ __all__ = [
     "config_patch",
     "inductor_compilers",
     "is_tangent",
+    "tangent_outputs",
     "tracing_metadata",
 ]
 
@@ -68,3 +74,37 @@ def is_tangent(node: Any) -> bool:
     except ImportError:  # pragma: no cover - another torch
         return bool(node.op == "placeholder" and str(node.target).startswith("tangents"))
     return bool(_is_tangent(node))
+
+
+def tangent_outputs(meta: Any) -> list[int] | None:
+    """The positions, among the outputs of the autograd node AOTAutograd makes for a region
+    (``meta``: its ``ViewAndMutationMeta``), of the output gradients its backward graph takes,
+    in the order of its tangent placeholders: mutated inputs that require grad, outputs that
+    are no alias (nor a view made again outside the graph) and require grad, then the
+    intermediate bases (AOTAutograd's backward prologue's rule); None where ``meta`` lacks
+    what the rule reads."""
+    try:
+        from torch._functorch._aot_autograd.schemas import OutputType
+
+        survives = (OutputType.non_alias, OutputType.unsafe_view_alias)
+        view = getattr(OutputType, "custom_function_view", None)
+        if view is not None:
+            survives += (view,)
+        n_mutated = meta.num_mutated_inp_runtime_indices
+        infos = meta.input_info
+        found = [
+            i
+            for i, at in enumerate(meta.mutated_inp_runtime_indices)
+            if infos[at].mutates_data and infos[at].requires_grad
+        ]
+        found += [
+            n_mutated + i
+            for i, info in enumerate(meta.output_info)
+            if info.output_type in survives
+            and issubclass(info.raw_type, torch.Tensor)
+            and info.requires_grad_for_backward
+        ]
+        start = n_mutated + meta.num_outputs
+        return found + list(range(start, start + meta.num_intermediate_bases))
+    except (AttributeError, ImportError, TypeError):  # another torch, or no metadata
+        return None

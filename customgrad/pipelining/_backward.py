@@ -55,9 +55,25 @@ import torch
 from torch.autograd.graph import GradientEdge, Node
 
 from customgrad._routing import Routed, WeightWork, routing
-from customgrad._split_plan import STATE_KEY, InputPassPlan, grad_node, plan_input_pass, reach
+from customgrad._compiled_region import RegionNode
+from customgrad._record import record_of
+from customgrad._split_plan import (
+    STATE_KEY,
+    InputPassPlan,
+    grad_node,
+    plan_input_pass,
+    reach,
+    runs_once,
+    weights_into_regions,
+)
 from customgrad._torch.functions import forward_cls, keep_graphs, replacing, run_backward
-from customgrad.pipelining._function_split import FunctionOnce, FunctionSplit, split_input
+from customgrad.pipelining._function_split import (
+    FunctionOnce,
+    FunctionSplit,
+    edge_arguments,
+    function_label,
+    split_input,
+)
 from customgrad.pipelining._split_state import Resend, SplitState, runtime_errors
 from customgrad.pipelining._stage_io import (
     pair_outputs,
@@ -92,6 +108,53 @@ def _tell(cls: type | None, why: str | None = None) -> None:
         if why is None
         else f"whose backward cannot split automatically ({why})",
     )
+
+
+MSG_WEIGHT_IN_REGION = (
+    "customgrad.pipelining: %s runs its weight work in the input pass: the gradient it returns "
+    "for %s goes into the compiled region %s, whose backward sends it only to the weights (%s) "
+    "but which the input pass runs for its activation gradients, so it is no weight gradient to "
+    "the split and nothing of it is left for the weight pass. Cast or transpose the weight "
+    "inside %s (its backward then returns the weight's own gradient), or outside the compiled "
+    "region (before the compiled module, or under torch.compiler.disable)."
+)
+
+_TOLD_REGIONS: set[tuple[object, str]] = set()
+"""The (Function class or op, compiled region) pairs :data:`MSG_WEIGHT_IN_REGION` named."""
+
+
+def tell_weights_in_regions(plan: InputPassPlan, functions: bool = True) -> None:
+    """Log, once per Function class (or customgrad op) and compiled region, the weight work of
+    I's nodes that goes into a compiled region I runs (:func:`weights_into_regions`) and that
+    the plan leaves in I (not :attr:`InputPassPlan.into_regions`); plain Functions' only with
+    ``functions`` (the weight-gradient queue runs them whole in I anyway)."""
+    for node in plan.executed:
+        record = record_of(node)
+        if record is not None:
+            if node in plan.deferred:
+                continue
+            key: object = record.op.name
+            found = weights_into_regions(plan, node, record.edge_is_weight())
+            names: list[str] | None = None
+            what, inside = f"customgrad op {record.label}", "the op"
+        elif functions and runs_once(node):
+            cls = forward_cls(node)
+            key = cls
+            found = weights_into_regions(plan, node)
+            names = edge_arguments(cls, node)
+            what = f"{function_label(cls)} (a plain autograd.Function)"
+            inside = "its forward"
+        else:
+            continue
+        into = plan.into_regions.get(node, {})
+        for hit in found:
+            if hit.edge in into or (key, hit.region.name) in _TOLD_REGIONS:
+                continue
+            _TOLD_REGIONS.add((key, hit.region.name))
+            arg = f"its input {hit.edge}" if names is None else f"its argument {names[hit.edge]!r}"
+            log.info(
+                MSG_WEIGHT_IN_REGION, what, arg, hit.region.name, ", ".join(hit.weights), inside
+            )
 
 
 def stage_backward_input(
@@ -182,6 +245,8 @@ def _stage_backward_input(
     if plan.once and not split_functions:
         for n in plan.once:
             _tell(forward_cls(n))
+    if any(isinstance(r, RegionNode) for r in plan.input_routes):
+        tell_weights_in_regions(plan)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
     targets.extend(GradientEdge(n, 0) for n in plan.targets)
@@ -297,6 +362,8 @@ def _hand_to_weight_pass(
         call.once = []
     state.ran = {}
     plan.once = []
+    again = {n for groups in state.asked_once.values() for group, _ in groups for n in group}
+    plan.into_regions = {n: e for n, e in plan.into_regions.items() if n in again}
     # The output side of the graph goes (views cannot be detached in place; their graph goes
     # when the caller drops them); W reads only which nodes were deferred: their targets (this
     # state) would make a cycle (state -> plan -> state) that keeps the nodes and their saved
@@ -348,7 +415,9 @@ def _keep_weight_gradients(
     the node's backward returned along its weight-side edges (the engine hands a post-hook
     every gradient the backward returned, after summing each to its edge's shape); I drops
     them, as no node I runs wants them."""
-    side = plan.weight_side_edges(node)
+    # Not along the edges into a compiled region I runs: there the engine gave them to the
+    # region in I, and W sends them again with the region's other output gradients.
+    side = plan.weight_side_edges(node, regions=False)
 
     def hook(grad_inputs: Grads, grad_outputs: Grads) -> None:
         work = state.splitting.pop(node, None)
@@ -397,7 +466,7 @@ def _sharing_leaves(plan: InputPassPlan, nodes: list[Node]) -> list[list[Node]]:
     """``nodes`` grouped so that nodes whose weight sides reach a common leaf go together."""
     groups: list[tuple[list[Node], set[Node]]] = []
     for node in nodes:
-        side = plan.weight_side_edges(node)
+        side = plan.weight_side_edges(node, regions=False)
         mine = reach([fn for (fn, _), w in zip(node.next_functions, side) if w and fn], set())
         joined = [g for g in groups if not g[1].isdisjoint(mine)]
         merged = ([node], mine)

@@ -40,7 +40,7 @@ from customgrad._signature import Signature
 from customgrad._torch.functions import edge_metadata, forward_cls, setup_context_defined
 from customgrad._traced_split import Gradients, TracedSplit
 
-__all__ = ["FunctionOnce", "FunctionSplit", "split_input"]
+__all__ = ["FunctionOnce", "FunctionSplit", "edge_arguments", "split_input"]
 
 log = logging.getLogger("customgrad")
 
@@ -332,6 +332,19 @@ def describe_saved(
     now (the node is not kept for W)."""
     forward = None if cls is None else cls.forward
     where_saved = f"saved by {cls.__qualname__ if cls else 'the'}.forward at {where(forward)}"
+    edges = node.next_functions
+    names = edge_arguments(cls, node)
+    found = [
+        f"saved tensor {k}{edge_name(t, edges, names)}"
+        for k, t in enumerate(v for v in saved if isinstance(v, torch.Tensor))
+    ]
+    return lambda k: (found[k], where_saved)
+
+
+def edge_arguments(cls: type | None, node: Node) -> list[str]:
+    """The names of the forward's arguments whose gradients ``node`` (a Function's) sends along
+    its edges, in edge order (``input <edge>`` where the node does not tell them)."""
+    forward = None if cls is None else cls.forward
     try:
         params = list(inspect.signature(forward).parameters) if forward else []
     except (TypeError, ValueError):
@@ -339,17 +352,9 @@ def describe_saved(
     if cls is not None and not setup_context_defined(cls):
         params = params[1:]  # forward(ctx, ...)
     positions = _positions(node)
-    edges = node.next_functions
-    names = (
-        [params[p] for p in positions]
-        if positions is not None and all(p < len(params) for p in positions)
-        else [f"input {i}" for i in range(len(edges))]
-    )
-    found = [
-        f"saved tensor {k}{edge_name(t, edges, names)}"
-        for k, t in enumerate(v for v in saved if isinstance(v, torch.Tensor))
-    ]
-    return lambda k: (found[k], where_saved)
+    if positions is not None and all(p < len(params) for p in positions):
+        return [params[p] for p in positions]
+    return [f"input {i}" for i in range(len(node.next_functions))]
 
 
 def _positions(node: Node) -> tuple[int, ...] | None:

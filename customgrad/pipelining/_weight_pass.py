@@ -322,7 +322,7 @@ def _run_again(state: SplitState, nodes: list[Node]) -> None:
     starts: list[Node] = []
     handles = []
     for node in nodes:
-        side = state.plan.weight_side_edges(node)
+        side = state.plan.weight_side_edges(node, regions=False)  # (I sent those into regions)
         grads = state.captured.pop(node, ())
         roots += [GradientEdge(node, i) for i, g in enumerate(grads) if g is not None]
         values += [g for g in grads if g is not None]

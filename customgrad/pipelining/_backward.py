@@ -54,9 +54,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._routing import Routed, WeightWork, routing
 from customgrad._compiled_region import RegionNode
-from customgrad._record import record_of
+from customgrad._record import NodeRecord, record_of
+from customgrad._routing import Routed, WeightWork, routing
+from customgrad._signature import ArgKind
 from customgrad._split_plan import (
     STATE_KEY,
     InputPassPlan,
@@ -112,22 +113,29 @@ def _tell(cls: type | None, why: str | None = None) -> None:
 
 MSG_WEIGHT_IN_REGION = (
     "customgrad.pipelining: %s runs its weight work in the input pass: the gradient it returns "
-    "for %s goes into the compiled region %s, whose backward sends it only to the weights (%s) "
-    "but which the input pass runs for its activation gradients, so it is no weight gradient to "
-    "the split and nothing of it is left for the weight pass. Cast or transpose the weight "
-    "inside %s (its backward then returns the weight's own gradient), or outside the compiled "
-    "region (before the compiled module, or under torch.compiler.disable)."
+    "for its argument %s goes into the compiled region %s, whose backward sends it only to the "
+    "weights (%s) but which the input pass runs for its activation gradients, %s. Cast or "
+    "transpose the weight inside %s (its backward then returns the weight's own gradient), or "
+    "outside the compiled region (before the compiled module, or under torch.compiler.disable)."
 )
+WHY_OP = "and a customgrad op defers only gradients that go straight to the weight side"
+WHY_NOT_ONCE = "and with run_functions_once=False the stage does not split it (the default does)"
+WHY_FALLBACK = "and the region does not split (it fell back to its full backward)"
 
 _TOLD_REGIONS: set[tuple[object, str]] = set()
 """The (Function class or op, compiled region) pairs :data:`MSG_WEIGHT_IN_REGION` named."""
 
 
-def tell_weights_in_regions(plan: InputPassPlan, functions: bool = True) -> None:
+def tell_weights_in_regions(
+    plan: InputPassPlan, functions: bool = True, run_once: bool = True
+) -> None:
     """Log, once per Function class (or customgrad op) and compiled region, the weight work of
     I's nodes that goes into a compiled region I runs (:func:`weights_into_regions`) and that
     the plan leaves in I (not :attr:`InputPassPlan.into_regions`); plain Functions' only with
-    ``functions`` (the weight-gradient queue runs them whole in I anyway)."""
+    ``functions`` (the weight-gradient queue runs them whole in I anyway; ``run_once``: the
+    plan's)."""
+    if not any(isinstance(r, RegionNode) for r in plan.input_routes):
+        return  # (no compiled region runs in I: the common case, at no cost)
     for node in plan.executed:
         record = record_of(node)
         if record is not None:
@@ -135,15 +143,17 @@ def tell_weights_in_regions(plan: InputPassPlan, functions: bool = True) -> None
                 continue
             key: object = record.op.name
             found = weights_into_regions(plan, node, record.edge_is_weight())
-            names: list[str] | None = None
+            names = _op_edges(record)
             what, inside = f"customgrad op {record.label}", "the op"
+            why = WHY_OP
         elif functions and runs_once(node):
             cls = forward_cls(node)
             key = cls
             found = weights_into_regions(plan, node)
-            names = edge_arguments(cls, node)
+            names = [repr(n) for n in edge_arguments(cls, node)]
             what = f"{function_label(cls)} (a plain autograd.Function)"
             inside = "its forward"
+            why = WHY_NOT_ONCE if not run_once else WHY_FALLBACK
         else:
             continue
         into = plan.into_regions.get(node, {})
@@ -151,10 +161,28 @@ def tell_weights_in_regions(plan: InputPassPlan, functions: bool = True) -> None
             if hit.edge in into or (key, hit.region.name) in _TOLD_REGIONS:
                 continue
             _TOLD_REGIONS.add((key, hit.region.name))
-            arg = f"its input {hit.edge}" if names is None else f"its argument {names[hit.edge]!r}"
             log.info(
-                MSG_WEIGHT_IN_REGION, what, arg, hit.region.name, ", ".join(hit.weights), inside
+                MSG_WEIGHT_IN_REGION,
+                what,
+                names[hit.edge],
+                hit.region.name,
+                ", ".join(hit.weights),
+                why,
+                inside,
             )
+
+
+def _op_edges(record: NodeRecord) -> list[str]:
+    """The arguments of a customgrad node's op along its edges, by name (``x[1]`` for an item
+    of a list)."""
+    sig = record.op.signature
+    lens = iter(record.lens or ())
+    flat = [
+        spec.name if spec.kind is not ArgKind.TENSOR_LIST else f"{spec.name}[{i}]"
+        for spec in sig.args
+        for i in range(next(lens) if spec.kind is ArgKind.TENSOR_LIST else 1)
+    ]
+    return [repr(n) for n, meta in zip(flat, record.metas) if meta is not None]
 
 
 def stage_backward_input(
@@ -245,8 +273,7 @@ def _stage_backward_input(
     if plan.once and not split_functions:
         for n in plan.once:
             _tell(forward_cls(n))
-    if any(isinstance(r, RegionNode) for r in plan.input_routes):
-        tell_weights_in_regions(plan)
+    tell_weights_in_regions(plan, run_once=run_once)
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
     targets.extend(GradientEdge(n, 0) for n in plan.targets)

@@ -46,6 +46,7 @@ from customgrad._routing import routing, tagging
 from customgrad._split_plan import grad_node, plan_input_pass
 from customgrad._torch.engine import current_node
 from customgrad._torch.functions import keep_graphs
+from customgrad.pipelining._backward import tell_weights_in_regions
 from customgrad.pipelining._errors import (
     MissingInputPassError,
     PendingWeightWorkError,
@@ -360,6 +361,7 @@ class WeightGradQueue:
             return tag if isinstance(tag, Tag) and tag.queue is self else None
 
         plan = plan_input_pass(roots, stop, target_of, defer_native=False)
+        tell_weights_in_regions(plan, functions=False)
         targets: list[torch.Tensor | GradientEdge] = [*stage_inputs]
         targets.extend(GradientEdge(n, 0) for n in plan.targets)
         if not targets:

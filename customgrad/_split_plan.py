@@ -310,15 +310,16 @@ def weights_into_regions(
     backward has compiled (at its first run); none before."""
     found = []
     executed, side = plan.executed, plan.weight_side
+
+    def weight(t: Node) -> bool:  # W's, or a weight the queue's I accumulates (its leaf)
+        t = _through_views(t, 0, side)[0]
+        return t in side or (t in executed and is_leaf_accumulator(t))
+
     for k, (fn, nr) in enumerate(node.next_functions):
         if fn is None or (edges is not None and not edges[k]):
             continue
-        # through views made again outside the region (a transpose of its cast), one edge each
-        while fn not in side and is_native(fn) and region_node(fn) is None:
-            nexts = fn.next_functions
-            if len(nexts) != 1 or nexts[0][0] is None:
-                break
-            fn, nr = nexts[0]
+        # through views made again outside the region (a transpose of its cast)
+        fn, nr = _through_views(fn, nr, side)
         held = region_node(fn)
         if held is None or fn not in executed:
             continue
@@ -331,11 +332,22 @@ def weights_into_regions(
             for (t, _), j in zip(fn.next_functions, region.edge_slots)
             if t is not None and j in slots
         ]
-        if reached and all(t in side for t, _ in reached):
+        if reached and all(weight(t) for t, _ in reached):
             names = region.input_names
             weights = tuple(names[j] if j < len(names) else f"input {j}" for _, j in reached)
             found.append(WeightIntoRegion(k, fn, nr, region, weights))
     return found
+
+
+def _through_views(fn: Node, nr: int, stop: set[Node]) -> tuple[Node, int]:
+    """The edge a gradient along ``(fn, nr)`` goes on to through native nodes with one edge
+    (views, casts), not past ``stop`` nor into a compiled region."""
+    while fn not in stop and is_native(fn) and region_node(fn) is None:
+        nexts = fn.next_functions
+        if len(nexts) != 1 or nexts[0][0] is None:
+            break
+        fn, nr = nexts[0]
+    return fn, nr
 
 
 def _walk(roots: Sequence[Node], stop: set[Node]) -> tuple[list[Node], dict[Node, list[Any]]]:

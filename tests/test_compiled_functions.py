@@ -200,8 +200,18 @@ class CastBlock(nn.Module):
         return out
 
 
-CAST_BLOCKS = {False: CastBlock(), True: CastBlock(two=True)}  # compiled once each, below
-COMPILED_CAST = {two: cg.compile(block, backend="aot_eager") for two, block in CAST_BLOCKS.items()}
+class SharedCastBlock(CastBlock):
+    """:class:`CastBlock` whose cast weight also meets the activation inside the region."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.w.double()
+        h = torch.tanh(x @ self.v) + x @ w
+        out: Tensor = torch.sin(CastMatmul.apply(h, w.T))
+        return out
+
+
+CAST_BLOCKS = {"one": CastBlock(), "two": CastBlock(two=True), "shared": SharedCastBlock()}
+COMPILED_CAST = {k: cg.compile(block, backend="aot_eager") for k, block in CAST_BLOCKS.items()}
 
 
 def _cast_split(block: nn.Module, **split: bool) -> tuple[dict[str, int], dict[str, int]]:
@@ -232,12 +242,14 @@ def _cast_split(block: nn.Module, **split: bool) -> tuple[dict[str, int], dict[s
     return full, flops
 
 
-@pytest.mark.parametrize("two", [False, True], ids=["one", "two-into-one-region"])
-def test_function_on_a_weight_cast_in_the_region_splits_its_dw_into_w(two: bool) -> None:
-    # I: dx, dh (and the second Function's dh); W: dv, dw (du): the region's weight part gets
-    # the Functions' weight gradients in W
-    n = 3 if two else 2
-    full, flops = _cast_split(COMPILED_CAST[two])
+@pytest.mark.parametrize(
+    "block", ["one", "two", "shared"], ids=["one", "two-into-one-region", "cast-also-in-region"]
+)
+def test_function_on_a_weight_cast_in_the_region_splits_its_dw_into_w(block: str) -> None:
+    # I: dx, dh (and the second Function's dh, or x @ w's dx); W: dv, dw (and du, or x @ w's
+    # dw): the region's weight part gets the Functions' weight gradients in W
+    n = 2 if block == "one" else 3
+    full, flops = _cast_split(COMPILED_CAST[block])
     assert full == {"full": (2 * n) * MM}
     assert flops == {"I": n * MM, "W": n * MM}
 
@@ -245,7 +257,7 @@ def test_function_on_a_weight_cast_in_the_region_splits_its_dw_into_w(two: bool)
 def test_function_on_a_weight_cast_run_as_written_hands_the_region_its_gradient() -> None:
     # split_functions=False: the Function runs whole in I (its dw too, logged as run once); the
     # region's weight part still runs in W, from the gradient the Function sent it in I
-    _, flops = _cast_split(COMPILED_CAST[False], split_functions=False)
+    _, flops = _cast_split(COMPILED_CAST["one"], split_functions=False)
     assert flops == {"I": 3 * MM, "W": MM}
 
 
@@ -254,8 +266,8 @@ def test_function_on_a_weight_cast_left_in_i_says_why(caplog: pytest.LogCaptureF
     # its dw stays in I, with the reason logged once
     _backward._TOLD_REGIONS.clear()
     with caplog.at_level(logging.INFO, logger="customgrad"):
-        _, flops = _cast_split(COMPILED_CAST[False], run_functions_once=False)
-        _cast_split(COMPILED_CAST[False], run_functions_once=False)
+        _, flops = _cast_split(COMPILED_CAST["one"], run_functions_once=False)
+        _cast_split(COMPILED_CAST["one"], run_functions_once=False)
     assert flops == {"I": 3 * MM, "W": MM}
     lines = [r.getMessage() for r in caplog.records if "compiled region" in r.getMessage()]
     expected = (
@@ -338,3 +350,31 @@ def test_customgrad_op_on_a_weight_cast_in_the_region_says_why(
         )
     )
     assert len(lines) == 1 and re.match(expected, lines[0]), lines
+
+
+def test_customgrad_op_on_a_weight_cast_under_the_queue_says_why(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the weight-gradient queue keeps the region's weight work in I, so the op's too: said once
+    torch.manual_seed(0)
+    block = cg.compile(OpCastBlock(), backend="aot_eager")
+    x = torch.randn(B, D, dtype=torch.float64, requires_grad=True)
+    block(x).sum().backward()  # (the region's backward compiles in its first run)
+    want = [t.grad for t in [x, block.v, block.w]]
+    for t in [x, block.v, block.w]:
+        t.grad = None
+    _backward._TOLD_REGIONS.clear()
+    queue = cgp.WeightGradQueue()
+    with caplog.at_level(logging.INFO, logger="customgrad"):
+        with queue.microbatch(0, 0):
+            out = block(x)
+        queue.backward(out.sum(), None, inputs=[x])
+    queue.finish()
+    for t, expected in zip([x, block.v, block.w], want, strict=True):
+        assert t.grad is not None and expected is not None and torch.equal(t.grad, expected)
+    lines = [r.getMessage() for r in caplog.records if "compiled region" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith(
+        "customgrad.pipelining: customgrad op test_compiled_functions::matmul runs its weight "
+        "work in the input pass: the gradient it returns for its argument 'w' goes into the "
+        "compiled region OpCastBlock"
+    ), lines

@@ -12,6 +12,7 @@ gradients are the eager module's.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import re
 from typing import Any
@@ -378,3 +379,39 @@ def test_customgrad_op_on_a_weight_cast_under_the_queue_says_why(
         "work in the input pass: the gradient it returns for its argument 'w' goes into the "
         "compiled region OpCastBlock"
     ), lines
+
+
+def test_the_first_backward_through_a_region_says_what_it_left_in_i(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # the region's backward compiles in its first run: that first split cannot see where the
+    # Function's weight gradient goes (its dw in I, said once); the second splits it
+    class FirstCastBlock(CastBlock):
+        """:class:`CastBlock`, compiled here for the first time."""
+
+    torch.manual_seed(0)
+    block = cg.compile(FirstCastBlock(), backend="aot_eager")
+    x = torch.randn(B, D, dtype=torch.float64, requires_grad=True)
+    flops = []
+    with caplog.at_level(logging.INFO, logger="customgrad"):
+        for _ in range(2):
+            out = block(x)
+            groups = cgp.stage_backward_input([out.sum()], None, [x], block.parameters())[1]
+            w_pass = functools.partial(cgp.stage_backward_weight, block.parameters(), groups)
+            flops.append(_flops(w_pass))
+    assert flops == [MM, 2 * MM]  # W: dv first; then dv and dw
+    lines = [r.getMessage() for r in caplog.records if "compiled region" in r.getMessage()]
+    expected = (
+        re.escape(
+            f"customgrad.pipelining: {__name__}.CastMatmul (a plain autograd.Function) ran its "
+            "weight work in the input pass of the first backward through the compiled region "
+        )
+        + r".*FirstCastBlock \(graph \d+\)"
+        + re.escape(
+            ": the gradient it returns for its argument 'w' goes into the region, whose backward "
+            "(compiled in that first run) sends it only to the weights (w). Later backwards "
+            "through the region split it: its weight work goes to the weight pass with the "
+            "region's."
+        )
+    )
+    assert len(lines) == 1 and re.fullmatch(expected, lines[0]), lines

@@ -14,8 +14,9 @@ FLOPs equal one process's forward and full backward (nothing computed twice) on 
 stage, above it for the plain Function on torch's (its whole backward runs in I and again in W);
 customgrad's op splits exactly as torch's own grouped GEMM (the same FLOPs in every F / I / W / B
 action of every stage); a plain Function never runs twice, and splits as the op does for every
-routing, the ints-on-ctx one too (its ints read by the capture from a tensor once they change;
-the one in a compiled block expected to run once, marked with why).
+routing, the ints-on-ctx one too (its ints read by the capture from a tensor once they change),
+and the one in a compiled block too (its weight edge leads into the region that casts the
+weight, whose weight pass W then runs with the Function's).
 
 One spawn runs every case (:mod:`tests._moe_workers`); compiled blocks are shared by the two
 schedules.
@@ -149,18 +150,10 @@ def test_plain_function_grouped_gemm_never_runs_twice(
         assert function.of("B", stage) == native.of("B", stage)
 
 
-IN_COMPILED_BLOCK = pytest.mark.xfail(
-    strict=True,
-    reason="in a compiled block the Function's weight edge leads into the compiled region that "
-    "casts the weight (w.bfloat16().transpose, compiled apart after the Function's graph "
-    "break): the stage runs the Function whole in I, nothing logged",
-)
-
-
 @pytest.mark.parametrize(
     "case",
     [
-        pytest.param(c, marks=IN_COMPILED_BLOCK if c.compiled else UNBACKED_SLICE_WRITES)
+        pytest.param(c, marks=UNBACKED_SLICE_WRITES)
         for c in CASES
         if c.kernel.startswith("function") and c.stage == "customgrad"
     ],

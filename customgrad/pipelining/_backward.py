@@ -49,12 +49,12 @@ functions in one), besides their customgrad class.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._compiled_region import RegionNode
+from customgrad._compiled_region import CompiledRegion, RegionNode
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Routed, WeightWork, routing
 from customgrad._signature import ArgKind
@@ -121,19 +121,30 @@ MSG_WEIGHT_IN_REGION = (
 WHY_OP = "and a customgrad op defers only gradients that go straight to the weight side"
 WHY_NOT_ONCE = "and with run_functions_once=False the stage does not split it (the default does)"
 WHY_FALLBACK = "and the region does not split (it fell back to its full backward)"
+MSG_FIRST = (
+    "customgrad.pipelining: %s ran its weight work in the input pass of the first backward "
+    "through the compiled region %s: the gradient it returns for its argument %s goes into the "
+    "region, whose backward (compiled in that first run) sends it only to the weights (%s). "
+    "Later backwards through the region split it: its weight work goes to the weight pass with "
+    "the region's."
+)
 
-_TOLD_REGIONS: set[tuple[object, str]] = set()
+_TOLD_REGIONS: set[tuple[object, ...]] = set()
 """The (Function class or op, compiled region) pairs :data:`MSG_WEIGHT_IN_REGION` named."""
 
 
 def tell_weights_in_regions(
-    plan: InputPassPlan, functions: bool = True, run_once: bool = True
+    plan: InputPassPlan,
+    functions: bool = True,
+    run_once: bool = True,
+    fresh: Collection[CompiledRegion] = (),
 ) -> None:
     """Log, once per Function class (or customgrad op) and compiled region, the weight work of
     I's nodes that goes into a compiled region I runs (:func:`weights_into_regions`) and that
     the plan leaves in I (not :attr:`InputPassPlan.into_regions`); plain Functions' only with
     ``functions`` (the weight-gradient queue runs them whole in I anyway; ``run_once``: the
-    plan's)."""
+    plan's). After I, ``fresh``: the regions whose backward compiled in it (the plan could not
+    read them): only theirs."""
     if not any(isinstance(r, RegionNode) for r in plan.input_routes):
         return  # (no compiled region runs in I: the common case, at no cost)
     for node in plan.executed:
@@ -158,6 +169,16 @@ def tell_weights_in_regions(
             continue
         into = plan.into_regions.get(node, {})
         for hit in found:
+            first = hit.region in fresh
+            if fresh and not first:
+                continue  # (the plan saw it)
+            if first and run_once and record is None and hit.region.status == "split":
+                if (key, hit.region.name, "first") not in _TOLD_REGIONS:
+                    _TOLD_REGIONS.add((key, hit.region.name, "first"))
+                    log.info(
+                        MSG_FIRST, what, hit.region.name, names[hit.edge], ", ".join(hit.weights)
+                    )
+                continue
             if hit.edge in into or (key, hit.region.name) in _TOLD_REGIONS:
                 continue
             _TOLD_REGIONS.add((key, hit.region.name))
@@ -274,11 +295,16 @@ def _stage_backward_input(
         for n in plan.once:
             _tell(forward_cls(n))
     tell_weights_in_regions(plan, run_once=run_once)
+    fresh = {
+        r.region for r in plan.input_routes if isinstance(r, RegionNode) and not r.region.reaches
+    }
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
     targets.extend(GradientEdge(n, 0) for n in plan.targets)
     if targets and outputs:
         _run_input_pass(state, outputs, grads, targets, inputs, dinputs, split_functions)
+        if fresh:  # (their backward compiled in this I: say what it ran there)
+            tell_weights_in_regions(plan, run_once=run_once, fresh=fresh)
     direct = {i: Resend([(GradientEdge(*out_edges[i]), g)])
               for i in plan.direct if (g := grads[i]) is not None}  # fmt: skip
     _hand_to_weight_pass(state, direct, input_nodes, split_functions)

@@ -308,7 +308,7 @@ def weights_into_regions(
     region's weight-side edges (a weight cast or transposed inside the region, given to a
     Function that runs eagerly after the region's graph break). Read once the region's
     backward has compiled (at its first run); none before."""
-    found = []
+    found: list[WeightIntoRegion] = []
     executed, side = plan.executed, plan.weight_side
 
     def weight(t: Node) -> bool:  # W's, or a weight the queue's I accumulates (its leaf)

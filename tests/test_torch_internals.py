@@ -843,3 +843,33 @@ def test_no_module_outside_the_adapters_uses_private_torch_api() -> None:
             continue
         found += [f"{rel}:{n}: {what}" for n, what in private_torch_uses(path)]
     assert not found, "\n".join(found)
+
+
+def test_aot_tangent_outputs_tells_which_node_output_each_tangent_is() -> None:
+    from torch._dynamo.backends.common import aot_autograd
+
+    _, boxed_nop = dynamo.eager_backends()
+    seen: list[Any] = []
+
+    def bw(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        tangents = [n for n in gm.graph.find_nodes(op="placeholder") if aot.is_tangent(n)]
+        seen.append((aot.tangent_outputs(aot.tracing_metadata()), len(tangents)))
+        return boxed_nop(gm, example_inputs)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # an output; a view of another output (made again outside the graph, from that one: no
+        # gradient of its own); an output that needs no gradient; the view's base
+        base = w * 3
+        return x * 2, base.t(), x.detach() + 1, base
+
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        f, backend=aot_autograd(fw_compiler=boxed_nop, bw_compiler=bw), fullgraph=True
+    )
+    x, w = torch.ones(2, 2, requires_grad=True), torch.ones(2, 3, requires_grad=True)
+    a, view, _, base = compiled(x, w)
+    assert view.grad_fn is not None and view.grad_fn.next_functions[0] == (a.grad_fn, 3)
+    (a.sum() + view.sum() + base.sum()).backward()
+    assert seen == [([0, 3], 2)]  # the tangents: a's, then the base's (the view's goes there)
+    assert aot.tangent_outputs(None) is None
+    torch._dynamo.reset()

@@ -344,9 +344,10 @@ def _through_views(fn: Node, nr: int, stop: set[Node]) -> tuple[Node, int]:
     (views, casts), not past ``stop`` nor into a compiled region."""
     while fn not in stop and is_native(fn) and region_node(fn) is None:
         nexts = fn.next_functions
-        if len(nexts) != 1 or nexts[0][0] is None:
+        child = nexts[0][0] if len(nexts) == 1 else None
+        if child is None:
             break
-        fn, nr = nexts[0]
+        fn, nr = child, nexts[0][1]
     return fn, nr
 
 

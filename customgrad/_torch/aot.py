@@ -86,7 +86,7 @@ def tangent_outputs(meta: Any) -> list[int] | None:
     try:
         from torch._functorch._aot_autograd.schemas import OutputType
 
-        survives = (OutputType.non_alias, OutputType.unsafe_view_alias)
+        survives: tuple[Any, ...] = (OutputType.non_alias, OutputType.unsafe_view_alias)
         view = getattr(OutputType, "custom_function_view", None)
         if view is not None:
             survives += (view,)

@@ -415,8 +415,8 @@ def _hand_to_weight_pass(
         call.once = []
     state.ran = {}
     plan.once = []
-    again = {n for groups in state.asked_once.values() for group, _ in groups for n in group}
-    plan.into_regions = {n: e for n, e in plan.into_regions.items() if n in again}
+    rerun = {n for groups in state.asked_once.values() for nodes, _ in groups for n in nodes}
+    plan.into_regions = {n: e for n, e in plan.into_regions.items() if n in rerun}
     # The output side of the graph goes (views cannot be detached in place; their graph goes
     # when the caller drops them); W reads only which nodes were deferred: their targets (this
     # state) would make a cycle (state -> plan -> state) that keeps the nodes and their saved

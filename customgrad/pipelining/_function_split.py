@@ -344,7 +344,7 @@ def describe_saved(
 def edge_arguments(cls: type | None, node: Node) -> list[str]:
     """The names of the forward's arguments whose gradients ``node`` (a Function's) sends along
     its edges, in edge order (``input <edge>`` where the node does not tell them)."""
-    forward = None if cls is None else cls.forward
+    forward = getattr(cls, "forward", None)
     try:
         params = list(inspect.signature(forward).parameters) if forward else []
     except (TypeError, ValueError):

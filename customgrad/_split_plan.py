@@ -250,6 +250,7 @@ class InputPassPlan:
             them into the region's own weight pass (the region is an intermediate of the same
             call); where the Function runs as written, the engine gives them to the region in I
             and W re-sends them with the region's other output gradients.
+        regions: the compiled regions' nodes I runs.
     """
 
     executed: set[Node] = field(default_factory=set)
@@ -264,6 +265,7 @@ class InputPassPlan:
     weight_side: set[Node] = field(default_factory=set)
     weight_calls: list[WeightCall] = field(default_factory=list)
     into_regions: dict[Node, dict[int, Node]] = field(default_factory=dict)
+    regions: list[RegionNode] = field(default_factory=list)
 
     def weight_side_edges(self, node: Node, regions: bool = True) -> tuple[bool, ...]:
         """For each edge of ``node``, whether it leads into the weight side (or, with
@@ -441,7 +443,8 @@ def plan_input_pass(
     executed, live_leaves = _settle(g, roots, candidates, defer_native)
     plan = InputPassPlan(executed=executed, deferred=candidates)
     plan.weight_side = {n for n in g.leads_w if n not in executed}
-    if defer_native and run_once and any(n in executed for n in g.regions):
+    plan.regions = [cast(RegionNode, g.routed[n]) for n in g.regions if n in executed]
+    if defer_native and run_once and plan.regions:
         _plan_into_regions(plan, g)
     plan.targets = [n for n in g.order if n in candidates or n in live_leaves]
     for node, holder in g.routed.items():

@@ -54,7 +54,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node
 
-from customgrad._compiled_region import CompiledRegion, RegionNode
+from customgrad._compiled_region import CompiledRegion
 from customgrad._record import NodeRecord, record_of
 from customgrad._routing import Routed, WeightWork, routing
 from customgrad._signature import ArgKind
@@ -145,7 +145,7 @@ def tell_weights_in_regions(
     ``functions`` (the weight-gradient queue runs them whole in I anyway; ``run_once``: the
     plan's). After I, ``fresh``: the regions whose backward compiled in it (the plan could not
     read them): only theirs."""
-    if not any(isinstance(r, RegionNode) for r in plan.input_routes):
+    if not plan.regions:
         return  # (no compiled region runs in I: the common case, at no cost)
     for node in plan.executed:
         record = record_of(node)
@@ -295,9 +295,7 @@ def _stage_backward_input(
         for n in plan.once:
             _tell(forward_cls(n))
     tell_weights_in_regions(plan, run_once=run_once)
-    fresh = {
-        r.region for r in plan.input_routes if isinstance(r, RegionNode) and not r.region.reaches
-    }
+    fresh = {r.region for r in plan.regions if not r.region.reaches}
     dinputs: list[torch.Tensor | None] = [None] * len(input_values)
     targets: list[torch.Tensor | GradientEdge] = [v for _, v in inputs]
     targets.extend(GradientEdge(n, 0) for n in plan.targets)
@@ -423,6 +421,7 @@ def _hand_to_weight_pass(
     # tensors alive past an aborted step until the cyclic GC runs.
     plan.executed = set()
     plan.input_routes = {}
+    plan.regions = []
     plan.deferred = dict.fromkeys(plan.deferred)  # type: ignore[assignment]
     plan.targets = []
     plan.intermediates = []

@@ -46,7 +46,7 @@ class DispatchedOp(Protocol):
     _impl: AutogradImpl
     _mutated_idx: tuple[int, ...]
 
-    def run_call(self, args: tuple[object, ...], kernel: Kernel | None, requires: bool) -> object:
+    def _run_call(self, args: tuple[object, ...], kernel: Kernel | None, requires: bool) -> object:
         """Run a call whose kernel is decided (None: through the dispatcher, below autograd)."""
 
 
@@ -115,7 +115,7 @@ class OpLibrary:
     def autograd(self, *args: object, **kwargs: object) -> object:
         """The Autograd kernel: customgrad's node, as a direct call records it."""
         args = self._sig.normalize(args, kwargs)
-        return self._op.run_call(args, None, torch.is_grad_enabled() and any_requires_grad(args))
+        return self._op._run_call(args, None, torch.is_grad_enabled() and any_requires_grad(args))
 
     def backend_full(self, *args: object, **kwargs: object) -> object:
         """Every return of the kernel (outputs, then residuals)."""

@@ -38,7 +38,12 @@ from customgrad._torch.dispatcher import (
     active_flop_tables,
     schema_of,
 )
-from customgrad._torch.fake import detect_fake_mode, fake_tensor_mode_type, is_fake
+from customgrad._torch.fake import (
+    detect_fake_mode,
+    fake_tensor_mode_type,
+    is_fake,
+    set_device_guards,
+)
 
 if TYPE_CHECKING:
     from customgrad._kernels import Kernels
@@ -269,6 +274,7 @@ class OpFlops:
         of its own: nothing of the caller's thread (its modes, grad mode, what a kernel keeps
         in thread-locals, as a ``from_function`` op's forward does) sees the extra run."""
         found: list[int | Exception] = []
+        set_device_guards()  # (here, not first in the worker: see its docstring)
         worker = threading.Thread(target=lambda: found.append(self._count_here(args)))
         worker.start()
         worker.join()

@@ -118,7 +118,7 @@ class CustomOp(OpRegistration, Generic[P, R]):
         self._mutated_idx = tuple(self._sig.index[m] for m in mutates)
         self._plain_grad_call = not mutates and bool(self._sig.output_kinds)
         """Whether a call with grad needed goes straight to ``AutogradImpl.apply`` (what
-        :meth:`run_call` does for it; ``__call__`` skips that frame)."""
+        :meth:`_run_call` does for it; ``__call__`` skips that frame)."""
         self._var = opname
         self._kernels = Kernels(self._sig, opname, mutates, write_kernel_run)
         self.signature: Signature = self._sig
@@ -226,15 +226,15 @@ class CustomOp(OpRegistration, Generic[P, R]):
         if kernel is _DISPATCH:
             # A kernel or autocast rule registered through torch.library would run: let the
             # dispatcher run it, exactly as for torch.ops (its Autograd kernel is customgrad's,
-            # which ends in run_call as this call does).
+            # which ends in _run_call as this call does).
             return sig.call(self.opoverload, args)  # type: ignore[no-any-return]
         if requires and self._plain_grad_call:
-            # run_call's first branch, without its frame (the commonest call: grad mode, an
+            # _run_call's first branch, without its frame (the commonest call: grad mode, an
             # argument requiring grad, nothing mutated)
             return self._impl.apply(args, kernel)  # type: ignore[return-value]
-        return self.run_call(args, kernel, requires)  # type: ignore[return-value]
+        return self._run_call(args, kernel, requires)  # type: ignore[return-value]
 
-    def run_call(self, args: tuple[object, ...], kernel: Kernel | None, requires: bool) -> object:
+    def _run_call(self, args: tuple[object, ...], kernel: Kernel | None, requires: bool) -> object:
         """Run a call whose kernel is decided: the one door of the direct call and of the
         dispatcher's Autograd kernel (:meth:`customgrad._dispatch.OpLibrary.autograd`).
 

@@ -428,7 +428,7 @@ def check_op(
     report.flops = dict(case.split.flops)
     report.calls = {p: dict(c) for p, c in case.split.calls.items()}
     report.launches = {p: dict(c) for p, c in case.split.launches.items()}
-    report.backward = _backward_split(checked)
+    report.backward = _backward_split(checked, {s.name for s in case.args.diff})
     report.dtype_note = case.note
     if raise_on_failure:
         report.raise_if_failed()
@@ -521,13 +521,19 @@ def _grouped(failures: Sequence[CheckResult]) -> list[tuple[list[str], str]]:
     ]
 
 
-def _backward_split(op: CustomOp[_P, _R]) -> str:
-    """:attr:`CheckReport.backward`: how the op's backward splits."""
+def _backward_split(op: CustomOp[_P, _R], differentiated: set[str]) -> str:
+    """:attr:`CheckReport.backward`: how the op's backward splits (for a pair, the gradients
+    each half returns in the check: those of the ``differentiated`` arguments)."""
     rules = op.rules
     if rules.backward is None:
         sig = op.signature
+
+        def returns(names: Sequence[str]) -> str:
+            found = [repr(n) for n in names if n in differentiated]
+            return f"returns {', '.join(found)}" if found else "returns no gradient here"
+
         halves = [
-            f"{label} returns {', '.join(repr(n) for n in names)} in the {when} pass"
+            f"{label} {returns(names)} in the {when} pass"
             for label, fn, names, when in (
                 ("backward_input", rules.backward_input, sig.input_names, "input"),
                 ("backward_weight", rules.backward_weight, sig.weights, "weight"),

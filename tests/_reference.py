@@ -39,6 +39,7 @@ PAGES = {  # page -> the module whose __all__ it documents
     "testing.md": "customgrad.testing",
     "graph.md": "customgrad.graph",
     "pipelining.md": "customgrad.pipelining",
+    "ops.md": "customgrad.ops",
 }
 BLOCK = re.compile(r"<!-- api (?P<name>[\w.]+)(?P<module> module)? -->\n.*?<!-- /api -->", re.S)
 SECTION = re.compile(r"^(Args|Returns|Yields|Raises|Attributes|Examples?|Note|Warning):\s*$")

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from customgrad._torch import dynamo, functions, pipelining
+from tests import _triton_support
 
 __all__ = [
     "ALLOWED",
@@ -24,6 +25,7 @@ __all__ = [
     "TORCH_SPLIT",
     "TORCH_SPLIT_RUNS_FUNCTIONS",
     "TORCH_STAGE_V",
+    "TRITON_CHILD_INTERPRETER",
     "UNBACKED_SLICE_WRITES",
     "allowed",
     "cuda_gpus",
@@ -49,6 +51,7 @@ def optional_package(name: str, how: str = "") -> str:
 
 ALLOWED = re.compile(
     r"needs (a|\d+) CUDA GPUs?\b|torch \d+\.\d+\S* lacks |optional package \S+ is not installed"
+    r"|triton \d+\.\d+\S*'s interpreter lacks "
 )
 """A skip reason CI accepts starts with one of these."""
 
@@ -193,6 +196,16 @@ UNBACKED_SLICE_WRITES = pytest.mark.skipif(
     ),
 )
 """For tests of a grouped GEMM whose backward writes each expert's rows by sizes it read."""
+
+
+TRITON_CHILD_INTERPRETER = pytest.mark.skipif(
+    _triton_support.INDEX_SHIMMED,
+    reason=f"triton {_triton_support.triton_version()}'s interpreter lacks __index__ of a "
+    "1-element array under numpy 2.4, which a loop bound read from a tensor needs (this test "
+    "session shims it; a child process it starts, such as gpu_check's, runs the interpreter as it "
+    "is; compiled Triton on a GPU is unaffected)",
+)
+"""For tests that run Triton kernels in a child process under the interpreter."""
 
 
 FREEZE_RECOMPILES = pytest.mark.skipif(

@@ -41,10 +41,28 @@ try:
 except ImportError:  # triton is a dev dependency; without it the Triton tests skip
     HAS_TRITON = False
 
-__all__ = ["HAS_TRITON", "INTERPRETED", "INTERPRET_SET_HERE", "count_launches", "interpreter_shims"]
+__all__ = [
+    "HAS_TRITON",
+    "INDEX_SHIMMED",
+    "INTERPRETED",
+    "INTERPRET_SET_HERE",
+    "count_launches",
+    "interpreter_shims",
+    "triton_version",
+]
 
 INTERPRETED = HAS_TRITON and bool(triton.knobs.runtime.interpret)
 """Whether ``@triton.jit`` kernels run in Triton's interpreter in this process."""
+
+
+INDEX_SHIMMED = False
+"""Whether this session squeezes the interpreter's ``__index__`` (:func:`_squeezed_index`): a
+child process this session starts runs the interpreter without it."""
+
+
+def triton_version() -> str:
+    """The installed triton's version, or "none"."""
+    return str(triton.__version__) if HAS_TRITON else "none"
 
 
 def _squeezed_index() -> None:
@@ -80,6 +98,8 @@ def _squeezed_index() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     interpreter._patch_lang_tensor = patched
+    global INDEX_SHIMMED
+    INDEX_SHIMMED = True
 
 
 if INTERPRETED:

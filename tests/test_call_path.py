@@ -1,4 +1,4 @@
-"""The one call path: every call of every op runs ``CustomOp.__call__`` -> ``run_call`` ->
+"""The one call path: every call of every op runs ``CustomOp.__call__`` -> ``_run_call`` ->
 ``AutogradImpl`` and every backward ``customgrad._autograd._node_apply``, whatever the signature.
 
 Random signatures (Tensor, Optional, float and list arguments), registrations, requires-grad
@@ -442,7 +442,7 @@ def test_a_retired_fastpath_switch_warns_once_naming_its_replacement() -> None:
 
 def test_calls_that_record_nothing_run_the_kernel_with_its_write_check() -> None:
     """Under no_grad, and with grad on but nothing requiring grad, the call runs the kernel
-    itself (the last case of ``CustomOp.run_call``): the same output, no node, and the check of
+    itself (the last case of ``CustomOp._run_call``): the same output, no node, and the check of
     the kernel's writes."""
 
     op = linear_op(f"test_call_path::norecord{next(_names)}")

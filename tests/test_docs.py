@@ -136,6 +136,7 @@ def test_readme_example_runs_and_is_correct() -> None:
 def test_the_reference_documents_every_public_name() -> None:
     import customgrad
     import customgrad.graph
+    import customgrad.ops
     import customgrad.pipelining
     import customgrad.testing
 
@@ -144,6 +145,7 @@ def test_the_reference_documents_every_public_name() -> None:
         "customgrad.testing": customgrad.testing,
         "customgrad.graph": customgrad.graph,
         "customgrad.pipelining": customgrad.pipelining,
+        "customgrad.ops": customgrad.ops,
     }
     for name, module in reference.items():
         page = (DOCS / "reference" / f"{name.removeprefix('customgrad.')}.md").read_text()

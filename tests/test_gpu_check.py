@@ -15,7 +15,7 @@ import torch
 
 from benchmarks import gpu_check
 from benchmarks.gpu_check import StepResult
-from tests._skips import TORCH_SPLIT_RUNS_FUNCTIONS
+from tests._skips import TORCH_SPLIT_RUNS_FUNCTIONS, TRITON_CHILD_INTERPRETER
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,6 +165,7 @@ def test_zero_bubble_step_on_cpu(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@TRITON_CHILD_INTERPRETER
 def test_moe_step_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The grouped GEMM ops against a loop over the experts with their split's FLOPs, then ZBV
     with MoE blocks against the unsplit step (Triton's kernels in its interpreter here, as the

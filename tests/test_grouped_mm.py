@@ -146,6 +146,11 @@ def test_check_op_passes_torch_kernels_in_float64_and_bfloat16() -> None:
     assert report.flops == {"full": 2 * gemm, "input": gemm, "weight": gemm}
     assert report.launches["input"] == {"customgrad::grouped_mm": 1}
     assert report.launches["weight"] == {"customgrad::grouped_mm_weight_grad": 1}
+    # the integer offsets get no gradient: the report names only the gradients each half gives
+    assert report.backward == (
+        "the pair: backward_input returns 'x' in the input pass; backward_weight returns 'w' "
+        "in the weight pass"
+    )
     xb, wb = (t.detach() for t in _args(torch.bfloat16))
     report = check_op(ops.grouped_mm, xb, wb, _offs(ROUTINGS["spread"]), dtype="own")
     assert report.ok and report["split"].dtype == "bfloat16", str(report)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -403,6 +404,22 @@ def test_fake_types_and_mode_detection() -> None:
         assert fake.detect_fake_mode([t]) is mode
     assert fake.functional_tensor_type().__name__ == "FunctionalTensor"
     assert fake.fake_tensor_type().__module__ == fake.FAKE_TENSOR_LOGGER
+
+
+def test_fake_device_guards_set_then_a_worker_thread_enters_a_fake_mode() -> None:
+    # what _flops does before counting an op's torch ops on fake tensors in a thread of its own
+    fake.set_device_guards()
+    fake.set_device_guards()  # once per process
+    got: list[object] = []
+
+    def work() -> None:
+        with fake.fake_tensor_mode_type()(allow_non_fake_inputs=True):
+            got.append(torch.ones(2, 3) @ torch.ones(3, 4))
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert len(got) == 1 and fake.is_fake(got[0]) and got[0].shape == (2, 4)
 
 
 # -- pipelining --------------------------------------------------------------------------------

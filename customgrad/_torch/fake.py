@@ -10,13 +10,18 @@ Imported lazily: ``torch._subclasses.fake_tensor`` is not loaded by ``import tor
   (``torch._guards.detect_fake_mode``);
 - :func:`data_dependent_errors`: what fake tensors raise for an output that depends on data
   (``DataDependentOutputException``) or of a shape that does (``DynamicOutputShapeException``);
+- :func:`set_device_guards`: what a fake mode installs first without a usable CUDA device, done
+  in the calling thread before a worker thread enters one;
 - :data:`FAKE_TENSOR_LOGGER`: the logger name of ``torch._subclasses.fake_tensor``.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from typing import Any
+
+import torch
 
 __all__ = [
     "FAKE_TENSOR_LOGGER",
@@ -26,6 +31,7 @@ __all__ = [
     "fake_tensor_type",
     "functional_tensor_type",
     "is_fake",
+    "set_device_guards",
 ]
 
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -44,6 +50,19 @@ def fake_tensor_mode_type() -> type[Any]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode
+
+
+@functools.cache
+def set_device_guards() -> None:
+    """What ``FakeTensorMode.__enter__`` does first where no CUDA device is usable (a CPU-only
+    build, or a CUDA build without a GPU): install torch's no-op CUDA device guard
+    (``torch._C._ensureCUDADeviceGuardSet``), once per process. Called in a thread before it
+    starts a worker that enters a fake mode: on torch 2.11's CUDA builds without a GPU, the
+    worker doing it first crashed spawned pipeline ranks (SIGSEGV in ``__enter__``)."""
+    if not torch.cuda.is_available():
+        ensure = getattr(torch._C, "_ensureCUDADeviceGuardSet", None)
+        if ensure is not None:
+            ensure()
 
 
 def functional_tensor_type() -> type[Any]:

@@ -191,10 +191,16 @@ def define(
     op_name, wg_name = f"{namespace}::{name}", f"{namespace}::{name}_weight_grad"
 
     def grouped_mm(x: Tensor, w: Tensor, offs: Tensor) -> Tensor:
+        """``x`` ``(M, K)`` times expert ``e``'s ``w[e]`` (``w`` ``(E, K, N)``) for the rows of
+        expert ``e`` (rows ``offs[e-1]`` to ``offs[e]``; ``offs`` int32, ascending): ``(M, N)``,
+        zero past ``offs[-1]``. Backward: the dX GEMMs in the input pass, the dW GEMMs (the
+        op's weight gradient op) in the weight pass."""
         check_arguments(op_name, x, w, offs, weight_grad=False)
         return torch_grouped_mm(x, w, offs)
 
     def grouped_weight_grad(x: Tensor, grad: Tensor, offs: Tensor) -> Tensor:
+        """The grouped GEMM's weight gradient: ``(E, K, N)``, expert ``e``'s
+        ``x[rows of e].mT @ grad[rows of e]`` (zero for an expert without rows)."""
         check_arguments(wg_name, x, grad, offs, weight_grad=True)
         return torch_grouped_weight_grad(x, grad, offs)
 

@@ -41,6 +41,7 @@ from customgrad._flops import count_flops
 from customgrad._triton import FIX_RAW_LAUNCH
 from customgrad.pipelining import stage_backward_input, stage_backward_weight
 from tests import _unsloth_port as U
+from tests._skips import optional_package
 from tests._triton_support import HAS_TRITON, INTERPRETED
 
 DT = torch.float64
@@ -805,7 +806,7 @@ def _rope_inputs(seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def test_liger_rope_through_from_function_gives_the_raw_functions_gradients_once(
     schema: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rope = pytest.importorskip("liger_kernel.ops.rope")
+    rope = pytest.importorskip("liger_kernel.ops.rope", reason=optional_package("liger-kernel"))
     Rope = rope.LigerRopeFunction
     calls: list[int] = []
     original = Rope.backward

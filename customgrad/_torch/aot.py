@@ -76,6 +76,14 @@ def is_tangent(node: Any) -> bool:
     return bool(_is_tangent(node))
 
 
+def _requires_grad(info: Any) -> bool:
+    """Whether an output of the region takes a gradient in its backward:
+    ``requires_grad_for_backward`` from torch 2.13 on, ``requires_grad`` before (the same
+    field, renamed)."""
+    found = getattr(info, "requires_grad_for_backward", None)
+    return bool(info.requires_grad if found is None else found)
+
+
 def tangent_outputs(meta: Any) -> list[int] | None:
     """The positions, among the outputs of the autograd node AOTAutograd makes for a region
     (``meta``: its ``ViewAndMutationMeta``), of the output gradients its backward graph takes,
@@ -102,7 +110,7 @@ def tangent_outputs(meta: Any) -> list[int] | None:
             for i, info in enumerate(meta.output_info)
             if info.output_type in survives
             and issubclass(info.raw_type, torch.Tensor)
-            and info.requires_grad_for_backward
+            and _requires_grad(info)
         ]
         start = n_mutated + meta.num_outputs
         return found + list(range(start, start + meta.num_intermediate_bases))

@@ -61,38 +61,34 @@ def once_op() -> cg.CustomOp[..., Tensor]:
     return op
 
 
-class _Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
+def _linear_function() -> type[torch.autograd.Function]:
+    """A plain linear ``autograd.Function``, a class of its own for each ``from_function`` style."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.mT @ x
+    class Linear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+            ctx.save_for_backward(x, weight)
+            return x @ weight.mT
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+            x, weight = ctx.saved_tensors
+            return grad @ weight, grad.mT @ x
+
+    return Linear
 
 
-class _AnnotatedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        return x @ weight.mT
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
-        x, weight = ctx.saved_tensors
-        return grad @ weight, grad.mT @ x
+_CONVERTED, _DEFERRED = _linear_function(), _linear_function()
 
 
 STYLES: dict[str, Callable[[], Callable[[Tensor, Tensor], Tensor]]] = {
     "pair": lambda: linear_op(unique("pair")),
     "automatic split": lambda: linear_op(unique("auto"), backward="every"),
     "runs once": once_op,
-    "from_function": lambda: cg.from_function(_AnnotatedLinear, unique("fn"), weights=("weight",)),
+    "from_function": lambda: cg.from_function(_CONVERTED, unique("fn"), weights=("weight",)),
     # defined at its first call, which runs inside the counter
     "from_function, deferred": lambda: cg.from_function(
-        _Linear, unique("deferred"), weights=("weight",)
+        _DEFERRED, unique("deferred"), weights=("weight",)
     ),
 }
 
